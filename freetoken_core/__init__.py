@@ -1,0 +1,20 @@
+"""FreeToken: an LLM inference engine whose logits processors are plugins."""
+
+from __future__ import annotations
+
+from freetoken_core.config import EngineConfig
+from freetoken_core.errors import FreeTokenError, InvalidRequest, ModelLoadError
+from freetoken_core.llm import LLM
+from freetoken_core.outputs import CompletionOutput, RequestOutput
+from freetoken_core.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "FreeTokenError",
+    "InvalidRequest",
+    "ModelLoadError",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -1,0 +1,70 @@
+"""Engine configuration: what the operator chose (frozen) and what was found at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from freetoken_core.errors import InvalidRequest
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of ``LLM(...)`` and ``freetoken serve``; validated on construction.
+
+    ``dtype="auto"`` is float32 on CPU (on this project's reference CPU, bf16 GEMMs at
+    batch >= 8 run 2-10x slower than float32; see bench/engine.py) and bfloat16 on CUDA.
+    ``max_model_len=None`` takes the model's ``max_position_embeddings`` (capped by the KV
+    cache). ``kv_cache_tokens`` sizes the paged KV cache in tokens.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    kv_cache_tokens: int = 32768
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise InvalidRequest(name, f"{name}: {message}")
+
+        check(self.dtype == "auto" or self.dtype in DTYPES, "dtype",
+              f"must be auto or one of {', '.join(DTYPES)}")
+        check(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device",
+              "must be auto, cpu or cuda[:N]")
+        check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+              "must be >= 1")
+        check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        check(self.block_size >= 1, "block_size", "must be >= 1")
+        check(self.kv_cache_tokens >= self.block_size, "kv_cache_tokens",
+              "must hold at least one block")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Values discovered at start-up from the model and the cache; never written back."""
+
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]

@@ -1,0 +1,128 @@
+"""Attention over the paged KV cache, in torch (any device).
+
+A step's tokens are laid out flat: first the decoding sequences (one query token each),
+then each prefilling sequence's chunk. ``AttentionMetadata`` is built once per step by the
+model runner and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's chunk: tokens ``start:end`` of the step, ``context_len`` keys in all.
+
+    ``context_slots`` (KV-cache slots of all its keys) is ``None`` when the chunk is the
+    whole context, so attention runs on the fresh keys without reading the cache.
+    """
+
+    start: int
+    end: int
+    context_len: int
+    context_slots: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    """[T] cache slot of each token of the step, where its key and value are written."""
+    num_decode_tokens: int
+    decode_slots: torch.Tensor | None
+    """[D, L] cache slots of every key of each decoding sequence, padded."""
+    decode_mask: torch.Tensor | None
+    """[D, 1, 1, L] True where the key exists (the rest is padding)."""
+    prefills: list[PrefillSpan]
+
+    @classmethod
+    def build(cls, block_tables: list[list[int]], context_lens: list[int],
+              query_lens: list[int], block_size: int, device: torch.device
+              ) -> AttentionMetadata:
+        """Metadata for sequences given in step order: all decodes (query 1) come first."""
+        slots: list[int] = []
+        for table, ctx, q in zip(block_tables, context_lens, query_lens):
+            for pos in range(ctx - q, ctx):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        num_decode = 0
+        while num_decode < len(query_lens) and query_lens[num_decode] == 1:
+            num_decode += 1
+        decode_slots = decode_mask = None
+        if num_decode:
+            decode_slots, decode_mask = _decode_slots(
+                block_tables[:num_decode], context_lens[:num_decode], block_size, device)
+        prefills = []
+        start = num_decode
+        for table, ctx, q in zip(block_tables[num_decode:], context_lens[num_decode:],
+                                 query_lens[num_decode:]):
+            ctx_slots = mask = None
+            if ctx > q:
+                ctx_slots = _slots_of(table, ctx, block_size, device)
+                k_pos = torch.arange(ctx, device=device)
+                q_pos = torch.arange(ctx - q, ctx, device=device)
+                mask = k_pos[None, :] <= q_pos[:, None]
+            prefills.append(PrefillSpan(start, start + q, ctx, ctx_slots, mask))
+            start += q
+        return cls(slot_mapping, num_decode, decode_slots, decode_mask, prefills)
+
+
+def _slots_of(table: list[int], length: int, block_size: int, device: torch.device
+              ) -> torch.Tensor:
+    blocks = torch.tensor(table, dtype=torch.long, device=device)
+    pos = torch.arange(length, device=device)
+    return blocks[pos // block_size] * block_size + pos % block_size
+
+
+def _decode_slots(tables: list[list[int]], context_lens: list[int], block_size: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    max_len = max(context_lens)
+    width = -(-max_len // block_size)
+    padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+    blocks = torch.tensor(padded, dtype=torch.long, device=device)
+    pos = torch.arange(max_len, device=device)
+    slots = blocks[:, pos // block_size] * block_size + pos % block_size
+    lens = torch.tensor(context_lens, dtype=torch.long, device=device)
+    mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+    return slots, mask
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+    """Write the step's keys/values into the cache, then attend.
+
+    ``q``: [T, H, D]; ``k``, ``v``: [T, KVH, D]; caches: [num_slots, KVH, D].
+    Returns [T, H * D].
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    d = meta.num_decode_tokens
+    if d:
+        # One query per sequence: fold each KV head's query heads into the query axis, so
+        # grouped-query attention needs no repeated keys.
+        group = num_heads // num_kv_heads
+        qd = q[:d].view(d, num_kv_heads, group, head_dim)
+        kd = k_cache[meta.decode_slots].transpose(1, 2)
+        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+        out[:d] = od.reshape(d, num_heads, head_dim)
+    for span in meta.prefills:
+        qp = q[span.start:span.end].transpose(0, 1).unsqueeze(0)
+        if span.context_slots is None:
+            kp, vp = k[span.start:span.end], v[span.start:span.end]
+        else:
+            kp, vp = k_cache[span.context_slots], v_cache[span.context_slots]
+        kp = kp.transpose(0, 1).unsqueeze(0)
+        vp = vp.transpose(0, 1).unsqueeze(0)
+        op = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True)
+        out[span.start:span.end] = op[0].transpose(0, 1)
+    return out.view(num_tokens, num_heads * head_dim)

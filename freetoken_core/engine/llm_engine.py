@@ -1,0 +1,109 @@
+"""The engine in one process: engine core plus tokenization and text output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from freetoken_core.config import EngineConfig, EngineLimits
+from freetoken_core.engine.block_manager import BlockManager
+from freetoken_core.engine.core import EngineCore
+from freetoken_core.engine.model_runner import ModelRunner
+from freetoken_core.engine.output_processor import RequestState
+from freetoken_core.engine.scheduler import Scheduler
+from freetoken_core.errors import InvalidRequest
+from freetoken_core.models.config import ModelConfig
+from freetoken_core.models.loader import load_model
+from freetoken_core.models.resolve import resolve_model
+from freetoken_core.outputs import RequestOutput
+from freetoken_core.sampling_params import SamplingParams
+from freetoken_core.tokenizer import load_tokenizer
+
+
+def eos_token_ids(model_dir: Path, cfg: ModelConfig, tokenizer: Any) -> frozenset[int]:
+    ids = set(cfg.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def compute_limits(config: EngineConfig, cfg: ModelConfig, eos: frozenset[int]) -> EngineLimits:
+    max_len = config.max_model_len or cfg.max_position_embeddings
+    if cfg.sliding_window:
+        # Sliding-window attention is not implemented; within the window it is exact.
+        max_len = min(max_len, cfg.sliding_window)
+    max_len = min(max_len, config.kv_cache_tokens)
+    num_blocks = config.kv_cache_tokens // config.block_size
+    return EngineLimits(max_len, num_blocks, config.block_size, cfg.vocab_size, eos)
+
+
+class LLMEngine:
+    """Loads the model named by ``config`` and runs requests through the engine core.
+
+    ``step()`` advances every live request by one scheduling step and returns the
+    ``RequestOutput`` of each request that changed, finished ones included.
+    """
+
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        self.model_dir = resolve_model(config.model, progress=progress)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        device = config.torch_device()
+        dtype = config.torch_dtype(device)
+        limits = compute_limits(config, self.model_config,
+                                eos_token_ids(self.model_dir, self.model_config, self.tokenizer))
+        model = load_model(self.model_dir, dtype, device, limits.max_model_len)
+        runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size, dtype, device)
+        block_manager = BlockManager(limits.num_kv_blocks, limits.block_size,
+                                     config.enable_prefix_caching)
+        scheduler = Scheduler(block_manager, config.max_num_seqs,
+                              config.max_num_batched_tokens)
+        self.limits = limits
+        self.core = EngineCore(runner, scheduler, limits)
+        self._requests: dict[str, RequestState] = {}
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams) -> None:
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            text, token_ids = None, list(prompt)
+        else:
+            raise InvalidRequest("prompt", "a prompt is a string or a list of token ids")
+        self.core.add_request(request_id, token_ids, params)
+        self._requests[request_id] = RequestState(request_id, text, token_ids, params,
+                                                  self.tokenizer)
+
+    def abort_request(self, request_id: str) -> None:
+        self.core.abort_request(request_id)
+        self._requests.pop(request_id, None)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        changed: dict[str, RequestOutput] = {}
+        for update in self.core.step():
+            state = self._requests.get(update.request_id)
+            if state is None:
+                continue
+            stop = state.apply(update)
+            if stop is not None and update.finish_reason is None:
+                self.core.stop_sequence(update.request_id, update.index, stop)
+            changed[update.request_id] = state.output
+        for request_id, output in changed.items():
+            if output.finished:
+                del self._requests[request_id]
+        return list(changed.values())

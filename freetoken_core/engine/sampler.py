@@ -1,0 +1,158 @@
+"""The sampler: logits processors, greedy / temperature / top-k / top-p, seeded draws,
+logprobs.
+
+Randomness is counter-based: each row draws one uniform number from a hash of
+``(seed, number of tokens the sequence has generated)``, then picks its token by inverse
+CDF over its own (filtered) distribution. A row's token therefore depends only on its own
+logits, seed and position, never on what else shares the batch, and a preempted sequence
+that is recomputed draws the same tokens again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from freetoken_core.engine.sequence import Sequence
+
+_MASK_53 = (1 << 53) - 1
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One float64 in [0, 1) per row from splitmix64 of (seed, counter); vectorised."""
+    x = seeds * -7046029254386353131 + counters  # golden-ratio increment
+    x = x ^ _shr(x, 30)
+    x = x * -4658895280553007687
+    x = x ^ _shr(x, 27)
+    x = x * -7723592293110705685
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 11) & _MASK_53).double() / float(1 << 53)
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability of the sampled token and the ``len(top)`` most likely tokens."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SamplingBatch:
+    """The sampler's view of the rows that sample this step, as device tensors."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    seeds: torch.Tensor
+    counters: torch.Tensor
+    all_greedy: bool
+    any_top_p: bool
+    any_top_k: bool
+    max_logprobs: int
+    num_logprobs: list[int | None]
+
+    @classmethod
+    def from_seqs(cls, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
+        params = [s.params for s in seqs]
+        temps = [p.temperature for p in params]
+        top_p = [p.top_p for p in params]
+        top_k = [p.top_k for p in params]
+        num_logprobs = [p.logprobs for p in params]
+
+        def t(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=t(temps, torch.float32),
+            top_p=t(top_p, torch.float32),
+            top_k=t(top_k, torch.long),
+            seeds=t([s.seed for s in seqs], torch.long),
+            counters=t([s.num_output_tokens for s in seqs], torch.long),
+            all_greedy=all(x == 0.0 for x in temps),
+            any_top_p=any(x < 1.0 for x in top_p),
+            any_top_k=any(x > 0 for x in top_k),
+            max_logprobs=max((n or 0 for n in num_logprobs), default=0),
+            num_logprobs=num_logprobs,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    """Turns a step's float32 logits [B, V] into one token per row.
+
+    Order: logits processors (the plugin pipeline; none in the core) → greedy shortcut when
+    every row is greedy → temperature → top-k → top-p → seeded inverse-CDF draw. Greedy rows
+    inside a mixed batch take the argmax. Logprobs are those of the model's raw
+    distribution (before processors and temperature), as vLLM reports by default.
+    """
+
+    def __init__(self) -> None:
+        self.processors: list = []
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        wants_logprobs = any(n is not None for n in batch.num_logprobs)
+        raw = logits.clone() if wants_logprobs and self.processors else logits
+        if batch.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, batch)
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
+        if wants_logprobs:
+            logprobs = self._logprobs(raw, tokens, batch)
+        return SamplerOutput(token_list, logprobs)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy = batch.temperature == 0
+        argmax = logits.argmax(dim=-1)
+        temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+        logits = logits / temp.unsqueeze(1)
+        index = None
+        if batch.any_top_k or batch.any_top_p:
+            logits, index = logits.sort(dim=-1, descending=True)
+            vocab = logits.shape[1]
+            if batch.any_top_k:
+                k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp(max=vocab)
+                ranks = torch.arange(vocab, device=logits.device)
+                logits = logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+            if batch.any_top_p:
+                probs = logits.softmax(dim=-1)
+                before = probs.cumsum(dim=-1) - probs
+                logits = logits.masked_fill(before > batch.top_p[:, None], float("-inf"))
+        cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+        total = cdf[:, -1:]
+        u = counter_uniform(batch.seeds, batch.counters).to(cdf.dtype).unsqueeze(1)
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        choice = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[1] - 1)
+        if index is not None:
+            choice = index.gather(1, choice)
+        return torch.where(greedy, argmax, choice.squeeze(1))
+
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
+                  ) -> list[TokenLogprobs | None]:
+        lp = raw.log_softmax(dim=-1)
+        chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        top_v, top_i = lp.topk(batch.max_logprobs, dim=-1) if batch.max_logprobs else (None, None)
+        top_v = top_v.tolist() if top_v is not None else None
+        top_i = top_i.tolist() if top_i is not None else None
+        out: list[TokenLogprobs | None] = []
+        for row, num in enumerate(batch.num_logprobs):
+            if num is None:
+                out.append(None)
+                continue
+            top = list(zip(top_i[row][:num], top_v[row][:num])) if num else []
+            out.append(TokenLogprobs(int(tokens[row]), chosen[row], top))
+        return out

@@ -1,0 +1,121 @@
+"""Continuous batching with chunked prefill and preemption by recompute (pure Python).
+
+Every step the scheduler spends a token budget: first on running sequences in arrival
+order (a decoding sequence needs one token, a sequence in chunked prefill the next chunk),
+then on waiting sequences, which join the batch as soon as blocks and seats allow. When a
+running sequence cannot get a block, the most recently arrived running sequence is
+preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed (its prompt and generated tokens, mostly from the prefix cache) later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from freetoken_core.engine.block_manager import BlockManager
+from freetoken_core.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: each sequence with the number of its tokens to compute."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_preempted: int = 0
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_tokens)
+
+
+class Scheduler:
+    """Decides what runs each step; owns the waiting queue and the running list."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(batch, budget)
+        if batch.num_preempted == 0:
+            self._schedule_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_append(seq, num):
+                victim = self.running[-1]
+                self.preempt(victim)
+                batch.num_preempted += 1
+                if victim is seq:
+                    return budget
+            bm.append(seq, num)
+            batch.add(seq, num)
+            budget -= num
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num = self.block_manager.allocate(seq, budget)
+            if num is None:
+                return
+            self.waiting.popleft()
+            if seq.num_output_tokens == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, num)
+            budget -= num
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and queue it first, to be recomputed."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Record that the batch's tokens are now computed and key the blocks they filled."""
+        for seq, num in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num
+            self.block_manager.cache_full_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End ``seq`` (finished or aborted), wherever it is, and free its blocks."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason

@@ -1,0 +1,1 @@
+"""Finding, converting and loading model weights."""

@@ -1,0 +1,92 @@
+"""Native Llama-family causal LM (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2).
+
+Grouped-query attention with RoPE over the paged KV cache, RMSNorm, SwiGLU. q/k/v and
+gate/up projections are fused into one GEMM each. Weights are plain tensors, the model is
+inference-only and is called under ``torch.inference_mode()`` by the model runner.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from freetoken_core.engine.attention import AttentionMetadata, paged_attention
+from freetoken_core.models.config import ModelConfig
+from freetoken_core.models.layers import Linear, RotaryEmbedding, apply_rope, rms_norm
+
+
+class DecoderLayer:
+    """One transformer block; its weights come from ``weights`` under ``prefix``."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
+        def w(name: str) -> torch.Tensor:
+            return weights.pop(prefix + name)
+
+        attn = "self_attn."
+        qkv = torch.cat([w(attn + f"{p}_proj.weight") for p in "qkv"])
+        bias = None
+        if cfg.attention_bias:
+            bias = torch.cat([w(attn + f"{p}_proj.bias") for p in "qkv"])
+        self.qkv_proj = Linear(qkv, bias)
+        self.o_proj = Linear(w(attn + "o_proj.weight"))
+        gate_up = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
+        self.gate_up_proj = Linear(gate_up)
+        self.down_proj = Linear(w("mlp.down_proj.weight"))
+        self.input_norm = w("input_layernorm.weight")
+        self.post_attn_norm = w("post_attention_layernorm.weight")
+        self.q_norm = w(attn + "q_norm.weight") if cfg.qk_norm else None
+        self.k_norm = w(attn + "k_norm.weight") if cfg.qk_norm else None
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.intermediate_size = cfg.intermediate_size
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(rms_norm(x, self.input_norm, self.eps))
+        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        q, k, v = q.view(n, h, d), k.view(n, kvh, d), v.view(n, kvh, d)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        x = x + self.o_proj(paged_attention(q, k, v, kv[0], kv[1], meta))
+        gate, up = self.gate_up_proj(rms_norm(x, self.post_attn_norm, self.eps)).chunk(2, -1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM:
+    """The whole model: ``forward`` gives hidden states, ``compute_logits`` float32 logits."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                 max_positions: int) -> None:
+        self.config = cfg
+        self.embed_tokens = weights.pop("model.embed_tokens.weight")
+        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.")
+                       for i in range(cfg.num_layers)]
+        self.norm = weights.pop("model.norm.weight")
+        head = weights.pop("lm_head.weight", None)
+        if head is None or cfg.tie_word_embeddings:
+            head = self.embed_tokens
+        self.lm_head = Linear(head)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
+                                      cfg.rope_scaling, self.embed_tokens.dtype,
+                                      self.embed_tokens.device)
+        weights.pop("lm_head.weight", None)
+        leftover = [k for k in weights if "rotary_emb" not in k]
+        if leftover:
+            raise ValueError(f"unused weights in checkpoint: {leftover[:5]}")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] of a flat step; writes the step's KV into the cache."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.tables(positions)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv, meta)
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

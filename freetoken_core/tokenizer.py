@@ -1,0 +1,70 @@
+"""Tokenizer loading, chat templates and incremental detokenization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from freetoken_core.errors import InvalidRequest, ModelLoadError
+
+# Prompt tokens decoded before the first output token, so that tokenizers which drop a
+# leading space at the start of a decode (SentencePiece) keep the output's spacing.
+_CONTEXT_TOKENS = 5
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """The model directory's Hugging Face fast tokenizer."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {model_dir}: {exc}") from exc
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *,
+                        add_generation_prompt: bool = True,
+                        continue_final_message: bool = False,
+                        **template_kwargs: Any) -> str:
+    """Render ``messages`` with the model's chat template; 400 when there is none."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("messages", "this model has no chat template")
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message, **template_kwargs)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, never splitting a character.
+
+    It decodes a small window of tokens around the newest ones and emits only the part of
+    the text that no later token can change; a window that ends in an incomplete UTF-8
+    sequence (U+FFFD) waits for more tokens. ``finish()`` flushes what is left.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int],
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset:])
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return text[len(prefix):]
+
+    def finish(self) -> str:
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix):] if len(text) > len(prefix) else ""
