@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from freetoken_core.config import EngineConfig, EngineLimits
 from freetoken_core.engine.block_manager import BlockManager

@@ -54,8 +54,8 @@ class SamplingBatch:
     seeds: torch.Tensor
     counters: torch.Tensor
     all_greedy: bool
-    any_top_p: bool
-    any_top_k: bool
+    filter_rows: torch.Tensor | None
+    """Rows with top-k or top-p (only they pay for the sort), or None."""
     max_logprobs: int
     num_logprobs: list[int | None]
 
@@ -66,6 +66,8 @@ class SamplingBatch:
         top_p = [p.top_p for p in params]
         top_k = [p.top_k for p in params]
         num_logprobs = [p.logprobs for p in params]
+        filter_rows = [i for i, p in enumerate(params)
+                       if p.temperature > 0 and (p.top_p < 1.0 or p.top_k > 0)]
 
         def t(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
@@ -77,8 +79,7 @@ class SamplingBatch:
             seeds=t([s.seed for s in seqs], torch.long),
             counters=t([s.num_output_tokens for s in seqs], torch.long),
             all_greedy=all(x == 0.0 for x in temps),
-            any_top_p=any(x < 1.0 for x in top_p),
-            any_top_k=any(x > 0 for x in top_k),
+            filter_rows=t(filter_rows, torch.long) if filter_rows else None,
             max_logprobs=max((n or 0 for n in num_logprobs), default=0),
             num_logprobs=num_logprobs,
         )
@@ -90,11 +91,30 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                 ) -> torch.Tensor:
+    """Mask all but the top-k tokens and the smallest top-p nucleus, per row.
+
+    The cut is a logit threshold found on the sorted row and applied in vocabulary order,
+    so tokens tied with the last kept one stay in.
+    """
+    vocab = logits.shape[1]
+    ordered = logits.sort(dim=-1, descending=True).values
+    keep = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    probs = ordered.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs
+    in_nucleus = (before < top_p.unsqueeze(1)).sum(dim=-1).clamp(min=1)
+    keep = torch.minimum(keep, in_nucleus)
+    threshold = ordered.gather(1, (keep - 1).unsqueeze(1))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
 class Sampler:
     """Turns a step's float32 logits [B, V] into one token per row.
 
     Order: logits processors (the plugin pipeline; none in the core) → greedy shortcut when
-    every row is greedy → temperature → top-k → top-p → seeded inverse-CDF draw. Greedy rows
+    every row is greedy → temperature → top-k and top-p (only on the rows that ask) →
+    seeded inverse-CDF draw. Greedy rows
     inside a mixed batch take the argmax. Logprobs are those of the model's raw
     distribution (before processors and temperature), as vLLM reports by default.
     """
@@ -120,25 +140,15 @@ class Sampler:
         argmax = logits.argmax(dim=-1)
         temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
         logits = logits / temp.unsqueeze(1)
-        index = None
-        if batch.any_top_k or batch.any_top_p:
-            logits, index = logits.sort(dim=-1, descending=True)
-            vocab = logits.shape[1]
-            if batch.any_top_k:
-                k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp(max=vocab)
-                ranks = torch.arange(vocab, device=logits.device)
-                logits = logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
-            if batch.any_top_p:
-                probs = logits.softmax(dim=-1)
-                before = probs.cumsum(dim=-1) - probs
-                logits = logits.masked_fill(before > batch.top_p[:, None], float("-inf"))
+        if batch.filter_rows is not None:
+            rows = batch.filter_rows
+            logits[rows] = _top_k_top_p(logits[rows], batch.top_k[rows], batch.top_p[rows])
+        # Inverse CDF in vocabulary order: a row's draw depends on nothing but that row.
         cdf = logits.softmax(dim=-1).cumsum(dim=-1)
         total = cdf[:, -1:]
         u = counter_uniform(batch.seeds, batch.counters).to(cdf.dtype).unsqueeze(1)
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
         choice = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[1] - 1)
-        if index is not None:
-            choice = index.gather(1, choice)
         return torch.where(greedy, argmax, choice.squeeze(1))
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch

@@ -135,6 +135,8 @@ def _open_reader(gguf_path: Path) -> Any:
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     """Return the scalar or string value of metadata field ``key``, or ``default`` if absent.
 
+    Array-valued fields raise :class:`ModelLoadError`.
+
     A GGUF field stores its value in ``field.parts[field.data[0]]``: a uint8 array holding the
     UTF-8 bytes for strings, or a one-element numpy array for numbers and booleans.
     """
@@ -143,6 +145,11 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     if field is None or not field.data:
         return default
+    if field.types[0] == GGUFValueType.ARRAY:
+        raise ModelLoadError(
+            f"GGUF metadata {key!r} is an array (per-layer values?); this converter only "
+            "handles plain llama models with one value per key"
+        )
     part = field.parts[field.data[0]]
     if field.types[0] == GGUFValueType.STRING:
         return bytes(part).decode("utf-8")
@@ -388,9 +395,7 @@ def _iter_converted(
     """Yield ``(planned, float32 array)`` pairs in ``plan`` order, with an optional tqdm bar."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(
-        plan, desc="converting GGUF", unit="tensor", disable=not progress, file=sys.stderr
-    )
+    bar = tqdm(plan, desc="converting GGUF", unit="tensor", disable=not progress, file=sys.stderr)
     with bar:
         for planned in bar:
             yield planned, _dequantize(planned, config)

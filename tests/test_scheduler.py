@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+from freetoken_core.engine.block_manager import BlockManager
+from freetoken_core.engine.scheduler import Scheduler
+from freetoken_core.engine.sequence import Sequence, SequenceStatus
+from freetoken_core.sampling_params import SamplingParams
+
+
+def make_seq(seq_id: int, num_tokens: int) -> Sequence:
+    tokens = [seq_id * 1000 + i for i in range(num_tokens)]
+    return Sequence(seq_id, str(seq_id), tokens, num_tokens, SamplingParams(), 0, seq_id, 64)
+
+
+def run_step(sched: Scheduler) -> dict[int, int]:
+    """Schedule, pretend the model ran, append one token to sequences that sampled."""
+    batch = sched.schedule()
+    sched.advance(batch)
+    for seq in batch.seqs:
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(1)
+    return {s.seq_id: n for s, n in zip(batch.seqs, batch.num_new_tokens)}
+
+
+def test_chunked_prefill_respects_budget() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    sched.add(make_seq(0, 25))
+    assert run_step(sched) == {0: 10}
+    assert run_step(sched) == {0: 10}
+    assert run_step(sched) == {0: 5}
+    assert run_step(sched) == {0: 1}  # decoding now
+
+
+def test_new_requests_join_running_batch() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=16)
+    sched.add(make_seq(0, 5))
+    assert run_step(sched) == {0: 5}
+    sched.add(make_seq(1, 7))
+    assert run_step(sched) == {0: 1, 1: 7}
+    assert run_step(sched) == {0: 1, 1: 1}
+
+
+def test_max_num_seqs_limits_running() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(3):
+        sched.add(make_seq(i, 3))
+    assert set(run_step(sched)) == {0, 1}
+    sched.finish(sched.running[0], "stop")
+    assert set(run_step(sched)) == {1, 2}
+
+
+def test_preempts_latest_when_blocks_run_out() -> None:
+    # 4 blocks of 4 slots: two sequences of 7 tokens fill 4 blocks; the next decode of
+    # the first needs a 5th block, so the latest (seq 1) is preempted.
+    sched = Scheduler(BlockManager(4, 4), max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = make_seq(0, 7), make_seq(1, 7)
+    sched.add(a)
+    sched.add(b)
+    assert run_step(sched) == {0: 7, 1: 7}
+    assert run_step(sched) == {0: 1, 1: 1}  # both reach 8 tokens: still 2 blocks each
+    assert run_step(sched) == {0: 1}
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
+    assert b.block_table == [] and sched.num_preemptions == 1
+    assert list(sched.waiting) == [b]
+    sched.finish(a, "stop")
+    assert run_step(sched)[1] >= 1
+    assert b.status is SequenceStatus.RUNNING
+
+
+def test_finish_frees_blocks_wherever_the_sequence_is() -> None:
+    bm = BlockManager(16, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = make_seq(0, 6), make_seq(1, 6)
+    sched.add(a)
+    run_step(sched)
+    sched.add(b)
+    sched.finish(b, "abort")
+    sched.finish(a, "abort")
+    assert bm.num_free_blocks == 16 and not sched.has_unfinished
+    assert a.finish_reason == "abort"
