@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import make_tiny_model  # noqa: E402
+from tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="session")

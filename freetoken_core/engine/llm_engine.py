@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-
 from freetoken_core.config import EngineConfig, EngineLimits
 from freetoken_core.engine.block_manager import BlockManager
 from freetoken_core.engine.core import EngineCore
