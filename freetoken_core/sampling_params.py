@@ -45,6 +45,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        _require(isinstance(self.stop, (list, tuple)), "stop",
+                 "stop must be a non-empty string or a list of non-empty strings")
         self.stop = list(self.stop)
         _require(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "n must be in [1, 128]")
         _require(

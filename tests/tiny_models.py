@@ -343,8 +343,9 @@ def make_tiny_model(
     config = config_cls(**kwargs)
     config.architectures = [model_cls.__name__]
 
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32)
+    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG state alone
+        torch.manual_seed(seed)
+        model = model_cls(config).to(torch.float32)
     _reinit_weights(model, torch.Generator().manual_seed(seed))
     if config.tie_word_embeddings:
         model.tie_weights()
@@ -355,7 +356,8 @@ def make_tiny_model(
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
     )
-    model.save_pretrained(out_dir, safe_serialization=True)
+    # safetensors is the default (transformers 5 no longer has ``safe_serialization``).
+    model.save_pretrained(out_dir)
     _add_legacy_config_keys(out_dir / "config.json")
     return out_dir
 

