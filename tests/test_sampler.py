@@ -136,6 +136,16 @@ def test_top_p_draws_stay_in_nucleus_and_follow_renormalised_softmax(p: float) -
     assert_matches(samples, probs)
 
 
+@pytest.mark.parametrize(("p", "kept"), [(0.5, {0}), (0.75, {0, 1}), (0.76, {0, 1, 2}),
+                                         (0.875, {0, 1, 2}), (0.9, {0, 1, 2, 3, 4})])
+def test_top_p_mass_exactly_reaching_p_is_enough(p: float, kept: set[int]) -> None:
+    """Probabilities that are exact in float32: the nucleus stops as soon as its mass is p."""
+    row = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625]).log()
+    assert row.softmax(-1).tolist() == [0.5, 0.25, 0.125, 0.0625, 0.0625]
+    samples = draws(row, SamplingParams(temperature=1.0, top_p=p), 2000)
+    assert set(samples.tolist()) == kept
+
+
 def test_top_p_nucleus_is_taken_after_temperature() -> None:
     row = random_logits(1, 100, seed=31, scale=1.0)[0]
     kept = nucleus(row, 0.5, temperature=0.5)
