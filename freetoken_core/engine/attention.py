@@ -91,37 +91,46 @@ def _decode_slots(tables: list[list[int]], context_lens: list[int], block_size: 
     return slots, mask
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata) -> torch.Tensor:
-    """Write the step's keys/values into the cache, then attend.
+def _gather(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Keys and values of ``slots`` ([...] indices) as [..., 2, KVH, D]."""
+    flat = kv_cache.view(kv_cache.shape[0], -1).index_select(0, slots.reshape(-1))
+    return flat.view(*slots.shape, *kv_cache.shape[1:])
 
-    ``q``: [T, H, D]; ``k``, ``v``: [T, KVH, D]; caches: [num_slots, KVH, D].
-    Returns [T, H * D].
+
+def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+    """Write the step's keys and values into the cache, then attend.
+
+    ``q``: [T, H, D]; ``kv``: [T, 2, KVH, D] (keys, values); ``kv_cache``:
+    [num_slots, 2, KVH, D], keys and values of a slot side by side so one gather reads
+    both. Returns [T, H * D].
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
+    num_kv_heads = kv.shape[2]
+    kv_cache.index_copy_(0, meta.slot_mapping, kv)
     d = meta.num_decode_tokens
     if d:
         # One query per sequence: fold each KV head's query heads into the query axis, so
         # grouped-query attention needs no repeated keys.
         group = num_heads // num_kv_heads
         qd = q[:d].view(d, num_kv_heads, group, head_dim)
-        kd = k_cache[meta.decode_slots].transpose(1, 2)
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        ctx = _gather(kv_cache, meta.decode_slots)  # [D, L, 2, KVH, D]
+        kd, vd = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
-        out[:d] = od.reshape(d, num_heads, head_dim)
+        od = od.reshape(d, num_heads * head_dim)
+        if not meta.prefills:
+            return od
+    out = torch.empty_like(q)
+    if d:
+        out[:d] = od.view(d, num_heads, head_dim)
     for span in meta.prefills:
         qp = q[span.start:span.end].transpose(0, 1).unsqueeze(0)
         if span.context_slots is None:
-            kp, vp = k[span.start:span.end], v[span.start:span.end]
+            ctx = kv[span.start:span.end]
         else:
-            kp, vp = k_cache[span.context_slots], v_cache[span.context_slots]
-        kp = kp.transpose(0, 1).unsqueeze(0)
-        vp = vp.transpose(0, 1).unsqueeze(0)
+            ctx = _gather(kv_cache, span.context_slots)
+        kp = ctx[:, 0].transpose(0, 1).unsqueeze(0)
+        vp = ctx[:, 1].transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True)
         out[span.start:span.end] = op[0].transpose(0, 1)

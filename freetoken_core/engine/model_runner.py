@@ -33,7 +33,8 @@ class ModelRunner:
         num_slots = num_kv_blocks * block_size
         # zeros, not empty: padded decode rows read stale slots under a mask, and NaN
         # garbage would poison the masked softmax.
-        self.kv_caches = torch.zeros(cfg.num_layers, 2, num_slots, cfg.num_kv_heads,
+        # [layer, slot, key/value, kv head, head dim]: a slot's key and value are adjacent.
+        self.kv_caches = torch.zeros(cfg.num_layers, num_slots, 2, cfg.num_kv_heads,
                                      cfg.head_dim, dtype=dtype, device=device)
         self.sampler = Sampler()
 

@@ -43,16 +43,19 @@ class DecoderLayer:
         self.intermediate_size = cfg.intermediate_size
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(rms_norm(x, self.input_norm, self.eps))
-        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
-        q, k, v = q.view(n, h, d), k.view(n, kvh, d), v.view(n, kvh, d)
+        qk, v = qkv.split([(h + kvh) * d, kvh * d], dim=-1)
+        qk = qk.view(n, h + kvh, d)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        x = x + self.o_proj(paged_attention(q, k, v, kv[0], kv[1], meta))
+            qk = torch.cat([rms_norm(qk[:, :h], self.q_norm, self.eps),
+                            rms_norm(qk[:, h:], self.k_norm, self.eps)], dim=1)
+        # One rotation for queries and keys together: they share positions.
+        qk = apply_rope(qk, cos, sin)
+        # Rotated keys and values side by side, as the cache stores them.
+        kv = torch.cat([qk[:, h:], v.view(n, kvh, d)], dim=1).view(n, 2, kvh, d)
+        x = x + self.o_proj(paged_attention(qk[:, :h], kv, kv_cache, meta))
         gate, up = self.gate_up_proj(rms_norm(x, self.post_attn_norm, self.eps)).chunk(2, -1)
         return x + self.down_proj(F.silu(gate) * up)
 
@@ -84,8 +87,8 @@ class LlamaForCausalLM:
         """Hidden states [T, hidden] of a flat step; writes the step's KV into the cache."""
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.tables(positions)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta)
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, cache, meta)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
