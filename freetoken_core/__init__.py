@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from freetoken_core.config import EngineConfig
 from freetoken_core.errors import FreeTokenError, InvalidRequest, ModelLoadError
+from freetoken_core.hookspecs import hookimpl
 from freetoken_core.llm import LLM
 from freetoken_core.outputs import CompletionOutput, RequestOutput
 from freetoken_core.sampling_params import SamplingParams
@@ -17,4 +18,5 @@ __all__ = [
     "ModelLoadError",
     "RequestOutput",
     "SamplingParams",
+    "hookimpl",
 ]

@@ -30,6 +30,9 @@ class EngineConfig:
     kv_cache_tokens: int = 32768
     block_size: int = 16
     enable_prefix_caching: bool = True
+    plugins: str | None = None
+    """Plugins to enable: "all" (default, also when None and FREETOKEN_PLUGINS is unset),
+    "none", or a comma-separated list of entry-point names."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 from freetoken_core.errors import InvalidRequest
 
@@ -19,12 +20,16 @@ def _is_finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-@dataclass
+@dataclass(init=False)
 class SamplingParams:
     """What one request asks of the sampler, in the shape vLLM users know.
 
-    Every field is checked in ``__post_init__``; a bad value raises ``InvalidRequest`` naming
-    the field, which the server turns into an HTTP 400. ``temperature == 0`` means greedy.
+    Takes keyword arguments only. The core fields below are checked on construction; a
+    bad value raises ``InvalidRequest`` naming the field, which the server turns into an
+    HTTP 400. Any other keyword (``repetition_penalty=1.3``, ``logit_bias={42: 5.0}``, …)
+    is a plugin field: it is kept in ``extra``, readable as an attribute, and checked by
+    the plugin that owns it when the request reaches an engine (a field that no enabled
+    plugin owns is refused there). ``temperature == 0`` means greedy.
     ``seed`` makes sampling reproducible whatever else shares the batch; without it each
     request draws a fresh seed. ``logprobs`` is the number of top alternatives to return
     beside the sampled token's log-probability (``None``: no logprobs).
@@ -41,6 +46,26 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __init__(self, **kwargs: Any) -> None:
+        for f in fields(self):
+            if f.name == "extra":
+                continue
+            if f.name in kwargs:
+                value = kwargs.pop(f.name)
+            else:
+                value = f.default_factory() if f.default is MISSING else f.default
+            setattr(self, f.name, value)
+        self.extra = {k: v for k, v in kwargs.items() if v is not None}
+        self.__post_init__()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are not core fields: plugin fields.
+        extra = self.__dict__.get("extra")
+        if extra is not None and name in extra:
+            return extra[name]
+        raise AttributeError(f"SamplingParams has no field {name!r}")
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

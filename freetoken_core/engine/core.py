@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from freetoken_core.config import EngineLimits
@@ -17,7 +18,10 @@ from freetoken_core.engine.sampler import TokenLogprobs
 from freetoken_core.engine.scheduler import Scheduler
 from freetoken_core.engine.sequence import Sequence
 from freetoken_core.errors import InvalidRequest
+from freetoken_core.processors import StopView
 from freetoken_core.sampling_params import SamplingParams
+
+StopChecker = Callable[[list[StopView], list[int]], list[dict[int, int | str] | None]]
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -45,10 +49,16 @@ class SeqUpdate:
 class EngineCore:
     """Owns the sequences of every live request; ``step()`` advances all of them."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, limits: EngineLimits) -> None:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, limits: EngineLimits,
+                 check_stop: StopChecker | None = None,
+                 stop_fields: frozenset[str] = frozenset()) -> None:
+        """``check_stop`` is the plugins' ``freetoken_check_stop`` hook; it runs only for
+        the rows whose request uses one of ``stop_fields``."""
         self.runner = runner
         self.scheduler = scheduler
         self.limits = limits
+        self._check_stop_hook = check_stop
+        self._stop_fields = stop_fields
         self._seqs: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -118,17 +128,36 @@ class EngineCore:
             return []
         result = self.runner.execute(batch)
         self.scheduler.advance(batch)
-        updates = []
-        for seq, token, logprobs in zip(result.seqs, result.output.token_ids,
-                                        result.output.logprobs):
+        for seq, token in zip(result.seqs, result.output.token_ids):
             seq.token_ids.append(token)
-            self._check_stop(seq, token)
+        plugin_stops = self._plugin_stops(result.seqs, result.output.token_ids)
+        updates = []
+        for row, (seq, token, logprobs) in enumerate(zip(
+                result.seqs, result.output.token_ids, result.output.logprobs)):
+            if row in plugin_stops:
+                self.scheduler.finish(seq, "stop", plugin_stops[row])
+            else:
+                self._check_stop(seq, token)
             updates.append(SeqUpdate(
                 seq.request_id, seq.index, token, logprobs,
                 seq.finish_reason, seq.stop_reason, seq.num_cached_tokens))
             if seq.is_finished:
                 self._forget_if_done(seq.request_id)
         return updates
+
+    def _plugin_stops(self, seqs: list[Sequence], tokens: list[int]) -> dict[int, int | str]:
+        if self._check_stop_hook is None:
+            return {}
+        rows = [i for i, s in enumerate(seqs) if not self._stop_fields.isdisjoint(s.params.extra)]
+        if not rows:
+            return {}
+        views = [StopView(seqs[i].params, seqs[i].num_output_tokens, seqs[i].output_token_ids)
+                 for i in rows]
+        stops: dict[int, int | str] = {}
+        for result in self._check_stop_hook(views, [tokens[i] for i in rows]):
+            for view_row, reason in (result or {}).items():
+                stops.setdefault(rows[view_row], reason)
+        return stops
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         if not seq.params.ignore_eos and token in self.limits.eos_token_ids:

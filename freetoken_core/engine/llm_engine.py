@@ -17,6 +17,8 @@ from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.loader import load_model
 from freetoken_core.models.resolve import resolve_model
 from freetoken_core.outputs import RequestOutput
+from freetoken_core.plugins import PluginManager
+from freetoken_core.processors import ModelInfo, ProcessorPipeline
 from freetoken_core.sampling_params import SamplingParams
 from freetoken_core.tokenizer import load_tokenizer
 
@@ -49,8 +51,11 @@ class LLMEngine:
     ``RequestOutput`` of each request that changed, finished ones included.
     """
 
-    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+    def __init__(self, config: EngineConfig, progress: bool = True,
+                 plugins: PluginManager | None = None) -> None:
         self.config = config
+        self.plugins = plugins if plugins is not None else PluginManager(config.plugins)
+        self.plugins.enabled  # noqa: B018 (fail fast on an unknown plugin name)
         self.model_dir = resolve_model(config.model, progress=progress)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -58,14 +63,28 @@ class LLMEngine:
         dtype = config.torch_dtype(device)
         limits = compute_limits(config, self.model_config,
                                 eos_token_ids(self.model_dir, self.model_config, self.tokenizer))
+        self.model_info = ModelInfo(limits.vocab_size, limits.eos_token_ids,
+                                    limits.max_model_len)
+        pipeline = ProcessorPipeline(self.plugins.processor_classes(), config.max_num_seqs,
+                                     self.model_info, device)
         model = load_model(self.model_dir, dtype, device, limits.max_model_len)
-        runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size, dtype, device)
+        runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size, dtype, device,
+                             pipeline)
         block_manager = BlockManager(limits.num_kv_blocks, limits.block_size,
                                      config.enable_prefix_caching)
-        scheduler = Scheduler(block_manager, config.max_num_seqs,
-                              config.max_num_batched_tokens)
+        scheduler = Scheduler(
+            block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            on_admit=lambda seq: pipeline.add_request(
+                seq.slot, seq.params, seq.token_ids[:seq.num_prompt_tokens],
+                seq.output_token_ids),
+            on_release=lambda seq: pipeline.remove_request(seq.slot))
         self.limits = limits
-        self.core = EngineCore(runner, scheduler, limits)
+        hook = self.plugins.pm.hook
+        self.core = EngineCore(
+            runner, scheduler, limits,
+            check_stop=lambda views, tokens: hook.freetoken_check_stop(
+                sequences=views, token_ids=tokens),
+            stop_fields=frozenset(self.plugins.stop_fields()))
         self._requests: dict[str, RequestState] = {}
 
     def encode(self, prompt: str) -> list[int]:
@@ -79,6 +98,7 @@ class LLMEngine:
             text, token_ids = None, list(prompt)
         else:
             raise InvalidRequest("prompt", "a prompt is a string or a list of token ids")
+        self.plugins.validate(params, self.model_info)
         self.core.add_request(request_id, token_ids, params)
         self._requests[request_id] = RequestState(request_id, text, token_ids, params,
                                                   self.tokenizer)

@@ -11,6 +11,7 @@ from freetoken_core.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from freetoken_core.engine.scheduler import ScheduledBatch
 from freetoken_core.engine.sequence import Sequence
 from freetoken_core.models.llama import LlamaForCausalLM
+from freetoken_core.processors import ProcessorPipeline
 
 
 @dataclass
@@ -25,7 +26,8 @@ class ModelRunner:
     """Builds a step's flat inputs from the scheduled batch, runs the model, samples."""
 
     def __init__(self, model: LlamaForCausalLM, num_kv_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device,
+                 pipeline: ProcessorPipeline | None = None) -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -36,7 +38,7 @@ class ModelRunner:
         # [layer, slot, key/value, kv head, head dim]: a slot's key and value are adjacent.
         self.kv_caches = torch.zeros(cfg.num_layers, num_slots, 2, cfg.num_kv_heads,
                                      cfg.head_dim, dtype=dtype, device=device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(pipeline)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:

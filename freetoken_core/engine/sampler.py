@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken_core.engine.sequence import Sequence
+from freetoken_core.processors import ProcessorPipeline
 
 _MASK_53 = (1 << 53) - 1
 
@@ -48,6 +49,8 @@ class TokenLogprobs:
 class SamplingBatch:
     """The sampler's view of the rows that sample this step, as device tensors."""
 
+    slots: torch.Tensor
+    """[B] the processor-state slot of each row."""
     temperature: torch.Tensor
     top_p: torch.Tensor
     top_k: torch.Tensor
@@ -73,6 +76,7 @@ class SamplingBatch:
             return torch.tensor(values, dtype=dtype, device=device)
 
         return cls(
+            slots=t([s.slot or 0 for s in seqs], torch.long),  # None: outside an engine
             temperature=t(temps, torch.float32),
             top_p=t(top_p, torch.float32),
             top_k=t(top_k, torch.long),
@@ -112,34 +116,44 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 class Sampler:
     """Turns a step's float32 logits [B, V] into one token per row.
 
-    Order: logits processors (the plugin pipeline; none in the core) → greedy shortcut when
-    every row is greedy → temperature → top-k and top-p (only on the rows that ask) →
-    seeded inverse-CDF draw. Greedy rows
-    inside a mixed batch take the argmax. Logprobs are those of the model's raw
-    distribution (before processors and temperature), as vLLM reports by default.
+    Order (see ``freetoken_core.processors``): pre-temperature processors → greedy
+    shortcut when every row is greedy → temperature → post-temperature processors → top-k
+    and top-p (only on the rows that ask) → seeded inverse-CDF draw. Greedy rows inside a
+    mixed batch take the argmax. Logprobs are those of the model's raw distribution
+    (before processors and temperature), as vLLM reports by default. After the draw the
+    processors fold the sampled tokens into their state.
     """
 
-    def __init__(self) -> None:
-        self.processors: list = []
+    def __init__(self, pipeline: ProcessorPipeline | None = None) -> None:
+        self.pipeline = pipeline
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         wants_logprobs = any(n is not None for n in batch.num_logprobs)
-        raw = logits.clone() if wants_logprobs and self.processors else logits
+        pipeline = self.pipeline if self.pipeline is not None and self.pipeline.active() else None
+        raw = logits.clone() if wants_logprobs and pipeline is not None else logits
+        if pipeline is not None:
+            pipeline.apply(logits, batch.slots, post_temperature=False,
+                           all_greedy=batch.all_greedy)
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self._sample(logits, batch)
+            tokens = self._sample(logits, batch, pipeline)
+        if pipeline is not None:
+            pipeline.update(batch.slots, tokens)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
         if wants_logprobs:
             logprobs = self._logprobs(raw, tokens, batch)
         return SamplerOutput(token_list, logprobs)
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch,
+                pipeline: ProcessorPipeline | None) -> torch.Tensor:
         greedy = batch.temperature == 0
         argmax = logits.argmax(dim=-1)
         temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
         logits = logits / temp.unsqueeze(1)
+        if pipeline is not None:
+            pipeline.apply(logits, batch.slots, post_temperature=True, all_greedy=False)
         if batch.filter_rows is not None:
             rows = batch.filter_rows
             logits[rows] = _top_k_top_p(logits[rows], batch.top_k[rows], batch.top_p[rows])

@@ -11,6 +11,7 @@ recomputed (its prompt and generated tokens, mostly from the prefix cache) later
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from freetoken_core.engine.block_manager import BlockManager
@@ -37,13 +38,29 @@ class Scheduler:
     """Decides what runs each step; owns the waiting queue and the running list."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int,
+                 on_admit: Callable[[Sequence], None] | None = None,
+                 on_release: Callable[[Sequence], None] | None = None) -> None:
+        """``on_admit(seq)`` runs when a sequence gets a slot (it starts or resumes
+        running), ``on_release(seq)`` just before it gives the slot back (finished,
+        aborted or preempted); the engine keeps processor state in step with them."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._on_admit = on_admit
+        self._on_release = on_release
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.slot is None:
+            return
+        if self._on_release is not None:
+            self._on_release(seq)
+        self._free_slots.append(seq.slot)
+        seq.slot = None
 
     @property
     def has_unfinished(self) -> bool:
@@ -88,6 +105,9 @@ class Scheduler:
             if seq.num_output_tokens == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
+            seq.slot = self._free_slots.pop()
+            if self._on_admit is not None:
+                self._on_admit(seq)
             self.running.append(seq)
             batch.add(seq, num)
             budget -= num
@@ -95,6 +115,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it first, to be recomputed."""
         self.running.remove(seq)
+        self._release_slot(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -113,6 +134,7 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._release_slot(seq)
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)

@@ -34,6 +34,8 @@ class Sequence:
     arrival: int
     max_tokens: int
     index: int = 0
+    slot: int | None = None
+    """Row of the per-sequence state of logits processors, held while running."""
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
