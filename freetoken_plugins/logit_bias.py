@@ -1,0 +1,1 @@
+"""The logit_bias plugin (being written)."""

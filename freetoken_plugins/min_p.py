@@ -1,0 +1,1 @@
+"""The min_p plugin (being written)."""

@@ -1,0 +1,1 @@
+"""The min_tokens plugin (being written)."""

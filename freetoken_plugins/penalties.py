@@ -1,0 +1,1 @@
+"""The penalties plugin (being written)."""

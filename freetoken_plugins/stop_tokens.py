@@ -1,0 +1,1 @@
+"""The stop_tokens plugin (being written)."""
