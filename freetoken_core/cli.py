@@ -1,12 +1,27 @@
-"""The ``freetoken`` command line."""
+"""The ``freetoken`` command line.
+
+    freetoken generate PROMPT [--plugins LIST] [--param FIELD=VALUE ...] [engine options]
+    freetoken plugins [--json] [--plugins LIST]
+    freetoken bench plugin NAME [--batch B --vocab V --history H --device D --steps N]
+
+``--plugins`` is ``all`` (the default), ``none`` or a comma-separated list of installed
+plugin names; without it, ``FREETOKEN_PLUGINS`` does the same. A name that is not
+installed is a start-up error (exit status 2) listing the installed plugins.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
 
-from freetoken_core.errors import FreeTokenError
+from freetoken_core.errors import FreeTokenError, InvalidRequest
+
+PLUGINS_HELP = ("plugins to enable: all (default), none, or a comma-separated list of "
+                "installed plugin names; default: $FREETOKEN_PLUGINS, else all")
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +35,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--kv-cache-tokens", type=int, default=32768)
+    parser.add_argument("--plugins", default=None, metavar="LIST", help=PLUGINS_HELP)
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -30,7 +46,19 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_tokens": args.kv_cache_tokens,
+        "plugins": args.plugins,
     }
+
+
+def _parse_param(text: str) -> tuple[str, Any]:
+    """``FIELD=VALUE`` with VALUE as JSON when it parses (``0.1``, ``{"42": 5}``), else text."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -39,9 +67,14 @@ def _generate(args: argparse.Namespace) -> int:
     from freetoken_core.sampling_params import SamplingParams
     from freetoken_core.tokenizer import apply_chat_template
 
+    core = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+            "max_tokens": args.max_tokens, "seed": args.seed, "stop": args.stop or []}
+    extra = dict(args.param or [])
+    clash = sorted(extra.keys() & core.keys())
+    if clash:
+        raise InvalidRequest(clash[0], f"--param {clash[0]}: use --{clash[0].replace('_', '-')}")
+    params = SamplingParams(**core, **extra)
     engine = LLMEngine(EngineConfig(model=args.model, **_engine_options(args)))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
     prompt = args.prompt
     if not args.raw and getattr(engine.tokenizer, "chat_template", None):
         prompt = apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
@@ -57,8 +90,44 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plugins(args: argparse.Namespace) -> int:
+    from freetoken_core.plugins import PluginManager
+
+    infos = [asdict(info) for info in PluginManager(args.plugins).describe()]
+    if args.json:
+        print(json.dumps(infos, indent=2))
+        return 0
+    if not infos:
+        print("no plugins installed")
+        return 0
+    short = [{
+        "name": i["name"],
+        "enabled": "yes" if i["enabled"] else "no",
+        "distribution": f"{i['distribution'] or '-'} {i['version'] or ''}".strip(),
+        "processors": ", ".join(i["processors"]) or "-",
+        "fields": ", ".join(i["fields"]) or "-",
+        "hooks": ", ".join(h.removeprefix("freetoken_") for h in i["hooks"]) or "-",
+    } for i in infos]
+    columns = list(short[0])
+    widths = {c: max(len(c), *(len(row[c]) for row in short)) for c in columns}
+    print("  ".join(c.upper().ljust(widths[c]) for c in columns).rstrip())
+    for row in short:
+        print("  ".join(row[c].ljust(widths[c]) for c in columns).rstrip())
+    return 0
+
+
+def _bench_plugin(args: argparse.Namespace) -> int:
+    from freetoken_core.bench import BenchShape, run_plugin_bench
+
+    shape = BenchShape(batch=args.batch, vocab=args.vocab, history=args.history,
+                       device=args.device)
+    print(run_plugin_bench(args.name, shape, num_steps=args.steps).table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="freetoken", description=__doc__)
+    parser = argparse.ArgumentParser(prog="freetoken", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="complete one prompt and print the text")
     gen.add_argument("prompt")
@@ -70,8 +139,30 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--param", action="append", type=_parse_param, metavar="FIELD=VALUE",
+                     help="a plugin request field, VALUE as JSON, e.g. min_p=0.1 (repeatable)")
     _add_engine_options(gen)
     gen.set_defaults(func=_generate)
+
+    plugins = commands.add_parser("plugins", help="list the installed plugins")
+    plugins.add_argument("--json", action="store_true",
+                         help="print a JSON list of {name, distribution, version, enabled, "
+                              "hooks, processors, fields}")
+    plugins.add_argument("--plugins", default=None, metavar="LIST", help=PLUGINS_HELP)
+    plugins.set_defaults(func=_plugins)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_kinds = bench.add_subparsers(dest="bench", required=True)
+    plugin = bench_kinds.add_parser(
+        "plugin", help="per-step sampler cost of a plugin: plain, enabled-unused, active")
+    plugin.add_argument("name", metavar="NAME", help="an installed plugin, or all")
+    plugin.add_argument("--batch", type=int, default=64)
+    plugin.add_argument("--vocab", type=int, default=151_936)
+    plugin.add_argument("--history", type=int, default=3000,
+                        help="prompt tokens per row handed to the processors")
+    plugin.add_argument("--device", default="cpu")
+    plugin.add_argument("--steps", type=int, default=20, help="timed steps (median)")
+    plugin.set_defaults(func=_bench_plugin)
     return parser
 
 
