@@ -95,20 +95,35 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+# Candidates examined before falling back to a full sort of the row: a nucleus is almost
+# always far smaller, and topk over the vocabulary is much cheaper than sorting it.
+_NUM_CANDIDATES = 1024
+
+
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
                  ) -> torch.Tensor:
     """Mask all but the top-k tokens and the smallest top-p nucleus, per row.
 
-    The cut is a logit threshold found on the sorted row and applied in vocabulary order,
-    so tokens tied with the last kept one stay in.
+    The cut is a logit threshold found on the row's best candidates and applied in
+    vocabulary order, so tokens tied with the last kept one stay in. When a row's nucleus
+    is wider than the candidates (a very flat distribution), the whole batch is sorted.
     """
     vocab = logits.shape[1]
-    ordered = logits.sort(dim=-1, descending=True).values
     keep = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-    probs = ordered.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs
-    in_nucleus = (before < top_p.unsqueeze(1)).sum(dim=-1).clamp(min=1)
-    keep = torch.minimum(keep, in_nucleus)
+    width = min(vocab, max(_NUM_CANDIDATES, int(keep.max()) if top_k.gt(0).any() else 0))
+    if width < vocab:
+        ordered = logits.topk(width, dim=-1).values
+        probs = (ordered - logits.logsumexp(dim=-1, keepdim=True)).exp()
+        cum = probs.cumsum(dim=-1)
+        covered = (top_p >= 1.0) | (cum[:, -1] >= top_p)
+        if not bool(covered.all()):
+            width = vocab
+    if width == vocab:
+        ordered = logits.sort(dim=-1, descending=True).values
+        probs = ordered.softmax(dim=-1)
+        cum = probs.cumsum(dim=-1)
+    in_nucleus = (cum - probs < top_p.unsqueeze(1)).sum(dim=-1).clamp(min=1)
+    keep = torch.minimum(keep.clamp(max=width), in_nucleus)
     threshold = ordered.gather(1, (keep - 1).unsqueeze(1))
     return logits.masked_fill(logits < threshold, float("-inf"))
 
