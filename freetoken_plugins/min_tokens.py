@@ -1,1 +1,246 @@
-"""The min_tokens plugin (being written)."""
+"""The min_tokens plugin: no stop token until a sequence has generated ``min_tokens`` tokens.
+
+Request field: ``min_tokens``, an integer ``>= 0`` and ``<= max_tokens`` (when
+``max_tokens`` is set); ``0`` or absent: off, and free. While a sequence has generated
+fewer than ``min_tokens`` tokens, the logits of its stop tokens are set to ``-inf``: the
+model's EOS ids (``ModelInfo.eos_token_ids``; not with ``ignore_eos``, where EOS stops
+nothing) and the request's ``stop_token_ids`` (the stop_tokens plugin's field, read here
+when present). The first token that may be a stop token is therefore token number
+``min_tokens + 1``. Same semantics as vLLM's ``min_tokens`` and Hugging Face's
+``MinNewTokensLengthLogitsProcessor(prompt_length, min_new_tokens, stop ids)``. Stop strings
+are not token ids and are not held back. Stage ``MIN_TOKENS`` (after logit_bias, so a
+``+100`` bias on EOS cannot beat it); not ``argmax_invariant``.
+
+State (sparse: nothing is sized by the vocabulary), preallocated for ``S`` slots:
+
+- ``num_generated``: int64 ``[S]``, tokens the slot's sequence has generated: set from
+  ``len(output_token_ids)`` in ``add_request`` (a preempted sequence resumes its count),
+  incremented on the device in ``update``;
+- ``min_tokens``: int64 ``[S]``, the request's ``min_tokens`` (``0`` for a free slot, which
+  therefore never masks);
+- ``mask_ids``: int64 ``[S, K]``, the slot's distinct stop ids, padded by repeating its
+  first id (so that a gather-then-scatter writes every duplicate with one value);
+- ``num_mask_ids``: int32 ``[S]``, how many of them are real.
+
+That is ``S * (20 + 8 * K)`` bytes whatever the vocabulary ``V``. ``K`` starts at 16 and
+grows (to the next power of two, in ``add_request``, on the host; the table is reallocated,
+which a captured CUDA graph would have to follow) when a request brings more EOS + stop
+ids: 37,888 bytes for 256 slots at ``K = 16`` (at ``V = 151,936`` as at any other), about
+4 MiB at the most the stop_tokens plugin allows (1,024 stop ids + EOS: ``K = 2,048``).
+A ``min_tokens`` beyond the context length is stored as ``max_model_len`` (same effect).
+
+Cost per step: the torch path (``min_tokens_torch``, any device) gathers the ``[rows, W]``
+listed logits (``W``: the most ids among the slots in use, tracked on the host), replaces
+them by ``-inf`` on the rows still under their minimum, and scatters them back. On CUDA
+one Triton launch (``min_tokens_triton``): one program per row that stores ``-inf`` at its
+own ids only while the row is under its minimum, and does nothing otherwise. ``update`` is
+one ``index_add_`` on ``num_generated``. ``O(rows * ids)``, never ``O(rows * V)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Any
+
+import torch
+
+from freetoken_core import hookimpl
+from freetoken_core.errors import InvalidRequest
+from freetoken_core.processors import LogitsProcessor, ModelInfo, Stage
+
+FIELD = "min_tokens"
+STOP_IDS_FIELD = "stop_token_ids"
+"""Owned by the stop_tokens plugin; read here so that those ids are held back too."""
+BENCH_PARAMS: dict[str, Any] = {FIELD: 1000}
+"""A typical request; it needs ``max_tokens >= 1000`` beside it (the bench harness's base
+request has 4,096), as ``min_tokens`` may not exceed ``max_tokens``."""
+
+_INITIAL_IDS = 16
+_TRITON_BLOCK = 16
+
+tl: Any = None
+"""``triton.language``, bound by ``_kernel()`` on first use: importing the plugin never
+imports triton, and the kernel below finds ``tl`` among its module's globals as Triton
+(compiler and interpreter alike) expects."""
+
+
+def check_min_tokens(value: Any, max_tokens: int | None) -> int:
+    """Return ``value``, or raise ``InvalidRequest`` naming ``min_tokens``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+        raise InvalidRequest(FIELD, f"min_tokens must be an integer >= 0, got {value!r}")
+    value = int(value)
+    if max_tokens is not None and value > max_tokens:
+        raise InvalidRequest(FIELD, f"min_tokens ({value}) must not exceed max_tokens "
+                                    f"({max_tokens})")
+    return value
+
+
+def stop_ids_of(params: Any, eos_token_ids: frozenset[int]) -> list[int]:
+    """The distinct token ids a request's ``min_tokens`` holds back, sorted."""
+    ids = set() if params.ignore_eos else set(eos_token_ids)
+    ids.update(params.extra.get(STOP_IDS_FIELD) or ())
+    return sorted(ids)
+
+
+# -- the two paths -------------------------------------------------------------------------
+
+def min_tokens_torch(logits: torch.Tensor, slots: torch.Tensor, mask_ids: torch.Tensor,
+                     num_generated: torch.Tensor, min_tokens: torch.Tensor, width: int) -> None:
+    """Set to ``-inf`` in place the first ``width`` ``mask_ids`` of slot ``slots[i]`` in row
+    ``i`` when ``num_generated < min_tokens`` for that slot; any device.
+
+    Entries past a slot's own count must repeat one of its ids (or be 0 on a slot whose
+    ``min_tokens`` is 0)."""
+    if width == 0 or logits.shape[0] == 0:
+        return
+    ids = mask_ids[slots, :width]
+    under = (num_generated[slots] < min_tokens[slots]).unsqueeze(1)
+    logits.scatter_(1, ids, logits.gather(1, ids).masked_fill(under, float("-inf")))
+
+
+def _min_tokens_kernel(logits_ptr, row_stride, slots_ptr, mask_ids_ptr, num_mask_ids_ptr,
+                       num_generated_ptr, min_tokens_ptr, state_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    under = tl.load(num_generated_ptr + slot) < tl.load(min_tokens_ptr + slot)
+    count = tl.where(under, tl.load(num_mask_ids_ptr + slot), 0)
+    base = logits_ptr + row * row_stride
+    for start in range(0, count, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        listed = offsets < count
+        tokens = tl.load(mask_ids_ptr + slot * state_stride + offsets, mask=listed, other=0)
+        tl.store(base + tokens, tl.full([BLOCK], float("-inf"), logits_ptr.dtype.element_ty),
+                 mask=listed)
+
+
+@functools.cache
+def _kernel() -> Any:
+    """JIT the kernel on first use (importing triton only then)."""
+    global tl
+    import triton
+    import triton.language as tl
+
+    return triton.jit(_min_tokens_kernel)
+
+
+def min_tokens_triton(logits: torch.Tensor, slots: torch.Tensor, mask_ids: torch.Tensor,
+                      num_mask_ids: torch.Tensor, num_generated: torch.Tensor,
+                      min_tokens: torch.Tensor, block: int = _TRITON_BLOCK) -> None:
+    """The Triton path: same result as ``min_tokens_torch``, in place.
+
+    Runs on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` was set before
+    triton was imported (how the tests run it). ``logits`` is ``[rows, V]`` with unit stride
+    along ``V``; ``block`` is a power of two. Row ``i`` reads only the first
+    ``num_mask_ids[slots[i]]`` ids, and only while its slot is under its minimum.
+    """
+    if logits.shape[0] == 0:
+        return
+    if logits.stride(1) != 1:
+        raise ValueError("min_tokens_triton needs logits contiguous along the vocabulary")
+    _kernel()[(logits.shape[0],)](logits, logits.stride(0), slots, mask_ids, num_mask_ids,
+                                  num_generated, min_tokens, mask_ids.stride(0), BLOCK=block)
+
+
+# -- the processor ---------------------------------------------------------------------------
+
+class MinTokens(LogitsProcessor):
+    """``min_tokens``: see the module docstring."""
+
+    name = "min_tokens"
+    stage = Stage.MIN_TOKENS
+    argmax_invariant = False
+    fields = (FIELD,)
+
+    def __init__(self, max_num_slots: int, model: ModelInfo, device: torch.device) -> None:
+        super().__init__(max_num_slots, model, device)
+        self.num_generated = torch.zeros(max_num_slots, dtype=torch.long, device=device)
+        self.min_tokens = torch.zeros(max_num_slots, dtype=torch.long, device=device)
+        self.num_mask_ids = torch.zeros(max_num_slots, dtype=torch.int32, device=device)
+        self.mask_ids = torch.zeros((max_num_slots, _INITIAL_IDS), dtype=torch.long,
+                                    device=device)
+        self._counts: dict[int, int] = {}  # host copy of num_mask_ids for the slots in use
+        self.width = 0
+        """Most ids among the slots in use: the torch path's ``W``."""
+
+    @classmethod
+    def uses(cls, params: Any) -> bool:
+        return bool(params.extra.get(FIELD))
+
+    @classmethod
+    def validate(cls, params: Any, model: ModelInfo) -> None:
+        value = params.extra.get(FIELD)
+        if value is not None:
+            params.extra[FIELD] = check_min_tokens(value, params.max_tokens)
+
+    def _grow(self, needed: int) -> None:
+        capacity = 1 << (needed - 1).bit_length()
+        grown = torch.zeros((self.max_num_slots, capacity), dtype=torch.long,
+                            device=self.device)
+        grown[:, :self.mask_ids.shape[1]] = self.mask_ids
+        # Keep the "repeat the first id" padding of the rows already in use.
+        grown[:, self.mask_ids.shape[1]:] = self.mask_ids[:, :1]
+        self.mask_ids = grown
+
+    def add_request(self, slot: int, params: Any, prompt_token_ids: list[int],
+                    output_token_ids: list[int]) -> None:
+        ids = stop_ids_of(params, self.model.eos_token_ids)
+        count = len(ids)
+        if count > self.mask_ids.shape[1]:
+            self._grow(count)
+        if ids:
+            padded = ids + ids[:1] * (self.mask_ids.shape[1] - count)
+            self.mask_ids[slot] = torch.tensor(padded, dtype=torch.long)
+        else:
+            self.mask_ids[slot] = 0
+        self.num_mask_ids[slot] = count
+        # A sequence never generates more than the context holds; clamping there keeps
+        # a huge min_tokens inside int64 without changing what it does.
+        self.min_tokens[slot] = min(params.extra[FIELD], self.model.max_model_len)
+        self.num_generated[slot] = len(output_token_ids)
+        previous = self._counts.get(slot, 0)
+        self._counts[slot] = count
+        # A slot re-added without remove_request may have held the widest list.
+        self.width = (max(self._counts.values()) if previous == self.width
+                      else max(self.width, count))
+
+    def remove_request(self, slot: int) -> None:
+        self.min_tokens[slot] = 0
+        self.num_mask_ids[slot] = 0
+        self.mask_ids[slot] = 0
+        if self._counts.pop(slot, 0) == self.width:
+            self.width = max(self._counts.values(), default=0)
+
+    def update(self, slots: torch.Tensor, sampled: torch.Tensor) -> None:
+        self.num_generated.index_add_(0, slots, torch.ones_like(slots))
+
+    def apply(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
+        if logits.is_cuda:
+            self.apply_triton(logits, slots)
+        else:
+            self.apply_torch(logits, slots)
+
+    def apply_torch(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
+        min_tokens_torch(logits, slots, self.mask_ids, self.num_generated, self.min_tokens,
+                         self.width)
+
+    def apply_triton(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
+        min_tokens_triton(logits, slots, self.mask_ids, self.num_mask_ids, self.num_generated,
+                          self.min_tokens)
+
+
+# -- hooks -----------------------------------------------------------------------------------
+
+@hookimpl
+def freetoken_request_fields() -> list[str]:
+    return [FIELD]
+
+
+@hookimpl
+def freetoken_register_processors(register: Any) -> None:
+    register(MinTokens)
+
+
+@hookimpl
+def freetoken_validate_request(request: Any, model: ModelInfo) -> None:
+    MinTokens.validate(request, model)

@@ -1,0 +1,61 @@
+"""The cost of the stop_tokens plugin: its stop hook, and the engine step around it
+(pytest-benchmark).
+
+    .venv/bin/python -m pytest bench/bench_stop_tokens.py --benchmark-only -q
+
+stop_tokens is no logits processor: its cost is ``freetoken_check_stop``, which the engine
+calls once per step (through pluggy) with the rows whose request has ``stop_token_ids``.
+Group "hook": that call for 64 rows using ``BENCH_PARAMS`` (four ids), when no row stops
+and when every row stops. Group "sampler step": batch 64, vocabulary 151,936, 3,000
+history tokens per row, temperature 0.8, top_p 0.95, three cases as in the other plugin
+benches: ``plain`` (no plugin), ``idle`` (enabled, no row uses it), ``active`` (every row
+has ``stop_token_ids``: the sampler step plus the hook); compare their means in the table.
+``freetoken bench plugin stop_tokens`` prints the same three as ratios.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from freetoken_core.bench import BenchShape, PluginBench, build_plugin_bench
+from freetoken_core.plugins import PluginManager
+from freetoken_core.processors import ModelInfo, StopView
+from freetoken_core.sampling_params import SamplingParams
+from freetoken_plugins.stop_tokens import BENCH_PARAMS
+
+SHAPE = BenchShape(batch=64, vocab=151_936, history=3000, device="cpu")
+ROUNDS = 5
+MODEL = ModelInfo(SHAPE.vocab, frozenset({2}), 8192)
+
+
+@pytest.fixture(scope="module")
+def stop_tokens_bench() -> PluginBench:
+    return build_plugin_bench("stop_tokens", SHAPE, num_steps=ROUNDS + 2)
+
+
+@pytest.mark.parametrize("case", ["plain", "idle", "active"])
+def test_sampler_step(benchmark, stop_tokens_bench: PluginBench, case: str) -> None:
+    step = getattr(stop_tokens_bench, case)
+    benchmark.group = f"stop_tokens sampler step, batch {SHAPE.batch}, vocab {SHAPE.vocab}"
+    benchmark.pedantic(step.run, setup=step.reset, rounds=ROUNDS, warmup_rounds=2)
+    assert len(step.last_tokens) == SHAPE.batch
+
+
+@pytest.mark.parametrize("stopping", [False, True], ids=["no_row_stops", "every_row_stops"])
+def test_check_stop_hook(benchmark, stopping: bool) -> None:
+    manager = PluginManager(plugins="stop_tokens")
+    hook = manager.pm.hook.freetoken_check_stop
+    params = SamplingParams(**BENCH_PARAMS)
+    manager.validate(params, MODEL)
+    rng = random.Random(0)
+    views = [StopView(params, 3000, [rng.randrange(7, SHAPE.vocab) for _ in range(3000)])
+             for _ in range(SHAPE.batch)]
+    ids = BENCH_PARAMS["stop_token_ids"]
+    tokens = [ids[i % len(ids)] if stopping else rng.randrange(7, SHAPE.vocab)
+              for i in range(SHAPE.batch)]
+    benchmark.group = f"stop_tokens freetoken_check_stop hook, {SHAPE.batch} rows"
+    results = benchmark(hook, sequences=views, token_ids=tokens)
+    stops = {row: token for result in results for row, token in (result or {}).items()}
+    assert len(stops) == (SHAPE.batch if stopping else 0)

@@ -1,0 +1,352 @@
+"""The logit_bias plugin: validation, torch and Triton paths against references, engine runs."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import SequenceBiasLogitsProcessor
+
+from freetoken_core import LLM, InvalidRequest, SamplingParams
+from freetoken_core.engine.sampler import Sampler, SamplingBatch
+from freetoken_core.engine.sequence import Sequence
+from freetoken_core.plugins import PluginManager
+from freetoken_core.processors import ModelInfo, ProcessorPipeline, Stage
+from freetoken_plugins import logit_bias as plugin
+from freetoken_plugins.logit_bias import MAX_ENTRIES, LogitBias
+
+VOCAB = 642
+MODEL = ModelInfo(VOCAB, frozenset({2}), 2048)
+BIG_MODEL = ModelInfo(151_936, frozenset({2}), 8192)
+NEG_INF = float("-inf")
+
+BAD_VALUES = [
+    [1, 2], "42", 5, True, 1.5,                                      # not a mapping
+    {-1: 1.0}, {VOCAB: 1.0}, {"-3": 1.0}, {str(VOCAB): 1.0},          # key out of range
+    {"abc": 1.0}, {"4.2": 1.0}, {"": 1.0}, {" 4": 1.0}, {"9" * 30: 1.0},  # not an integer
+    {4.0: 1.0}, {True: 1.0}, {None: 1.0}, {(4,): 1.0},
+    {4: "5"}, {4: True}, {4: None}, {4: [1.0]}, {4: 1j},              # bias not a number
+    {4: math.nan}, {4: math.inf}, {4: -math.inf},                     # bias not finite
+    {"42": 1.0, 42: 2.0}, {"042": 1.0, 42: 2.0},                      # one token twice
+    {i: 1.0 for i in range(MAX_ENTRIES + 1)},                         # too many entries
+]
+
+
+def bad_id(value: object) -> str:
+    text = repr(value)
+    return text if len(text) < 40 else f"{type(value).__name__}[{len(value)}]"
+
+
+def processor(biases: dict[int, dict[int, float]], num_slots: int = 8) -> LogitBias:
+    """A LogitBias whose slot ``s`` holds ``biases[s]`` (validated as the engine would)."""
+    proc = LogitBias(num_slots, MODEL, torch.device("cpu"))
+    for slot, bias in biases.items():
+        params = SamplingParams(logit_bias=bias)
+        LogitBias.validate(params, MODEL)
+        if LogitBias.uses(params):
+            proc.add_request(slot, params, [1, 2, 3], [])
+    return proc
+
+
+def reference(logits: torch.Tensor, slots: list[int], biases: dict[int, dict[int, float]]
+              ) -> torch.Tensor:
+    """Row by row, token by token: logit += float32(clamped bias)."""
+    out = logits.clone()
+    for row, slot in enumerate(slots):
+        for token, bias in biases.get(slot, {}).items():
+            out[row, token] += torch.tensor(min(max(bias, -100.0), 100.0), dtype=torch.float32)
+    return out
+
+
+def random_biases(rng: random.Random, slots: list[int], vocab: int, max_entries: int = 40
+                  ) -> dict[int, dict[int, float]]:
+    return {slot: {t: rng.uniform(-150, 150) for t in rng.sample(range(vocab),
+                                                                  rng.randint(1, max_entries))}
+            for slot in slots}
+
+
+def random_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[0, 1:6] = NEG_INF  # masked tokens stay masked whatever their bias (0 is padding)
+    return logits
+
+
+# -- validation ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", BAD_VALUES, ids=bad_id)
+def test_hook_rejects_bad_value(value) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        plugin.freetoken_validate_request(request=SamplingParams(logit_bias=value), model=MODEL)
+    assert info.value.param == "logit_bias"
+    assert "logit_bias" in info.value.message
+
+
+def test_generate_rejects_every_bad_value(tiny_llm: LLM) -> None:
+    for value in BAD_VALUES:
+        with pytest.raises(InvalidRequest) as info:
+            tiny_llm.generate("hello", SamplingParams(logit_bias=value, max_tokens=2))
+        assert info.value.param == "logit_bias", value
+    assert not tiny_llm.engine.has_unfinished_requests
+
+
+def test_values_are_normalised_and_clamped() -> None:
+    params = SamplingParams(logit_bias={"42": 3, 7: 250, np.int64(8): -1e300, 9: 10**400,
+                                        "10": np.float32(0.5), 641: -100, 0: 0})
+    plugin.freetoken_validate_request(request=params, model=MODEL)
+    expected = {42: 3.0, 7: 100.0, 8: -100.0, 9: 100.0, 10: 0.5, 641: -100.0, 0: 0.0}
+    assert params.extra["logit_bias"] == expected
+    assert all(type(k) is int and type(v) is float for k, v in params.logit_bias.items())
+    plugin.freetoken_validate_request(request=params, model=MODEL)  # idempotent
+    assert params.extra["logit_bias"] == expected
+
+
+def test_limits_and_empty_mapping() -> None:
+    full = SamplingParams(logit_bias={i: 1.0 for i in range(MAX_ENTRIES)})
+    plugin.freetoken_validate_request(request=full, model=BIG_MODEL)
+    assert len(full.logit_bias) == MAX_ENTRIES
+    empty = SamplingParams(logit_bias={})
+    plugin.freetoken_validate_request(request=empty, model=MODEL)
+    assert not LogitBias.uses(empty) and LogitBias.uses(SamplingParams(logit_bias={1: 1}))
+    assert not LogitBias.uses(SamplingParams())
+
+
+def test_declared_traits() -> None:
+    assert LogitBias.stage is Stage.LOGIT_BIAS and not LogitBias.argmax_invariant
+    found: list[type] = []
+    plugin.freetoken_register_processors(register=found.append)
+    assert found == [LogitBias] and plugin.freetoken_request_fields() == ["logit_bias"]
+
+
+# -- the torch path -----------------------------------------------------------------------
+
+
+def test_torch_path_matches_reference_on_random_histories() -> None:
+    rng = random.Random(0)
+    for trial in range(5):
+        used = rng.sample(range(8), 5)
+        biases = random_biases(rng, used, VOCAB)
+        proc = processor(biases)
+        slots = [rng.randrange(8) for _ in range(12)]  # rows may share a slot or not use it
+        logits = random_logits(len(slots), VOCAB, seed=trial)
+        expected = reference(logits, slots, biases)
+        proc.apply(logits, torch.tensor(slots))
+        assert torch.equal(logits, expected)
+        assert proc.width == max(len(b) for b in biases.values())
+
+
+def test_torch_path_matches_transformers_sequence_bias() -> None:
+    rng = random.Random(1)
+    biases = random_biases(rng, [0, 1, 2, 3], VOCAB)
+    proc = processor(biases)
+    logits = random_logits(4, VOCAB, seed=1)
+    expected = []
+    for row in range(4):
+        hf = SequenceBiasLogitsProcessor(
+            sequence_bias=[[[t], min(max(b, -100.0), 100.0)] for t, b in biases[row].items()])
+        expected.append(hf(torch.tensor([[5, 6, 7]]), logits[row:row + 1].clone()))
+    proc.apply(logits, torch.arange(4))
+    assert torch.equal(logits, torch.cat(expected))
+
+
+def test_rows_not_using_it_are_untouched() -> None:
+    proc = processor({1: {0: 50.0, 3: -7.0, 600: 2.0}, 5: {4: 1.0}})
+    logits = random_logits(4, VOCAB, seed=2)
+    before = logits.clone()
+    slots = torch.tensor([0, 1, 2, 7])
+    proc.apply_torch(logits, slots)
+    assert torch.equal(logits[[0, 2, 3]], before[[0, 2, 3]])
+    assert not torch.equal(logits[1], before[1])
+    triton_logits = before.clone()
+    proc.apply_triton(triton_logits, slots)
+    assert torch.equal(triton_logits, logits)
+
+
+def test_slot_reuse_after_remove_request() -> None:
+    proc = processor({3: {t: 9.0 for t in range(0, 600, 7)}, 4: {11: 1.0, 12: 2.0}})
+    proc.remove_request(3)
+    params = SamplingParams(logit_bias={5: -2.0})
+    LogitBias.validate(params, MODEL)
+    proc.add_request(3, params, [1], [])
+    assert proc.width == 2  # the removed slot's 86 entries no longer count
+    logits = random_logits(2, VOCAB, seed=3)
+    expected = reference(logits, [3, 4], {3: {5: -2.0}, 4: {11: 1.0, 12: 2.0}})
+    both = logits.clone()
+    proc.apply_torch(logits, torch.tensor([3, 4]))
+    proc.apply_triton(both, torch.tensor([3, 4]))
+    assert torch.equal(logits, expected) and torch.equal(both, expected)
+    proc.remove_request(3)  # slot 3 is free (or serves a request without logit_bias) ...
+    logits = random_logits(2, VOCAB, seed=4)
+    expected = reference(logits, [3, 4], {4: {11: 1.0, 12: 2.0}})
+    both = logits.clone()
+    proc.apply_torch(logits, torch.tensor([3, 4]))  # ... while slot 4 still keeps W > 0
+    proc.apply_triton(both, torch.tensor([3, 4]))
+    assert torch.equal(logits, expected) and torch.equal(both, expected)
+    proc.remove_request(4)
+    assert proc.width == 0
+    again = expected.clone()
+    proc.apply_triton(again, torch.tensor([3, 4]))
+    assert torch.equal(again, expected)
+
+
+# -- the Triton path (TRITON_INTERPRET=1 on CPU) ------------------------------------------
+
+
+@pytest.mark.parametrize("block", [16, 64])
+def test_triton_path_matches_torch_path(block: int) -> None:
+    rng = random.Random(4)
+    vocab = 64
+    model = ModelInfo(vocab, frozenset({2}), 256)
+    proc = LogitBias(6, model, torch.device("cpu"))
+    biases = random_biases(rng, [0, 2, 5], vocab, max_entries=40)
+    biases[2] = {t: rng.uniform(-150, 150) for t in range(vocab)}  # more entries than a block
+    for slot, bias in biases.items():
+        params = SamplingParams(logit_bias=bias)
+        LogitBias.validate(params, model)
+        proc.add_request(slot, params, [1], [])
+    slots = torch.tensor([2, 0, 4, 5])
+    logits = random_logits(4, vocab, seed=4)
+    expected = reference(logits, slots.tolist(), biases)
+    torch_out, triton_out = logits.clone(), logits.clone()
+    proc.apply_torch(torch_out, slots)
+    plugin.logit_bias_triton(triton_out, slots, proc.token_ids, proc.biases, proc.num_entries,
+                             block=block)
+    assert torch.equal(torch_out, expected)
+    assert torch.equal(triton_out, torch_out)
+
+
+KERNEL_SIGNATURE = {"logits_ptr": "*fp32", "row_stride": "i32", "slots_ptr": "*i64", "token_ids_ptr": "*i64",
+             "biases_ptr": "*fp32", "num_entries_ptr": "*i32", "state_stride": "i32",
+             "BLOCK": "constexpr"}
+
+
+def test_kernel_is_lazy_and_compiles_for_cuda() -> None:
+    """Importing the plugin imports no triton, and its kernel compiles for sm_90 (no GPU
+    needed: Triton's bundled ptxas), in a fresh process without TRITON_INTERPRET."""
+    code = f"""
+import sys
+import freetoken_plugins.logit_bias as plugin
+print("triton" in sys.modules)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+source = ASTSource(plugin._kernel(), {KERNEL_SIGNATURE!r}, constexprs={{"BLOCK": 64}})
+print(sorted(triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=False)
+    if "No module named 'triton'" in out.stderr:
+        pytest.skip("triton is not installed")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lazy, stages = out.stdout.splitlines()[:2]
+    assert lazy == "False" and "'cubin'" in stages
+
+
+# -- in the sampler and the engine ---------------------------------------------------------
+
+
+def test_sampler_pipeline_forces_the_biased_token_when_sampling() -> None:
+    pipeline = ProcessorPipeline([LogitBias], 4, MODEL, torch.device("cpu"))
+    forced = SamplingParams(temperature=1.0, top_p=0.9, logit_bias={"77": 100})
+    plain = SamplingParams(temperature=1.0, top_p=0.9)
+    seqs = []
+    for slot, params in enumerate([forced, plain, forced, plain]):
+        LogitBias.validate(params, MODEL)
+        seqs.append(Sequence(slot, str(slot), [5, 6], 2, params, seed=slot, arrival=slot,
+                             max_tokens=8, slot=slot))
+        pipeline.add_request(slot, params, [5, 6], [])
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(5)) * 2
+    logits[:, 77] = -10.0
+    out = Sampler(pipeline)(logits, SamplingBatch.from_seqs(seqs, torch.device("cpu")))
+    assert out.token_ids[0] == 77 and out.token_ids[2] == 77
+    assert out.token_ids[1] != 77 and out.token_ids[3] != 77
+
+
+def test_end_to_end_bias_steers_the_first_greedy_token(tiny_llm: LLM) -> None:
+    prompt = "def add(a, b):"
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    natural = tiny_llm.generate(prompt, greedy)[0].outputs[0].token_ids
+    chosen = next(t for t in range(100, VOCAB) if t not in natural)
+    steered = tiny_llm.generate(prompt, SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, logit_bias={str(chosen): 100}))
+    assert steered[0].outputs[0].token_ids == [chosen] * 4
+    banned = tiny_llm.generate(prompt, SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, logit_bias={natural[0]: -100}))
+    assert banned[0].outputs[0].token_ids[0] != natural[0]
+    # A request without the field in the same batch is not affected.
+    mixed = tiny_llm.generate([prompt, prompt], [
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                       logit_bias={chosen: 100.0}), greedy])
+    assert mixed[0].outputs[0].token_ids == [chosen] * 4
+    assert mixed[1].outputs[0].token_ids == natural
+
+
+def test_disabled_plugin_is_named(tiny_model_dir: Path, monkeypatch) -> None:
+    llm = LLM(str(tiny_model_dir), plugins="none", kv_cache_tokens=4096, progress=False)
+    with pytest.raises(InvalidRequest) as info:
+        llm.generate("hi", SamplingParams(logit_bias={1: 1.0}))
+    assert info.value.param == "logit_bias"
+    assert "'logit_bias'" in info.value.message and "not enabled" in info.value.message
+    assert llm.generate("hi", SamplingParams(max_tokens=2))[0].finished
+
+    monkeypatch.setenv("FREETOKEN_PLUGINS", "stop_tokens")
+    manager = PluginManager()
+    assert manager.enabled == {"stop_tokens"} and LogitBias not in manager.processor_classes()
+    with pytest.raises(InvalidRequest, match="plugin 'logit_bias'"):
+        manager.validate(SamplingParams(logit_bias={1: 1.0}), MODEL)
+    monkeypatch.setenv("FREETOKEN_PLUGINS", "logit_bias")
+    manager = PluginManager()
+    assert manager.processor_classes() == [LogitBias]
+    params = SamplingParams(logit_bias={"1": 1})
+    manager.validate(params, MODEL)
+    assert params.logit_bias == {1: 1.0}
+
+
+# -- the default model against transformers ------------------------------------------------
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me a short tip for staying focused while studying.",
+]
+
+
+@pytest.fixture(scope="module")
+def default_llm() -> LLM:
+    return LLM(None, dtype="float32", kv_cache_tokens=8192, progress=False)
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers_sequence_bias(default_llm: LLM) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from freetoken_core.models.resolve import resolve_model
+    from freetoken_core.tokenizer import apply_chat_template
+
+    tok = default_llm.tokenizer
+    prompts = [tok.encode(apply_chat_template(tok, [{"role": "user", "content": c}]),
+                          add_special_tokens=False) for c in CHATS]
+    natural = [o.outputs[0].token_ids for o in default_llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
+    # Per prompt: ban its 2nd natural token, pull up its 6th; one with JSON keys.
+    biases = [{nat[1]: -100.0, nat[5]: 2.5} for nat in natural]
+    params = [SamplingParams(temperature=0, max_tokens=32, logit_bias=b) for b in biases]
+    params[0] = SamplingParams(temperature=0, max_tokens=32,
+                               logit_bias={str(k): v for k, v in biases[0].items()})
+    outs = default_llm.generate(prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(None, progress=False),
+                                              dtype=torch.float32)
+    for ids, bias, nat, out in zip(prompts, biases, natural, outs):
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                          sequence_bias={(t,): b for t, b in bias.items()})
+        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids[:6] != nat  # the bias did change the generation
