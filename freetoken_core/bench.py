@@ -1,6 +1,7 @@
 """What a plugin costs the sampler step: ``freetoken bench plugin NAME``.
 
-One run measures, on the same random float32 logits [batch, vocab] (temperature 0.8,
+One run measures, on the same model-like random float32 logits [batch, vocab] (see
+``model_like_logits``; temperature 0.8,
 top_p 0.95, ``history`` prompt tokens per row), the median time of one engine sampler step
 in three setups:
 
@@ -138,6 +139,21 @@ class PluginBench:
     notes: list[str] = field(default_factory=list)
 
 
+def model_like_logits(batch: int, vocab: int, seed: int) -> torch.Tensor:
+    """Random logits shaped like a language model's next-token distribution.
+
+    Probabilities follow a Zipf law (p ∝ rank^-1.5, tokens in a random order per row, with
+    a little noise), so the top-p=0.95 nucleus holds some hundreds of tokens, as it does
+    for real models. Plain normal logits would make the nucleus most of the vocabulary,
+    and the full-vocabulary sort that then needs would swamp everything measured.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
+    logits = -1.5 * ranks.log() + 0.1 * torch.randn(batch, vocab, generator=gen)
+    order = torch.rand(batch, vocab, generator=gen).argsort(dim=-1)
+    return logits.gather(1, order)
+
+
 def bench_params(name: str) -> tuple[list[str], dict[str, Any], list[str]]:
     """The plugins ``name`` stands for, their merged ``BENCH_PARAMS``, and notes."""
     modules = {ep.name: ep.load() for ep in entry_points(group=ENTRY_POINT_GROUP)}
@@ -189,8 +205,7 @@ def build_plugin_bench(name: str, shape: BenchShape, num_steps: int, seed: int =
     if not any(p.uses(active) for p in processors) and not stop_fields & set(fields):
         notes.append(f"{', '.join(plugins)}: no processor or stop hook uses {sorted(fields)}; "
                      "(c) measures nothing of it")
-    gen = torch.Generator().manual_seed(seed)
-    base = (torch.randn(shape.batch, shape.vocab, generator=gen) * 3).to(shape.device)
+    base = model_like_logits(shape.batch, shape.vocab, seed).to(shape.device)
     rows = shape.batch
 
     def step(procs: list[type[LogitsProcessor]], params: SamplingParams,
