@@ -69,3 +69,18 @@ def test_processors_come_from_enabled_plugins_only() -> None:
     names = {c.name for c in PluginManager("min_p").processor_classes()}
     assert names == {"min_p"}
     assert PluginManager("none").processor_classes() == []
+
+
+def _tensor_bytes(obj: object) -> int:
+    return sum(v.numel() * v.element_size() for v in vars(obj).values()
+               if hasattr(v, "element_size"))
+
+
+def test_state_of_all_built_ins_for_256_slots_fits_256_mb() -> None:
+    import torch
+
+    model = ModelInfo(vocab_size=151_936, eos_token_ids=frozenset({2}), max_model_len=32_768)
+    classes = PluginManager("all").processor_classes()
+    assert {c.name for c in classes} >= {"penalties", "logit_bias", "min_tokens", "min_p"}
+    total = sum(_tensor_bytes(cls(256, model, torch.device("cpu"))) for cls in classes)
+    assert 0 < total < 256 * 2**20

@@ -59,6 +59,7 @@ class SamplingBatch:
     all_greedy: bool
     filter_rows: torch.Tensor | None
     """Rows with top-k or top-p (only they pay for the sort), or None."""
+    max_top_k: int
     max_logprobs: int
     num_logprobs: list[int | None]
 
@@ -84,6 +85,7 @@ class SamplingBatch:
             counters=t([s.num_output_tokens for s in seqs], torch.long),
             all_greedy=all(x == 0.0 for x in temps),
             filter_rows=t(filter_rows, torch.long) if filter_rows else None,
+            max_top_k=max(top_k, default=-1),
             max_logprobs=max((n or 0 for n in num_logprobs), default=0),
             num_logprobs=num_logprobs,
         )
@@ -100,8 +102,8 @@ class SamplerOutput:
 _NUM_CANDIDATES = 1024
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-                 ) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 max_top_k: int) -> torch.Tensor:
     """Mask all but the top-k tokens and the smallest top-p nucleus, per row.
 
     The cut is a logit threshold found on the row's best candidates and applied in
@@ -110,7 +112,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     """
     vocab = logits.shape[1]
     keep = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-    width = min(vocab, max(_NUM_CANDIDATES, int(keep.max()) if top_k.gt(0).any() else 0))
+    width = min(vocab, max(_NUM_CANDIDATES, max_top_k))
     if width < vocab:
         ordered = logits.topk(width, dim=-1).values
         probs = (ordered - logits.logsumexp(dim=-1, keepdim=True)).exp()
@@ -171,7 +173,8 @@ class Sampler:
             pipeline.apply(logits, batch.slots, post_temperature=True, all_greedy=False)
         if batch.filter_rows is not None:
             rows = batch.filter_rows
-            logits[rows] = _top_k_top_p(logits[rows], batch.top_k[rows], batch.top_p[rows])
+            logits[rows] = _top_k_top_p(logits[rows], batch.top_k[rows], batch.top_p[rows],
+                                        batch.max_top_k)
         # Inverse CDF in vocabulary order: a row's draw depends on nothing but that row.
         cdf = logits.softmax(dim=-1).cumsum(dim=-1)
         total = cdf[:, -1:]
