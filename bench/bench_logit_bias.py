@@ -1,62 +1,23 @@
-"""The sampler step with logit_bias on every row against the plain sampler (pytest-benchmark).
+"""The sampler step with logit_bias on every row against the plain sampler.
 
     .venv/bin/python -m pytest bench/bench_logit_bias.py --benchmark-only -q
 
-Batch 64, vocabulary 151,936, 3,000 history tokens per row, temperature 0.8, top_p 0.95,
-``logit_bias`` from the plugin's ``BENCH_PARAMS``. Three cases in one group: ``plain`` (no
-processors), ``idle`` (logit_bias enabled, no row uses it), ``active`` (every row uses it);
-compare their means in the table. ``freetoken bench plugin logit_bias`` prints the same three
-as ratios. The step is ``freetoken_core.bench.SamplerStep`` (logits refresh untimed).
-A second group times the processor alone (``apply`` then ``update`` for the 64 rows), the
-part of the active step that the plugin adds.
+The shape and the cases are those of ``plugin_cases``; the request fields are the
+plugin's ``BENCH_PARAMS``.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
+from plugin_cases import CASES, processor_alone, sampler_step
 
-from freetoken_core.bench import BASE_PARAMS, BenchShape, PluginBench, build_plugin_bench
-from freetoken_core.sampling_params import SamplingParams
 from freetoken_plugins.logit_bias import BENCH_PARAMS, LogitBias
 
-SHAPE = BenchShape(batch=64, vocab=151_936, history=3000, device="cpu")
-ROUNDS = 5
 
-
-@pytest.fixture(scope="module")
-def logit_bias_bench() -> PluginBench:
-    return build_plugin_bench("logit_bias", SHAPE, num_steps=ROUNDS + 2)
-
-
-@pytest.mark.parametrize("case", ["plain", "idle", "active"])
-def test_sampler_step(benchmark, logit_bias_bench: PluginBench, case: str) -> None:
-    step = getattr(logit_bias_bench, case)
-    benchmark.group = f"logit_bias sampler step, batch {SHAPE.batch}, vocab {SHAPE.vocab}"
-    benchmark.pedantic(step.run, setup=step.reset, rounds=ROUNDS, warmup_rounds=2)
-    assert len(step.last_tokens) == SHAPE.batch
+@pytest.mark.parametrize("case", CASES)
+def test_sampler_step(benchmark, case: str) -> None:
+    sampler_step(benchmark, "logit_bias", case)
 
 
 def test_processor_alone(benchmark) -> None:
-    device = torch.device(SHAPE.device)
-    model = SHAPE.model(ROUNDS + 2)
-    proc = LogitBias(SHAPE.batch, model, device)
-    params = SamplingParams(**{**BASE_PARAMS, **BENCH_PARAMS})
-    LogitBias.validate(params, model)
-    history = torch.randint(0, SHAPE.vocab, (SHAPE.batch, SHAPE.history)).tolist()
-    for slot, prompt in enumerate(history):
-        proc.add_request(slot, params, prompt, [])
-    slots = torch.arange(SHAPE.batch, device=device)
-    logits = torch.randn(SHAPE.batch, SHAPE.vocab, device=device)
-    before = logits.clone()
-    sampled = torch.randint(0, SHAPE.vocab, (SHAPE.batch,), device=device)
-
-    def step() -> None:
-        proc.apply(logits, slots)
-        proc.update(slots, sampled)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    benchmark.group = f"logit_bias processor alone, batch {SHAPE.batch}, vocab {SHAPE.vocab}"
-    benchmark.pedantic(step, rounds=50, warmup_rounds=3)
-    assert not torch.equal(logits, before)
+    processor_alone(benchmark, LogitBias, BENCH_PARAMS)

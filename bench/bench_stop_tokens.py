@@ -18,29 +18,19 @@ from __future__ import annotations
 import random
 
 import pytest
+from plugin_cases import CASES, SHAPE, sampler_step
 
-from freetoken_core.bench import BenchShape, PluginBench, build_plugin_bench
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo, StopView
 from freetoken_core.sampling_params import SamplingParams
 from freetoken_plugins.stop_tokens import BENCH_PARAMS
 
-SHAPE = BenchShape(batch=64, vocab=151_936, history=3000, device="cpu")
-ROUNDS = 5
 MODEL = ModelInfo(SHAPE.vocab, frozenset({2}), 8192)
 
 
-@pytest.fixture(scope="module")
-def stop_tokens_bench() -> PluginBench:
-    return build_plugin_bench("stop_tokens", SHAPE, num_steps=ROUNDS + 2)
-
-
-@pytest.mark.parametrize("case", ["plain", "idle", "active"])
-def test_sampler_step(benchmark, stop_tokens_bench: PluginBench, case: str) -> None:
-    step = getattr(stop_tokens_bench, case)
-    benchmark.group = f"stop_tokens sampler step, batch {SHAPE.batch}, vocab {SHAPE.vocab}"
-    benchmark.pedantic(step.run, setup=step.reset, rounds=ROUNDS, warmup_rounds=2)
-    assert len(step.last_tokens) == SHAPE.batch
+@pytest.mark.parametrize("case", CASES)
+def test_sampler_step(benchmark, case: str) -> None:
+    sampler_step(benchmark, "stop_tokens", case)
 
 
 @pytest.mark.parametrize("stopping", [False, True], ids=["no_row_stops", "every_row_stops"])

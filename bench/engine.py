@@ -72,8 +72,8 @@ def run_transformers(concurrency: int, max_tokens: int) -> dict:
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = prompt_ids(tokenizer)
-    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                  pad_token_id=tokenizer.pad_token_id)
+    kwargs = {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "do_sample": False,
+              "pad_token_id": tokenizer.pad_token_id}
     with torch.inference_mode():
         model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
         start = time.perf_counter()
