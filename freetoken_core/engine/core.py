@@ -33,6 +33,24 @@ def choice_seed(seed: int, index: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & _SEED_MASK
 
 
+def effective_max_tokens(num_prompt_tokens: int, params: SamplingParams,
+                         max_model_len: int) -> int:
+    """``params.max_tokens``, or the room left in the context when it is ``None``; raises
+    ``InvalidRequest`` (naming ``prompt`` or ``max_tokens``) when the request cannot fit."""
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequest(
+            "prompt", f"the prompt has {num_prompt_tokens} tokens but the model's context "
+            f"is {max_model_len} tokens, leaving no room to generate")
+    room = max_model_len - num_prompt_tokens
+    if params.max_tokens is None:
+        return room
+    if params.max_tokens > room:
+        raise InvalidRequest(
+            "max_tokens", f"max_tokens is {params.max_tokens} but the prompt has "
+            f"{num_prompt_tokens} tokens and the context is {max_model_len}: at most {room} fit")
+    return params.max_tokens
+
+
 @dataclass
 class SeqUpdate:
     """What one sequence did in one step: the token it drew and whether it finished."""
@@ -67,21 +85,14 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    @property
+    def num_requests(self) -> int:
+        """Requests with at least one sequence not yet finished."""
+        return len(self._seqs)
+
     def max_tokens_for(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The effective max_tokens; raises ``InvalidRequest`` when the request cannot fit."""
-        limit = self.limits.max_model_len
-        if num_prompt_tokens >= limit:
-            raise InvalidRequest(
-                "prompt", f"the prompt has {num_prompt_tokens} tokens but the model's context "
-                f"is {limit} tokens, leaving no room to generate")
-        room = limit - num_prompt_tokens
-        if params.max_tokens is None:
-            return room
-        if params.max_tokens > room:
-            raise InvalidRequest(
-                "max_tokens", f"max_tokens is {params.max_tokens} but the prompt has "
-                f"{num_prompt_tokens} tokens and the context is {limit}: at most {room} fit")
-        return params.max_tokens
+        return effective_max_tokens(num_prompt_tokens, params, self.limits.max_model_len)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:

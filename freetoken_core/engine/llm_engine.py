@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,57 @@ def compute_limits(config: EngineConfig, cfg: ModelConfig, eos: frozenset[int]) 
     return EngineLimits(max_len, num_blocks, config.block_size, cfg.vocab_size, eos)
 
 
+@dataclass
+class EngineParts:
+    """A built engine: what ``LLMEngine`` and the engine process of ``freetoken serve``
+    share. ``core`` owns the model and the KV cache; the rest describes the model."""
+
+    core: EngineCore
+    tokenizer: Any
+    model_info: ModelInfo
+    plugins: PluginManager
+    model_dir: Path
+    model_config: ModelConfig
+    limits: EngineLimits
+
+
+def build_engine(config: EngineConfig, progress: bool = True,
+                 plugins: PluginManager | None = None) -> EngineParts:
+    """Resolve and load the model named by ``config`` and wire the engine core to the
+    enabled plugins' processors and stop hooks. Raises ``ModelLoadError`` or
+    ``PluginSelectionError`` with a message for the operator."""
+    plugins = plugins if plugins is not None else PluginManager(config.plugins)
+    plugins.enabled  # noqa: B018 (fail fast on an unknown plugin name)
+    model_dir = resolve_model(config.model, progress=progress)
+    model_config = ModelConfig.from_dir(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    device = config.torch_device()
+    dtype = config.torch_dtype(device)
+    limits = compute_limits(config, model_config,
+                            eos_token_ids(model_dir, model_config, tokenizer))
+    model_info = ModelInfo(limits.vocab_size, limits.eos_token_ids, limits.max_model_len)
+    pipeline = ProcessorPipeline(plugins.processor_classes(), config.max_num_seqs,
+                                 model_info, device)
+    model = load_model(model_dir, dtype, device, limits.max_model_len)
+    runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size, dtype, device,
+                         pipeline)
+    block_manager = BlockManager(limits.num_kv_blocks, limits.block_size,
+                                 config.enable_prefix_caching)
+    scheduler = Scheduler(
+        block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+        on_admit=lambda seq: pipeline.add_request(
+            seq.slot, seq.params, seq.token_ids[:seq.num_prompt_tokens],
+            seq.output_token_ids),
+        on_release=lambda seq: pipeline.remove_request(seq.slot))
+    hook = plugins.pm.hook
+    core = EngineCore(
+        runner, scheduler, limits,
+        check_stop=lambda views, tokens: hook.freetoken_check_stop(
+            sequences=views, token_ids=tokens),
+        stop_fields=frozenset(plugins.stop_fields()))
+    return EngineParts(core, tokenizer, model_info, plugins, model_dir, model_config, limits)
+
+
 class LLMEngine:
     """Loads the model named by ``config`` and runs requests through the engine core.
 
@@ -54,37 +106,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True,
                  plugins: PluginManager | None = None) -> None:
         self.config = config
-        self.plugins = plugins if plugins is not None else PluginManager(config.plugins)
-        self.plugins.enabled  # noqa: B018 (fail fast on an unknown plugin name)
-        self.model_dir = resolve_model(config.model, progress=progress)
-        self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.tokenizer = load_tokenizer(self.model_dir)
-        device = config.torch_device()
-        dtype = config.torch_dtype(device)
-        limits = compute_limits(config, self.model_config,
-                                eos_token_ids(self.model_dir, self.model_config, self.tokenizer))
-        self.model_info = ModelInfo(limits.vocab_size, limits.eos_token_ids,
-                                    limits.max_model_len)
-        pipeline = ProcessorPipeline(self.plugins.processor_classes(), config.max_num_seqs,
-                                     self.model_info, device)
-        model = load_model(self.model_dir, dtype, device, limits.max_model_len)
-        runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size, dtype, device,
-                             pipeline)
-        block_manager = BlockManager(limits.num_kv_blocks, limits.block_size,
-                                     config.enable_prefix_caching)
-        scheduler = Scheduler(
-            block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-            on_admit=lambda seq: pipeline.add_request(
-                seq.slot, seq.params, seq.token_ids[:seq.num_prompt_tokens],
-                seq.output_token_ids),
-            on_release=lambda seq: pipeline.remove_request(seq.slot))
-        self.limits = limits
-        hook = self.plugins.pm.hook
-        self.core = EngineCore(
-            runner, scheduler, limits,
-            check_stop=lambda views, tokens: hook.freetoken_check_stop(
-                sequences=views, token_ids=tokens),
-            stop_fields=frozenset(self.plugins.stop_fields()))
+        parts = build_engine(config, progress, plugins)
+        self.plugins = parts.plugins
+        self.model_dir = parts.model_dir
+        self.model_config = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.model_info = parts.model_info
+        self.limits = parts.limits
+        self.core = parts.core
         self._requests: dict[str, RequestState] = {}
 
     def encode(self, prompt: str) -> list[int]:
