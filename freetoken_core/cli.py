@@ -1,6 +1,7 @@
 """The ``freetoken`` command line.
 
     freetoken generate PROMPT [--plugins LIST] [--param FIELD=VALUE ...] [engine options]
+    freetoken serve [--host 127.0.0.1] [--port 8000] [--served-model-name NAME] [engine options]
     freetoken plugins [--json] [--plugins LIST]
     freetoken bench plugin NAME [--batch B --vocab V --history H --device D --steps N]
 
@@ -90,6 +91,33 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """Run the OpenAI-compatible server until SIGINT/SIGTERM; the engine process is
+    stopped and joined before this returns. Exit status 2 when the model fails to load."""
+    import uvicorn
+
+    from freetoken_core.config import EngineConfig
+    from freetoken_core.plugins import PluginManager
+    from freetoken_core.server.app import ServerConfig, create_app
+
+    engine_config = EngineConfig(model=args.model, **_engine_options(args))
+    PluginManager(engine_config.plugins).enabled  # noqa: B018 (a bad --plugins fails here)
+    failures: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(message: str) -> None:
+        failures.append(message)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(ServerConfig(engine_config, args.served_model_name), on_fatal=on_fatal)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=5))
+    server.run()
+    return 2 if failures else 0
+
+
 def _plugins(args: argparse.Namespace) -> int:
     from freetoken_core.plugins import PluginManager
 
@@ -143,6 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a plugin request field, VALUE as JSON, e.g. min_p=0.1 (repeatable)")
     _add_engine_options(gen)
     gen.set_defaults(func=_generate)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model name clients use (default: the --model argument)")
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
+    _add_engine_options(serve)
+    serve.set_defaults(func=_serve)
 
     plugins = commands.add_parser("plugins", help="list the installed plugins")
     plugins.add_argument("--json", action="store_true",

@@ -1,0 +1,1 @@
+"""``freetoken serve``: the OpenAI-compatible HTTP server and its engine process."""

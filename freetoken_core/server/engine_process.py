@@ -1,0 +1,196 @@
+"""The engine core in its own process, fed and read over msgspec messages.
+
+The server process starts ``run_engine_process`` in a child made with the ``spawn``
+context and talks to it over two one-way ``multiprocessing`` pipes of msgpack-encoded
+messages (``send_bytes`` / ``recv_bytes``):
+
+* server → engine (``ToEngine``): ``AddRequest``, ``AbortRequest``, ``StopSequence``,
+  ``StatsQuery``, ``Shutdown``;
+* engine → server (``FromEngine``): first exactly one of ``Ready`` (the model is loaded)
+  or ``LoadFailed`` (one line for the operator; the child then exits), then
+  ``StepUpdates`` (one message per engine step that produced tokens), ``RequestFailed``
+  (an ``AddRequest`` the engine refused; nothing else comes for that request) and
+  ``Stats`` (one per ``StatsQuery``, in order).
+
+The loop blocks on the input pipe while there is no work, and otherwise drains every
+waiting message between two steps, so an abort frees its KV blocks before the next step.
+The child exits on ``Shutdown`` or when the server's end of a pipe closes.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import fields
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+
+from freetoken_core.config import EngineConfig
+from freetoken_core.errors import FreeTokenError, InvalidRequest
+from freetoken_core.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    """Start ``request_id``; ``params`` are ``SamplingParams`` keywords (plugin fields too)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class StopSequence(msgspec.Struct, tag=True):
+    """End choice ``index`` of ``request_id`` (a stop string matched in the server)."""
+
+    request_id: str
+    index: int
+    stop_reason: int | str | None
+
+
+class StatsQuery(msgspec.Struct, tag=True):
+    pass
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag=True):
+    """The model is loaded; what the server needs to validate and tokenize requests."""
+
+    model_dir: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_model_len: int
+
+
+class LoadFailed(msgspec.Struct, tag=True):
+    message: str
+
+
+class Update(msgspec.Struct, array_like=True):
+    """One sequence's step: the ``SeqUpdate`` fields the server needs (no logprobs yet)."""
+
+    request_id: str
+    index: int
+    token_id: int
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+
+
+class StepUpdates(msgspec.Struct, tag=True):
+    updates: list[Update]
+
+
+class RequestFailed(msgspec.Struct, tag=True):
+    request_id: str
+    param: str | None
+    message: str
+
+
+class Stats(msgspec.Struct, tag=True):
+    """Engine load: sequences running and waiting, live requests, KV blocks in use, and
+    how many live requests were aborted since start."""
+
+    num_running: int
+    num_waiting: int
+    num_requests: int
+    num_used_kv_blocks: int
+    num_kv_blocks: int
+    num_aborted_requests: int
+
+
+ToEngine = AddRequest | AbortRequest | StopSequence | StatsQuery | Shutdown
+FromEngine = Ready | LoadFailed | StepUpdates | RequestFailed | Stats
+
+_CORE_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.name != "extra")
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    """``SamplingParams`` as the keywords that rebuild it on the other side."""
+    wire = {name: getattr(params, name) for name in _CORE_FIELDS}
+    wire.update(params.extra)
+    return wire
+
+
+class _Engine:
+    """The child's side: one built engine and the message loop around it."""
+
+    def __init__(self, config: EngineConfig, conn_in: Connection, conn_out: Connection) -> None:
+        from freetoken_core.engine.llm_engine import build_engine
+
+        self.parts = build_engine(config, progress=False)
+        self.core = self.parts.core
+        self.conn_in = conn_in
+        self.conn_out = conn_out
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(ToEngine)
+        self.running = True
+        self.num_aborted = 0
+
+    def send(self, message: FromEngine) -> None:
+        self.conn_out.send_bytes(self.encoder.encode(message))
+
+    def handle(self, message: ToEngine) -> None:
+        if isinstance(message, AddRequest):
+            try:
+                params = SamplingParams(**message.params)
+                self.parts.plugins.validate(params, self.parts.model_info)
+                self.core.add_request(message.request_id, message.prompt_token_ids, params)
+            except InvalidRequest as exc:
+                self.send(RequestFailed(message.request_id, exc.param, exc.message))
+        elif isinstance(message, AbortRequest):
+            num_live = self.core.num_requests
+            self.core.abort_request(message.request_id)
+            self.num_aborted += self.core.num_requests < num_live
+        elif isinstance(message, StopSequence):
+            self.core.stop_sequence(message.request_id, message.index, message.stop_reason)
+        elif isinstance(message, StatsQuery):
+            scheduler = self.core.scheduler
+            self.send(Stats(len(scheduler.running), len(scheduler.waiting),
+                            self.core.num_requests, scheduler.block_manager.num_used_blocks,
+                            scheduler.block_manager.num_blocks, self.num_aborted))
+        elif isinstance(message, Shutdown):
+            self.running = False
+
+    def loop(self) -> None:
+        while self.running:
+            # Block while idle; between steps take whatever has arrived.
+            if not self.core.has_unfinished or self.conn_in.poll(0):
+                self.handle(self.decoder.decode(self.conn_in.recv_bytes()))
+                while self.running and self.conn_in.poll(0):
+                    self.handle(self.decoder.decode(self.conn_in.recv_bytes()))
+                continue
+            updates = self.core.step()
+            if updates:
+                self.send(StepUpdates([
+                    Update(u.request_id, u.index, u.token_id, u.finish_reason, u.stop_reason,
+                           u.num_cached_tokens) for u in updates]))
+
+
+def run_engine_process(config: EngineConfig, conn_in: Connection, conn_out: Connection) -> None:
+    """Child entry point: build the engine, report ``Ready`` or ``LoadFailed``, then loop.
+
+    SIGINT is ignored so that a Ctrl-C in the terminal reaches only the server, which
+    then shuts the engine down in order.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        engine = _Engine(config, conn_in, conn_out)
+    except Exception as exc:  # noqa: BLE001 (reported to the operator, then exit)
+        text = str(exc) if isinstance(exc, FreeTokenError) else f"{type(exc).__name__}: {exc}"
+        conn_out.send_bytes(encoder.encode(LoadFailed(text)))
+        return
+    parts = engine.parts
+    engine.send(Ready(str(parts.model_dir), parts.limits.vocab_size,
+                      sorted(parts.limits.eos_token_ids), parts.limits.max_model_len))
+    try:
+        engine.loop()
+    except (EOFError, BrokenPipeError, OSError):
+        pass  # the server went away: nothing left to serve

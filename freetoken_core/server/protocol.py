@@ -1,0 +1,214 @@
+"""msgspec Structs for the OpenAI-compatible request and response bodies.
+
+Requests accept unknown fields at the schema level (real clients send them); the routes
+then pass every field that is not declared here to ``SamplingParams`` as a plugin field,
+so a field no enabled plugin owns is a 400 naming it (``PluginManager.validate``). Fields
+that clients send and that we accept by design without effect are in ``IGNORED_FIELDS``.
+Simple constraints live in the types; ``SamplingParams`` and the plugins check the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
+"""Accepted and without effect on generation (as in OpenAI's own server for these)."""
+
+MAX_N = 16
+
+Temperature = Annotated[float, Meta(ge=0, le=2)]
+TopP = Annotated[float, Meta(gt=0, le=1)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+ChoiceCount = Annotated[int, Meta(ge=1, le=MAX_N)]
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
+    """Fields shared by both generation routes (core ``SamplingParams`` fields)."""
+
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: ChoiceCount = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Declared so that they are refused by name until they are implemented.
+    logprobs: Any = None
+    top_logprobs: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    """``POST /v1/completions``: ``prompt`` is a str, [str], [int] or [[int]]."""
+
+    prompt: str | list[Any]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
+    role: str
+    content: str | list[Any] | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    """``POST /v1/chat/completions``: rendered through the model's chat template."""
+
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
+    """vLLM's ``/tokenize``: exactly one of ``prompt`` and ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+class TokenizeResponse(msgspec.Struct):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+# -- responses -------------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: Literal["text_completion"] = "text_completion"
+    system_fingerprint: None = None
+
+
+class ResponseMessage(msgspec.Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ResponseMessage
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+    system_fingerprint: None = None
+
+
+class DeltaMessage(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    system_fingerprint: None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str = "freetoken"
+    max_model_len: int | None = None
+    object: Literal["model"] = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class ErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorBody
+
+
+class EngineStats(msgspec.Struct):
+    """``GET /internal/stats``: the engine's load between two steps."""
+
+    num_running: int
+    num_waiting: int
+    num_requests: int
+    num_used_kv_blocks: int
+    num_kv_blocks: int
+    num_aborted_requests: int
