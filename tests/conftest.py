@@ -11,7 +11,7 @@ from pathlib import Path
 if not Path("/dev/nvidia0").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 

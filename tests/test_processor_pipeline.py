@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 
@@ -27,7 +29,7 @@ class Recorder(LogitsProcessor):
     name = "recorder"
     stage = Stage.PRE_TEMPERATURE
     fields = ("bump",)
-    calls: list = []
+    calls: ClassVar[list] = []
 
     def __init__(self, max_num_slots, model, device):
         super().__init__(max_num_slots, model, device)
