@@ -6,12 +6,14 @@ VENV ?= .venv
 #   make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" test
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= What is the capital of France? Answer in one sentence.
+HOST ?= 127.0.0.1
+PORT ?= 8000
 PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.freetoken-installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup serve generate test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +25,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-run: $(STAMP)
+serve: $(STAMP)
+	$(BIN)/freetoken serve --host $(HOST) --port $(PORT)
+
+generate: $(STAMP)
 	$(BIN)/freetoken generate "$(PROMPT)"
 
 test: $(STAMP)

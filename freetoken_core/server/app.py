@@ -24,6 +24,7 @@ from litestar.response import ServerSentEvent
 
 from freetoken_core.config import EngineConfig
 from freetoken_core.errors import FreeTokenError, InvalidRequest
+from freetoken_core.models.resolve import DEFAULT_MODEL_NAME
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo
 from freetoken_core.server import protocol as p
@@ -45,14 +46,14 @@ log = logging.getLogger("freetoken.server")
 @dataclass(frozen=True)
 class ServerConfig:
     """What ``freetoken serve`` was asked to serve; ``served_model_name`` is the ``model``
-    clients name (default: the ``--model`` argument, or ``default``)."""
+    clients name (default: the ``--model`` argument, or the embedded model's name)."""
 
     engine: EngineConfig
     served_model_name: str | None = None
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.engine.model or "default"
+        return self.served_model_name or self.engine.model or DEFAULT_MODEL_NAME
 
 
 class ApiError(FreeTokenError):
