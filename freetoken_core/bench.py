@@ -120,8 +120,7 @@ class SamplerStep:
         tokens = self.sampler(self.logits, batch).token_ids
         if self.check_stop is not None and self.stop_rows:
             # As EngineCore._plugin_stops: only the rows whose request uses a stop field.
-            views = [StopView(self.seqs[i].params, self.seqs[i].num_output_tokens,
-                              self.seqs[i].output_token_ids) for i in self.stop_rows]
+            views = [StopView.of(self.seqs[i]) for i in self.stop_rows]
             self.check_stop(views, [tokens[i] for i in self.stop_rows])
         self.last_tokens = tokens
         return tokens

@@ -31,12 +31,14 @@ logprobs. Processors declared ``argmax_invariant`` are skipped in all-greedy ste
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 if TYPE_CHECKING:
+    from freetoken_core.engine.sequence import Sequence as EngineSequence
     from freetoken_core.sampling_params import SamplingParams
 
 
@@ -61,11 +63,17 @@ class ModelInfo:
 
 @dataclass
 class StopView:
-    """One sequence as ``freetoken_check_stop`` sees it."""
+    """One sequence as ``freetoken_check_stop`` sees it. ``output_token_ids`` is a read-only
+    sequence of the generated tokens (the engine passes a view: indexing from the end is
+    cheap, slicing copies)."""
 
     params: SamplingParams
     num_output_tokens: int
-    output_token_ids: list[int]
+    output_token_ids: SequenceABC[int]
+
+    @classmethod
+    def of(cls, seq: EngineSequence) -> StopView:
+        return cls(seq.params, seq.num_output_tokens, seq.output_view())
 
 
 class LogitsProcessor:

@@ -162,8 +162,7 @@ class EngineCore:
         rows = [i for i, s in enumerate(seqs) if not self._stop_fields.isdisjoint(s.params.extra)]
         if not rows:
             return {}
-        views = [StopView(seqs[i].params, seqs[i].num_output_tokens, seqs[i].output_token_ids)
-                 for i in rows]
+        views = [StopView.of(seqs[i]) for i in rows]
         stops: dict[int, int | str] = {}
         for result in self._check_stop_hook(views, [tokens[i] for i in rows]):
             for view_row, reason in (result or {}).items():

@@ -57,6 +57,7 @@ class SamplingBatch:
     seeds: torch.Tensor
     counters: torch.Tensor
     all_greedy: bool
+    any_greedy: bool
     filter_rows: torch.Tensor | None
     """Rows with top-k or top-p (only they pay for the sort), or None."""
     max_top_k: int
@@ -84,6 +85,7 @@ class SamplingBatch:
             seeds=t([s.seed for s in seqs], torch.long),
             counters=t([s.num_output_tokens for s in seqs], torch.long),
             all_greedy=all(x == 0.0 for x in temps),
+            any_greedy=any(x == 0.0 for x in temps),
             filter_rows=t(filter_rows, torch.long) if filter_rows else None,
             max_top_k=max(top_k, default=-1),
             max_logprobs=max((n or 0 for n in num_logprobs), default=0),
@@ -166,7 +168,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch,
                 pipeline: ProcessorPipeline | None) -> torch.Tensor:
         greedy = batch.temperature == 0
-        argmax = logits.argmax(dim=-1)
+        argmax = logits.argmax(dim=-1) if batch.any_greedy else None
         temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
         logits = logits / temp.unsqueeze(1)
         if pipeline is not None:
@@ -181,7 +183,8 @@ class Sampler:
         u = counter_uniform(batch.seeds, batch.counters).to(cdf.dtype).unsqueeze(1)
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
         choice = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[1] - 1)
-        return torch.where(greedy, argmax, choice.squeeze(1))
+        choice = choice.squeeze(1)
+        return choice if argmax is None else torch.where(greedy, argmax, choice)
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
                   ) -> list[TokenLogprobs | None]:

@@ -3,9 +3,28 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 from freetoken_core.sampling_params import SamplingParams
+
+
+class TokenSlice(SequenceABC):
+    """A read-only view of ``tokens[start:]`` that copies nothing until sliced."""
+
+    __slots__ = ("_start", "_tokens")
+
+    def __init__(self, tokens: list[int], start: int) -> None:
+        self._tokens = tokens
+        self._start = start
+
+    def __len__(self) -> int:
+        return len(self._tokens) - self._start
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return self._tokens[self._start:][index]
+        return self._tokens[self._start + range(len(self))[index]]
 
 
 class SequenceStatus(enum.Enum):
@@ -55,6 +74,10 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def output_view(self) -> TokenSlice:
+        """The generated tokens without a copy (a stop hook reads them every step)."""
+        return TokenSlice(self.token_ids, self.num_prompt_tokens)
 
     @property
     def num_uncomputed_tokens(self) -> int:
