@@ -46,10 +46,11 @@ def test_unknown_plugin_name_lists_installed() -> None:
 def test_fields_of_disabled_and_unknown_plugins_are_refused() -> None:
     pm = PluginManager("penalties")
     pm.validate(SamplingParams(repetition_penalty=1.2), MODEL)
-    with pytest.raises(InvalidRequest) as exc:
-        pm.validate(SamplingParams(min_p=0.1), MODEL)
-    assert exc.value.param == "min_p" and "min_p" in exc.value.message
-    assert "--plugins" in exc.value.message
+    for field, value in (("min_p", 0.1), ("logit_bias", {1: 2.0})):
+        with pytest.raises(InvalidRequest) as exc:
+            pm.validate(SamplingParams(**{field: value}), MODEL)
+        assert exc.value.param == field and f"plugin {field!r}" in exc.value.message
+        assert "--plugins" in exc.value.message
     with pytest.raises(InvalidRequest) as exc:
         pm.validate(SamplingParams(no_such_field=1), MODEL)
     assert exc.value.param == "no_such_field"
