@@ -1,7 +1,8 @@
 """The ``freetoken`` command line.
 
     freetoken generate PROMPT [--plugins LIST] [--param FIELD=VALUE ...] [engine options]
-    freetoken serve [--host 127.0.0.1] [--port 8000] [--served-model-name NAME] [engine options]
+    freetoken serve [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
+                    [--api-key KEY] [engine options]
     freetoken plugins [--json] [--plugins LIST]
     freetoken bench plugin NAME [--batch B --vocab V --history H --device D --steps N]
 
@@ -110,7 +111,8 @@ def _serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(ServerConfig(engine_config, args.served_model_name), on_fatal=on_fatal)
+    config = ServerConfig(engine_config, args.served_model_name, api_key=args.api_key)
+    app = create_app(config, on_fatal=on_fatal)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=5))
@@ -177,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model name clients use (default: the --model argument)")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every route but /health")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     _add_engine_options(serve)

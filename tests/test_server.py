@@ -6,74 +6,23 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import openai
 import psutil
 import pytest
-
-START_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen, port: int, model: str) -> None:
-        self.proc, self.port, self.model = proc, port, model
-        self.url = f"http://127.0.0.1:{port}"
-        self.http = httpx.Client(base_url=self.url, timeout=30)
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0)
-        self.health_seen: list[int] = []
-
-    def stats(self) -> dict:
-        r = self.http.get("/internal/stats")
-        assert r.status_code == 200, r.text
-        return r.json()
-
-
-def _serve_cmd(model: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "freetoken_core.cli", "serve", "--model", model,
-            "--port", str(port), "--kv-cache-tokens", "8192", "--log-level", "warning",
-            "--served-model-name", "tiny/llama"]
+from server_fixtures import Server, free_port, serve_cmd, start_server, stop_server
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Iterator[Server]:
-    port = _free_port()
-    proc = subprocess.Popen(_serve_cmd(str(tiny_model_dir), port), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    srv = Server(proc, port, "tiny/llama")
-    deadline = time.monotonic() + START_TIMEOUT_S
-    status = None
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            status = srv.http.get("/health").status_code
-            srv.health_seen.append(status)
-        except httpx.TransportError:
-            status = None
-        if status == 200:
-            break
-        time.sleep(0.25)
-    if status != 200:
-        proc.kill()
-        output = proc.communicate()[0]
-        pytest.fail(f"freetoken serve did not become healthy within {START_TIMEOUT_S} s "
-                    f"(last status {status}); its output:\n{output}")
+    srv = start_server(tiny_model_dir)
     yield srv
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    stop_server(srv)
 
 
 def _post(server: Server, path: str, body: dict) -> httpx.Response:
@@ -234,8 +183,8 @@ def test_logit_bias_steers_first_token(server: Server) -> None:
     ("/v1/completions", {"prompt": "x", "presence_penalty": 5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
      "stream_options"),
     ("/v1/chat/completions", {"prompt": "x"}, "messages"),
@@ -302,7 +251,7 @@ def test_disconnect_aborts_while_other_stream_completes(server: Server) -> None:
 
 
 def test_load_failure_exits_with_one_line(tmp_path: Path) -> None:
-    proc = subprocess.run(_serve_cmd(str(tmp_path / "missing"), _free_port()),
+    proc = subprocess.run(serve_cmd(str(tmp_path / "missing"), free_port()),
                           check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("freetoken: error:")]

@@ -3,109 +3,35 @@
 ``create_app(config)`` returns an app whose start-up spawns the engine process and whose
 shutdown stops it. Until the model is loaded ``/health`` answers 503 and the generation
 routes 503; every error is rendered as ``{"error": {"message", "type", "param", "code"}}``
-(``InvalidRequest`` and any schema failure → 400, unknown model or route → 404).
+(``InvalidRequest`` and any schema failure → 400, unknown model or route → 404). With
+``ServerConfig.api_key`` every route but ``/health`` answers 401 without
+``Authorization: Bearer <key>``. The generation routes live in ``openai_routes.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import sys
-import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
-from litestar.response import ServerSentEvent
 
-from freetoken_core.config import EngineConfig
-from freetoken_core.errors import FreeTokenError, InvalidRequest
-from freetoken_core.models.resolve import DEFAULT_MODEL_NAME
-from freetoken_core.plugins import PluginManager
-from freetoken_core.processors import ModelInfo
+from freetoken_core.errors import InvalidRequest
 from freetoken_core.server import protocol as p
 from freetoken_core.server.engine_client import EngineClient, EngineDeadError
-from freetoken_core.server.serving import (
-    Generation,
-    chat_messages,
-    check_fits,
-    completion_prompts,
-    encode,
-    parse_body,
-    sampling_params,
-)
-from freetoken_core.tokenizer import apply_chat_template, load_tokenizer
+from freetoken_core.server.metrics import CONTENT_TYPE
+from freetoken_core.server.openai_routes import run_generation
+from freetoken_core.server.serving import encode, parse_body, render_chat
+from freetoken_core.server.state import ApiError, ServerConfig, Serving
+
+__all__ = ["ServerConfig", "create_app"]
 
 log = logging.getLogger("freetoken.server")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """What ``freetoken serve`` was asked to serve; ``served_model_name`` is the ``model``
-    clients name (default: the ``--model`` argument, or the embedded model's name)."""
-
-    engine: EngineConfig
-    served_model_name: str | None = None
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.engine.model or DEFAULT_MODEL_NAME
-
-
-class ApiError(FreeTokenError):
-    """An error with its HTTP status and OpenAI ``type`` / ``code``."""
-
-    def __init__(self, status: int, message: str, type_: str, code: str | None = None,
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = (
-            status, message, type_, code, param)
-
-
-@dataclass
-class Serving:
-    """What the routes share, filled in once the engine reports ``Ready``."""
-
-    config: ServerConfig
-    client: EngineClient
-    created: int = field(default_factory=lambda: int(time.time()))
-    tokenizer: Any = None
-    plugins: PluginManager | None = None
-    model_info: ModelInfo | None = None
-
-    @property
-    def is_ready(self) -> bool:
-        return self.model_info is not None and self.client.ready
-
-    def require_ready(self, model: str | None = None) -> tuple[Any, PluginManager, ModelInfo]:
-        if not self.is_ready:
-            raise ApiError(503, self.client.dead_message or "the model is still loading",
-                           "service_unavailable")
-        if model is not None and model != self.config.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.config.model_name!r}", "invalid_request_error",
-                           "model_not_found", "model")
-        assert self.plugins is not None and self.model_info is not None
-        return self.tokenizer, self.plugins, self.model_info
-
-    async def load(self, on_fatal: Callable[[str], None]) -> None:
-        """Wait for the engine, then load the tokenizer and the plugins for validation."""
-        try:
-            info = await self.client.wait_ready()
-        except EngineDeadError:
-            return  # already reported through the client's on_dead
-        try:
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, Path(info.model_dir))
-            plugins = PluginManager(self.config.engine.plugins)
-            plugins.enabled  # noqa: B018 (loads the plugins now, not on the first request)
-            self.plugins = plugins
-            self.model_info = ModelInfo(info.vocab_size, info.eos_token_ids, info.max_model_len)
-        except FreeTokenError as exc:
-            on_fatal(str(exc))
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None,
@@ -131,85 +57,11 @@ def _handle(request: Request, exc: Exception) -> Response:
     return _error(500, f"internal error: {type(exc).__name__}", "internal_error")
 
 
-def _sse(data: msgspec.Struct | str) -> str:
-    return data if isinstance(data, str) else msgspec.json.encode(data).decode()
-
-
-async def _stream(gen: Generation, first: Any, deltas: AsyncIterator[Any],
-                  chunk: Callable[[list[Any], p.Usage | None], msgspec.Struct],
-                  choice: Callable[[Any], Any], include_usage: bool,
-                  opening: list[Any]) -> AsyncIterator[str]:
-    """The SSE body; ``deltas`` is closed (and the engine request aborted) on disconnect."""
+def _version() -> str:
     try:
-        if opening:
-            yield _sse(chunk(opening, None))
-        if first is not None:
-            yield _sse(chunk([choice(first)], None))
-        async for delta in deltas:
-            yield _sse(chunk([choice(delta)], None))
-        if include_usage:
-            yield _sse(chunk([], gen.usage()))
-    except FreeTokenError as exc:
-        param = exc.param if isinstance(exc, InvalidRequest) else None
-        yield _sse(p.ErrorResponse(p.ErrorBody(str(exc), "server_error", param)))
-    finally:
-        await deltas.aclose()
-    yield "[DONE]"
-
-
-async def _run(serving: Serving, request: Request, chat: bool) -> Any:
-    cls = p.ChatCompletionRequest if chat else p.CompletionRequest
-    body, extra = parse_body(await request.body(), cls)
-    tokenizer, plugins, model_info = serving.require_ready(body.model)
-    params = sampling_params(body, extra, plugins, model_info)
-    if chat:
-        text = apply_chat_template(tokenizer, chat_messages(body.messages),
-                                   add_generation_prompt=body.add_generation_prompt)
-        prompts = [encode(tokenizer, text)]
-    else:
-        prompts = completion_prompts(tokenizer, body.prompt)
-    check_fits(prompts, params, model_info)
-    gen = Generation(serving.client, tokenizer, prompts, params)
-    prefix = "chatcmpl-" if chat else "cmpl-"
-    rid, created, name = prefix + gen.request_id, int(time.time()), serving.config.model_name
-    if chat:
-        def chunk(choices: list[Any], usage: p.Usage | None) -> msgspec.Struct:
-            return p.ChatCompletionChunk(rid, created, name, choices, usage)
-
-        def choice(d: Any) -> Any:
-            return p.ChatChunkChoice(d.index, p.DeltaMessage(content=d.text), d.finish_reason,
-                                     d.stop_reason)
-    else:
-        def chunk(choices: list[Any], usage: p.Usage | None) -> msgspec.Struct:
-            return p.CompletionResponse(rid, created, name, choices, usage)
-
-        def choice(d: Any) -> Any:
-            return p.CompletionChoice(d.index, d.text, d.finish_reason, d.stop_reason)
-
-    deltas = gen.deltas()
-    if body.stream:
-        # The first delta is awaited here so that an engine refusal is still a plain 400.
-        try:
-            first = await deltas.__anext__()
-        except StopAsyncIteration:
-            first = None
-        except BaseException:
-            await deltas.aclose()
-            raise
-        opening = ([p.ChatChunkChoice(i, p.DeltaMessage(role="assistant", content=""))
-                    for i in range(len(prompts) * params.n)] if chat else [])
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return ServerSentEvent(_stream(gen, first, deltas, chunk, choice,
-                                       include_usage, opening))
-    async for _ in deltas:
-        pass
-    finishes = gen.finishes()
-    if chat:
-        choices = [p.ChatChoice(i, p.ResponseMessage(t), *finishes[i])
-                   for i, t in enumerate(gen.texts())]
-        return p.ChatCompletionResponse(rid, created, name, choices, gen.usage())
-    choices = [p.CompletionChoice(i, t, *finishes[i]) for i, t in enumerate(gen.texts())]
-    return p.CompletionResponse(rid, created, name, choices, gen.usage())
+        return version("freetoken")
+    except PackageNotFoundError:
+        return "unknown"  # running from a source tree that was never installed
 
 
 def create_app(config: ServerConfig, client: EngineClient | None = None,
@@ -233,6 +85,18 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
 
     async def shutdown() -> None:
         await asyncio.to_thread(serving.client.shutdown)
+
+    expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
+
+    def authorize(request: Request) -> Response | None:
+        """With an API key, 401 for any route but ``/health`` without the bearer token."""
+        if expected_auth is None or request.url.path == "/health":
+            return None
+        given = request.headers.get("authorization", "").encode()
+        if secrets.compare_digest(given, expected_auth):
+            return None
+        return _error(401, "a valid API key is needed: send 'Authorization: Bearer <key>'",
+                      "invalid_request_error", code="invalid_api_key")
 
     @get("/health", sync_to_thread=False)
     def health() -> Response:
@@ -264,11 +128,11 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Any:
-        return await _run(serving, request, chat=False)
+        return await run_generation(serving, request, chat=False)
 
     @post("/v1/chat/completions", status_code=200)
     async def chat_completions(request: Request) -> Any:
-        return await _run(serving, request, chat=True)
+        return await run_generation(serving, request, chat=True)
 
     @post(["/tokenize", "/v1/tokenize"], status_code=200)
     async def tokenize(request: Request) -> p.TokenizeResponse:
@@ -277,8 +141,13 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("prompt", "give exactly one of prompt and messages")
         if body.messages is not None:
-            text = apply_chat_template(tokenizer, chat_messages(body.messages),
-                                       add_generation_prompt=body.add_generation_prompt)
+            if body.continue_final_message and body.add_generation_prompt:
+                raise InvalidRequest("continue_final_message", "continue_final_message and "
+                                     "add_generation_prompt cannot both be true")
+            text = render_chat(tokenizer, body.messages,
+                               add_generation_prompt=body.add_generation_prompt,
+                               continue_final_message=body.continue_final_message,
+                               chat_template_kwargs=body.chat_template_kwargs)
             tokens = encode(tokenizer, text)
         else:
             tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -292,9 +161,19 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
             raise InvalidRequest("tokens", f"token ids must be in [0, {model_info.vocab_size})")
         return p.DetokenizeResponse(tokenizer.decode(body.tokens))
 
+    @get("/version", sync_to_thread=False)
+    def version_() -> p.VersionResponse:
+        return p.VersionResponse(_version())
+
+    @get("/metrics")
+    async def metrics() -> Response:
+        serving.require_ready()
+        text = serving.metrics.render(await serving.client.stats())
+        return Response(content=text, media_type=CONTENT_TYPE)
+
     return Litestar(
         route_handlers=[health, stats, models, model, completions, chat_completions,
-                        tokenize, detokenize],
-        on_startup=[startup], on_shutdown=[shutdown],
+                        tokenize, detokenize, version_, metrics],
+        on_startup=[startup], on_shutdown=[shutdown], before_request=authorize,
         exception_handlers={Exception: _handle},
     )

@@ -22,13 +22,16 @@ from __future__ import annotations
 import signal
 from dataclasses import fields
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from freetoken_core.config import EngineConfig
 from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from freetoken_core.engine.core import SeqUpdate
 
 
 class AddRequest(msgspec.Struct, tag=True):
@@ -73,7 +76,9 @@ class LoadFailed(msgspec.Struct, tag=True):
 
 
 class Update(msgspec.Struct, array_like=True):
-    """One sequence's step: the ``SeqUpdate`` fields the server needs (no logprobs yet)."""
+    """One sequence's step: the ``SeqUpdate`` fields the server needs. ``logprob`` and
+    ``top_logprobs`` (``(token_id, logprob)``, most likely first) are set only when the
+    request asked for ``SamplingParams.logprobs``."""
 
     request_id: str
     index: int
@@ -81,6 +86,8 @@ class Update(msgspec.Struct, array_like=True):
     finish_reason: str | None
     stop_reason: int | str | None
     num_cached_tokens: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class StepUpdates(msgspec.Struct, tag=True):
@@ -168,9 +175,14 @@ class _Engine:
                 continue
             updates = self.core.step()
             if updates:
-                self.send(StepUpdates([
-                    Update(u.request_id, u.index, u.token_id, u.finish_reason, u.stop_reason,
-                           u.num_cached_tokens) for u in updates]))
+                self.send(StepUpdates([_wire_update(u) for u in updates]))
+
+
+def _wire_update(u: SeqUpdate) -> Update:
+    lp = u.logprobs
+    return Update(u.request_id, u.index, u.token_id, u.finish_reason, u.stop_reason,
+                  u.num_cached_tokens, None if lp is None else lp.logprob,
+                  None if lp is None else lp.top)
 
 
 def run_engine_process(config: EngineConfig, conn_in: Connection, conn_out: Connection) -> None:

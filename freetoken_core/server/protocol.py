@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from freetoken_core.sampling_params import MAX_LOGPROBS
+
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
 """Accepted and without effect on generation (as in OpenAI's own server for these)."""
 
@@ -23,6 +25,7 @@ Temperature = Annotated[float, Meta(ge=0, le=2)]
 TopP = Annotated[float, Meta(gt=0, le=1)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 ChoiceCount = Annotated[int, Meta(ge=1, le=MAX_N)]
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
@@ -47,8 +50,6 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Declared so that they are refused by name until they are implemented.
-    logprobs: Any = None
-    top_logprobs: Any = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -59,6 +60,9 @@ class CompletionRequest(_Sampling, kw_only=True):
     """``POST /v1/completions``: ``prompt`` is a str, [str], [int] or [[int]]."""
 
     prompt: str | list[Any]
+    logprobs: NumLogprobs | None = None
+    """Top alternatives per token beside the sampled one (``None``: no logprobs)."""
+    top_logprobs: Any = None  # a chat field: refused here by name
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -73,7 +77,15 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     """``POST /v1/chat/completions``: rendered through the model's chat template."""
 
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    logprobs: bool = False
+    top_logprobs: NumLogprobs | None = None
+    """How many most likely alternatives per token; needs ``logprobs: true``."""
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """Render the last (assistant) message open so the model continues it."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    request_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    """Echoed as the response ``id`` (the engine keeps its own unique id)."""
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
@@ -83,6 +95,8 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
 
 
@@ -115,12 +129,41 @@ class Usage(msgspec.Struct):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CompletionLogprobs(msgspec.Struct):
+    """The completions shape: one entry per generated token in each list; ``text_offset``
+    is the token's character offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    """The chat shape: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
+    content: list[ChatTokenLogprob]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -143,7 +186,7 @@ class ChatChoice(msgspec.Struct):
     message: ResponseMessage
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -166,7 +209,7 @@ class ChatChunkChoice(msgspec.Struct):
     delta: DeltaMessage
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -212,3 +255,7 @@ class EngineStats(msgspec.Struct):
     num_used_kv_blocks: int
     num_kv_blocks: int
     num_aborted_requests: int
+
+
+class VersionResponse(msgspec.Struct):
+    version: str

@@ -2,35 +2,30 @@
 
 ``parse_body`` turns raw JSON into a request Struct plus its undeclared fields;
 ``sampling_params`` builds and validates ``SamplingParams`` (plugin fields included);
-``Generation`` runs one HTTP request's prompts × ``n`` choices through the engine,
-detokenizing and matching stop strings here in the server process.
+``render_chat`` renders chat messages through the model's template (``generation.py``
+runs the engine requests).
 """
 
 from __future__ import annotations
 
 import re
-import secrets
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import jinja2
 import msgspec
 
 from freetoken_core.engine.core import effective_max_tokens
-from freetoken_core.engine.output_processor import ChoiceText
 from freetoken_core.errors import InvalidRequest
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo
 from freetoken_core.sampling_params import SamplingParams
-from freetoken_core.server.engine_client import EngineClient
 from freetoken_core.server.protocol import (
     IGNORED_FIELDS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
-    PromptTokensDetails,
-    Usage,
 )
+from freetoken_core.tokenizer import apply_chat_template
 
 T = TypeVar("T", bound=msgspec.Struct)
 
@@ -68,15 +63,13 @@ def parse_body(body: bytes, cls: type[T]) -> tuple[T, dict[str, Any]]:
 def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
     """400 for OpenAI fields this server does not implement yet, rather than ignore them."""
     unsupported = {
-        "logprobs": request.logprobs not in (None, False),
-        "top_logprobs": request.top_logprobs is not None,
         "response_format": request.response_format not in (None, {"type": "text"}),
         "tools": bool(request.tools),
         "functions": bool(request.functions),
         "tool_choice": request.tool_choice not in (None, "none"),
     }
     if isinstance(request, CompletionRequest):
-        unsupported["echo"] = request.echo
+        unsupported["top_logprobs"] = request.top_logprobs is not None
         unsupported["suffix"] = request.suffix is not None
         unsupported["best_of"] = request.best_of not in (None, 1)
     for name, refused in unsupported.items():
@@ -84,6 +77,20 @@ def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> N
             raise InvalidRequest(name, f"{name} is not supported by this server yet")
     if request.stream_options is not None and not request.stream:
         raise InvalidRequest("stream_options", "stream_options needs stream: true")
+    if (request.max_tokens is not None and request.max_completion_tokens is not None
+            and request.max_tokens != request.max_completion_tokens):
+        raise InvalidRequest("max_completion_tokens", "max_completion_tokens is an alias of "
+                             "max_tokens: give one, or both with the same value")
+    if isinstance(request, CompletionRequest):
+        if request.echo and request.logprobs is not None:
+            raise InvalidRequest("echo", "echo cannot be combined with logprobs: this server "
+                                 "does not compute the prompt's logprobs")
+    else:
+        if request.top_logprobs is not None and not request.logprobs:
+            raise InvalidRequest("top_logprobs", "top_logprobs needs logprobs: true")
+        if request.continue_final_message and request.add_generation_prompt:
+            raise InvalidRequest("continue_final_message", "continue_final_message and "
+                                 "add_generation_prompt cannot both be true")
 
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: dict[str, Any],
@@ -91,6 +98,10 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: d
     """Validated ``SamplingParams``; undeclared fields go to the plugins (or a 400)."""
     _refuse_unsupported(request)
     max_tokens = request.max_completion_tokens or request.max_tokens
+    if isinstance(request, CompletionRequest):
+        logprobs = request.logprobs
+    else:
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
     if max_tokens is None and isinstance(request, CompletionRequest):
         max_tokens = 16  # OpenAI's completions default; chat runs to the end of the context
     params = SamplingParams(
@@ -101,7 +112,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: d
         max_tokens=max_tokens, seed=request.seed, stop=request.stop or [],
         ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
-        skip_special_tokens=request.skip_special_tokens, **extra)
+        skip_special_tokens=request.skip_special_tokens, logprobs=logprobs, **extra)
     plugins.validate(params, model)
     return params
 
@@ -146,100 +157,39 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return rendered
 
 
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+    "chat_template", "return_dict", "return_tensors", "padding", "truncation", "max_length",
+    "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
+def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_prompt: bool,
+                continue_final_message: bool = False,
+                chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The chat prompt text. ``continue_final_message`` leaves the last message, which must
+    be the assistant's, open for the model to continue. ``chat_template_kwargs`` become
+    template variables; a key that would change how the template is applied (rather than
+    what it renders) is a 400, as is a template that fails on these messages."""
+    kwargs = chat_template_kwargs or {}
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise InvalidRequest("chat_template_kwargs",
+                             f"chat_template_kwargs cannot set {', '.join(reserved)}")
+    if continue_final_message and messages[-1].role != "assistant":
+        raise InvalidRequest("continue_final_message", "continue_final_message needs the "
+                             "last message to be the assistant's")
+    try:
+        return apply_chat_template(tokenizer, chat_messages(messages),
+                                   add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, **kwargs)
+    except (jinja2.TemplateError, ValueError, TypeError) as exc:
+        raise InvalidRequest("messages", f"the chat template failed on these messages: "
+                                         f"{exc}") from None
+
+
 def check_fits(prompts: list[list[int]], params: SamplingParams, model: ModelInfo) -> None:
     """400 when a prompt plus ``max_tokens`` does not fit the context, or ids are bad."""
     for token_ids in prompts:
         if any(not 0 <= t < model.vocab_size for t in token_ids):
             raise InvalidRequest("prompt", f"prompt token ids must be in [0, {model.vocab_size})")
         effective_max_tokens(len(token_ids), params, model.max_model_len)
-
-
-@dataclass
-class ChoiceDelta:
-    """New text of one choice; ``finish_reason`` is set exactly once per choice."""
-
-    index: int
-    text: str
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class _Choice:
-    text: ChoiceText
-    num_tokens: int = 0
-    num_sent: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class Generation:
-    """One HTTP request's run: every prompt × ``n`` choices, submitted together.
-
-    Choice ``index`` is ``prompt_index * n + choice``. Iterate ``deltas()`` once; when it
-    ends normally every choice has its finish reason and ``usage()`` is final.
-    """
-
-    client: EngineClient
-    tokenizer: Any
-    prompts: list[list[int]]
-    params: SamplingParams
-    request_id: str = field(default_factory=lambda: secrets.token_hex(12))
-    _choices: list[list[_Choice]] = field(init=False)
-    _num_cached: list[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._choices = [[_Choice(ChoiceText(self.tokenizer, ids, self.params))
-                          for _ in range(self.params.n)] for ids in self.prompts]
-        self._num_cached = [0] * len(self.prompts)
-
-    def _engine_id(self, prompt_index: int) -> str:
-        return f"{self.request_id}-{prompt_index}"
-
-    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
-        """Text deltas as tokens arrive; stops the engine's choice when a stop string hits."""
-        index_of = {self._engine_id(i): i for i in range(len(self.prompts))}
-        num_open = len(self.prompts) * self.params.n
-        updates = self.client.generate(
-            [(self._engine_id(i), ids) for i, ids in enumerate(self.prompts)], self.params)
-        try:
-            async for update in updates:
-                p = index_of[update.request_id]
-                choice = self._choices[p][update.index]
-                if choice.finish_reason is not None:
-                    continue  # a token drawn before the engine saw our stop_sequence
-                self._num_cached[p] = max(self._num_cached[p], update.num_cached_tokens)
-                choice.num_tokens += 1
-                matched = choice.text.add(update.token_id, update.finish_reason is not None)
-                if matched is not None:
-                    choice.finish_reason, choice.stop_reason = "stop", matched
-                    if update.finish_reason is None:
-                        self.client.stop_sequence(update.request_id, update.index, matched)
-                elif update.finish_reason is not None:
-                    choice.finish_reason = update.finish_reason
-                    choice.stop_reason = update.stop_reason
-                new_text = choice.text.released[choice.num_sent:]
-                choice.num_sent = len(choice.text.released)
-                if choice.finish_reason is not None:
-                    num_open -= 1
-                if new_text or choice.finish_reason is not None:
-                    yield ChoiceDelta(p * self.params.n + update.index, new_text,
-                                      choice.finish_reason, choice.stop_reason)
-                if num_open == 0:
-                    break
-        finally:
-            await updates.aclose()
-
-    def texts(self) -> list[str]:
-        return [c.text.released for choices in self._choices for c in choices]
-
-    def finishes(self) -> list[tuple[str | None, int | str | None]]:
-        return [(c.finish_reason, c.stop_reason) for choices in self._choices for c in choices]
-
-    def usage(self) -> Usage:
-        """Prompts counted once each (not per choice); completions summed over choices."""
-        num_prompt = sum(len(ids) for ids in self.prompts)
-        num_completion = sum(c.num_tokens for choices in self._choices for c in choices)
-        return Usage(num_prompt, num_completion, num_prompt + num_completion,
-                     PromptTokensDetails(sum(self._num_cached)))

@@ -1,0 +1,145 @@
+"""The two generation routes, ``POST /v1/completions`` and ``POST /v1/chat/completions``:
+request → prompts and ``SamplingParams`` → one ``Generation`` → a JSON body or an SSE
+stream. Every failure before the first byte is an exception the app renders as an
+OpenAI error; after it, one ``data: {"error": …}`` event, then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from litestar import Request
+from litestar.response import ServerSentEvent
+
+from freetoken_core.errors import FreeTokenError, InvalidRequest
+from freetoken_core.server import protocol as p
+from freetoken_core.server.generation import ChoiceDelta, Generation
+from freetoken_core.server.logprobs import LogprobFormatter
+from freetoken_core.server.serving import (
+    check_fits,
+    completion_prompts,
+    encode,
+    parse_body,
+    render_chat,
+    sampling_params,
+)
+from freetoken_core.server.state import Serving
+
+
+def _sse(data: msgspec.Struct | str) -> str:
+    return data if isinstance(data, str) else msgspec.json.encode(data).decode()
+
+
+async def _stream(gen: Generation, first: Any, deltas: AsyncIterator[Any],
+                  chunk: Callable[[list[Any], p.Usage | None], msgspec.Struct],
+                  choice: Callable[[Any], Any], include_usage: bool,
+                  opening: list[Any]) -> AsyncIterator[str]:
+    """The SSE body; ``deltas`` is closed (and the engine request aborted) on disconnect."""
+    try:
+        if opening:
+            yield _sse(chunk(opening, None))
+        if first is not None:
+            yield _sse(chunk([choice(first)], None))
+        async for delta in deltas:
+            yield _sse(chunk([choice(delta)], None))
+        if include_usage:
+            yield _sse(chunk([], gen.usage()))
+    except FreeTokenError as exc:
+        param = exc.param if isinstance(exc, InvalidRequest) else None
+        yield _sse(p.ErrorResponse(p.ErrorBody(str(exc), "server_error", param)))
+    finally:
+        await deltas.aclose()
+    yield "[DONE]"
+
+
+def _prompt_texts(tokenizer: Any, prompt: str | list[Any],
+                  prompts: list[list[int]]) -> list[str]:
+    """The text ``echo`` puts first: the prompt as sent, or its ids decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(x, str) for x in prompt):
+        return list(prompt)
+    return [tokenizer.decode(ids) for ids in prompts]
+
+
+async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
+    """Serve one generation request; the response object or an ``ServerSentEvent``."""
+    cls = p.ChatCompletionRequest if chat else p.CompletionRequest
+    body, extra = parse_body(await request.body(), cls)
+    tokenizer, plugins, model_info = serving.require_ready(body.model)
+    params = sampling_params(body, extra, plugins, model_info)
+    if isinstance(body, p.ChatCompletionRequest):
+        text = render_chat(tokenizer, body.messages,
+                           add_generation_prompt=body.add_generation_prompt,
+                           continue_final_message=body.continue_final_message,
+                           chat_template_kwargs=body.chat_template_kwargs)
+        prompts = [encode(tokenizer, text)]
+    else:
+        prompts = completion_prompts(tokenizer, body.prompt)
+    check_fits(prompts, params, model_info)
+    gen = Generation(serving.client, tokenizer, prompts, params,
+                     on_done=serving.metrics.record)
+    if isinstance(body, p.ChatCompletionRequest) and body.request_id is not None:
+        rid = body.request_id
+    else:
+        rid = ("chatcmpl-" if chat else "cmpl-") + gen.request_id
+    created, name = int(time.time()), serving.config.model_name
+    fmt = LogprobFormatter(tokenizer)
+    echoes: list[str] = []
+    if isinstance(body, p.CompletionRequest) and body.echo:
+        echoes = [t for t in _prompt_texts(tokenizer, body.prompt, prompts)
+                  for _ in range(params.n)]
+    if chat:
+        def chunk(choices: list[Any], usage: p.Usage | None) -> msgspec.Struct:
+            return p.ChatCompletionChunk(rid, created, name, choices, usage)
+
+        def choice(d: ChoiceDelta) -> Any:
+            return p.ChatChunkChoice(d.index, p.DeltaMessage(content=d.text), d.finish_reason,
+                                     d.stop_reason,
+                                     None if d.logprobs is None else fmt.chat(d.logprobs))
+    else:
+        def chunk(choices: list[Any], usage: p.Usage | None) -> msgspec.Struct:
+            return p.CompletionResponse(rid, created, name, choices, usage)
+
+        def choice(d: ChoiceDelta) -> Any:
+            return p.CompletionChoice(
+                d.index, d.text, d.finish_reason, d.stop_reason,
+                None if d.logprobs is None else fmt.completion(d.index, d.logprobs))
+
+    deltas = gen.deltas()
+    if body.stream:
+        # The first delta is awaited here so that an engine refusal is still a plain 400.
+        try:
+            first = await deltas.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await deltas.aclose()
+            raise
+        num_choices = len(prompts) * params.n
+        if chat:
+            opening = [p.ChatChunkChoice(i, p.DeltaMessage(role="assistant", content=""))
+                       for i in range(num_choices)]
+        else:
+            opening = [p.CompletionChoice(i, text) for i, text in enumerate(echoes)]
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return ServerSentEvent(_stream(gen, first, deltas, chunk, choice,
+                                       include_usage, opening))
+    async for _ in deltas:
+        pass
+    finishes, logprobs = gen.finishes(), gen.logprobs()
+    if chat:
+        choices = [p.ChatChoice(i, p.ResponseMessage(t), *finishes[i],
+                                None if logprobs[i] is None else fmt.chat(logprobs[i]))
+                   for i, t in enumerate(gen.texts())]
+        return p.ChatCompletionResponse(rid, created, name, choices, gen.usage())
+    texts = gen.texts()
+    if echoes:
+        texts = [e + t for e, t in zip(echoes, texts)]
+    choices = [p.CompletionChoice(i, t, *finishes[i],
+                                  None if logprobs[i] is None else fmt.completion(i, logprobs[i]))
+               for i, t in enumerate(texts)]
+    return p.CompletionResponse(rid, created, name, choices, gen.usage())

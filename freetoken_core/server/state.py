@@ -1,0 +1,88 @@
+"""What the routes of ``freetoken serve`` share: its config, the engine client, the
+tokenizer and plugins once loaded, the metrics, and the error type with an HTTP status."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from freetoken_core.config import EngineConfig
+from freetoken_core.errors import FreeTokenError
+from freetoken_core.models.resolve import DEFAULT_MODEL_NAME
+from freetoken_core.plugins import PluginManager
+from freetoken_core.processors import ModelInfo
+from freetoken_core.server.engine_client import EngineClient, EngineDeadError
+from freetoken_core.server.metrics import ServerMetrics
+from freetoken_core.tokenizer import load_tokenizer
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What ``freetoken serve`` was asked to serve; ``served_model_name`` is the ``model``
+    clients name (default: the ``--model`` argument, or the embedded model's name)."""
+
+    engine: EngineConfig
+    served_model_name: str | None = None
+    api_key: str | None = None
+    """When set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``."""
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model or DEFAULT_MODEL_NAME
+
+
+class ApiError(FreeTokenError):
+    """An error with its HTTP status and OpenAI ``type`` / ``code``."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = (
+            status, message, type_, code, param)
+
+
+@dataclass
+class Serving:
+    """What the routes share, filled in once the engine reports ``Ready``."""
+
+    config: ServerConfig
+    client: EngineClient
+    created: int = field(default_factory=lambda: int(time.time()))
+    tokenizer: Any = None
+    plugins: PluginManager | None = None
+    model_info: ModelInfo | None = None
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.model_info is not None and self.client.ready
+
+    def require_ready(self, model: str | None = None) -> tuple[Any, PluginManager, ModelInfo]:
+        if not self.is_ready:
+            raise ApiError(503, self.client.dead_message or "the model is still loading",
+                           "service_unavailable")
+        if model is not None and model != self.config.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{self.config.model_name!r}", "invalid_request_error",
+                           "model_not_found", "model")
+        assert self.plugins is not None and self.model_info is not None
+        return self.tokenizer, self.plugins, self.model_info
+
+    async def load(self, on_fatal: Callable[[str], None]) -> None:
+        """Wait for the engine, then load the tokenizer and the plugins for validation."""
+        try:
+            info = await self.client.wait_ready()
+        except EngineDeadError:
+            return  # already reported through the client's on_dead
+        try:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, Path(info.model_dir))
+            plugins = PluginManager(self.config.engine.plugins)
+            plugins.enabled  # noqa: B018 (loads the plugins now, not on the first request)
+            self.plugins = plugins
+            self.model_info = ModelInfo(info.vocab_size, info.eos_token_ids, info.max_model_len)
+        except FreeTokenError as exc:
+            on_fatal(str(exc))

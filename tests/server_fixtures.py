@@ -1,0 +1,78 @@
+"""Start and stop a real ``freetoken serve`` subprocess on the tiny model, for the server
+test modules (each keeps its own module-scoped fixture over ``start_server``)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+START_TIMEOUT_S = 60.0
+MODEL_NAME = "tiny/llama"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A running server: ``http`` (raw httpx) and ``client`` (the official ``openai``
+    client, with ``api_key`` sent as the bearer token)."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, model: str,
+                 api_key: str = "x") -> None:
+        self.proc, self.port, self.model = proc, port, model
+        self.url = f"http://127.0.0.1:{port}"
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
+        self.health_seen: list[int] = []
+
+    def stats(self) -> dict:
+        r = self.http.get("/internal/stats")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+def serve_cmd(model: str, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "freetoken_core.cli", "serve", "--model", model,
+            "--port", str(port), "--kv-cache-tokens", "8192", "--log-level", "warning",
+            "--served-model-name", MODEL_NAME, *extra]
+
+
+def start_server(model_dir: Path, *extra: str, api_key: str = "x") -> Server:
+    """Start the server and wait until ``/health`` is 200 (fails the test otherwise)."""
+    port = free_port()
+    proc = subprocess.Popen(serve_cmd(str(model_dir), port, *extra), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    srv = Server(proc, port, MODEL_NAME, api_key)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    status = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            status = srv.http.get("/health").status_code
+            srv.health_seen.append(status)
+        except httpx.TransportError:
+            status = None
+        if status == 200:
+            break
+        time.sleep(0.25)
+    if status != 200:
+        proc.kill()
+        output = proc.communicate()[0]
+        pytest.fail(f"freetoken serve did not become healthy within {START_TIMEOUT_S} s "
+                    f"(last status {status}); its output:\n{output}")
+    return srv
+
+
+def stop_server(srv: Server) -> None:
+    if srv.proc.poll() is None:
+        srv.proc.kill()
+        srv.proc.wait()
