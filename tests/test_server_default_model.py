@@ -1,0 +1,82 @@
+"""``freetoken serve`` with no ``--model`` serves the embedded default model, and the official
+``openai`` client gets real answers from it: greedy chat is sensible, streaming changes
+nothing, and ``usage.prompt_tokens`` is what ``/tokenize`` counts for the same messages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from server_fixtures import START_TIMEOUT_S, Server, free_port, stop_server
+
+MODEL_NAME = "default"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 32
+
+
+def start_default_server() -> Server:
+    """``freetoken serve`` without ``--model``; waits until ``/health`` is 200."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "freetoken_core.cli", "serve", "--port", str(port),
+           "--kv-cache-tokens", "8192", "--log-level", "warning",
+           "--served-model-name", MODEL_NAME]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    srv = Server(proc, port, MODEL_NAME)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    status = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            status = srv.http.get("/health").status_code
+        except httpx.TransportError:
+            status = None
+        if status == 200:
+            return srv
+        time.sleep(0.25)
+    proc.kill()
+    output = proc.communicate()[0]
+    pytest.fail(f"freetoken serve (default model) did not become healthy within "
+                f"{START_TIMEOUT_S} s (last status {status}); its output:\n{output}")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    srv = start_default_server()
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+def _chat(server: Server, **kwargs):
+    kwargs.setdefault("max_tokens", MAX_TOKENS)
+    return server.client.chat.completions.create(
+        model=server.model, messages=MESSAGES, temperature=0, **kwargs)
+
+
+def test_greedy_chat_answers_paris_streamed_equal_non_streamed(server: Server) -> None:
+    full = _chat(server)
+    text = full.choices[0].message.content
+    assert "Paris" in text
+    assert full.choices[0].finish_reason in ("stop", "length")
+
+    pieces, finishes = [], []
+    for chunk in _chat(server, stream=True):
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            if choice.finish_reason is not None:
+                finishes.append(choice.finish_reason)
+    assert "".join(pieces) == text
+    assert finishes == [full.choices[0].finish_reason]
+
+
+def test_prompt_tokens_equal_tokenize_count(server: Server) -> None:
+    full = _chat(server, max_tokens=1)
+    r = server.http.post("/tokenize", json={"model": server.model, "messages": MESSAGES})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) == full.usage.prompt_tokens
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
