@@ -101,9 +101,12 @@ def freetoken_check_stop(sequences: list[StopView], token_ids: list[int]
 def freetoken_decorate_response(request: Any, response: Any, output: Any) -> None:
     """Add to a response or stream chunk before it is sent, in place.
 
-    When: per response and per stream chunk, in the server process. ``request`` is the
-    parsed HTTP request, ``response`` the response object about to be encoded, ``output``
-    the engine's ``RequestOutput``. Return: nothing. Raises: nothing.
+    When: per response and per stream chunk (usage chunk included), in the server
+    process. ``request`` is the parsed HTTP request, ``response`` the response object about
+    to be encoded, ``output`` the server's ``Generation`` of the request (``tokenizer``,
+    ``prompts``, ``params``, ``token_ids(index)``, and ``plugin_state``, a dict for
+    per-request state under the plugin's name). Return: nothing. Raises: nothing (an
+    exception after a stream began becomes its one error event).
     """
 
 

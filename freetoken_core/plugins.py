@@ -134,14 +134,32 @@ class PluginManager:
         """Refuse plugin fields nobody enabled owns, then run ``freetoken_validate_request``."""
         pm = self.pm
         for f in params.extra:
-            owner = self._field_owner.get(f)
-            if owner is None:
-                raise InvalidRequest(f, f"unknown field {f!r}: no installed plugin handles it")
-            if owner not in self._enabled:
-                raise InvalidRequest(
-                    f, f"{f!r} is handled by the plugin {owner!r}, which is not enabled; "
-                    f"start FreeToken with --plugins including {owner}")
+            self.require_field(f)
         pm.hook.freetoken_validate_request(request=params, model=model)
+
+    def require_field(self, name: str) -> None:
+        """``InvalidRequest`` naming ``name`` unless an enabled plugin owns that field (the
+        message names the plugin to enable when an installed one owns it)."""
+        self.pm  # noqa: B018 (loads)
+        owner = self._field_owner.get(name)
+        if owner is None:
+            raise InvalidRequest(name, f"unknown field {name!r}: no installed plugin handles it")
+        if owner not in self._enabled:
+            raise InvalidRequest(
+                name, f"{name!r} is handled by the plugin {owner!r}, which is not enabled; "
+                f"start FreeToken with --plugins including {owner}")
+
+    def rewrite_prompt(self, request: Any, prompt: str | list[int], tokenizer: Any
+                       ) -> str | list[int]:
+        """``prompt`` after ``freetoken_rewrite_prompt`` (unchanged when no plugin answers)."""
+        new = self.pm.hook.freetoken_rewrite_prompt(request=request, prompt=prompt,
+                                                    tokenizer=tokenizer)
+        return prompt if new is None else new
+
+    def decorate_response(self, request: Any, response: Any, output: Any) -> None:
+        """Run ``freetoken_decorate_response`` on one response or stream chunk."""
+        self.pm.hook.freetoken_decorate_response(request=request, response=response,
+                                                 output=output)
 
     def stop_fields(self) -> set[str]:
         """Fields owned by enabled plugins that implement ``freetoken_check_stop``."""

@@ -40,6 +40,7 @@ class _Choice:
     stop_reason: int | str | None = None
     logprobs: list[LogprobEntry] = field(default_factory=list)
     num_logprobs_sent: int = 0
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -50,6 +51,10 @@ class Generation:
     ends normally every choice has its finish reason and ``usage()`` is final. However it
     ends (finished, failed, or closed because the client went away), ``on_done(self)``
     runs once, with ``error`` set if the engine raised.
+
+    It is the ``output`` that ``freetoken_decorate_response`` receives: plugins read
+    ``tokenizer``, ``prompts``, ``params`` and ``token_ids(index)``, and may keep
+    per-request state in ``plugin_state`` under their own name.
     """
 
     client: EngineClient
@@ -60,6 +65,7 @@ class Generation:
     request_id: str = field(default_factory=lambda: secrets.token_hex(12))
     started: float = field(default_factory=time.monotonic)
     error: BaseException | None = None
+    plugin_state: dict[str, Any] = field(default_factory=dict)
     _choices: list[list[_Choice]] = field(init=False)
     _num_cached: list[int] = field(init=False)
 
@@ -88,6 +94,7 @@ class Generation:
                     continue  # a token drawn before the engine saw our stop_sequence
                 self._num_cached[p] = max(self._num_cached[p], update.num_cached_tokens)
                 choice.num_tokens += 1
+                choice.token_ids.append(update.token_id)
                 if wants_logprobs and update.logprob is not None:
                     choice.logprobs.append((update.token_id, update.logprob,
                                             [tuple(t) for t in update.top_logprobs or []]))
@@ -120,6 +127,10 @@ class Generation:
             finally:
                 if self.on_done is not None:
                     self.on_done(self)
+
+    def token_ids(self, index: int) -> list[int]:
+        """The tokens choice ``index`` generated so far (the caller must not change them)."""
+        return self._choices[index // self.params.n][index % self.params.n].token_ids
 
     def texts(self) -> list[str]:
         return [c.text.released for choices in self._choices for c in choices]

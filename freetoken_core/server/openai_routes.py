@@ -6,6 +6,7 @@ OpenAI error; after it, one ``data: {"error": …}`` event, then ``[DONE]``.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -27,6 +28,8 @@ from freetoken_core.server.serving import (
     sampling_params,
 )
 from freetoken_core.server.state import Serving
+
+log = logging.getLogger("freetoken.server")
 
 
 def _sse(data: msgspec.Struct | str) -> str:
@@ -50,6 +53,10 @@ async def _stream(gen: Generation, first: Any, deltas: AsyncIterator[Any],
     except FreeTokenError as exc:
         param = exc.param if isinstance(exc, InvalidRequest) else None
         yield _sse(p.ErrorResponse(p.ErrorBody(str(exc), "server_error", param)))
+    except Exception as exc:  # a bug past the first byte: still one error event and [DONE]
+        log.exception("internal error while streaming", exc_info=exc)
+        yield _sse(p.ErrorResponse(p.ErrorBody(f"internal error: {type(exc).__name__}",
+                                               "internal_error")))
     finally:
         await deltas.aclose()
     yield "[DONE]"
@@ -78,7 +85,13 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
                            chat_template_kwargs=body.chat_template_kwargs)
         prompts = [encode(tokenizer, text)]
     else:
-        prompts = completion_prompts(tokenizer, body.prompt)
+        if body.suffix is not None:
+            plugins.require_field("suffix")  # 400 naming the plugin (fim) to enable
+
+        def rewrite(prompt: str | list[int]) -> str | list[int]:
+            return plugins.rewrite_prompt(body, prompt, tokenizer)
+
+        prompts = completion_prompts(tokenizer, body.prompt, rewrite)
     check_fits(prompts, params, model_info)
     gen = Generation(serving.client, tokenizer, prompts, params,
                      on_done=serving.metrics.record)
@@ -92,9 +105,13 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
     if isinstance(body, p.CompletionRequest) and body.echo:
         echoes = [t for t in _prompt_texts(tokenizer, body.prompt, prompts)
                   for _ in range(params.n)]
+    def decorated(response: Any) -> Any:
+        plugins.decorate_response(body, response, gen)
+        return response
+
     if chat:
         def chunk(choices: list[Any], usage: p.Usage | None) -> msgspec.Struct:
-            return p.ChatCompletionChunk(rid, created, name, choices, usage)
+            return decorated(p.ChatCompletionChunk(rid, created, name, choices, usage))
 
         def choice(d: ChoiceDelta) -> Any:
             return p.ChatChunkChoice(d.index, p.DeltaMessage(content=d.text), d.finish_reason,
@@ -102,7 +119,7 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
                                      None if d.logprobs is None else fmt.chat(d.logprobs))
     else:
         def chunk(choices: list[Any], usage: p.Usage | None) -> msgspec.Struct:
-            return p.CompletionResponse(rid, created, name, choices, usage)
+            return decorated(p.CompletionResponse(rid, created, name, choices, usage))
 
         def choice(d: ChoiceDelta) -> Any:
             return p.CompletionChoice(
@@ -135,11 +152,11 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
         choices = [p.ChatChoice(i, p.ResponseMessage(t), *finishes[i],
                                 None if logprobs[i] is None else fmt.chat(logprobs[i]))
                    for i, t in enumerate(gen.texts())]
-        return p.ChatCompletionResponse(rid, created, name, choices, gen.usage())
+        return decorated(p.ChatCompletionResponse(rid, created, name, choices, gen.usage()))
     texts = gen.texts()
     if echoes:
         texts = [e + t for e, t in zip(echoes, texts)]
     choices = [p.CompletionChoice(i, t, *finishes[i],
                                   None if logprobs[i] is None else fmt.completion(i, logprobs[i]))
                for i, t in enumerate(texts)]
-    return p.CompletionResponse(rid, created, name, choices, gen.usage())
+    return decorated(p.CompletionResponse(rid, created, name, choices, gen.usage()))

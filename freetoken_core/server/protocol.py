@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Meta
+from msgspec import UNSET, Meta, UnsetType
 
 from freetoken_core.sampling_params import MAX_LOGPROBS
 
@@ -65,6 +65,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     top_logprobs: Any = None  # a chat field: refused here by name
     echo: bool = False
     suffix: str | None = None
+    """Fill in the middle: owned by the ``fim`` plugin (``freetoken_rewrite_prompt``)."""
     best_of: int | None = None
 
 
@@ -122,11 +123,17 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
+    """Set by a plugin (``reasoning``); left out of the JSON otherwise."""
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -179,6 +186,8 @@ class CompletionResponse(msgspec.Struct):
 class ResponseMessage(msgspec.Struct):
     content: str
     role: str = "assistant"
+    reasoning_content: str | UnsetType = UNSET
+    """Set by the ``reasoning`` plugin when the answer reasoned; left out otherwise."""
 
 
 class ChatChoice(msgspec.Struct):
@@ -202,6 +211,7 @@ class ChatCompletionResponse(msgspec.Struct):
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -9,6 +9,7 @@ runs the engine requests).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jinja2
@@ -70,7 +71,6 @@ def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> N
     }
     if isinstance(request, CompletionRequest):
         unsupported["top_logprobs"] = request.top_logprobs is not None
-        unsupported["suffix"] = request.suffix is not None
         unsupported["best_of"] = request.best_of not in (None, 1)
     for name, refused in unsupported.items():
         if refused:
@@ -122,21 +122,32 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def completion_prompts(tokenizer: Any, prompt: str | list[Any]) -> list[list[int]]:
-    """``prompt`` as str, [str], [int] or [[int]] → one token list per prompt."""
+def split_prompt(prompt: str | list[Any]) -> list[str | list[int]]:
+    """``prompt`` as str, [str], [int] or [[int]] → one text or token list per prompt."""
     if isinstance(prompt, str):
-        return [encode(tokenizer, prompt)]
+        return [prompt]
     if not prompt:
         raise InvalidRequest("prompt", "prompt must not be empty")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return [list(prompt)]
     if all(isinstance(p, str) for p in prompt):
-        return [encode(tokenizer, p) for p in prompt]
+        return list(prompt)
     if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
                                             for t in p) for p in prompt):
         return [list(p) for p in prompt]
     raise InvalidRequest("prompt", "prompt must be a string, a list of strings, a list of "
                                    "token ids or a list of non-empty lists of token ids")
+
+
+def completion_prompts(tokenizer: Any, prompt: str | list[Any],
+                       rewrite: Callable[[str | list[int]], str | list[int]] | None = None
+                       ) -> list[list[int]]:
+    """One token list per prompt; each prompt goes through ``rewrite`` (the
+    ``freetoken_rewrite_prompt`` hook, e.g. FIM) before it is tokenized."""
+    parts = split_prompt(prompt)
+    if rewrite is not None:
+        parts = [rewrite(part) for part in parts]
+    return [encode(tokenizer, part) if isinstance(part, str) else list(part) for part in parts]
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -1,0 +1,159 @@
+"""The reasoning plugin: the ``<think>`` splitter and counter against plain references, and
+chat end to end on a real ``freetoken serve`` (tiny model: ``<think>`` 640, ``</think>``
+641), streamed and not, checked against the raw text of the same prompt on completions."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from server_fixtures import Server, start_server, stop_server
+
+from freetoken_plugins.reasoning import ThinkSplitter, count_reasoning_tokens, split
+
+OPEN, CLOSE = 640, 641
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[Server]:
+    srv = start_server(tiny_model_dir)
+    yield srv
+    stop_server(srv)
+
+
+# -- the splitter and the counter ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "in_reasoning", "expected"), [
+    ("plain answer", False, (None, "plain answer")),
+    ("<think>hmm</think>\n\nyes", False, ("hmm", "\n\nyes")),
+    ("a<think>b</think>c<think>d</think>", False, ("b", "ac<think>d</think>")),
+    ("<think>never closed", False, ("never closed", "")),
+    ("hmm</think>yes", True, ("hmm", "yes")),
+    ("</think>yes", False, (None, "</think>yes")),
+    ("all reasoning <th", True, ("all reasoning <th", "")),
+    ("", True, ("", "")),
+])
+def test_split(text: str, in_reasoning: bool, expected: tuple) -> None:
+    assert split(text, in_reasoning) == expected
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_streamed_pieces_split_like_the_whole(seed: int) -> None:
+    rng = random.Random(seed)
+    words = ["<think>", "</think>", "<", "</", "<th", "think", ">", "a", " b", "\n", "</thi"]
+    text = "".join(rng.choice(words) for _ in range(rng.randint(0, 20)))
+    in_reasoning = rng.random() < 0.3
+    splitter = ThinkSplitter(in_reasoning)
+    cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 8))))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    reasoning, content = "", ""
+    for i, piece in enumerate(pieces):
+        r, c = splitter.feed(piece, final=i == len(pieces) - 1)
+        reasoning, content = reasoning + r, content + c
+    if not pieces:
+        reasoning, content = splitter.feed("", final=True)
+    whole = split(text, in_reasoning)
+    assert (reasoning if splitter.has_reasoned else None, content) == whole
+
+
+@pytest.mark.parametrize(("ids", "in_reasoning", "expected"), [
+    ([5, 6, 7], False, 0),
+    ([OPEN, 5, 6, CLOSE, 7], False, 4),
+    ([8, OPEN, 5, CLOSE, 7], False, 4),
+    ([OPEN, 5, 6], False, 3),
+    ([5, CLOSE, 7, CLOSE], True, 2),
+    ([5, 6], True, 2),
+    ([CLOSE, OPEN, 5], False, 3),   # a stray </think> before the block does not close it
+])
+def test_count_reasoning_tokens(ids: list[int], in_reasoning: bool, expected: int) -> None:
+    assert count_reasoning_tokens(ids, OPEN, CLOSE, in_reasoning) == expected
+
+
+# -- end to end ------------------------------------------------------------------------
+
+
+def _post(server: Server, path: str, body: dict) -> httpx.Response:
+    return server.http.post(path, json=body)
+
+
+def _ok(server: Server, path: str, body: dict) -> dict:
+    r = _post(server, path, body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _events(server: Server, path: str, body: dict) -> list[dict]:
+    r = _post(server, path, {**body, "stream": True})
+    assert r.status_code == 200, r.text
+    lines = [ln[len("data: "):] for ln in r.text.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+USER = [{"role": "user", "content": "Tell me a story"}]
+OPENED = [*USER, {"role": "assistant", "content": "<think>"}]
+CASES = {
+    "no tags": (USER, {}),
+    "think forced": (USER, {str(OPEN): 100}),
+    "prompt opened, close forced": (OPENED, {str(CLOSE): 100}),
+    "prompt opened, free": (OPENED, {}),
+    "prompt opened, close biased +8": (OPENED, {str(CLOSE): 8}),
+}
+
+
+@pytest.mark.parametrize(("messages", "bias"), CASES.values(), ids=CASES.keys())
+def test_chat_splits_like_the_raw_text(server: Server, messages: list, bias: dict) -> None:
+    opened = messages is OPENED
+    template = {"continue_final_message": True, "add_generation_prompt": False} if opened else {}
+    greedy = {"temperature": 0, "max_tokens": 6, "ignore_eos": True, "logit_bias": bias}
+    prompt = _ok(server, "/tokenize", {"messages": messages, **template})["tokens"]
+    raw = _ok(server, "/v1/completions", {"prompt": prompt, "logprobs": 0, **greedy})
+    raw_text = raw["choices"][0]["text"]
+    raw_tokens = raw["choices"][0]["logprobs"]["tokens"]
+    reasoning, content = split(raw_text, opened)
+    num_reasoning = count_reasoning_tokens(raw_tokens, "<think>", "</think>", opened)
+
+    body = {"messages": messages, **template, **greedy}
+    got = _ok(server, "/v1/chat/completions", body)
+    message = got["choices"][0]["message"]
+    assert message["content"] == content
+    assert message.get("reasoning_content") == reasoning
+    assert got["usage"]["completion_tokens_details"]["reasoning_tokens"] == num_reasoning
+
+    events = _events(server, "/v1/chat/completions",
+                     {**body, "stream_options": {"include_usage": True}})
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == content
+    streamed_reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    assert streamed_reasoning == (reasoning or "")
+    if reasoning is None:
+        assert not any("reasoning_content" in d for d in deltas)
+    usage = events[-1]["usage"]
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == num_reasoning
+
+
+def test_forced_cases_mean_what_they_say(server: Server) -> None:
+    greedy = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
+    closed = _ok(server, "/v1/chat/completions", {
+        "messages": OPENED, "continue_final_message": True, "add_generation_prompt": False,
+        "logit_bias": {str(CLOSE): 100}, **greedy})
+    assert closed["choices"][0]["message"] == {
+        "role": "assistant", "content": "</think>" * 3, "reasoning_content": ""}
+    assert closed["usage"]["completion_tokens_details"]["reasoning_tokens"] == 1
+    opened = _ok(server, "/v1/chat/completions", {
+        "messages": USER, "logit_bias": {str(OPEN): 100}, **greedy})
+    assert opened["choices"][0]["message"]["reasoning_content"] == "<think>" * 3
+    assert opened["choices"][0]["message"]["content"] == ""
+    assert opened["usage"]["completion_tokens_details"]["reasoning_tokens"] == 4
+
+
+def test_completions_are_not_split(server: Server) -> None:
+    got = _ok(server, "/v1/completions", {"prompt": "Hi", "temperature": 0, "max_tokens": 3,
+                                          "logit_bias": {str(OPEN): 100}})
+    assert got["choices"][0]["text"] == "<think>" * 3
+    assert "completion_tokens_details" not in got["usage"]
