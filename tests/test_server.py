@@ -192,7 +192,13 @@ def test_logit_bias_steers_first_token(server: Server) -> None:
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x",
+                                            "tool_calls": []}]}, "messages[0].tool_calls"),
+    ("/v1/completions", {"prompt": "x", "stream": True,
+                         "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
     ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "x", "tools": []}, "tools"),
     ("/detokenize", {"tokens": [99999]}, "tokens"),
 ])
 def test_invalid_request_is_400_naming_the_field(server: Server, path: str, body: dict,

@@ -28,7 +28,7 @@ ChoiceCount = Annotated[int, Meta(ge=1, le=MAX_N)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=False):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
@@ -69,9 +69,13 @@ class CompletionRequest(_Sampling, kw_only=True):
     best_of: int | None = None
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """A chat message. Unknown keys (``tool_calls``, ``tool_call_id``, …) are a 400: tools are
+    not supported, and a key the template never sees must not be dropped silently."""
+
     role: str
     content: str | list[Any] | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -89,7 +93,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     """Echoed as the response ``id`` (the engine keeps its own unique id)."""
 
 
-class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """vLLM's ``/tokenize``: exactly one of ``prompt`` and ``messages``."""
 
     model: str | None = None
@@ -101,7 +105,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True)
     add_special_tokens: bool = False
 
 
-class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     tokens: list[int]
 

@@ -31,15 +31,15 @@ from freetoken_core.tokenizer import apply_chat_template
 T = TypeVar("T", bound=msgspec.Struct)
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
-_MISSING = re.compile(r"missing required field `([^`]+)`")
+_FIELD = re.compile(r"(?:missing required|contains unknown) field `([^`]+)`")
 
 
 def _param_of(error: msgspec.ValidationError) -> str | None:
     """The field a msgspec validation error is about: ``max_tokens``, ``messages[0].role``."""
     text = str(error)
     path = _PATH.search(text)
-    missing = _MISSING.search(text)
-    parts = [p for p in (path.group(1) if path else "", missing.group(1) if missing else "") if p]
+    field = _FIELD.search(text)
+    parts = [p for p in (path.group(1) if path else "", field.group(1) if field else "") if p]
     return ".".join(parts) or None
 
 
@@ -164,7 +164,10 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                                          "only text content parts are supported")
                 texts.append(part["text"])
             content = "".join(texts)
-        rendered.append({"role": message.role, "content": content or ""})
+        entry = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        rendered.append(entry)
     return rendered
 
 
