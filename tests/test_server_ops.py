@@ -115,6 +115,7 @@ def test_api_key_is_required_everywhere_but_health(locked: Server, method: str,
         error = r.json()["error"]
         assert error["code"] == "invalid_api_key" and error["message"]
     body = ({"tokens": [1]} if "detokenize" in path else
+            {"prompt": "x"} if "tokenize" in path else
             {"messages": USER, "max_tokens": 1} if "chat" in path else
             {"prompt": "x", "max_tokens": 1})
     r = locked.http.request(method, path, json=body, headers=AUTH)
