@@ -164,6 +164,27 @@ def test_logit_bias_steers_first_token(server: Server) -> None:
     assert steered.choices[0].text == word != plain_text
 
 
+def test_stop_token_ids_stop_with_the_token_as_reason(server: Server) -> None:
+    forced = {"prompt": "Hi", "temperature": 0, "max_tokens": 8, "logit_bias": {"300": 100}}
+    free = _post(server, "/v1/completions", forced).json()
+    assert free["usage"]["completion_tokens"] == 8  # token 300 every step, no stop
+    stopped = _post(server, "/v1/completions", {**forced, "stop_token_ids": [300]}).json()
+    choice = stopped["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == 300
+    assert stopped["usage"]["completion_tokens"] == 1
+
+
+def test_min_tokens_forces_length(server: Server) -> None:
+    eos_first = {"prompt": "Hi", "temperature": 0, "max_tokens": 20, "logit_bias": {"2": 100}}
+    plain = _post(server, "/v1/completions", eos_first).json()
+    assert plain["usage"]["completion_tokens"] == 1
+    assert plain["choices"][0]["finish_reason"] == "stop"
+    held = server.client.completions.create(
+        model=server.model, prompt="Hi", temperature=0, max_tokens=20,
+        logit_bias={"2": 100}, extra_body={"min_tokens": 5})
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/completions", {"prompt": "x", "temperature": 3}, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
