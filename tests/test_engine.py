@@ -167,3 +167,12 @@ def test_max_tokens_none_runs_to_the_context_end(tiny_model_dir: Path) -> None:
     out = llm.generate([[10] * 50], SamplingParams(temperature=0, max_tokens=None,
                                                    ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 14 and out.outputs[0].finish_reason == "length"
+
+
+def test_later_choices_reuse_the_prompt_of_the_first(tiny_model_dir: Path) -> None:
+    llm = LLM(str(tiny_model_dir), kv_cache_tokens=8192, progress=False)
+    prompt = random_prompt(random.Random(5), 100, len(llm.tokenizer))
+    out = llm.generate([prompt], SamplingParams(n=3, temperature=0, max_tokens=4,
+                                                ignore_eos=True))[0]
+    assert out.num_cached_tokens == 96  # 6 full blocks of 16, computed once
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 1

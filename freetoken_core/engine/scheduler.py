@@ -98,6 +98,10 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.index > 0 and self._prompt_in_progress(seq.request_id):
+                # A later choice of a request waits until the first one has computed the
+                # shared prompt, so it is served from the prefix cache instead of recomputed.
+                return
             num = self.block_manager.allocate(seq, budget)
             if num is None:
                 return
@@ -111,6 +115,10 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, num)
             budget -= num
+
+    def _prompt_in_progress(self, request_id: str) -> bool:
+        return any(s.request_id == request_id and s.num_computed_tokens < s.num_prompt_tokens
+                   for s in self.running)
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it first, to be recomputed."""
