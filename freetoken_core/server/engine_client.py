@@ -66,6 +66,7 @@ class EngineClient:
         self.info: EngineInfo | None = None
         self.dead_message: str | None = None
         self._on_dead = on_dead
+        self._closing = False
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
         self._queues: dict[str, asyncio.Queue[Update | Exception]] = {}
@@ -159,7 +160,7 @@ class EngineClient:
             waiter = self._stats_waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(error)
-        if self._on_dead is not None:
+        if self._on_dead is not None and not self._closing:
             self._on_dead(message)
 
     # -- requests ----------------------------------------------------------------------
@@ -218,10 +219,12 @@ class EngineClient:
         return await waiter
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the engine process: ask, then terminate, then kill; always joins it."""
+        """Stop the engine process: ask, then terminate, then kill; always joins it. Requests
+        still waiting get an error; the exit is not reported through ``on_dead``."""
         process = self._process
         if process is None:
             return
+        self._closing = True
         try:
             if process.is_alive():
                 self._to_engine.send_bytes(self._encoder.encode(Shutdown()))
