@@ -34,10 +34,15 @@ from typing import Any
 import numpy as np
 
 from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.gguf_metadata import (
+    build_config,
+    field,
+    generation_config,
+    open_reader,
+)
 
 __all__ = ["convert_gguf"]
 
-_ARCH = "llama"
 
 # GGUF tensor name -> Hugging Face name; ``{i}`` is the layer index.
 _GLOBAL_TENSORS: dict[str, str] = {
@@ -96,15 +101,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise ModelLoadError(f"{out_dir} already exists; delete it or choose another output dir")
-    reader = _open_reader(gguf_path)
-    config = _build_config(reader)
+    reader = open_reader(gguf_path)
+    config = build_config(reader)
     plan = _plan_tensors(reader, config)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = _make_temp_sibling(out_dir)
     try:
         _write_safetensors(tmp / "model.safetensors", plan, config, progress=progress)
         _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", _generation_config(config))
+        _write_json(tmp / "generation_config.json", generation_config(config))
         _write_tokenizer(gguf_path, tmp, reader, config)
         _move_into_place(tmp, out_dir)
     except BaseException:
@@ -115,155 +120,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
 
 # --------------------------------------------------------------------------------------------
 # metadata
-# --------------------------------------------------------------------------------------------
-
-
-def _open_reader(gguf_path: Path) -> Any:
-    """Open ``gguf_path`` with :class:`gguf.GGUFReader` (memory-mapped, read-only)."""
-    from gguf import GGUFReader
-
-    if not gguf_path.is_file():
-        raise ModelLoadError(f"GGUF file {gguf_path} does not exist; pass the path of a .gguf file")
-    try:
-        return GGUFReader(gguf_path, "r")
-    except Exception as exc:  # gguf raises ValueError, OSError, struct errors, ...
-        raise ModelLoadError(
-            f"{gguf_path} is not a readable GGUF file ({exc}); re-download or re-export it"
-        ) from exc
-
-
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    """Return the scalar or string value of metadata field ``key``, or ``default`` if absent.
-
-    Array-valued fields raise :class:`ModelLoadError`.
-
-    A GGUF field stores its value in ``field.parts[field.data[0]]``: a uint8 array holding the
-    UTF-8 bytes for strings, or a one-element numpy array for numbers and booleans.
-    """
-    from gguf import GGUFValueType
-
-    field = reader.fields.get(key)
-    if field is None or not field.data:
-        return default
-    if field.types[0] == GGUFValueType.ARRAY:
-        raise ModelLoadError(
-            f"GGUF metadata {key!r} is an array (per-layer values?); this converter only "
-            "handles plain llama models with one value per key"
-        )
-    part = field.parts[field.data[0]]
-    if field.types[0] == GGUFValueType.STRING:
-        return bytes(part).decode("utf-8")
-    return part.tolist()[0]
-
-
-def _require(reader: Any, key: str) -> Any:
-    """Return metadata field ``key``; raise :class:`ModelLoadError` if it is missing."""
-    value = _field(reader, key)
-    if value is None:
-        raise ModelLoadError(f"GGUF metadata lacks {key!r}; re-export the model with llama.cpp")
-    return value
-
-
-def _token_count(reader: Any) -> int:
-    """Number of entries of ``tokenizer.ggml.tokens`` (0 if the file has no vocabulary)."""
-    field = reader.fields.get("tokenizer.ggml.tokens")
-    return 0 if field is None else len(field.data)
-
-
-def _rope_scaling(reader: Any) -> dict[str, Any] | None:
-    """Map ``llama.rope.scaling.*`` (or the older ``rope.scale_linear``) to ``rope_scaling``."""
-    kind = _field(reader, f"{_ARCH}.rope.scaling.type")
-    factor = _field(reader, f"{_ARCH}.rope.scaling.factor")
-    if kind is None and _field(reader, f"{_ARCH}.rope.scale_linear") is not None:
-        kind, factor = "linear", _field(reader, f"{_ARCH}.rope.scale_linear")
-    if kind in (None, "none") or factor is None or float(factor) == 1.0:
-        return None
-    scaling: dict[str, Any] = {"rope_type": str(kind), "factor": float(factor)}
-    original = _field(reader, f"{_ARCH}.rope.scaling.original_context_length")
-    if original is not None:
-        scaling["original_max_position_embeddings"] = int(original)
-    return scaling
-
-
-def _build_config(reader: Any) -> dict[str, Any]:
-    """Build the ``config.json`` dict of a ``LlamaForCausalLM`` from the GGUF metadata."""
-    arch = _field(reader, "general.architecture")
-    if arch != _ARCH:
-        raise ModelLoadError(
-            f"GGUF architecture {arch!r} is not supported; only 'llama' GGUF files can be converted"
-        )
-    p = f"{_ARCH}."
-    hidden = int(_require(reader, p + "embedding_length"))
-    heads = int(_require(reader, p + "attention.head_count"))
-    kv_heads = int(_field(reader, p + "attention.head_count_kv", heads))
-    head_dim = int(_field(reader, p + "attention.key_length", hidden // heads))
-    rope_dim = _field(reader, p + "rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != head_dim:
-        raise ModelLoadError(
-            f"GGUF rope.dimension_count {rope_dim} != head_dim {head_dim} (partial rotary) is "
-            "not supported by LlamaForCausalLM; use a standard llama GGUF"
-        )
-    names = {t.name for t in reader.tensors}
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(_require(reader, p + "feed_forward_length")),
-        "num_hidden_layers": int(_require(reader, p + "block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, p + "context_length", 2048)),
-        "vocab_size": _embedding_rows(reader) or _token_count(reader),
-        "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
-    }
-    config.update(_special_token_ids(reader))
-    scaling = _rope_scaling(reader)
-    if scaling is not None:
-        config["rope_scaling"] = scaling
-    return config
-
-
-def _embedding_rows(reader: Any) -> int:
-    """Rows of ``token_embd.weight`` (= the model's vocab size), 0 if the tensor is missing.
-
-    This equals the number of tokens for ordinary files; when a vocabulary is padded, the
-    weights (not the token list) decide the size ``LlamaForCausalLM`` must be built with.
-    """
-    for tensor in reader.tensors:
-        if tensor.name == "token_embd.weight":
-            return int(tensor.shape[-1])
-    return 0
-
-
-def _special_token_ids(reader: Any) -> dict[str, int]:
-    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` present in the GGUF metadata."""
-    ids: dict[str, int] = {}
-    for hf_key, gguf_key in (
-        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
-        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
-        ("pad_token_id", "tokenizer.ggml.padding_token_id"),
-    ):
-        value = _field(reader, gguf_key)
-        if value is not None:
-            ids[hf_key] = int(value)
-    return ids
-
-
-def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The ``generation_config.json`` dict: the special token ids of ``config``."""
-    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
-    return {key: config[key] for key in keys if key in config}
-
-
-# --------------------------------------------------------------------------------------------
-# tensors
 # --------------------------------------------------------------------------------------------
 
 
@@ -424,7 +280,7 @@ def _write_tokenizer(gguf_path: Path, out_dir: Path, reader: Any, config: dict[s
             f"transformers could not build the tokenizer of {gguf_path} ({exc}); "
             "upgrade transformers or use a GGUF with an embedded tokenizer"
         ) from exc
-    template = _field(reader, "tokenizer.chat_template")
+    template = field(reader, "tokenizer.chat_template")
     if template is not None:
         tokenizer.chat_template = template
     tokenizer.model_max_length = config["max_position_embeddings"]

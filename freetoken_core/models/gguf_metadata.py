@@ -1,0 +1,160 @@
+"""Reading a GGUF file's metadata: the reader, typed fields, and the Hugging Face config
+and generation config they describe (used by ``freetoken_core.models.gguf``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from freetoken_core.errors import ModelLoadError
+
+ARCH = "llama"
+
+
+def open_reader(gguf_path: Path) -> Any:
+    """Open ``gguf_path`` with :class:`gguf.GGUFReader` (memory-mapped, read-only)."""
+    from gguf import GGUFReader
+
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"GGUF file {gguf_path} does not exist; pass the path of a .gguf file")
+    try:
+        return GGUFReader(gguf_path, "r")
+    except Exception as exc:  # gguf raises ValueError, OSError, struct errors, ...
+        raise ModelLoadError(
+            f"{gguf_path} is not a readable GGUF file ({exc}); re-download or re-export it"
+        ) from exc
+
+
+def field(reader: Any, key: str, default: Any = None) -> Any:
+    """Return the scalar or string value of metadata field ``key``, or ``default`` if absent.
+
+    Array-valued fields raise :class:`ModelLoadError`.
+
+    A GGUF field stores its value in ``field.parts[field.data[0]]``: a uint8 array holding the
+    UTF-8 bytes for strings, or a one-element numpy array for numbers and booleans.
+    """
+    from gguf import GGUFValueType
+
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return default
+    if field.types[0] == GGUFValueType.ARRAY:
+        raise ModelLoadError(
+            f"GGUF metadata {key!r} is an array (per-layer values?); this converter only "
+            "handles plain llama models with one value per key"
+        )
+    part = field.parts[field.data[0]]
+    if field.types[0] == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    return part.tolist()[0]
+
+
+def require(reader: Any, key: str) -> Any:
+    """Return metadata field ``key``; raise :class:`ModelLoadError` if it is missing."""
+    value = field(reader, key)
+    if value is None:
+        raise ModelLoadError(f"GGUF metadata lacks {key!r}; re-export the model with llama.cpp")
+    return value
+
+
+def token_count(reader: Any) -> int:
+    """Number of entries of ``tokenizer.ggml.tokens`` (0 if the file has no vocabulary)."""
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    return 0 if field is None else len(field.data)
+
+
+def rope_scaling(reader: Any) -> dict[str, Any] | None:
+    """Map ``llama.rope.scaling.*`` (or the older ``rope.scale_linear``) to ``rope_scaling``."""
+    kind = field(reader, f"{ARCH}.rope.scaling.type")
+    factor = field(reader, f"{ARCH}.rope.scaling.factor")
+    if kind is None and field(reader, f"{ARCH}.rope.scale_linear") is not None:
+        kind, factor = "linear", field(reader, f"{ARCH}.rope.scale_linear")
+    if kind in (None, "none") or factor is None or float(factor) == 1.0:
+        return None
+    scaling: dict[str, Any] = {"rope_type": str(kind), "factor": float(factor)}
+    original = field(reader, f"{ARCH}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def build_config(reader: Any) -> dict[str, Any]:
+    """Build the ``config.json`` dict of a ``LlamaForCausalLM`` from the GGUF metadata."""
+    arch = field(reader, "general.architecture")
+    if arch != ARCH:
+        raise ModelLoadError(
+            f"GGUF architecture {arch!r} is not supported; only 'llama' GGUF files can be converted"
+        )
+    p = f"{ARCH}."
+    hidden = int(require(reader, p + "embedding_length"))
+    heads = int(require(reader, p + "attention.head_count"))
+    kv_heads = int(field(reader, p + "attention.head_count_kv", heads))
+    head_dim = int(field(reader, p + "attention.key_length", hidden // heads))
+    rope_dim = field(reader, p + "rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise ModelLoadError(
+            f"GGUF rope.dimension_count {rope_dim} != head_dim {head_dim} (partial rotary) is "
+            "not supported by LlamaForCausalLM; use a standard llama GGUF"
+        )
+    names = {t.name for t in reader.tensors}
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(require(reader, p + "feed_forward_length")),
+        "num_hidden_layers": int(require(reader, p + "block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(field(reader, p + "rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(field(reader, p + "context_length", 2048)),
+        "vocab_size": embedding_rows(reader) or token_count(reader),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    config.update(special_token_ids(reader))
+    scaling = rope_scaling(reader)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def embedding_rows(reader: Any) -> int:
+    """Rows of ``token_embd.weight`` (= the model's vocab size), 0 if the tensor is missing.
+
+    This equals the number of tokens for ordinary files; when a vocabulary is padded, the
+    weights (not the token list) decide the size ``LlamaForCausalLM`` must be built with.
+    """
+    for tensor in reader.tensors:
+        if tensor.name == "token_embd.weight":
+            return int(tensor.shape[-1])
+    return 0
+
+
+def special_token_ids(reader: Any) -> dict[str, int]:
+    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` present in the GGUF metadata."""
+    ids: dict[str, int] = {}
+    for hf_key, gguf_key in (
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+        ("pad_token_id", "tokenizer.ggml.padding_token_id"),
+    ):
+        value = field(reader, gguf_key)
+        if value is not None:
+            ids[hf_key] = int(value)
+    return ids
+
+
+def generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``generation_config.json`` dict: the special token ids of ``config``."""
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {key: config[key] for key in keys if key in config}
+
+
+# --------------------------------------------------------------------------------------------
+# tensors
+# --------------------------------------------------------------------------------------------
