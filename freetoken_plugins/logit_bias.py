@@ -47,6 +47,7 @@ import torch
 from freetoken_core import hookimpl
 from freetoken_core.errors import InvalidRequest
 from freetoken_core.processors import LogitsProcessor, ModelInfo, Stage
+from freetoken_plugins._slot_widths import SlotWidths
 
 FIELD = "logit_bias"
 MAX_ENTRIES = 1024
@@ -182,9 +183,12 @@ class LogitBias(LogitsProcessor):
         self.token_ids = torch.zeros(shape, dtype=torch.long, device=device)
         self.biases = torch.zeros(shape, dtype=torch.float32, device=device)
         self.num_entries = torch.zeros(max_num_slots, dtype=torch.int32, device=device)
-        self._counts: dict[int, int] = {}  # host copy of num_entries for the slots in use
-        self.width = 0
+        self._widths = SlotWidths()  # host copy of num_entries for the slots in use
+
+    @property
+    def width(self) -> int:
         """Largest entry count among the slots in use: the torch path's ``W``."""
+        return self._widths.width
 
     @classmethod
     def uses(cls, params: Any) -> bool:
@@ -204,15 +208,13 @@ class LogitBias(LogitsProcessor):
         self.token_ids[slot, :count] = torch.tensor(list(entries), dtype=torch.long)
         self.biases[slot, :count] = torch.tensor(list(entries.values()), dtype=torch.float32)
         self.num_entries[slot] = count
-        self._counts[slot] = count
-        self.width = max(self.width, count)
+        self._widths.set(slot, count)
 
     def remove_request(self, slot: int) -> None:
         self.token_ids[slot].zero_()
         self.biases[slot].zero_()
         self.num_entries[slot] = 0
-        if self._counts.pop(slot, 0) == self.width:
-            self.width = max(self._counts.values(), default=0)
+        self._widths.remove(slot)
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
         if logits.is_cuda:

@@ -48,6 +48,7 @@ import torch
 from freetoken_core import hookimpl
 from freetoken_core.errors import InvalidRequest
 from freetoken_core.processors import LogitsProcessor, ModelInfo, Stage
+from freetoken_plugins._slot_widths import SlotWidths
 
 FIELD = "min_tokens"
 STOP_IDS_FIELD = "stop_token_ids"
@@ -159,9 +160,12 @@ class MinTokens(LogitsProcessor):
         self.num_mask_ids = torch.zeros(max_num_slots, dtype=torch.int32, device=device)
         self.mask_ids = torch.zeros((max_num_slots, _INITIAL_IDS), dtype=torch.long,
                                     device=device)
-        self._counts: dict[int, int] = {}  # host copy of num_mask_ids for the slots in use
-        self.width = 0
+        self._widths = SlotWidths()  # host copy of num_mask_ids for the slots in use
+
+    @property
+    def width(self) -> int:
         """Most ids among the slots in use: the torch path's ``W``."""
+        return self._widths.width
 
     @classmethod
     def uses(cls, params: Any) -> bool:
@@ -198,18 +202,13 @@ class MinTokens(LogitsProcessor):
         # a huge min_tokens inside int64 without changing what it does.
         self.min_tokens[slot] = min(params.extra[FIELD], self.model.max_model_len)
         self.num_generated[slot] = len(output_token_ids)
-        previous = self._counts.get(slot, 0)
-        self._counts[slot] = count
-        # A slot re-added without remove_request may have held the widest list.
-        self.width = (max(self._counts.values()) if previous == self.width
-                      else max(self.width, count))
+        self._widths.set(slot, count)
 
     def remove_request(self, slot: int) -> None:
         self.min_tokens[slot] = 0
         self.num_mask_ids[slot] = 0
         self.mask_ids[slot] = 0
-        if self._counts.pop(slot, 0) == self.width:
-            self.width = max(self._counts.values(), default=0)
+        self._widths.remove(slot)
 
     def update(self, slots: torch.Tensor, sampled: torch.Tensor) -> None:
         self.num_generated.index_add_(0, slots, torch.ones_like(slots))
