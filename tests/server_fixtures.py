@@ -3,6 +3,7 @@ test modules (each keeps its own module-scoped fixture over ``start_server``).""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -76,3 +77,23 @@ def stop_server(srv: Server) -> None:
     if srv.proc.poll() is None:
         srv.proc.kill()
         srv.proc.wait()
+
+
+def post(server: Server, path: str, body: dict) -> httpx.Response:
+    return server.http.post(path, json=body)
+
+
+def ok(server: Server, path: str, body: dict) -> dict:
+    """POST and return the JSON body, asserting a 200."""
+    r = post(server, path, body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def events(server: Server, path: str, body: dict) -> list[dict]:
+    """POST with ``stream: true``; the SSE events before the final ``[DONE]``, decoded."""
+    r = post(server, path, {**body, "stream": True})
+    assert r.status_code == 200, r.text
+    lines = [ln[len("data: "):] for ln in r.text.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]

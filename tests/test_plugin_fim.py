@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
 import pytest
 from server_fixtures import Server, start_server, stop_server
+from server_fixtures import post as _post
 
 from freetoken_core import LLM, InvalidRequest, SamplingParams
 from freetoken_core.models.resolve import resolve_model
@@ -31,9 +31,6 @@ def server(tiny_model_dir: Path) -> Iterator[Server]:
     yield srv
     stop_server(srv)
 
-
-def _post(server: Server, path: str, body: dict) -> httpx.Response:
-    return server.http.post(path, json=body)
 
 
 def _ok(server: Server, body: dict) -> dict:

@@ -4,14 +4,14 @@ chat end to end on a real ``freetoken serve`` (tiny model: ``<think>`` 640, ``</
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from server_fixtures import Server, start_server, stop_server
+from server_fixtures import events as _events
+from server_fixtures import ok as _ok
 
 from freetoken_plugins.reasoning import ThinkSplitter, count_reasoning_tokens, split
 
@@ -77,22 +77,7 @@ def test_count_reasoning_tokens(ids: list[int], in_reasoning: bool, expected: in
 # -- end to end ------------------------------------------------------------------------
 
 
-def _post(server: Server, path: str, body: dict) -> httpx.Response:
-    return server.http.post(path, json=body)
 
-
-def _ok(server: Server, path: str, body: dict) -> dict:
-    r = _post(server, path, body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _events(server: Server, path: str, body: dict) -> list[dict]:
-    r = _post(server, path, {**body, "stream": True})
-    assert r.status_code == 200, r.text
-    lines = [ln[len("data: "):] for ln in r.text.splitlines() if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(ln) for ln in lines[:-1]]
 
 
 USER = [{"role": "user", "content": "Tell me a story"}]

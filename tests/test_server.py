@@ -16,6 +16,7 @@ import httpx
 import psutil
 import pytest
 from server_fixtures import Server, free_port, serve_cmd, start_server, stop_server
+from server_fixtures import post as _post
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +25,6 @@ def server(tiny_model_dir: Path) -> Iterator[Server]:
     yield srv
     stop_server(srv)
 
-
-def _post(server: Server, path: str, body: dict) -> httpx.Response:
-    return server.http.post(path, json=body)
 
 
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}

@@ -4,14 +4,15 @@ the chat template controls, ``request_id`` and ``max_completion_tokens``.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from server_fixtures import Server, start_server, stop_server
+from server_fixtures import events as _events
+from server_fixtures import ok as _ok
+from server_fixtures import post as _post
 
 from freetoken_core.server.protocol import ChatMessage
 from freetoken_core.server.serving import render_chat
@@ -29,22 +30,7 @@ GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 USER = [{"role": "user", "content": "Tell me a story"}]
 
 
-def _post(server: Server, path: str, body: dict) -> httpx.Response:
-    return server.http.post(path, json=body)
 
-
-def _ok(server: Server, path: str, body: dict) -> dict:
-    r = _post(server, path, body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _events(server: Server, path: str, body: dict) -> list[dict]:
-    r = _post(server, path, {**body, "stream": True})
-    assert r.status_code == 200, r.text
-    lines = [ln[len("data: "):] for ln in r.text.splitlines() if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(ln) for ln in lines[:-1]]
 
 
 def _bad(server: Server, path: str, body: dict, param: str) -> str:
