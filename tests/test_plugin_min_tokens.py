@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from kernel_checks import assert_kernel_is_lazy_and_compiles
 from transformers import MinNewTokensLengthLogitsProcessor
 
 from freetoken_core import LLM, InvalidRequest, SamplingParams
@@ -238,26 +236,7 @@ KERNEL_SIGNATURE = {"logits_ptr": "*fp32", "row_stride": "i32", "slots_ptr": "*i
 
 
 def test_kernel_is_lazy_and_compiles_for_cuda() -> None:
-    """Importing the plugin imports no triton, and its kernel compiles for sm_90 (no GPU
-    needed: Triton's bundled ptxas), in a fresh process without TRITON_INTERPRET."""
-    code = f"""
-import sys
-import freetoken_plugins.min_tokens as plugin
-print("triton" in sys.modules)
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-source = ASTSource(plugin._kernel(), {KERNEL_SIGNATURE!r}, constexprs={{"BLOCK": 16}})
-print(sorted(triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm))
-"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         check=False)
-    if "No module named 'triton'" in out.stderr:
-        pytest.skip("triton is not installed")
-    assert out.returncode == 0, out.stderr[-3000:]
-    lazy, stages = out.stdout.splitlines()[:2]
-    assert lazy == "False" and "'cubin'" in stages
+    assert_kernel_is_lazy_and_compiles("freetoken_plugins.min_tokens", KERNEL_SIGNATURE, {"BLOCK": 16})
 
 
 # -- in the engine ------------------------------------------------------------------------

@@ -40,7 +40,6 @@ class DecoderLayer:
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
-        self.intermediate_size = cfg.intermediate_size
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 
@@ -106,11 +107,10 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
         return Response(content=b"", status_code=200)
 
     @get("/internal/stats")
-    async def stats() -> p.EngineStats:
+    async def stats() -> dict[str, int]:
+        """The engine's load between two steps (the engine process's ``Stats`` message)."""
         serving.require_ready()
-        s = await serving.client.stats()
-        return p.EngineStats(s.num_running, s.num_waiting, s.num_requests,
-                             s.num_used_kv_blocks, s.num_kv_blocks, s.num_aborted_requests)
+        return msgspec.structs.asdict(await serving.client.stats())
 
     @get("/v1/models", sync_to_thread=False)
     def models() -> p.ModelList:

@@ -260,16 +260,5 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorBody
 
 
-class EngineStats(msgspec.Struct):
-    """``GET /internal/stats``: the engine's load between two steps."""
-
-    num_running: int
-    num_waiting: int
-    num_requests: int
-    num_used_kv_blocks: int
-    num_kv_blocks: int
-    num_aborted_requests: int
-
-
 class VersionResponse(msgspec.Struct):
     version: str
