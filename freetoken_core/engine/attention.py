@@ -3,6 +3,11 @@
 A step's tokens are laid out flat: first the decoding sequences (one query token each),
 then each prefilling sequence's chunk. ``AttentionMetadata`` is built once per step by the
 model runner and shared by every layer.
+
+Decoding has two paths with the same result: on CPU, the native kernel
+(``freetoken_core/kernels``) reads each sequence's keys and values in place, block by block;
+elsewhere, or where the kernel cannot be built, the keys and values are gathered into a
+padded batch for ``scaled_dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from freetoken_core.kernels import cpu_kernels_available
 
 
 @dataclass
@@ -34,16 +41,26 @@ class AttentionMetadata:
     """[T] cache slot of each token of the step, where its key and value are written."""
     num_decode_tokens: int
     decode_slots: torch.Tensor | None
-    """[D, L] cache slots of every key of each decoding sequence, padded."""
+    """torch path: [D, L] cache slots of every key of each decoding sequence, padded."""
     decode_mask: torch.Tensor | None
-    """[D, 1, 1, L] True where the key exists (the rest is padding)."""
+    """torch path: [D, 1, 1, L] True where the key exists (the rest is padding)."""
+    decode_block_tables: torch.Tensor | None
+    """native path: [D, W] int32 cache blocks of each decoding sequence, padded."""
+    decode_context_lens: torch.Tensor | None
+    """native path: [D] int32 keys of each decoding sequence, its new token included."""
+    block_size: int
     prefills: list[PrefillSpan]
 
     @classmethod
     def build(cls, block_tables: list[list[int]], context_lens: list[int],
-              query_lens: list[int], block_size: int, device: torch.device
-              ) -> AttentionMetadata:
-        """Metadata for sequences given in step order: all decodes (query 1) come first."""
+              query_lens: list[int], block_size: int, device: torch.device,
+              native: bool | None = None) -> AttentionMetadata:
+        """Metadata for sequences given in step order: all decodes (query 1) come first.
+
+        ``native`` picks the decode path; by default the native kernel wherever it runs.
+        """
+        if native is None:
+            native = device.type == "cpu" and cpu_kernels_available()
         slots: list[int] = []
         for table, ctx, q in zip(block_tables, context_lens, query_lens):
             for pos in range(ctx - q, ctx):
@@ -52,8 +69,15 @@ class AttentionMetadata:
         num_decode = 0
         while num_decode < len(query_lens) and query_lens[num_decode] == 1:
             num_decode += 1
-        decode_slots = decode_mask = None
-        if num_decode:
+        decode_slots = decode_mask = decode_tables = decode_lens = None
+        if num_decode and native:
+            width = max(len(t) for t in block_tables[:num_decode])
+            decode_tables = torch.tensor([t + [0] * (width - len(t))
+                                          for t in block_tables[:num_decode]],
+                                         dtype=torch.int32, device=device)
+            decode_lens = torch.tensor(context_lens[:num_decode], dtype=torch.int32,
+                                       device=device)
+        elif num_decode:
             decode_slots, decode_mask = _decode_slots(
                 block_tables[:num_decode], context_lens[:num_decode], block_size, device)
         prefills = []
@@ -68,7 +92,8 @@ class AttentionMetadata:
                 mask = k_pos[None, :] <= q_pos[:, None]
             prefills.append(PrefillSpan(start, start + q, ctx, ctx_slots, mask))
             start += q
-        return cls(slot_mapping, num_decode, decode_slots, decode_mask, prefills)
+        return cls(slot_mapping, num_decode, decode_slots, decode_mask, decode_tables,
+                   decode_lens, block_size, prefills)
 
 
 def _slots_of(table: list[int], length: int, block_size: int, device: torch.device
@@ -109,7 +134,15 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
     num_kv_heads = kv.shape[2]
     kv_cache.index_copy_(0, meta.slot_mapping, kv)
     d = meta.num_decode_tokens
-    if d:
+    if d and meta.decode_block_tables is not None:
+        od = torch.empty(d, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        torch.ops.freetoken.paged_decode_attention(
+            q[:d], kv_cache, meta.decode_block_tables, meta.decode_context_lens,
+            meta.block_size, head_dim ** -0.5, od)
+        od = od.view(d, num_heads * head_dim)
+        if not meta.prefills:
+            return od
+    elif d:
         # One query per sequence: fold each KV head's query heads into the query axis, so
         # grouped-query attention needs no repeated keys.
         group = num_heads // num_kv_heads

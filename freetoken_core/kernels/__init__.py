@@ -1,0 +1,84 @@
+"""Native CPU kernels (C++ in ``csrc/``), built on first use and loaded as ``torch.ops.freetoken``.
+
+They are compiled once per machine, torch version, CPU and source into
+``$FREETOKEN_CACHE/kernels/`` (about 10 s) with the system C++ compiler and ninja, for the
+CPU at hand (``-march=native``), and run on ATen's own thread pool. Everything they do has a
+torch path too: where they cannot be built (no compiler) or are switched off with
+``FREETOKEN_NATIVE_KERNELS=0``, FreeToken says so once and runs the torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("freetoken.kernels")
+
+_SOURCES = ("paged_attention.cpp",)
+_ENV = "FREETOKEN_NATIVE_KERNELS"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_dir(sources: list[Path]) -> Path:
+    from freetoken_core.models.resolve import cache_dir
+
+    digest = hashlib.sha256()
+    for src in sources:
+        digest.update(src.read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(platform.machine().encode())
+    digest.update(_cpu_flags().encode())
+    return cache_dir() / "kernels" / digest.hexdigest()[:16]
+
+
+def _ensure_ninja_on_path() -> None:
+    if shutil.which("ninja"):
+        return
+    import ninja  # the PyPI package ships the binary; its directory is not on PATH in a venv
+
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@functools.cache
+def cpu_kernels_available() -> bool:
+    """Build (first time) and load the CPU kernels; ``False`` where they cannot be had."""
+    if os.environ.get(_ENV, "1").lower() in ("0", "false", "no", "off"):
+        return False
+    if hasattr(torch.ops.freetoken, "paged_decode_attention"):
+        return True
+    sources = [Path(__file__).parent / "csrc" / name for name in _SOURCES]
+    try:
+        from torch.utils import cpp_extension
+
+        _ensure_ninja_on_path()
+        build = _build_dir(sources)
+        build.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name="freetoken_cpu", sources=[str(s) for s in sources],
+            build_directory=str(build),
+            # -fopenmp: ATen's parallel_for is inline OpenMP; without the flag it runs on
+            # one thread. libgomp.so.1 resolves to the copy torch has already loaded.
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            is_python_module=False, verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
+        log.warning("native CPU kernels unavailable, using the torch path (%s: %s); set "
+                    "%s=0 to skip the build", type(exc).__name__, str(exc).splitlines()[0]
+                    if str(exc) else "", _ENV)
+        return False
+    return True

@@ -1,0 +1,293 @@
+// Decode attention over the paged KV cache, on the CPU.
+//
+// One query token per sequence reads its keys and values where they lie in the cache,
+// block by block, instead of gathering them into a contiguous copy first (the torch path
+// copies every key and value of every sequence, in every layer, at every step). Work is
+// split over sequences (or (sequence, KV head) pairs when there are few) with ATen's thread
+// pool; the query heads of one KV head (grouped-query attention) share each key load.
+//
+// Layouts (see freetoken_core/engine/attention.py):
+//   q            [D, H, hd]             any stride between tokens, heads contiguous
+//   kv_cache     [slots, 2, KVH, hd]    keys and values of a slot side by side
+//   block_tables [D, W] int32           cache blocks of each sequence, padded
+//   context_lens [D] int32              keys of each sequence, its new token included
+//   out          [D, H, hd]             contiguous
+// float32 and bfloat16 are supported; sums are float32 either way.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FREETOKEN_AVX2 1
+#endif
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline void from_float(float x, float* p) { *p = x; }
+inline void from_float(float x, c10::BFloat16* p) { *p = c10::BFloat16(x); }
+
+#ifdef FREETOKEN_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for x <= 0 (softmax arguments), Cephes' polynomial: relative error ~2e-7.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  x = _mm256_max_ps(x, lo);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#ifdef FREETOKEN_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k + i + 8), a1);
+  }
+  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a0);
+  s = hsum(_mm256_add_ps(a0, a1));
+#endif
+  for (; i < n; ++i) s += q[i] * to_float(k[i]);
+  return s;
+}
+
+// acc[0:n] += p * v[0:n]
+template <typename T>
+inline void axpy(float p, const T* v, float* acc, int64_t n) {
+  int64_t i = 0;
+#ifdef FREETOKEN_AVX2
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load8(v + i), _mm256_loadu_ps(acc + i)));
+#endif
+  for (; i < n; ++i) acc[i] += p * to_float(v[i]);
+}
+
+// scores[0:n] = exp(scores - max), returns their sum.
+inline float exp_and_sum(float* s, int64_t n, float max) {
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef FREETOKEN_AVX2
+  const __m256 m = _mm256_set1_ps(max);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum(acc);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - max);
+    sum += s[i];
+  }
+  return sum;
+}
+
+// out[t] = q . (slots[t] + offset)[0:n] for t in [0, len): four keys at a time, their
+// four dot products reduced together.
+template <typename T>
+void row_scores(const float* q, const T* const* slots, int64_t offset, int64_t len, int64_t n,
+                float* out) {
+  int64_t t = 0;
+#ifdef FREETOKEN_AVX2
+  if (n % 8 == 0) {
+    for (; t + 4 <= len; t += 4) {
+      const T *k0 = slots[t] + offset, *k1 = slots[t + 1] + offset;
+      const T *k2 = slots[t + 2] + offset, *k3 = slots[t + 3] + offset;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qv, load8(k0 + i), a0);
+        a1 = _mm256_fmadd_ps(qv, load8(k1 + i), a1);
+        a2 = _mm256_fmadd_ps(qv, load8(k2 + i), a2);
+        a3 = _mm256_fmadd_ps(qv, load8(k3 + i), a3);
+      }
+      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      _mm_storeu_ps(out + t, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+    }
+  }
+#endif
+  for (; t < len; ++t) out[t] = dot(q, slots[t] + offset, n);
+}
+
+#ifdef FREETOKEN_AVX2
+// acc[r][0:32] = sum_t p[r * len + t] * (slots[t] + offset)[0:32], for R rows at once,
+// the 4 x R accumulators held in registers.
+template <typename T, int R>
+void weighted_values_32(const float* p, int64_t len, const T* const* slots, int64_t offset,
+                        float* acc, int64_t acc_stride) {
+  __m256 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < 4; ++k) a[r][k] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = slots[t] + offset;
+    const __m256 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
+    for (int r = 0; r < R; ++r) {
+      const __m256 pr = _mm256_broadcast_ss(p + r * len + t);
+      a[r][0] = _mm256_fmadd_ps(pr, v0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(pr, v1, a[r][1]);
+      a[r][2] = _mm256_fmadd_ps(pr, v2, a[r][2]);
+      a[r][3] = _mm256_fmadd_ps(pr, v3, a[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(acc + r * acc_stride + 8 * k, a[r][k]);
+}
+#endif
+
+// acc[r][0:n] = sum_t p[r * len + t] * (slots[t] + offset)[0:n] for `rows` rows that share
+// the values (the query heads of one KV head).
+template <typename T>
+void weighted_values(const float* p, int64_t rows, int64_t len, const T* const* slots,
+                     int64_t offset, int64_t n, float* acc) {
+#ifdef FREETOKEN_AVX2
+  if (n % 32 == 0) {
+    for (int64_t r = 0; r < rows; r += 3) {
+      for (int64_t c = 0; c < n; c += 32) {
+        const float* pr = p + r * len;
+        float* out = acc + r * n + c;
+        switch (std::min<int64_t>(3, rows - r)) {
+          case 3: weighted_values_32<T, 3>(pr, len, slots, offset + c, out, n); break;
+          case 2: weighted_values_32<T, 2>(pr, len, slots, offset + c, out, n); break;
+          default: weighted_values_32<T, 1>(pr, len, slots, offset + c, out, n); break;
+        }
+      }
+    }
+    return;
+  }
+#endif
+  std::fill(acc, acc + rows * n, 0.f);
+  for (int64_t t = 0; t < len; ++t)
+    for (int64_t r = 0; r < rows; ++r) axpy(p[r * len + t], slots[t] + offset, acc + r * n, n);
+}
+
+template <typename T>
+void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens,
+                      int64_t block_size, double scale, at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = kv_cache.size(2), group = num_heads / num_kv_heads;
+  const int64_t q_stride = q.stride(0), slot_stride = kv_cache.stride(0);
+  const int64_t table_width = block_tables.size(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* cache = kv_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  T* out_ptr = out.data_ptr<T>();
+  const float scale_f = static_cast<float>(scale);
+
+  // With enough sequences, one work item is a whole sequence, so that each cache slot
+  // (all KV heads' keys, then values, side by side) is streamed once, in order. With few
+  // sequences, items are (sequence, KV head) pairs, to keep every thread busy.
+  const int64_t heads_per_item =
+      num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / heads_per_item;
+  const int64_t rows = heads_per_item * group;  // query heads of one item
+
+  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(rows * head_dim), acc(rows * head_dim), inv(rows), scores;
+    std::vector<const T*> slots;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / items_per_seq;
+      const int64_t kv0 = (item % items_per_seq) * heads_per_item;
+      const int64_t len = lens[seq];
+      const int32_t* table = tables + seq * table_width;
+      const T* q_item = q_ptr + seq * q_stride + kv0 * group * head_dim;
+      for (int64_t i = 0; i < rows * head_dim; ++i) qf[i] = to_float(q_item[i]) * scale_f;
+      // Where each key's slot lies, block by block.
+      slots.resize(len);
+      for (int64_t t = 0; t < len; t += block_size) {
+        const T* block = cache + static_cast<int64_t>(table[t / block_size]) * block_size * slot_stride;
+        for (int64_t i = 0; i < block_size && t + i < len; ++i) slots[t + i] = block + i * slot_stride;
+      }
+      scores.resize(rows * len);
+      // Pass 1: scores of every query head of the item against every key.
+      for (int64_t r = 0; r < rows; ++r)
+        row_scores(qf.data() + r * head_dim, slots.data(), (kv0 + r / group) * head_dim, len,
+                   head_dim, scores.data() + r * len);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* s = scores.data() + r * len;
+        const float max = *std::max_element(s, s + len);
+        inv[r] = 1.f / exp_and_sum(s, len, max);
+      }
+      // Pass 2: probability-weighted sum of the values, per KV head.
+      for (int64_t h = 0; h < heads_per_item; ++h)
+        weighted_values(scores.data() + h * group * len, group, len, slots.data(),
+                        (num_kv_heads + kv0 + h) * head_dim, head_dim,
+                        acc.data() + h * group * head_dim);
+      T* o = out_ptr + (seq * num_heads + kv0 * group) * head_dim;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < head_dim; ++i)
+          from_float(acc[r * head_dim + i] * inv[r], o + r * head_dim + i);
+    }
+  });
+}
+
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            int64_t block_size, double scale, at::Tensor out) {
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_cache.size(1) == 2, "bad shapes");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q: heads must be contiguous");
+  TORCH_CHECK(kv_cache.is_contiguous() && out.is_contiguous(), "cache and out: contiguous");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
+              "q, cache and out must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
+              block_tables.is_contiguous() && context_lens.is_contiguous(),
+              "block_tables and context_lens: contiguous int32");
+  TORCH_CHECK(q.size(1) % kv_cache.size(2) == 0, "heads must be a multiple of KV heads");
+  TORCH_CHECK(kv_cache.size(3) == q.size(2), "head_dim mismatch");
+  if (q.scalar_type() == at::kFloat) {
+    decode_attention<float>(q, kv_cache, block_tables, context_lens, block_size, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode_attention<c10::BFloat16>(q, kv_cache, block_tables, context_lens, block_size, scale, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(freetoken, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
+        "Tensor context_lens, int block_size, float scale, Tensor(a!) out) -> ()",
+        &paged_decode_attention);
+}

@@ -1,0 +1,95 @@
+"""The native CPU decode-attention kernel against the torch path it replaces."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken_core import LLM, SamplingParams
+from freetoken_core.engine import attention
+from freetoken_core.engine.attention import AttentionMetadata, paged_attention
+from freetoken_core.kernels import cpu_kernels_available
+
+DISABLED = os.environ.get("FREETOKEN_NATIVE_KERNELS", "1").lower() in ("0", "false", "no", "off")
+pytestmark = pytest.mark.skipif(DISABLED, reason="FREETOKEN_NATIVE_KERNELS=0")
+
+
+def test_kernels_build_here() -> None:
+    # A machine with a C++ compiler (every machine this project runs on) must get them;
+    # a silent fallback would hide a broken build.
+    assert cpu_kernels_available()
+
+
+def test_switching_off_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FREETOKEN_NATIVE_KERNELS", "0")
+    assert cpu_kernels_available.__wrapped__() is False
+
+
+def paged_case(rng: random.Random, lens: list[int], num_heads: int, num_kv_heads: int,
+               head_dim: int, block_size: int, dtype: torch.dtype):
+    """Random keys/values in shuffled blocks, decode queries, and the block tables."""
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
+    cache = torch.randn(num_blocks * block_size, 2, num_kv_heads, head_dim).to(dtype)
+    q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
+    return cache, q, tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), [
+    (9, 3, 64, 16),     # the default model's shape
+    (4, 4, 32, 4),      # no grouping, tiny blocks
+    (8, 2, 128, 16),    # Llama-3-style groups of 4
+    (6, 3, 40, 5),      # a head_dim that is not a multiple of the vector width
+])
+def test_decode_matches_the_torch_path(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                                       head_dim: int, block_size: int) -> None:
+    rng = random.Random(head_dim)
+    lens = [1, block_size, block_size + 1, 37, 300, 2]
+    cache, q, tables = paged_case(rng, lens, num_heads, num_kv_heads, head_dim, block_size,
+                                  dtype)
+    # The step's own keys/values: write the last position of each sequence again.
+    kv = torch.stack([cache[t[(n - 1) // block_size] * block_size + (n - 1) % block_size]
+                      for t, n in zip(tables, lens)])
+    outs = []
+    for native in (True, False):
+        meta = AttentionMetadata.build(tables, lens, [1] * len(lens), block_size,
+                                       torch.device("cpu"), native=native)
+        assert (meta.decode_block_tables is not None) is native
+        outs.append(paged_attention(q, kv, cache.clone(), meta).float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
+
+
+def test_decode_and_prefill_in_one_step() -> None:
+    """Decodes go native, the chunk after them through the torch path; one output."""
+    rng = random.Random(1)
+    block_size, lens, chunk = 16, [20, 45], 7
+    cache, _, tables = paged_case(rng, lens + [30], 9, 3, 64, block_size, torch.float32)
+    q = torch.randn(2 + chunk, 9, 64)
+    kv = torch.randn(2 + chunk, 2, 3, 64)
+    outs = []
+    for native in (True, False):
+        meta = AttentionMetadata.build(tables, lens + [30], [1, 1, chunk], block_size,
+                                       torch.device("cpu"), native=native)
+        outs.append(paged_attention(q, kv, cache.clone(), meta))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_engine_tokens_are_the_same_on_both_paths(tiny_model_dir: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(7, 600) for _ in range(n)] for n in (3, 40, 150, 17)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(str(tiny_model_dir), kv_cache_tokens=4096, progress=False)
+    native = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.setattr(attention, "cpu_kernels_available", lambda: False)
+    llm = LLM(str(tiny_model_dir), kv_cache_tokens=4096, progress=False)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert native == plain
