@@ -1,4 +1,5 @@
-"""The native CPU decode-attention kernel against the torch path it replaces."""
+"""The native CPU kernels (decode attention, fused element-wise layers) against the torch
+paths they replace."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from freetoken_core import LLM, SamplingParams
 from freetoken_core.engine import attention
 from freetoken_core.engine.attention import AttentionMetadata, paged_attention
 from freetoken_core.kernels import cpu_kernels_available
+from freetoken_core.models import llama
+from freetoken_core.models.layers import add_rms_norm, apply_rope, rms_norm, silu_and_mul
 
 DISABLED = os.environ.get("FREETOKEN_NATIVE_KERNELS", "1").lower() in ("0", "false", "no", "off")
 pytestmark = pytest.mark.skipif(DISABLED, reason="FREETOKEN_NATIVE_KERNELS=0")
@@ -88,8 +91,42 @@ def test_engine_tokens_are_the_same_on_both_paths(tiny_model_dir: Path,
     prompts = [[rng.randrange(7, 600) for _ in range(n)] for n in (3, 40, 150, 17)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     llm = LLM(str(tiny_model_dir), kv_cache_tokens=4096, progress=False)
+    assert llm.engine.core.runner.model.native
     native = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     monkeypatch.setattr(attention, "cpu_kernels_available", lambda: False)
+    monkeypatch.setattr(llama, "cpu_kernels_available", lambda: False)
     llm = LLM(str(tiny_model_dir), kv_cache_tokens=4096, progress=False)
+    assert not llm.engine.core.runner.model.native
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert native == plain
+
+
+DTYPE_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 16, 300])  # 300 rows: split over threads
+def test_fused_layers_match_torch(dtype: torch.dtype, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    tol = DTYPE_TOL[dtype]
+    x, w, res = randn(rows, 580), randn(580), randn(rows, 580)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6, native=True), rms_norm(x, w, 1e-6),
+                               atol=tol, rtol=tol)
+    got = add_rms_norm(x.clone(), res.clone(), w, 1e-6, native=True)
+    want = add_rms_norm(x, res, w, 1e-6)
+    # The sum is rounded once either way: the residual stream is bit-exact.
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], atol=tol, rtol=tol)
+    gate_up = randn(rows, 2 * 100) * 4
+    torch.testing.assert_close(silu_and_mul(gate_up, native=True), silu_and_mul(gate_up),
+                               atol=tol, rtol=tol)
+    # RoPE on a strided view (queries and keys of a fused qkv output), bit-exact.
+    qkv = randn(rows, 7 * 64)
+    cos, sin = randn(rows, 64), randn(rows, 64)
+    want = apply_rope(qkv[:, :6 * 64].view(rows, 6, 64), cos, sin)
+    got = apply_rope(qkv.clone()[:, :6 * 64].view(rows, 6, 64), cos, sin, native=True)
+    assert torch.equal(got, want)

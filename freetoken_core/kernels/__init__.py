@@ -21,7 +21,7 @@ import torch
 
 log = logging.getLogger("freetoken.kernels")
 
-_SOURCES = ("paged_attention.cpp",)
+_SOURCES = ("paged_attention.cpp", "layers.cpp")
 _ENV = "FREETOKEN_NATIVE_KERNELS"
 
 
@@ -39,7 +39,7 @@ def _build_dir(sources: list[Path]) -> Path:
     from freetoken_core.models.resolve import cache_dir
 
     digest = hashlib.sha256()
-    for src in sources:
+    for src in [*sources, *sources[0].parent.glob("*.h")]:
         digest.update(src.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(platform.machine().encode())
@@ -60,7 +60,7 @@ def cpu_kernels_available() -> bool:
     """Build (first time) and load the CPU kernels; ``False`` where they cannot be had."""
     if os.environ.get(_ENV, "1").lower() in ("0", "false", "no", "off"):
         return False
-    if hasattr(torch.ops.freetoken, "paged_decode_attention"):
+    if hasattr(torch.ops.freetoken, "rotary_embedding"):
         return True
     sources = [Path(__file__).parent / "csrc" / name for name in _SOURCES]
     try:
@@ -74,7 +74,9 @@ def cpu_kernels_available() -> bool:
             build_directory=str(build),
             # -fopenmp: ATen's parallel_for is inline OpenMP; without the flag it runs on
             # one thread. libgomp.so.1 resolves to the copy torch has already loaded.
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            # -ffp-contract=off: round where the torch formulas round (no implicit FMA).
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_ldflags=["-fopenmp"],
             is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("native CPU kernels unavailable, using the torch path (%s: %s); set "

@@ -43,10 +43,39 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 and cast back, as Hugging Face's Llama does."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             native: bool = False) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as Hugging Face's Llama does.
+
+    ``native``: one fused pass (``freetoken_core/kernels``) over a 2-d contiguous ``x``.
+    """
+    if native:
+        out = torch.empty_like(x)
+        torch.ops.freetoken.rms_norm(out, x, weight, eps)
+        return out
     normed = torch.rms_norm(x.float(), (x.shape[-1],), None, eps)
     return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + residual`` and its RMSNorm: the block's skip connection and the
+    next norm in one step. ``native`` overwrites ``x`` and ``residual`` in place."""
+    if native:
+        torch.ops.freetoken.fused_add_rms_norm(x, residual, weight, eps)
+        return x, residual
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor, native: bool = False) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of the fused ``[gate | up]`` projection output."""
+    if native:
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
+        torch.ops.freetoken.silu_and_mul(out, x)
+        return out
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate) * up
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -86,11 +115,18 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(dtype=dtype, device=device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows for ``positions``, shaped ``[T, 1, head_dim]``."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos and sin rows for ``positions``, shaped ``[T, head_dim]``."""
+        return self.cos[positions], self.sin[positions]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               native: bool = False) -> torch.Tensor:
+    """Rotate ``x`` ([T, heads, head_dim]) by the ``[T, head_dim]`` tables; ``native``
+    rotates in place."""
+    if native:
+        torch.ops.freetoken.rotary_embedding(x, cos, sin)
+        return x
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -3,6 +3,11 @@
 Grouped-query attention with RoPE over the paged KV cache, RMSNorm, SwiGLU. q/k/v and
 gate/up projections are fused into one GEMM each. Weights are plain tensors, the model is
 inference-only and is called under ``torch.inference_mode()`` by the model runner.
+
+As in vLLM, each block passes on its output and the residual stream separately, so that
+the skip connection's add and the next RMSNorm are one step. On CPU the element-wise
+steps (RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul) run as fused native kernels where they
+could be built (``freetoken_core/kernels``), else as torch operators.
 """
 
 from __future__ import annotations
@@ -11,14 +16,23 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_core.engine.attention import AttentionMetadata, paged_attention
+from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models.config import ModelConfig
-from freetoken_core.models.layers import Linear, RotaryEmbedding, apply_rope, rms_norm
+from freetoken_core.models.layers import (
+    Linear,
+    RotaryEmbedding,
+    add_rms_norm,
+    apply_rope,
+    rms_norm,
+    silu_and_mul,
+)
 
 
 class DecoderLayer:
     """One transformer block; its weights come from ``weights`` under ``prefix``."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str,
+                 native: bool) -> None:
         def w(name: str) -> torch.Tensor:
             return weights.pop(prefix + name)
 
@@ -40,23 +54,32 @@ class DecoderLayer:
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
+        self.native = native
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                 sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(output, residual)``: the hidden state is their sum. The first block gets
+        ``residual=None`` and the embeddings as ``x``."""
         n, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(rms_norm(x, self.input_norm, self.eps))
+        if residual is None:
+            residual = x
+            x = rms_norm(x, self.input_norm, self.eps, self.native)
+        else:
+            x, residual = add_rms_norm(x, residual, self.input_norm, self.eps, self.native)
+        qkv = self.qkv_proj(x)
         qk, v = qkv.split([(h + kvh) * d, kvh * d], dim=-1)
         qk = qk.view(n, h + kvh, d)
         if self.q_norm is not None:
             qk = torch.cat([rms_norm(qk[:, :h], self.q_norm, self.eps),
                             rms_norm(qk[:, h:], self.k_norm, self.eps)], dim=1)
         # One rotation for queries and keys together: they share positions.
-        qk = apply_rope(qk, cos, sin)
+        qk = apply_rope(qk, cos, sin, self.native)
         # Rotated keys and values side by side, as the cache stores them.
         kv = torch.cat([qk[:, h:], v.view(n, kvh, d)], dim=1).view(n, 2, kvh, d)
-        x = x + self.o_proj(paged_attention(qk[:, :h], kv, kv_cache, meta))
-        gate, up = self.gate_up_proj(rms_norm(x, self.post_attn_norm, self.eps)).chunk(2, -1)
-        return x + self.down_proj(F.silu(gate) * up)
+        x = self.o_proj(paged_attention(qk[:, :h], kv, kv_cache, meta))
+        x, residual = add_rms_norm(x, residual, self.post_attn_norm, self.eps, self.native)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native)), residual
 
 
 class LlamaForCausalLM:
@@ -66,7 +89,10 @@ class LlamaForCausalLM:
                  max_positions: int) -> None:
         self.config = cfg
         self.embed_tokens = weights.pop("model.embed_tokens.weight")
-        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.")
+        self.native = (self.embed_tokens.device.type == "cpu"
+                       and self.embed_tokens.dtype in (torch.float32, torch.bfloat16)
+                       and cpu_kernels_available())
+        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", self.native)
                        for i in range(cfg.num_layers)]
         self.norm = weights.pop("model.norm.weight")
         head = weights.pop("lm_head.weight", None)
@@ -86,9 +112,10 @@ class LlamaForCausalLM:
         """Hidden states [T, hidden] of a flat step; writes the step's KV into the cache."""
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.tables(positions)
+        residual = None
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, cache, meta)
-        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+            x, residual = layer(x, residual, cos, sin, cache, meta)
+        return add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps, self.native)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
