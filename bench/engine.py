@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from chat_prompts import chat_prompt_ids  # noqa: E402
+from chat_prompts import chat_prompt_ids
 
 SOLO_REQUESTS = 4
 

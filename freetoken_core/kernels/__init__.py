@@ -23,6 +23,7 @@ log = logging.getLogger("freetoken.kernels")
 
 _SOURCES = ("paged_attention.cpp", "layers.cpp")
 _ENV = "FREETOKEN_NATIVE_KERNELS"
+_NAME = "freetoken_cpu"
 
 
 def _cpu_flags() -> str:
@@ -64,13 +65,19 @@ def cpu_kernels_available() -> bool:
         return True
     sources = [Path(__file__).parent / "csrc" / name for name in _SOURCES]
     try:
+        build = _build_dir(sources)
+        library = build / f"{_NAME}.so"
+        if library.exists():
+            # Built before for these sources, this torch and this CPU: load, no ninja run.
+            torch.ops.load_library(str(library))
+            return True
         from torch.utils import cpp_extension
 
         _ensure_ninja_on_path()
-        build = _build_dir(sources)
         build.mkdir(parents=True, exist_ok=True)
+        log.info("building FreeToken's native CPU kernels into %s (once)", build)
         cpp_extension.load(
-            name="freetoken_cpu", sources=[str(s) for s in sources],
+            name=_NAME, sources=[str(s) for s in sources],
             build_directory=str(build),
             # -fopenmp: ATen's parallel_for is inline OpenMP; without the flag it runs on
             # one thread. libgomp.so.1 resolves to the copy torch has already loaded.
