@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from freetoken_core import LLM, SamplingParams
-from freetoken_core.engine import attention
 from freetoken_core.engine.attention import AttentionMetadata, paged_attention
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models import llama
@@ -93,7 +92,6 @@ def test_engine_tokens_are_the_same_on_both_paths(tiny_model_dir: Path,
     llm = LLM(str(tiny_model_dir), kv_cache_tokens=4096, progress=False)
     assert llm.engine.core.runner.model.native
     native = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    monkeypatch.setattr(attention, "cpu_kernels_available", lambda: False)
     monkeypatch.setattr(llama, "cpu_kernels_available", lambda: False)
     llm = LLM(str(tiny_model_dir), kv_cache_tokens=4096, progress=False)
     assert not llm.engine.core.runner.model.native
@@ -148,7 +146,6 @@ def test_bfloat16_model_is_as_accurate_natively_as_with_torch(
 
     native, used = run("bfloat16")
     assert used
-    monkeypatch.setattr(attention, "cpu_kernels_available", lambda: False)
     monkeypatch.setattr(llama, "cpu_kernels_available", lambda: False)
     plain, used = run("bfloat16")
     assert not used

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from freetoken_core.kernels import cpu_kernels_available
-
 
 @dataclass
 class PrefillSpan:
@@ -54,13 +52,12 @@ class AttentionMetadata:
     @classmethod
     def build(cls, block_tables: list[list[int]], context_lens: list[int],
               query_lens: list[int], block_size: int, device: torch.device,
-              native: bool | None = None) -> AttentionMetadata:
+              native: bool = False) -> AttentionMetadata:
         """Metadata for sequences given in step order: all decodes (query 1) come first.
 
-        ``native`` picks the decode path; by default the native kernel wherever it runs.
+        ``native``: decode through the native CPU kernel (the model decides: it knows the
+        device, the dtype and whether the kernels could be built).
         """
-        if native is None:
-            native = device.type == "cpu" and cpu_kernels_available()
         slots: list[int] = []
         for table, ctx, q in zip(block_tables, context_lens, query_lens):
             for pos in range(ctx - q, ctx):

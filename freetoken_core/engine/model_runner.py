@@ -60,7 +60,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             [s.block_table for s in seqs],
             [s.num_computed_tokens + n for s, n in zip(seqs, counts)],
-            counts, self.block_size, self.device)
+            counts, self.block_size, self.device, native=self.model.native)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model.forward(ids, pos, self.kv_caches, meta)

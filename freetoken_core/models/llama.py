@@ -89,6 +89,7 @@ class LlamaForCausalLM:
                  max_positions: int) -> None:
         self.config = cfg
         self.embed_tokens = weights.pop("model.embed_tokens.weight")
+        # The native CPU kernels (attention's decode path too) or the torch operators.
         self.native = (self.embed_tokens.device.type == "cpu"
                        and self.embed_tokens.dtype in (torch.float32, torch.bfloat16)
                        and cpu_kernels_available())
