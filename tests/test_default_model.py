@@ -32,19 +32,40 @@ def llm(default_dir) -> LLM:
     return LLM(None, dtype="float32", kv_cache_tokens=8192, progress=False)
 
 
-def test_batched_greedy_matches_transformers_generate(llm: LLM, default_dir) -> None:
+@pytest.fixture(scope="module")
+def hf_model(default_dir):
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(default_dir, dtype=torch.float32)
+
+
+def chat_ids(llm: LLM, chats: list[str]) -> list[list[int]]:
     prompts = [apply_chat_template(llm.tokenizer, [{"role": "user", "content": c}])
-               for c in CHATS]
-    prompt_ids = [llm.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+               for c in chats]
+    return [llm.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+
+
+def assert_same_as_transformers(llm: LLM, hf_model, prompt_ids: list[int], out) -> None:
+    ref = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False)
+    expected = ref[0, len(prompt_ids):].tolist()
+    assert out.outputs[0].token_ids == expected
+    assert out.outputs[0].text == llm.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_batched_greedy_matches_transformers_generate(llm: LLM, hf_model) -> None:
+    prompt_ids = chat_ids(llm, CHATS)
     outs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=32))
-    hf = AutoModelForCausalLM.from_pretrained(default_dir, dtype=torch.float32)
     for ids, out in zip(prompt_ids, outs):
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
-        expected = ref[0, len(ids):].tolist()
-        assert out.outputs[0].token_ids == expected
-        assert out.outputs[0].text == llm.tokenizer.decode(expected, skip_special_tokens=True)
+        assert_same_as_transformers(llm, hf_model, ids, out)
+
+
+def test_single_streams_from_the_gguf_blocks_match_transformers(llm: LLM, hf_model) -> None:
+    """One sequence at a time, the linears compute from the GGUF's Q4_1/Q8_0 blocks (the
+    float32 checkpoint's exact weights, summed in another order): same tokens."""
+    assert llm.engine.core.runner.model.uses_gguf_blocks
+    for ids in chat_ids(llm, CHATS[:4]):
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=32))[0]
+        assert_same_as_transformers(llm, hf_model, ids, out)
 
 
 def test_answers_are_sensible(llm: LLM) -> None:

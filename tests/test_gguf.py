@@ -351,3 +351,22 @@ def test_resolve_default_converts_once(
     assert capsys.readouterr().err == ""
     assert resolve_model(gguf_path) == first  # the same file named explicitly
     assert len(calls) == 1
+
+
+def test_gguf_blocks_dequantize_to_the_converted_weights(gguf_path: Path,
+                                                        converted: Path) -> None:
+    """Row n of each weight's blocks (q/k un-permuted too) is row n of the float32 file."""
+    from gguf import quants
+    from gguf.constants import GGMLQuantizationType
+    from safetensors.torch import load_file
+
+    from freetoken_core.models.gguf import read_gguf_blocks
+
+    blocks = read_gguf_blocks(gguf_path)
+    weights = load_file(str(converted / "model.safetensors"))
+    assert len(blocks) == 30 * 7 + 1  # every projection, and the (tied) embeddings
+    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+                 "model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight"]:
+        qtype, rows = blocks[name]
+        values = quants.dequantize(rows, GGMLQuantizationType(qtype))
+        assert torch.equal(torch.from_numpy(values), weights[name]), name

@@ -16,7 +16,7 @@ from freetoken_core.engine.scheduler import Scheduler
 from freetoken_core.errors import InvalidRequest
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.loader import load_model
-from freetoken_core.models.resolve import resolve_model
+from freetoken_core.models.resolve import gguf_source, resolve_model
 from freetoken_core.outputs import RequestOutput
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo, ProcessorPipeline
@@ -76,7 +76,8 @@ def build_engine(config: EngineConfig, progress: bool = True,
     model_info = ModelInfo(limits.vocab_size, limits.eos_token_ids, limits.max_model_len)
     pipeline = ProcessorPipeline(plugins.processor_classes(), config.max_num_seqs,
                                  model_info, device)
-    model = load_model(model_dir, dtype, device, limits.max_model_len)
+    model = load_model(model_dir, dtype, device, limits.max_model_len,
+                       gguf_source(config.model))
     runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size, dtype, device,
                          pipeline)
     block_manager = BlockManager(limits.num_kv_blocks, limits.block_size,

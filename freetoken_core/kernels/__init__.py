@@ -22,7 +22,7 @@ import torch
 
 log = logging.getLogger("freetoken.kernels")
 
-_SOURCES = ("paged_attention.cpp", "layers.cpp")
+_SOURCES = ("paged_attention.cpp", "layers.cpp", "gguf_linear.cpp")
 _ENV = "FREETOKEN_NATIVE_KERNELS"
 _NAME = "freetoken_cpu"
 
@@ -62,7 +62,7 @@ def cpu_kernels_available() -> bool:
     """Build (first time) and load the CPU kernels; ``False`` where they cannot be had."""
     if os.environ.get(_ENV, "1").lower() in ("0", "false", "no", "off"):
         return False
-    if hasattr(torch.ops.freetoken, "rotary_embedding"):
+    if hasattr(torch.ops.freetoken, "gguf_linear"):
         return True
     sources = [Path(__file__).parent / "csrc" / name for name in _SOURCES]
     try:

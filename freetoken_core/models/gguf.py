@@ -41,7 +41,7 @@ from freetoken_core.models.gguf_metadata import (
     open_reader,
 )
 
-__all__ = ["convert_gguf"]
+__all__ = ["GGUF_BLOCK_TYPES", "convert_gguf", "read_gguf_blocks"]
 
 
 # GGUF tensor name -> Hugging Face name; ``{i}`` is the layer index.
@@ -116,6 +116,36 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+# ggml type id -> bytes per block of 32 weights, for the block types FreeToken computes with
+# directly (freetoken_core/kernels/csrc/gguf_linear.cpp).
+GGUF_BLOCK_TYPES: dict[int, int] = {3: 20, 8: 34}  # Q4_1, Q8_0
+
+
+def read_gguf_blocks(gguf_path: Path) -> dict[str, tuple[int, np.ndarray]]:
+    """The quantized blocks of every 2-d weight of ``gguf_path`` stored as Q4_1 or Q8_0.
+
+    ``{hf_name: (ggml type id, uint8 array [out, in / 32 * block bytes])}``: one row of
+    blocks per output feature, q/k rows un-permuted like the float32 conversion, so that row
+    ``n`` dequantizes to row ``n`` of the converted weight. Memory-mapped; nothing is copied
+    until the caller copies it.
+    """
+    reader = open_reader(Path(gguf_path))
+    config = build_config(reader)
+    heads = {"q_proj.weight": config["num_attention_heads"],
+             "k_proj.weight": config["num_key_value_heads"]}
+    blocks: dict[str, tuple[int, np.ndarray]] = {}
+    for planned in _plan_tensors(reader, config):
+        qtype = int(planned.tensor.tensor_type)
+        if qtype not in GGUF_BLOCK_TYPES or len(planned.shape) != 2:
+            continue
+        rows = np.asarray(planned.tensor.data).reshape(planned.shape[0], -1)
+        for suffix, n_head in heads.items():
+            if planned.hf_name.endswith(suffix):
+                rows = _reverse_permute(rows, n_head)
+        blocks[planned.hf_name] = (qtype, rows)
+    return blocks
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ could be built (``freetoken_core/kernels``), else as torch operators.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -27,25 +28,41 @@ from freetoken_core.models.layers import (
     silu_and_mul,
 )
 
+GgufBlocks = dict[str, tuple[int, np.ndarray]]
+
+
+def fused_blocks(blocks: GgufBlocks, names: list[str]) -> tuple[int, torch.Tensor] | None:
+    """The GGUF blocks of weights ``names`` stacked by rows, as one Linear fuses them;
+    ``None`` unless all have blocks of one type."""
+    parts = [blocks.get(name) for name in names]
+    if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+        return None
+    return parts[0][0], torch.from_numpy(np.concatenate([p[1] for p in parts]))
+
 
 class DecoderLayer:
     """One transformer block; its weights come from ``weights`` under ``prefix``."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str,
-                 native: bool) -> None:
+                 native: bool, blocks: GgufBlocks) -> None:
         def w(name: str) -> torch.Tensor:
             return weights.pop(prefix + name)
 
+        def b(*names: str) -> tuple[int, torch.Tensor] | None:
+            return fused_blocks(blocks, [prefix + n for n in names])
+
         attn = "self_attn."
-        qkv = torch.cat([w(attn + f"{p}_proj.weight") for p in "qkv"])
+        qkv_names = [attn + f"{p}_proj.weight" for p in "qkv"]
+        qkv = torch.cat([w(n) for n in qkv_names])
         bias = None
         if cfg.attention_bias:
             bias = torch.cat([w(attn + f"{p}_proj.bias") for p in "qkv"])
-        self.qkv_proj = Linear(qkv, bias)
-        self.o_proj = Linear(w(attn + "o_proj.weight"))
-        gate_up = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
-        self.gate_up_proj = Linear(gate_up)
-        self.down_proj = Linear(w("mlp.down_proj.weight"))
+        self.qkv_proj = Linear(qkv, bias, blocks=b(*qkv_names))
+        self.o_proj = Linear(w(attn + "o_proj.weight"), blocks=b(attn + "o_proj.weight"))
+        gate_up_names = ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
+        gate_up = torch.cat([w(n) for n in gate_up_names])
+        self.gate_up_proj = Linear(gate_up, blocks=b(*gate_up_names))
+        self.down_proj = Linear(w("mlp.down_proj.weight"), blocks=b("mlp.down_proj.weight"))
         self.input_norm = w("input_layernorm.weight")
         self.post_attn_norm = w("post_attention_layernorm.weight")
         self.q_norm = w(attn + "q_norm.weight") if cfg.qk_norm else None
@@ -86,20 +103,28 @@ class LlamaForCausalLM:
     """The whole model: ``forward`` gives hidden states, ``compute_logits`` float32 logits."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 max_positions: int) -> None:
+                 max_positions: int, gguf_blocks: GgufBlocks | None = None) -> None:
+        """``gguf_blocks``: the checkpoint's weights as its GGUF file quantized them
+        (``read_gguf_blocks``); in float32 on CPU, steps of a few rows compute from them."""
         self.config = cfg
         self.embed_tokens = weights.pop("model.embed_tokens.weight")
         # The native CPU kernels (attention's decode path too) or the torch operators.
         self.native = (self.embed_tokens.device.type == "cpu"
                        and self.embed_tokens.dtype in (torch.float32, torch.bfloat16)
                        and cpu_kernels_available())
-        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", self.native)
+        blocks = gguf_blocks or {}
+        if not (self.native and self.embed_tokens.dtype == torch.float32):
+            blocks = {}
+        self.uses_gguf_blocks = bool(blocks)
+        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", self.native, blocks)
                        for i in range(cfg.num_layers)]
         self.norm = weights.pop("model.norm.weight")
         head = weights.pop("lm_head.weight", None)
+        head_blocks = fused_blocks(blocks, ["lm_head.weight"])
         if head is None or cfg.tie_word_embeddings:
             head = self.embed_tokens
-        self.lm_head = Linear(head)
+            head_blocks = fused_blocks(blocks, ["model.embed_tokens.weight"])
+        self.lm_head = Linear(head, blocks=head_blocks)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
                                       cfg.rope_scaling, self.embed_tokens.dtype,
                                       self.embed_tokens.device)

@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.config import ModelConfig
+from freetoken_core.models.gguf import read_gguf_blocks
 from freetoken_core.models.llama import LlamaForCausalLM
 
 
@@ -39,10 +40,15 @@ def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> LlamaForCausalLM:
+               max_positions: int, gguf_path: Path | None = None) -> LlamaForCausalLM:
+    """The model of ``model_dir``; ``gguf_path``, the GGUF file it was converted from,
+    also hands the model its quantized blocks (float32 on CPU only)."""
     cfg = ModelConfig.from_dir(model_dir)
     weights = read_weights(model_dir, dtype, device)
+    blocks = None
+    if gguf_path is not None and dtype == torch.float32 and device.type == "cpu":
+        blocks = read_gguf_blocks(gguf_path)
     try:
-        return LlamaForCausalLM(cfg, weights, max_positions)
+        return LlamaForCausalLM(cfg, weights, max_positions, blocks)
     except KeyError as exc:
         raise ModelLoadError(f"checkpoint in {model_dir} lacks weight {exc}") from exc

@@ -112,6 +112,14 @@ def resolve_model(model: str | os.PathLike[str] | None, *, progress: bool = True
     )
 
 
+def gguf_source(model: str | os.PathLike[str] | None) -> Path | None:
+    """The GGUF file behind ``model`` (the default model's included), else ``None``."""
+    if model is None:
+        return default_gguf_path()
+    path = Path(os.fspath(model)).expanduser()
+    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
 def _check_model_dir(path: Path) -> Path:
     """Return ``path`` if its ``config.json`` is a readable JSON object, else raise."""
     config = path / "config.json"
