@@ -21,10 +21,10 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 # Up to this many rows, a Linear that has its GGUF blocks computes from them: a step of a
 # few sequences is bound by reading weights, and Q4_1 blocks are 6.4x smaller than float32.
-# On the reference CPU the default model's decode step at 1 / 8 sequences takes
-# 11 / 27 ms from the blocks against 31 / 37 ms from float32 (bench figures in the note of
-# the commit that added this); at 16 the float32 GEMM is faster.
-GGUF_MAX_ROWS = 8
+# Decode steps of the default model on the reference CPU (bench/decode_step.py: both ways
+# alternating in one process): 1 sequence 15 ms from the blocks against 26 ms from
+# float32, 8: 34 vs 52 ms, 16: ~60 vs ~72 ms, 24: even, 32: 118 vs 110 ms.
+GGUF_MAX_ROWS = 16
 
 
 class Linear:
