@@ -1,10 +1,12 @@
 """Native CPU kernels (C++ in ``csrc/``), built on first use and loaded as ``torch.ops.freetoken``.
 
-They are compiled once per machine, torch version, CPU and source into
-``$FREETOKEN_CACHE/kernels/`` (about 10 s) with the system C++ compiler and ninja, for the
-CPU at hand (``-march=native``), and run on ATen's own thread pool. Everything they do has a
-torch path too: where they cannot be built (no compiler) or are switched off with
-``FREETOKEN_NATIVE_KERNELS=0``, FreeToken says so once and runs the torch path.
+Decode attention over the paged KV cache, the fused element-wise layers of a block, and
+linears computed from a GGUF file's Q4_1/Q8_0 blocks. They are compiled once per machine,
+torch version, CPU and source into ``$FREETOKEN_CACHE/kernels/`` (about 15 s) with the
+system C++ compiler and ninja, for the CPU at hand (``-march=native``), and run on ATen's
+own thread pool. Everything they do has a torch path too: where they cannot be built (no
+compiler) FreeToken logs it once and runs the torch path; ``FREETOKEN_NATIVE_KERNELS=0``
+switches them off.
 """
 
 from __future__ import annotations
