@@ -21,9 +21,9 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 # Up to this many rows, a Linear that has its GGUF blocks computes from them: a step of a
 # few sequences is bound by reading weights, and Q4_1 blocks are 6.4x smaller than float32.
-# Decode steps of the default model on the reference CPU (bench/decode_step.py: both ways
-# alternating in one process): 1 sequence 15 ms from the blocks against 26 ms from
-# float32, 8: 34 vs 52 ms, 16: ~60 vs ~72 ms, 24: even, 32: 118 vs 110 ms.
+# Decode steps of the default model on the reference CPU (bench/decode_step.py, both ways
+# alternating in one process), float32 GEMM against blocks: 1 sequence 28.9 / 15.4 ms,
+# 8: 40.9 / 28.0 ms, 16: 61.2 / 54.1 ms, 24: 83.4 / 82.2 ms, 32: 98.5 / 101.1 ms.
 GGUF_MAX_ROWS = 16
 
 
