@@ -18,6 +18,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import make_tiny_model
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the native CPU kernels (first run on a machine: ~15 s) before any test starts
+    a server process, which would otherwise spend its start-up timeout on the build."""
+    from freetoken_core.kernels import cpu_kernels_available
+
+    cpu_kernels_available()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer Llama with GQA, 2,048 positions, and the test tokenizer."""
