@@ -210,7 +210,7 @@ def test_no_stop_strings_releases_everything_at_once(tokenizer: Any) -> None:
     assert released == texts
 
 
-def test_earliest_stop_wins(tokenizer: Any) -> None:
+def test_first_completed_stop_wins(tokenizer: Any) -> None:
     text = "The quick brown fox jumps over the lazy dog."
     # Both complete on the same character; the one that starts first wins, not list order.
     choice, _, _, matched = run_choice(tokenizer, text, ["ox", "fox", "x j"])
@@ -221,8 +221,8 @@ def test_earliest_stop_wins(tokenizer: Any) -> None:
     assert matched == "over" and choice.released == "The quick brown fox jumps "
 
 
-def test_earliest_stop_wins_inside_one_delta(tokenizer: Any) -> None:
-    """Two stops completed by one multi-character delta: the earlier one cuts the text."""
+def test_first_completed_stop_wins_inside_one_delta(tokenizer: Any) -> None:
+    """Two stops completed by one multi-character delta: the one completing first cuts."""
     text = "ab 日本語 cd"
     ids = encode(tokenizer, text)
     stops = ["本語", "日本"]
@@ -281,16 +281,16 @@ def test_random_texts_and_stops_never_release_what_is_cut(tokenizer: Any) -> Non
         choice, texts, released, matched = run_choice(tokenizer, text, stop, include, "")
         assert_released_invariants(texts, released, stop)
         # Expected: the first delta after which some stop occurs ends the choice, cut at the
-        # earliest-starting stop found (list order breaks ties at the same position).
+        # stop that completes first (of those completing together, the one starting first).
         deltas = stream(tokenizer, encode(tokenizer, text))
         so_far = ""
         want_text, want_stop = text, None
         for delta in deltas:
             so_far += delta
-            found = [(so_far.find(s), i, s) for i, s in enumerate(stop) if s in so_far]
+            found = [(so_far.find(s) + len(s), -len(s), s) for s in stop if s in so_far]
             if found:
-                at, _, want_stop = min(found)
-                want_text = so_far[:at + (len(want_stop) if include else 0)]
+                end, _, want_stop = min(found)
+                want_text = so_far[:end - (0 if include else len(want_stop))]
                 break
         assert so_far.startswith(want_text)
         assert matched == want_stop, (text, stop)

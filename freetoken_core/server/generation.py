@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from freetoken_core.engine.output_processor import ChoiceText
+from freetoken_core.engine.output_processor import ChoiceText, StopMatcher
 from freetoken_core.sampling_params import SamplingParams
 from freetoken_core.server.engine_client import EngineClient
 from freetoken_core.server.protocol import PromptTokensDetails, Usage
@@ -70,7 +70,8 @@ class Generation:
     _num_cached: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        self._choices = [[_Choice(ChoiceText(self.tokenizer, ids, self.params))
+        matcher = StopMatcher(self.params.stop)  # one automaton for every choice
+        self._choices = [[_Choice(ChoiceText(self.tokenizer, ids, self.params, matcher))
                           for _ in range(self.params.n)] for ids in self.prompts]
         self._num_cached = [0] * len(self.prompts)
 
