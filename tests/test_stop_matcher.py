@@ -137,7 +137,7 @@ def test_many_stops_still_match_exactly() -> None:
     text = "".join(rng.choice("abcd") for _ in range(400))
     want = reference(text, stops)
     assert want is not None
-    state, end, length = StopMatcher(stops).feed(0, text)
+    _, end, length = StopMatcher(stops).feed(0, text)
     assert (end + 1 - length, text[end + 1 - length:end + 1]) == want
 
 
