@@ -2,7 +2,7 @@
 
     freetoken generate PROMPT [--plugins LIST] [--param FIELD=VALUE ...] [engine options]
     freetoken serve [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
-                    [--api-key KEY] [engine options]
+                    [--api-key KEY] [request limits] [engine options]
     freetoken plugins [--json] [--plugins LIST]
     freetoken bench plugin NAME [--batch B --vocab V --history H --device D --steps N]
 
@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 from freetoken_core.errors import FreeTokenError, InvalidRequest
@@ -38,6 +38,28 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--kv-cache-tokens", type=int, default=32768)
     parser.add_argument("--plugins", default=None, metavar="LIST", help=PLUGINS_HELP)
+
+
+def _add_limit_options(serve: argparse.ArgumentParser) -> None:
+    """One flag per ``RequestLimits`` field (docs/operations.md, "Limits")."""
+    from freetoken_core.server.limits import RequestLimits
+
+    d = RequestLimits()
+    group = serve.add_argument_group("request limits (a request over one is a 400; body: 413)")
+    for flag, dest, default, help_ in [
+        ("--max-stop-strings", "max_stop_strings", d.max_stop_strings, "stop strings"),
+        ("--max-stop-string-chars", "max_stop_string_chars", d.max_stop_string_chars,
+         "characters in one stop string"),
+        ("--max-prompts", "max_prompts", d.max_prompts, "prompts in one completions request"),
+        ("--max-sequences", "max_sequences", d.max_sequences, "prompts × n"),
+        ("--max-prompt-chars", "max_prompt_chars", d.max_prompt_chars,
+         "characters of prompt text, before tokenization"),
+        ("--max-body-bytes", "max_body_bytes", d.max_body_bytes, "bytes of request body"),
+        ("--tokenizer-threads", "num_tokenizer_threads", d.num_tokenizer_threads,
+         "worker threads that tokenize and render chat templates (not a per-request limit)"),
+    ]:
+        group.add_argument(flag, dest=dest, type=int, default=default, metavar="N",
+                           help=f"{help_} (default: {default})")
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
@@ -100,6 +122,7 @@ def _serve(args: argparse.Namespace) -> int:
     from freetoken_core.config import EngineConfig
     from freetoken_core.plugins import PluginManager
     from freetoken_core.server.app import ServerConfig, create_app
+    from freetoken_core.server.limits import RequestLimits
 
     engine_config = EngineConfig(model=args.model, **_engine_options(args))
     PluginManager(engine_config.plugins).enabled  # noqa: B018 (a bad --plugins fails here)
@@ -111,7 +134,9 @@ def _serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    config = ServerConfig(engine_config, args.served_model_name, api_key=args.api_key)
+    limits = RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)})
+    config = ServerConfig(engine_config, args.served_model_name, api_key=args.api_key,
+                          limits=limits)
     app = create_app(config, on_fatal=on_fatal)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
@@ -184,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     _add_engine_options(serve)
+    _add_limit_options(serve)
     serve.set_defaults(func=_serve)
 
     plugins = commands.add_parser("plugins", help="list the installed plugins")

@@ -140,26 +140,40 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
         tokenizer, _, model_info = serving.require_ready(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("prompt", "give exactly one of prompt and messages")
+        limits = config.limits
         if body.messages is not None:
             if body.continue_final_message and body.add_generation_prompt:
                 raise InvalidRequest("continue_final_message", "continue_final_message and "
                                      "add_generation_prompt cannot both be true")
-            text = render_chat(tokenizer, body.messages,
-                               add_generation_prompt=body.add_generation_prompt,
-                               continue_final_message=body.continue_final_message,
-                               chat_template_kwargs=body.chat_template_kwargs)
-            tokens = encode(tokenizer, text)
+            limits.check_messages(body.messages)
+
+            def work() -> list[int]:
+                text = render_chat(tokenizer, body.messages,
+                                   add_generation_prompt=body.add_generation_prompt,
+                                   continue_final_message=body.continue_final_message,
+                                   chat_template_kwargs=body.chat_template_kwargs)
+                limits.check_prompt_chars(len(text), "messages")
+                return encode(tokenizer, text)
         else:
-            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            limits.check_prompt_chars(len(body.prompt), "prompt")
+
+            def work() -> list[int]:
+                return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = await serving.tokenizer_pool.run(work)  # off the event loop
         return p.TokenizeResponse(tokens, len(tokens), model_info.max_model_len)
 
     @post(["/detokenize", "/v1/detokenize"], status_code=200)
     async def detokenize(request: Request) -> p.DetokenizeResponse:
         body, _ = parse_body(await request.body(), p.DetokenizeRequest)
         tokenizer, _, model_info = serving.require_ready(body.model)
-        if any(not 0 <= t < model_info.vocab_size for t in body.tokens):
-            raise InvalidRequest("tokens", f"token ids must be in [0, {model_info.vocab_size})")
-        return p.DetokenizeResponse(tokenizer.decode(body.tokens))
+
+        def work() -> str:
+            if any(not 0 <= t < model_info.vocab_size for t in body.tokens):
+                raise InvalidRequest("tokens",
+                                     f"token ids must be in [0, {model_info.vocab_size})")
+            return tokenizer.decode(body.tokens)
+
+        return p.DetokenizeResponse(await serving.tokenizer_pool.run(work))  # off the loop
 
     @get("/version", sync_to_thread=False)
     def version_() -> p.VersionResponse:
@@ -176,4 +190,5 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
                         tokenize, detokenize, version_, metrics],
         on_startup=[startup], on_shutdown=[shutdown], before_request=authorize,
         exception_handlers={Exception: _handle},
+        request_max_body_size=config.limits.max_body_bytes,
     )

@@ -18,6 +18,7 @@ from litestar.response import ServerSentEvent
 from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.server import protocol as p
 from freetoken_core.server.generation import ChoiceDelta, Generation
+from freetoken_core.server.limits import count_prompts
 from freetoken_core.server.logprobs import LogprobFormatter
 from freetoken_core.server.serving import (
     check_fits,
@@ -77,22 +78,36 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
     cls = p.ChatCompletionRequest if chat else p.CompletionRequest
     body, extra = parse_body(await request.body(), cls)
     tokenizer, plugins, model_info = serving.require_ready(body.model)
+    limits, pool = serving.config.limits, serving.tokenizer_pool
+    limits.check_stop(body.stop)
     params = sampling_params(body, extra, plugins, model_info)
+    # Templates, tokenization and the rewrite hook run in worker threads (``pool``), so a
+    # long prompt never stalls the streams this event loop serves.
     if isinstance(body, p.ChatCompletionRequest):
-        text = render_chat(tokenizer, body.messages,
-                           add_generation_prompt=body.add_generation_prompt,
-                           continue_final_message=body.continue_final_message,
-                           chat_template_kwargs=body.chat_template_kwargs)
-        prompts = [encode(tokenizer, text)]
+        limits.check_sequences(1, params.n)
+        limits.check_messages(body.messages)
+
+        def chat_prompts() -> list[list[int]]:
+            text = render_chat(tokenizer, body.messages,
+                               add_generation_prompt=body.add_generation_prompt,
+                               continue_final_message=body.continue_final_message,
+                               chat_template_kwargs=body.chat_template_kwargs)
+            limits.check_prompt_chars(len(text), "messages")
+            return [encode(tokenizer, text)]
+
+        prompts = await pool.run(chat_prompts)
     else:
         if body.suffix is not None:
             plugins.require_field("suffix")  # 400 naming the plugin (fim) to enable
+        num_prompts, num_chars = count_prompts(body.prompt)
+        limits.check_sequences(num_prompts, params.n)
+        limits.check_prompt_chars(num_chars + len(body.suffix or ""), "prompt")
 
         def rewrite(prompt: str | list[int]) -> str | list[int]:
             return plugins.rewrite_prompt(body, prompt, tokenizer)
 
-        prompts = completion_prompts(tokenizer, body.prompt, rewrite)
-    check_fits(prompts, params, model_info)
+        prompts = await pool.run(completion_prompts, tokenizer, body.prompt, rewrite)
+    await pool.run(check_fits, prompts, params, model_info)
     gen = Generation(serving.client, tokenizer, prompts, params,
                      on_done=serving.metrics.record)
     if isinstance(body, p.ChatCompletionRequest) and body.request_id is not None:
@@ -103,7 +118,7 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
     fmt = LogprobFormatter(tokenizer)
     echoes: list[str] = []
     if isinstance(body, p.CompletionRequest) and body.echo:
-        echoes = [t for t in _prompt_texts(tokenizer, body.prompt, prompts)
+        echoes = [t for t in await pool.run(_prompt_texts, tokenizer, body.prompt, prompts)
                   for _ in range(params.n)]
     def decorated(response: Any) -> Any:
         plugins.decorate_response(body, response, gen)

@@ -16,6 +16,7 @@ from freetoken_core.models.resolve import DEFAULT_MODEL_NAME
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo
 from freetoken_core.server.engine_client import EngineClient, EngineDeadError
+from freetoken_core.server.limits import RequestLimits, TokenizerPool
 from freetoken_core.server.metrics import ServerMetrics
 from freetoken_core.tokenizer import load_tokenizer
 
@@ -29,6 +30,8 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     """When set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``."""
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    """Per-request bounds (stop strings, prompts, sequences, prompt text, body size)."""
 
     @property
     def model_name(self) -> str:
@@ -56,6 +59,11 @@ class Serving:
     plugins: PluginManager | None = None
     model_info: ModelInfo | None = None
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    tokenizer_pool: TokenizerPool = field(init=False)
+    """Where the routes tokenize and render templates: worker threads, off the loop."""
+
+    def __post_init__(self) -> None:
+        self.tokenizer_pool = TokenizerPool(self.config.limits.num_tokenizer_threads)
 
     @property
     def is_ready(self) -> bool:

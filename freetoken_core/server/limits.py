@@ -1,0 +1,132 @@
+"""Bounds on the work one HTTP request may ask for, and the threads that tokenize.
+
+``RequestLimits`` is part of ``ServerConfig`` (one ``freetoken serve`` flag per field; the
+defaults and flags are listed in ``docs/operations.md``). Its ``check_*`` methods raise
+``InvalidRequest`` naming the request field (``stop``, ``prompt``, ``n``, ``messages``), so
+every violation is a 400 before any tokenizer, template or engine work starts. The body
+size is enforced by Litestar (``request_max_body_size``: 413).
+
+``TokenizerPool`` runs tokenization and chat-template rendering in worker threads, so that
+a long prompt does not stall the event loop that streams every other request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from functools import partial
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from freetoken_core.errors import InvalidRequest
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request limits of ``freetoken serve``; every field is an int ≥ 1.
+
+    The defaults are meant to be out of the way of any OpenAI or vLLM client (OpenAI
+    allows 4 stop strings and ``n`` ≤ 128; the context length, checked after
+    tokenization, is what refuses a prompt that is merely too long for the model).
+    """
+
+    max_stop_strings: int = 64
+    """Stop strings in one request (``--max-stop-strings``)."""
+    max_stop_string_chars: int = 1024
+    """Characters in one stop string (``--max-stop-string-chars``)."""
+    max_prompts: int = 1024
+    """Prompts in one completions request, whose ``prompt`` may be a list (``--max-prompts``)."""
+    max_sequences: int = 2048
+    """Sequences one request runs: prompts × ``n`` (``--max-sequences``)."""
+    max_prompt_chars: int = 1_048_576
+    """Characters of prompt text in one request before tokenization: the sum over the
+    string prompts (plus ``suffix``), or over the chat messages' text and then the rendered
+    chat text (``--max-prompt-chars``)."""
+    max_body_bytes: int = 16_777_216
+    """Bytes in one request body; a larger body is a 413 (``--max-body-bytes``)."""
+    num_tokenizer_threads: int = 4
+    """Worker threads that tokenize and render chat templates, off the event loop
+    (``--tokenizer-threads``)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequest(f.name, f"{f.name} must be an integer ≥ 1, got {value!r}")
+
+    def check_stop(self, stop: str | list[str] | None) -> None:
+        """400 ``stop`` for too many stop strings or one too long."""
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > self.max_stop_strings:
+            raise InvalidRequest("stop", f"at most {self.max_stop_strings} stop strings are "
+                                         f"allowed, got {len(stops)}")
+        for s in stops:
+            if isinstance(s, str) and len(s) > self.max_stop_string_chars:
+                raise InvalidRequest("stop", f"a stop string may have at most "
+                                             f"{self.max_stop_string_chars} characters, got "
+                                             f"{len(s)}")
+
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        """400 ``prompt`` for too many prompts, ``n`` for too many prompts × ``n``."""
+        if num_prompts > self.max_prompts:
+            raise InvalidRequest("prompt", f"at most {self.max_prompts} prompts are allowed "
+                                           f"in one request, got {num_prompts}")
+        if num_prompts * n > self.max_sequences:
+            raise InvalidRequest("n", f"prompts × n is {num_prompts} × {n} = "
+                                      f"{num_prompts * n}, above the {self.max_sequences} "
+                                      f"sequences allowed in one request")
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """400 ``param`` when ``num_chars`` of prompt text is above ``max_prompt_chars``."""
+        if num_chars > self.max_prompt_chars:
+            raise InvalidRequest(param, f"the prompt text has {num_chars} characters, above "
+                                        f"the {self.max_prompt_chars} allowed before "
+                                        f"tokenization")
+
+    def check_messages(self, messages: list[Any]) -> None:
+        """400 ``messages`` when the text of the messages is above ``max_prompt_chars``
+        (counted before the template runs; the rendered text is checked again)."""
+        total = 0
+        for message in messages:
+            content = message.content
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(part["text"]) for part in content if isinstance(part, dict)
+                             and isinstance(part.get("text"), str))
+            if message.name is not None:
+                total += len(message.name)
+        self.check_prompt_chars(total, "messages")
+
+
+def count_prompts(prompt: str | list[Any]) -> tuple[int, int]:
+    """``(number of prompts, characters of text prompts)`` of a completions ``prompt`` (str,
+    [str], [int] or [[int]]), in O(number of prompts): the shape is validated later, with
+    the tokenization, off the event loop."""
+    if isinstance(prompt, str):
+        return 1, len(prompt)
+    if prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt), sum(len(part) for part in prompt if isinstance(part, str))
+    return 1, 0
+
+
+class TokenizerPool:
+    """Runs blocking tokenizer and template calls in at most ``num_threads`` worker threads.
+
+    Hugging Face fast tokenizers release the GIL while they encode, so the event loop keeps
+    streaming meanwhile; templates (Jinja) hold it, but only in switch-interval slices.
+    Exceptions raised by the call (``InvalidRequest`` among them) propagate to the caller.
+    """
+
+    def __init__(self, num_threads: int) -> None:
+        self.num_threads = num_threads
+        self._limiter = anyio.CapacityLimiter(num_threads)
+
+    async def run(self, func: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """``func(*args, **kwargs)`` in a worker thread; waits for a free one."""
+        return await anyio.to_thread.run_sync(partial(func, *args, **kwargs),
+                                              limiter=self._limiter)

@@ -1,0 +1,248 @@
+"""Request limits (``RequestLimits``: 400 naming the field, 413 for the body) and
+tokenization off the event loop (``TokenizerPool``)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from server_fixtures import Server, start_server, stop_server
+from server_fixtures import post as _post
+from tiny_models import build_tokenizer
+
+from freetoken_core.cli import main as cli_main
+from freetoken_core.config import EngineConfig
+from freetoken_core.errors import InvalidRequest
+from freetoken_core.plugins import PluginManager
+from freetoken_core.processors import ModelInfo
+from freetoken_core.sampling_params import SamplingParams
+from freetoken_core.server.engine_process import Update
+from freetoken_core.server.limits import RequestLimits, count_prompts
+from freetoken_core.server.openai_routes import run_generation
+from freetoken_core.server.protocol import ChatMessage
+from freetoken_core.server.state import ServerConfig, Serving
+
+# --------------------------------------------------------------------------- unit
+
+
+@pytest.mark.parametrize("name", ["max_stop_strings", "max_prompt_chars", "max_body_bytes",
+                                  "num_tokenizer_threads"])
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, None])
+def test_limits_are_validated_on_construction(name: str, value: Any) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        RequestLimits(**{name: value})
+    assert info.value.param == name
+
+
+def test_defaults_allow_what_openai_and_vllm_clients_send() -> None:
+    limits = RequestLimits()
+    limits.check_stop(["\n\n", "User:", "###", "</s>"])  # OpenAI's maximum of 4
+    limits.check_stop(["x" * 1024] * 64)
+    limits.check_sequences(1, 16)
+    limits.check_sequences(1024, 2)
+    limits.check_prompt_chars(1_000_000, "prompt")
+    limits.check_messages([ChatMessage("user", "x" * 500_000),
+                           ChatMessage("user", [{"type": "text", "text": "y" * 500_000}])])
+
+
+def test_each_violation_names_its_field() -> None:
+    limits = RequestLimits(max_stop_strings=2, max_stop_string_chars=5, max_prompts=3,
+                           max_sequences=4, max_prompt_chars=10)
+    cases = [
+        (lambda: limits.check_stop(["a", "b", "c"]), "stop"),
+        (lambda: limits.check_stop("abcdef"), "stop"),
+        (lambda: limits.check_stop(["ok", "abcdef"]), "stop"),
+        (lambda: limits.check_sequences(4, 1), "prompt"),
+        (lambda: limits.check_sequences(3, 2), "n"),
+        (lambda: limits.check_sequences(1, 5), "n"),
+        (lambda: limits.check_prompt_chars(11, "prompt"), "prompt"),
+        (lambda: limits.check_messages([ChatMessage("user", "123456"),
+                                        ChatMessage("assistant", "abcde")]), "messages"),
+        (lambda: limits.check_messages(
+            [ChatMessage("user", [{"type": "text", "text": "x" * 11}])]), "messages"),
+    ]
+    for check, param in cases:
+        with pytest.raises(InvalidRequest) as info:
+            check()
+        assert info.value.param == param
+    # Right at each limit is allowed.
+    limits.check_stop(["abcde", "x"])
+    limits.check_sequences(3, 1)
+    limits.check_sequences(2, 2)
+    limits.check_prompt_chars(10, "prompt")
+    limits.check_messages([ChatMessage("user", "12345"), ChatMessage("user", None)])
+
+
+def test_count_prompts() -> None:
+    assert count_prompts("hello") == (1, 5)
+    assert count_prompts(["ab", "cde"]) == (2, 5)
+    assert count_prompts([1, 2, 3]) == (1, 0)
+    assert count_prompts([[1, 2], [3]]) == (2, 0)
+
+
+def test_a_bad_limit_flag_is_a_start_up_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["serve", "--max-stop-strings", "0", "--plugins", "none"]) == 2
+    assert "max_stop_strings" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- off the loop
+
+
+class RecordingTokenizer:
+    """Delegates to a real tokenizer; records the thread of every encode and template."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.threads: dict[str, set[int]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name not in ("encode", "apply_chat_template"):
+            return attr
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            self.threads.setdefault(name, set()).add(threading.get_ident())
+            return attr(*args, **kwargs)
+
+        return recorded
+
+
+class FakeEngine:
+    """Answers every choice with two tokens, the second one finishing it."""
+
+    ready = True
+
+    async def generate(self, prompts: list[tuple[str, list[int]]],
+                       params: SamplingParams) -> AsyncIterator[Update]:
+        for request_id, _ in prompts:
+            for index in range(params.n):
+                yield Update(request_id, index, 100, None, None, 0)
+                yield Update(request_id, index, 101, "length", None, 0)
+
+    def stop_sequence(self, request_id: str, index: int, stop_reason: Any) -> None:
+        pass
+
+
+class FakeRequest:
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    async def body(self) -> bytes:
+        return self._body
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory: pytest.TempPathFactory) -> RecordingTokenizer:
+    return RecordingTokenizer(build_tokenizer(tmp_path_factory.mktemp("tokenizer")))
+
+
+def make_serving(tokenizer: Any, limits: RequestLimits) -> Serving:
+    serving = Serving(ServerConfig(EngineConfig(), "m", limits=limits),
+                      FakeEngine())  # type: ignore[arg-type]
+    serving.tokenizer = tokenizer
+    serving.plugins = PluginManager("none")
+    serving.model_info = ModelInfo(tokenizer.vocab_size + 16, frozenset({0}), 2048)
+    return serving
+
+
+def generate(serving: Serving, body: bytes, chat: bool) -> tuple[Any, int]:
+    """Run one request; its response and the event loop's thread."""
+
+    async def go() -> tuple[Any, int]:
+        return await run_generation(serving, FakeRequest(body), chat), threading.get_ident()
+
+    return asyncio.run(go())
+
+
+def test_run_generation_tokenizes_and_renders_off_the_loop(
+        recording: RecordingTokenizer) -> None:
+    serving = make_serving(recording, RequestLimits())
+    response, loop_thread = generate(
+        serving, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}', True)
+    assert response.choices[0].finish_reason == "length"
+    response, loop_thread_2 = generate(
+        serving, b'{"model": "m", "prompt": ["one", "two"], "n": 2}', False)
+    assert len(response.choices) == 4
+    assert set(recording.threads) == {"encode", "apply_chat_template"}
+    for threads in recording.threads.values():
+        assert loop_thread not in threads and loop_thread_2 not in threads
+
+
+def test_a_refusal_raised_in_the_worker_thread_still_names_its_field(
+        recording: RecordingTokenizer) -> None:
+    """The content fits the limit; the rendered chat text (with the template) does not."""
+    serving = make_serving(recording, RequestLimits(max_prompt_chars=20))
+    with pytest.raises(InvalidRequest) as info:
+        generate(serving, b'{"model": "m", "messages": [{"role": "user", '
+                          b'"content": "0123456789"}]}', True)
+    assert info.value.param == "messages" and "before tokenization" in info.value.message
+    with pytest.raises(InvalidRequest) as info:
+        generate(serving, b'{"model": "m", "prompt": "0123456789012345678901"}', False)
+    assert info.value.param == "prompt"
+
+
+# --------------------------------------------------------------------------- server
+
+LIMIT_FLAGS = ("--max-stop-strings", "3", "--max-stop-string-chars", "10", "--max-prompts", "3",
+               "--max-sequences", "4", "--max-prompt-chars", "60000",
+               "--max-body-bytes", "200000", "--tokenizer-threads", "2")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[Server]:
+    srv = start_server(tiny_model_dir, *LIMIT_FLAGS)
+    yield srv
+    stop_server(srv)
+
+
+def refused(server: Server, path: str, body: dict, param: str, status: int = 400) -> str:
+    r = _post(server, path, {"model": server.model, **body})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    return error["message"]
+
+
+def test_server_refuses_each_limit_by_field(server: Server) -> None:
+    chat = [{"role": "user", "content": "hi"}]
+    refused(server, "/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d"]}, "stop")
+    refused(server, "/v1/chat/completions", {"messages": chat, "stop": "x" * 11}, "stop")
+    refused(server, "/v1/completions", {"prompt": ["a", "b", "c", "d"]}, "prompt")
+    refused(server, "/v1/completions", {"prompt": [[1], [2], [3], [4]]}, "prompt")
+    refused(server, "/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}, "n")
+    refused(server, "/v1/chat/completions", {"messages": chat, "n": 5}, "n")
+    refused(server, "/v1/completions", {"prompt": "x" * 60_001}, "prompt")
+    refused(server, "/v1/completions", {"prompt": ["x" * 30_000, "y" * 30_001]}, "prompt")
+    refused(server, "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x" * 60_001}]}, "messages")
+    refused(server, "/tokenize", {"prompt": "x" * 60_001}, "prompt")
+    refused(server, "/tokenize", {"messages": [{"role": "user", "content": "x" * 60_001}]},
+            "messages")
+
+
+def test_server_refuses_a_large_body_with_413(server: Server) -> None:
+    r = _post(server, "/v1/completions", {"model": server.model, "prompt": "x" * 200_001})
+    assert r.status_code == 413, r.text
+    assert "error" in r.json()
+
+
+def test_a_long_prompt_within_limits_is_refused_by_the_context_length(server: Server) -> None:
+    """Tokenized off the loop, then checked against the context (2,048 tokens)."""
+    message = refused(server, "/v1/completions", {"prompt": "hello world " * 4_900}, "prompt")
+    assert "context" in message
+    count = _post(server, "/tokenize", {"prompt": "hello world " * 4_900}).json()["count"]
+    assert count > 2048
+
+
+def test_requests_at_the_limits_are_served(server: Server) -> None:
+    r = _post(server, "/v1/completions", {
+        "model": server.model, "prompt": ["a", "b"], "n": 2, "max_tokens": 4,
+        "temperature": 0, "ignore_eos": True, "stop": ["0123456789", "zz", "\n\n"]})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 4
+    r = _post(server, "/detokenize", {"model": server.model, "tokens": [1, 2, 3]})
+    assert r.status_code == 200, r.text
