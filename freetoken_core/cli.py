@@ -2,7 +2,7 @@
 
     freetoken generate PROMPT [--plugins LIST] [--param FIELD=VALUE ...] [engine options]
     freetoken serve [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
-                    [--api-key KEY] [request limits] [engine options]
+                    [--api-key KEY] [CORS options] [request limits] [engine options]
     freetoken plugins [--json] [--plugins LIST]
     freetoken bench plugin NAME [--batch B --vocab V --history H --device D --steps N]
 
@@ -18,9 +18,12 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from freetoken_core.errors import FreeTokenError, InvalidRequest
+
+if TYPE_CHECKING:
+    from freetoken_core.server.cors import CorsSettings
 
 PLUGINS_HELP = ("plugins to enable: all (default), none, or a comma-separated list of "
                 "installed plugin names; default: $FREETOKEN_PLUGINS, else all")
@@ -114,6 +117,40 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_cors_options(serve: argparse.ArgumentParser) -> None:
+    """vLLM's CORS flags; each list is JSON (``'["https://a.example"]'``) or ``a,b``."""
+    group = serve.add_argument_group(
+        "CORS (off unless --allowed-origins is given; preflights pass the --api-key check)")
+    group.add_argument("--allowed-origins", default=None, metavar="LIST",
+                       help="browser origins allowed, or * for any (default: none, no CORS)")
+    group.add_argument("--allowed-methods", default=None, metavar="LIST",
+                       help="HTTP methods allowed (default: *)")
+    group.add_argument("--allowed-headers", default=None, metavar="LIST",
+                       help="request headers allowed (default: *)")
+    group.add_argument("--allow-credentials", action="store_true",
+                       help="send Access-Control-Allow-Credentials: true (needs explicit "
+                            "origins; default: off)")
+
+
+def _cors_settings(args: argparse.Namespace) -> CorsSettings | None:
+    """The ``CorsSettings`` of the CORS flags, ``None`` without ``--allowed-origins``."""
+    from freetoken_core.server.cors import CorsSettings, CorsSettingsError, parse_list
+
+    if args.allowed_origins is None:
+        given = [flag for flag, value in [("--allowed-methods", args.allowed_methods),
+                                          ("--allowed-headers", args.allowed_headers),
+                                          ("--allow-credentials", args.allow_credentials or None)]
+                 if value is not None]
+        if given:
+            raise CorsSettingsError(f"{', '.join(given)} needs --allowed-origins")
+        return None
+    return CorsSettings(
+        allowed_origins=parse_list(args.allowed_origins),
+        allowed_methods=parse_list(args.allowed_methods or "*"),
+        allowed_headers=parse_list(args.allowed_headers or "*"),
+        allow_credentials=args.allow_credentials)
+
+
 def _serve(args: argparse.Namespace) -> int:
     """Run the OpenAI-compatible server until SIGINT/SIGTERM; the engine process is
     stopped and joined before this returns. Exit status 2 when the model fails to load."""
@@ -136,7 +173,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     limits = RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)})
     config = ServerConfig(engine_config, args.served_model_name, api_key=args.api_key,
-                          limits=limits)
+                          limits=limits, cors=_cors_settings(args))
     app = create_app(config, on_fatal=on_fatal)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
@@ -210,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["critical", "error", "warning", "info", "debug"])
     _add_engine_options(serve)
     _add_limit_options(serve)
+    _add_cors_options(serve)
     serve.set_defaults(func=_serve)
 
     plugins = commands.add_parser("plugins", help="list the installed plugins")

@@ -130,6 +130,13 @@ class PluginManager:
         self.pm  # noqa: B018 (loads)
         return [cls for name in sorted(self._enabled) for cls in self._processors[name]]
 
+    def field_owners(self) -> dict[str, str]:
+        """Each request field an enabled plugin owns → that plugin's name (the fields a
+        request may carry beyond the core ones)."""
+        self.pm  # noqa: B018 (loads)
+        return {f: owner for f, owner in sorted(self._field_owner.items())
+                if owner in self._enabled}
+
     def validate(self, params: Any, model: ModelInfo) -> None:
         """Refuse plugin fields nobody enabled owns, then run ``freetoken_validate_request``."""
         pm = self.pm

@@ -19,14 +19,17 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import msgspec
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 
 from freetoken_core.errors import InvalidRequest
+from freetoken_core.plugins import PluginManager
 from freetoken_core.server import protocol as p
+from freetoken_core.server.cors import is_preflight
 from freetoken_core.server.engine_client import EngineClient, EngineDeadError
-from freetoken_core.server.metrics import CONTENT_TYPE
+from freetoken_core.server.metrics import MEDIA_TYPE
 from freetoken_core.server.openai_routes import run_generation
+from freetoken_core.server.openapi import complete_document, openapi_config
 from freetoken_core.server.serving import encode, parse_body, render_chat
 from freetoken_core.server.state import ApiError, ServerConfig, Serving
 
@@ -38,7 +41,8 @@ log = logging.getLogger("freetoken.server")
 def _error(status: int, message: str, type_: str, param: str | None = None,
            code: str | int | None = None) -> Response:
     body = p.ErrorResponse(p.ErrorBody(message, type_, param, code))
-    return Response(content=body, status_code=status)
+    # JSON whatever the route's own media type (a 401 before the HTML Swagger UI, say).
+    return Response(content=body, status_code=status, media_type=MediaType.JSON)
 
 
 def _handle(request: Request, exc: Exception) -> Response:
@@ -90,8 +94,11 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
     expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
 
     def authorize(request: Request) -> Response | None:
-        """With an API key, 401 for any route but ``/health`` without the bearer token."""
+        """With an API key, 401 for any route but ``/health`` without the bearer token
+        (CORS preflights pass: browsers send them without credentials)."""
         if expected_auth is None or request.url.path == "/health":
+            return None
+        if config.cors is not None and is_preflight(request.method, request.headers):
             return None
         given = request.headers.get("authorization", "").encode()
         if secrets.compare_digest(given, expected_auth):
@@ -183,12 +190,18 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
     async def metrics() -> Response:
         serving.require_ready()
         text = serving.metrics.render(await serving.client.stats())
-        return Response(content=text, media_type=CONTENT_TYPE)
+        return Response(content=text, media_type=MEDIA_TYPE)
 
-    return Litestar(
+    app = Litestar(
         route_handlers=[health, stats, models, model, completions, chat_completions,
                         tokenize, detokenize, version_, metrics],
         on_startup=[startup], on_shutdown=[shutdown], before_request=authorize,
         exception_handlers={Exception: _handle},
         request_max_body_size=config.limits.max_body_bytes,
+        openapi_config=openapi_config(_version()),
+        cors_config=config.cors.litestar_config() if config.cors else None,
     )
+    complete_document(app.openapi_schema, config.model_name,
+                      PluginManager(config.engine.plugins).field_owners(),
+                      has_api_key=expected_auth is not None)
+    return app

@@ -17,7 +17,11 @@ from freetoken_core.server.engine_process import Stats
 if TYPE_CHECKING:
     from freetoken_core.server.generation import Generation
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MEDIA_TYPE = "text/plain; version=0.0.4"
+"""The media type the route hands Litestar, which appends ``; charset=utf-8`` to any
+``text/*`` type (so the charset must not be in it too)."""
+CONTENT_TYPE = f"{MEDIA_TYPE}; charset=utf-8"
+"""The ``Content-Type`` header ``GET /metrics`` sends."""
 LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, math.inf)
 
 

@@ -15,6 +15,7 @@ from freetoken_core.errors import FreeTokenError
 from freetoken_core.models.resolve import DEFAULT_MODEL_NAME
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo
+from freetoken_core.server.cors import CorsSettings
 from freetoken_core.server.engine_client import EngineClient, EngineDeadError
 from freetoken_core.server.limits import RequestLimits, TokenizerPool
 from freetoken_core.server.metrics import ServerMetrics
@@ -32,6 +33,8 @@ class ServerConfig:
     """When set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``."""
     limits: RequestLimits = field(default_factory=RequestLimits)
     """Per-request bounds (stop strings, prompts, sequences, prompt text, body size)."""
+    cors: CorsSettings | None = None
+    """Browser origins allowed (``--allowed-origins``); ``None``: no CORS headers at all."""
 
     @property
     def model_name(self) -> str:

@@ -1,0 +1,148 @@
+"""The served OpenAPI document describes every route's bodies, the plugin fields and the
+errors; the schema pages are served (JSON and Swagger UI only) and, under ``--api-key``,
+need the key. Built with Litestar's test client and no engine (start-up never runs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from litestar.testing import TestClient
+
+from freetoken_core.config import EngineConfig
+from freetoken_core.plugins import PluginManager
+from freetoken_core.server import protocol as p
+from freetoken_core.server.app import ServerConfig, create_app
+from freetoken_core.server.openapi import ROUTES
+
+KEY = "sesame"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GENERATION = {"/v1/completions": "CompletionRequest",
+              "/v1/chat/completions": "ChatCompletionRequest"}
+
+
+def client(api_key: str | None = None, plugins: str | None = None) -> TestClient:
+    config = ServerConfig(EngineConfig(plugins=plugins), "served/name", api_key=api_key)
+    return TestClient(create_app(config))
+
+
+def document(**kwargs: Any) -> dict[str, Any]:
+    r = client(**kwargs).get("/schema/openapi.json", headers=AUTH)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def doc() -> dict[str, Any]:
+    return document()
+
+
+def operations(doc: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(method, path): op for path, item in doc["paths"].items()
+            for method, op in item.items()}
+
+
+def ref(media: dict[str, Any]) -> str:
+    return media["schema"]["$ref"].removeprefix("#/components/schemas/")
+
+
+def test_every_served_route_is_in_the_document(doc: dict[str, Any]) -> None:
+    assert set(operations(doc)) == set(ROUTES)
+    assert doc["info"]["title"] == "FreeToken"
+
+
+@pytest.mark.parametrize(("path", "request_name", "response_name"), [
+    ("/v1/completions", "CompletionRequest", "CompletionResponse"),
+    ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletionResponse"),
+    ("/tokenize", "TokenizeRequest", "TokenizeResponse"),
+    ("/v1/tokenize", "TokenizeRequest", "TokenizeResponse"),
+    ("/detokenize", "DetokenizeRequest", "DetokenizeResponse"),
+    ("/v1/detokenize", "DetokenizeRequest", "DetokenizeResponse"),
+])
+def test_body_routes_show_their_request_and_response(
+        doc: dict[str, Any], path: str, request_name: str, response_name: str) -> None:
+    op = doc["paths"][path]["post"]
+    assert op["requestBody"]["required"] is True
+    assert ref(op["requestBody"]["content"]["application/json"]) == request_name
+    assert ref(op["responses"]["200"]["content"]["application/json"]) == response_name
+    for status in ("400", "404", "503"):
+        assert ref(op["responses"][status]["content"]["application/json"]) == "ErrorResponse"
+    schemas = doc["components"]["schemas"]
+    assert request_name in schemas and response_name in schemas
+
+
+def test_generation_routes_also_answer_an_event_stream(doc: dict[str, Any]) -> None:
+    for path in GENERATION:
+        content = doc["paths"][path]["post"]["responses"]["200"]["content"]
+        assert set(content) == {"application/json", "text/event-stream"}
+    assert "ChatCompletionChunk" in doc["components"]["schemas"]
+
+
+def test_request_schemas_carry_the_type_constraints(doc: dict[str, Any]) -> None:
+    props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    temperature = next(s for s in props["temperature"]["anyOf"] if s.get("type") == "number")
+    assert (temperature["minimum"], temperature["maximum"]) == (0, 2)
+    assert props["n"]["maximum"] == p.MAX_N
+    assert doc["components"]["schemas"]["ChatCompletionRequest"]["required"] == ["messages"]
+    assert props["model"]["enum"] == ["served/name", None]
+
+
+def test_plugin_fields_are_properties_naming_their_plugin(doc: dict[str, Any]) -> None:
+    owners = PluginManager().field_owners()
+    assert {"min_p", "logit_bias", "presence_penalty"} <= set(owners)
+    for name in GENERATION.values():
+        schema = doc["components"]["schemas"][name]
+        for field, plugin in owners.items():
+            assert f"`{plugin}`" in schema["properties"][field]["description"], (name, field)
+        for field in p.IGNORED_FIELDS:
+            assert field in schema["properties"]
+        # Any other field is a 400 naming it, so the schema is closed.
+        assert schema["additionalProperties"] is False
+
+
+def test_without_plugins_no_plugin_field_is_offered() -> None:
+    schema = document(plugins="none")["components"]["schemas"]["CompletionRequest"]
+    assert "min_p" not in schema["properties"]
+    assert "logit_bias" not in schema["properties"]
+
+
+def test_no_security_scheme_without_an_api_key(doc: dict[str, Any]) -> None:
+    assert "securitySchemes" not in doc["components"]
+    assert all("401" not in op["responses"] for op in operations(doc).values())
+
+
+def test_with_an_api_key_every_route_but_health_declares_it() -> None:
+    doc = document(api_key=KEY)
+    assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    for (method, path), op in operations(doc).items():
+        if path == "/health":
+            assert "security" not in op and "401" not in op["responses"]
+        else:
+            assert op["security"] == [{"bearer": []}], path
+            assert ref(op["responses"]["401"]["content"]["application/json"]) == "ErrorResponse"
+
+
+def test_the_schema_pages_served() -> None:
+    c = client()
+    assert c.get("/schema/openapi.json").status_code == 200
+    for page in ("/schema", "/schema/swagger"):
+        r = c.get(page)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+        assert "swagger-ui" in r.text
+    for page in ("/schema/redoc", "/schema/elements", "/schema/rapidoc", "/schema/openapi.yaml"):
+        assert c.get(page).status_code == 404, page
+
+
+@pytest.mark.parametrize("page", ["/schema", "/schema/swagger", "/schema/openapi.json",
+                                  "/schema/redoc"])
+def test_schema_pages_need_the_api_key(page: str) -> None:
+    c = client(api_key=KEY)
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = c.get(page, headers=headers)
+        # JSON even before an HTML page (this was a 500: the error body was
+        # serialized as HTML).
+        assert r.status_code == 401, r.text
+        assert r.headers["content-type"] == "application/json"
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    r = c.get(page, headers=AUTH)
+    assert r.status_code == (404 if page == "/schema/redoc" else 200)
