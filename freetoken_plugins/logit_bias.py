@@ -164,7 +164,8 @@ def logit_bias_triton(logits: torch.Tensor, slots: torch.Tensor, token_ids: torc
         raise ValueError("logit_bias_triton needs unit stride along the vocabulary and "
                          "token_ids / biases of one layout")
     _kernel()[(logits.shape[0],)](logits, logits.stride(0), slots, token_ids, biases,
-                                  num_entries, token_ids.stride(0), BLOCK=block)
+                                  num_entries, token_ids.stride(0), BLOCK=block,
+                                  enable_fp_fusion=False)
 
 
 # -- the processor ---------------------------------------------------------------------------

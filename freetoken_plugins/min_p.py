@@ -102,7 +102,7 @@ def min_p_triton(logits: torch.Tensor, slots: torch.Tensor, log_min_p: torch.Ten
     if logits.stride(1) != 1:
         raise ValueError("min_p_triton needs logits contiguous along the vocabulary")
     _min_p_kernel()[(logits.shape[0],)](logits, logits.stride(0), slots, log_min_p,
-                                        logits.shape[1], BLOCK=block)
+                                        logits.shape[1], BLOCK=block, enable_fp_fusion=False)
 
 
 class MinP(LogitsProcessor):

@@ -140,7 +140,8 @@ def min_tokens_triton(logits: torch.Tensor, slots: torch.Tensor, mask_ids: torch
     if logits.stride(1) != 1:
         raise ValueError("min_tokens_triton needs logits contiguous along the vocabulary")
     _kernel()[(logits.shape[0],)](logits, logits.stride(0), slots, mask_ids, num_mask_ids,
-                                  num_generated, min_tokens, mask_ids.stride(0), BLOCK=block)
+                                  num_generated, min_tokens, mask_ids.stride(0), BLOCK=block,
+                                  enable_fp_fusion=False)
 
 
 # -- the processor ---------------------------------------------------------------------------

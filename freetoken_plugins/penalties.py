@@ -248,8 +248,10 @@ def penalties_apply_triton(logits: torch.Tensor, slots: torch.Tensor, token_ids:
     if logits.stride(1) != 1:
         raise ValueError("penalties_apply_triton needs logits contiguous along the vocabulary")
     grid = (logits.shape[0], -(-width // block))
+    # No FP contraction: ``x - frequency * cnt`` as one FMA would round once, torch rounds
+    # the product and the difference apart; without it the result is torch's, bit for bit.
     _kernels()[0][grid](logits, logits.stride(0), slots, token_ids, counts, num_tokens,
-                        penalties, token_ids.shape[1], BLOCK=block)
+                        penalties, token_ids.shape[1], BLOCK=block, enable_fp_fusion=False)
 
 
 def penalties_update_triton(slots: torch.Tensor, sampled: torch.Tensor,
@@ -260,7 +262,7 @@ def penalties_update_triton(slots: torch.Tensor, sampled: torch.Tensor,
     if slots.shape[0] == 0:
         return
     _kernels()[1][(slots.shape[0],)](slots, sampled, token_ids, counts, num_tokens, is_active,
-                                     token_ids.shape[1], BLOCK=block)
+                                     token_ids.shape[1], BLOCK=block, enable_fp_fusion=False)
 
 
 # -- the processor ------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight models built locally, and engines over them."""
+"""Shared fixtures: tiny random-weight models built locally, engines over them, and the device
+the Triton kernel tests run on."""
 
 from __future__ import annotations
 
@@ -6,16 +7,39 @@ import os
 import sys
 from pathlib import Path
 
-# Triton kernels run on the CPU only through its interpreter, which must be chosen before
-# triton is first imported. On a CUDA machine the kernels run for real.
-if not Path("/dev/nvidia0").exists():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from kernel_checks import KERNEL_DEVICE, check_every_launch  # imports torch, not triton
+
+# Triton kernels run on the CPU only through its interpreter, which must be chosen before
+# triton is first imported. Where torch sees CUDA the kernels run compiled, on CUDA tensors.
+if KERNEL_DEVICE.type != "cuda":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tiny_models import make_tiny_model
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that asks for ``kernel_device`` runs a Triton kernel or a CUDA path: mark it
+    ``gpu``, so ``pytest -m gpu`` on a CUDA machine selects every one of them."""
+    for item in items:
+        if "kernel_device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture
+def kernel_device(monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    """The device for a Triton kernel test's tensors and processors: CUDA where torch sees
+    it, else the CPU (kernels under the interpreter). Every launch in the test is checked
+    (``kernel_checks.check_every_launch``)."""
+    pytest.importorskip("triton")
+    if KERNEL_DEVICE.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.fail("without CUDA, Triton kernels run only with TRITON_INTERPRET=1")
+    check_every_launch(monkeypatch, KERNEL_DEVICE)
+    return KERNEL_DEVICE
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

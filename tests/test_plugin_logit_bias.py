@@ -42,9 +42,10 @@ def bad_id(value: object) -> str:
     return text if len(text) < 40 else f"{type(value).__name__}[{len(value)}]"
 
 
-def processor(biases: dict[int, dict[int, float]], num_slots: int = 8) -> LogitBias:
+def processor(biases: dict[int, dict[int, float]], num_slots: int = 8,
+              device: torch.device | str = "cpu") -> LogitBias:
     """A LogitBias whose slot ``s`` holds ``biases[s]`` (validated as the engine would)."""
-    proc = LogitBias(num_slots, MODEL, torch.device("cpu"))
+    proc = LogitBias(num_slots, MODEL, device)
     for slot, bias in biases.items():
         params = SamplingParams(logit_bias=bias)
         LogitBias.validate(params, MODEL)
@@ -155,69 +156,75 @@ def test_torch_path_matches_transformers_sequence_bias() -> None:
     assert torch.equal(logits, torch.cat(expected))
 
 
-def test_rows_not_using_it_are_untouched() -> None:
-    proc = processor({1: {0: 50.0, 3: -7.0, 600: 2.0}, 5: {4: 1.0}})
-    logits = random_logits(4, VOCAB, seed=2)
-    before = logits.clone()
-    slots = torch.tensor([0, 1, 2, 7])
+def test_rows_not_using_it_are_untouched(kernel_device: torch.device) -> None:
+    proc = processor({1: {0: 50.0, 3: -7.0, 600: 2.0}, 5: {4: 1.0}}, device=kernel_device)
+    before = random_logits(4, VOCAB, seed=2)
+    slots = torch.tensor([0, 1, 2, 7], device=kernel_device)
+    logits = before.to(kernel_device, copy=True)
     proc.apply_torch(logits, slots)
+    logits = logits.cpu()
     assert torch.equal(logits[[0, 2, 3]], before[[0, 2, 3]])
     assert not torch.equal(logits[1], before[1])
-    triton_logits = before.clone()
+    triton_logits = before.to(kernel_device, copy=True)
     proc.apply_triton(triton_logits, slots)
-    assert torch.equal(triton_logits, logits)
+    assert torch.equal(triton_logits.cpu(), logits)
 
 
-def test_slot_reuse_after_remove_request() -> None:
-    proc = processor({3: {t: 9.0 for t in range(0, 600, 7)}, 4: {11: 1.0, 12: 2.0}})
+def test_slot_reuse_after_remove_request(kernel_device: torch.device) -> None:
+    proc = processor({3: {t: 9.0 for t in range(0, 600, 7)}, 4: {11: 1.0, 12: 2.0}},
+                     device=kernel_device)
     proc.remove_request(3)
     params = SamplingParams(logit_bias={5: -2.0})
     LogitBias.validate(params, MODEL)
     proc.add_request(3, params, [1], [])
     assert proc.width == 2  # the removed slot's 86 entries no longer count
+    slots = torch.tensor([3, 4], device=kernel_device)
     logits = random_logits(2, VOCAB, seed=3)
     expected = reference(logits, [3, 4], {3: {5: -2.0}, 4: {11: 1.0, 12: 2.0}})
-    both = logits.clone()
-    proc.apply_torch(logits, torch.tensor([3, 4]))
-    proc.apply_triton(both, torch.tensor([3, 4]))
-    assert torch.equal(logits, expected) and torch.equal(both, expected)
+    by_torch, by_triton = logits.to(kernel_device, copy=True), logits.to(kernel_device, copy=True)
+    proc.apply_torch(by_torch, slots)
+    proc.apply_triton(by_triton, slots)
+    assert torch.equal(by_torch.cpu(), expected) and torch.equal(by_triton.cpu(), expected)
     proc.remove_request(3)  # slot 3 is free (or serves a request without logit_bias) ...
     logits = random_logits(2, VOCAB, seed=4)
     expected = reference(logits, [3, 4], {4: {11: 1.0, 12: 2.0}})
-    both = logits.clone()
-    proc.apply_torch(logits, torch.tensor([3, 4]))  # ... while slot 4 still keeps W > 0
-    proc.apply_triton(both, torch.tensor([3, 4]))
-    assert torch.equal(logits, expected) and torch.equal(both, expected)
+    by_torch, by_triton = logits.to(kernel_device, copy=True), logits.to(kernel_device, copy=True)
+    proc.apply_torch(by_torch, slots)  # ... while slot 4 still keeps W > 0
+    proc.apply_triton(by_triton, slots)
+    assert torch.equal(by_torch.cpu(), expected) and torch.equal(by_triton.cpu(), expected)
     proc.remove_request(4)
     assert proc.width == 0
-    again = expected.clone()
-    proc.apply_triton(again, torch.tensor([3, 4]))
-    assert torch.equal(again, expected)
+    again = expected.to(kernel_device, copy=True)
+    proc.apply_triton(again, slots)
+    assert torch.equal(again.cpu(), expected)
 
 
-# -- the Triton path (TRITON_INTERPRET=1 on CPU) ------------------------------------------
+# -- the Triton path (on CUDA, or the CPU through TRITON_INTERPRET=1) ---------------------
+# Exact equality: one float add per listed token, and the kernel launches without FP
+# contraction (see kernel_checks). References are computed on the CPU.
 
 
 @pytest.mark.parametrize("block", [16, 64])
-def test_triton_path_matches_torch_path(block: int) -> None:
+def test_triton_path_matches_torch_path(block: int, kernel_device: torch.device) -> None:
     rng = random.Random(4)
     vocab = 64
     model = ModelInfo(vocab, frozenset({2}), 256)
-    proc = LogitBias(6, model, torch.device("cpu"))
+    proc = LogitBias(6, model, kernel_device)
     biases = random_biases(rng, [0, 2, 5], vocab, max_entries=40)
     biases[2] = {t: rng.uniform(-150, 150) for t in range(vocab)}  # more entries than a block
     for slot, bias in biases.items():
         params = SamplingParams(logit_bias=bias)
         LogitBias.validate(params, model)
         proc.add_request(slot, params, [1], [])
-    slots = torch.tensor([2, 0, 4, 5])
+    slots = torch.tensor([2, 0, 4, 5], device=kernel_device)
     logits = random_logits(4, vocab, seed=4)
     expected = reference(logits, slots.tolist(), biases)
-    torch_out, triton_out = logits.clone(), logits.clone()
+    torch_out = logits.to(kernel_device, copy=True)
+    triton_out = torch_out.clone()
     proc.apply_torch(torch_out, slots)
     plugin.logit_bias_triton(triton_out, slots, proc.token_ids, proc.biases, proc.num_entries,
                              block=block)
-    assert torch.equal(torch_out, expected)
+    assert torch.equal(torch_out.cpu(), expected)
     assert torch.equal(triton_out, torch_out)
 
 
@@ -226,6 +233,7 @@ KERNEL_SIGNATURE = {"logits_ptr": "*fp32", "row_stride": "i32", "slots_ptr": "*i
              "BLOCK": "constexpr"}
 
 
+@pytest.mark.gpu
 def test_kernel_is_lazy_and_compiles_for_cuda() -> None:
     assert_kernel_is_lazy_and_compiles("freetoken_plugins.logit_bias", KERNEL_SIGNATURE, {"BLOCK": 64})
 

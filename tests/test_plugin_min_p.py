@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+from kernel_checks import assert_kernel_is_lazy_and_compiles
 from transformers import MinPLogitsWarper
 
 from freetoken_core import LLM, InvalidRequest, SamplingParams
@@ -180,21 +180,18 @@ def test_state_is_one_float_per_slot() -> None:
     assert proc.log_min_p[3].item() == pytest.approx(math.log(0.25))
 
 
-# -- the Triton path ----------------------------------------------------------------------
-
-_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(
-    _DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="no CUDA and TRITON_INTERPRET is not set")
+# -- the Triton path (on CUDA, or the CPU through TRITON_INTERPRET=1) ---------------------
+# Exact equality: a max, one float add and compares, launched without FP contraction (see
+# kernel_checks).
 
 
-@needs_triton
 @pytest.mark.parametrize(("rows", "vocab", "block"), [(4, 64, 64), (5, 100, 32), (3, 7, 16), (6, 2000, 256)])
-def test_triton_matches_torch(rows: int, vocab: int, block: int) -> None:
-    logits = random_logits(rows, vocab, seed=vocab, num_masked=3).to(_DEVICE)
+def test_triton_matches_torch(rows: int, vocab: int, block: int,
+                              kernel_device: torch.device) -> None:
+    logits = random_logits(rows, vocab, seed=vocab, num_masked=3).to(kernel_device)
     log_min_p = torch.tensor([NEG_INF, math.log(0.3), 0.0, math.log(0.02), math.log(0.7),
-                              NEG_INF], device=_DEVICE)
-    slots = torch.tensor([5, 1, 2, 3, 4, 0][:rows], device=_DEVICE)
+                              NEG_INF], device=kernel_device)
+    slots = torch.tensor([5, 1, 2, 3, 4, 0][:rows], device=kernel_device)
     expected = logits.clone()
     min_p_torch(expected, slots, log_min_p)
     got = logits.clone()
@@ -204,17 +201,26 @@ def test_triton_matches_torch(rows: int, vocab: int, block: int) -> None:
     assert not torch.equal(got[1], logits[1])
 
 
-@needs_triton
-def test_triton_on_a_row_slice_of_a_wider_batch() -> None:
-    base = random_logits(6, 64, seed=11).to(_DEVICE)
-    log_min_p = torch.full((6,), math.log(0.2), device=_DEVICE)
-    slots = torch.arange(3, device=_DEVICE)
+def test_triton_on_a_row_slice_of_a_wider_batch(kernel_device: torch.device) -> None:
+    base = random_logits(6, 64, seed=11).to(kernel_device)
+    log_min_p = torch.full((6,), math.log(0.2), device=kernel_device)
+    slots = torch.arange(3, device=kernel_device)
     expected = base.clone()
     min_p_torch(expected[::2], slots, log_min_p)
     got = base.clone()
     min_p_triton(got[::2], slots, log_min_p, block=32)
     assert torch.equal(got, expected)
     assert torch.equal(got[1::2], base[1::2])
+
+
+KERNEL_SIGNATURE = {"logits_ptr": "*fp32", "row_stride": "i32", "slots_ptr": "*i64",
+                    "log_min_p_ptr": "*fp32", "vocab": "i32", "BLOCK": "constexpr"}
+
+
+@pytest.mark.gpu
+def test_kernel_is_lazy_and_compiles_for_cuda() -> None:
+    assert_kernel_is_lazy_and_compiles("freetoken_plugins.min_p", KERNEL_SIGNATURE,
+                                       {"BLOCK": 2048}, kernel="_min_p_kernel()")
 
 
 # -- in the sampler and the engine --------------------------------------------------------

@@ -43,9 +43,9 @@ class Slot:
         return set(self.stop_ids) | (set() if self.ignore_eos else {EOS})
 
 
-def processor(states: dict[int, Slot], num_slots: int = 8, model: ModelInfo = MODEL
-              ) -> MinTokens:
-    proc = MinTokens(num_slots, model, torch.device("cpu"))
+def processor(states: dict[int, Slot], num_slots: int = 8, model: ModelInfo = MODEL,
+              device: torch.device | str = "cpu") -> MinTokens:
+    proc = MinTokens(num_slots, model, device)
     for slot, state in states.items():
         MinTokens.validate(state.params, model)
         proc.add_request(slot, state.params, [1, 2, 3], [7] * state.num_output)
@@ -157,58 +157,63 @@ def test_torch_path_matches_transformers_min_new_tokens() -> None:
     assert torch.equal(logits, torch.cat(expected))
 
 
-def test_rows_not_using_it_are_untouched() -> None:
+def test_rows_not_using_it_are_untouched(kernel_device: torch.device) -> None:
     rng = random.Random(3)
     state = Slot(rng, VOCAB)
     state.num_output = 0
-    proc = processor({1: state})
-    logits = random_logits(4, VOCAB, seed=3)
-    before = logits.clone()
-    slots = torch.tensor([0, 1, 2, 7])
+    proc = processor({1: state}, device=kernel_device)
+    before = random_logits(4, VOCAB, seed=3)
+    slots = torch.tensor([0, 1, 2, 7], device=kernel_device)
+    logits = before.to(kernel_device, copy=True)
     proc.apply_torch(logits, slots)
+    logits = logits.cpu()
     assert torch.equal(logits[[0, 2, 3]], before[[0, 2, 3]])
     assert logits[1, sorted(state.mask_ids)].eq(NEG_INF).all()
-    triton_logits = before.clone()
+    triton_logits = before.to(kernel_device, copy=True)
     proc.apply_triton(triton_logits, slots)
-    assert torch.equal(triton_logits, logits)
+    assert torch.equal(triton_logits.cpu(), logits)
 
 
-def test_slot_reuse_after_remove_request_and_resume_after_preemption() -> None:
+def test_slot_reuse_after_remove_request_and_resume_after_preemption(
+        kernel_device: torch.device) -> None:
     many = SamplingParams(min_tokens=50, max_tokens=64, stop_token_ids=list(range(100, 140)))
     other = SamplingParams(min_tokens=50, max_tokens=64)
-    proc = MinTokens(4, MODEL, torch.device("cpu"))
+    proc = MinTokens(4, MODEL, kernel_device)
     proc.add_request(2, many, [1], [])
     proc.add_request(3, other, [1], [])
     assert proc.width == 41 and proc.mask_ids.shape[1] == 64  # grown past 16
     proc.remove_request(2)
     assert proc.width == 1
-    logits = random_logits(2, VOCAB, seed=4)
-    expected = logits.clone()
+    before = random_logits(2, VOCAB, seed=4)
+    expected = before.clone()
     expected[1, EOS] = NEG_INF
-    triton_logits = logits.clone()
-    proc.apply_torch(logits, torch.tensor([2, 3]))  # the freed slot 2 is left alone
-    proc.apply_triton(triton_logits, torch.tensor([2, 3]))
-    assert torch.equal(logits, expected) and torch.equal(triton_logits, expected)
+    logits, triton_logits = (before.to(kernel_device, copy=True) for _ in range(2))
+    slots = torch.tensor([2, 3], device=kernel_device)
+    proc.apply_torch(logits, slots)  # the freed slot 2 is left alone
+    proc.apply_triton(triton_logits, slots)
+    assert torch.equal(logits.cpu(), expected) and torch.equal(triton_logits.cpu(), expected)
     # Reused by a preempted sequence that had already drawn 3 of its 5 minimum tokens.
     resumed = SamplingParams(min_tokens=5, max_tokens=64, stop_token_ids=[9])
     proc.add_request(2, resumed, [1], [4, 5, 6])
+    slots = torch.tensor([2, 0], device=kernel_device)
     for step in range(4):
-        logits = random_logits(2, VOCAB, seed=step)
+        logits = random_logits(2, VOCAB, seed=step).to(kernel_device)
         triton_logits = logits.clone()
-        proc.apply_torch(logits, torch.tensor([2, 0]))
-        proc.apply_triton(triton_logits, torch.tensor([2, 0]))
+        proc.apply_torch(logits, slots)
+        proc.apply_triton(triton_logits, slots)
         held = logits[0, [EOS, 9]].eq(NEG_INF).all().item()
         assert held == (step < 2), step
         assert not logits[0, 100:140].eq(NEG_INF).any()  # nothing left of the old request
         assert torch.equal(triton_logits, logits)
-        proc.update(torch.tensor([2, 0]), torch.tensor([7, 7]))
+        proc.update(slots, torch.tensor([7, 7], device=kernel_device))
 
 
-# -- the Triton path (TRITON_INTERPRET=1 on CPU) ------------------------------------------
+# -- the Triton path (on CUDA, or the CPU through TRITON_INTERPRET=1) ---------------------
+# Exact equality: the kernel only stores -inf. References are computed on the CPU.
 
 
 @pytest.mark.parametrize("block", [4, 16])
-def test_triton_path_matches_torch_path(block: int) -> None:
+def test_triton_path_matches_torch_path(block: int, kernel_device: torch.device) -> None:
     rng = random.Random(5)
     vocab = 64
     model = ModelInfo(vocab, frozenset({EOS}), 256)
@@ -217,15 +222,16 @@ def test_triton_path_matches_torch_path(block: int) -> None:
     states[5].params.extra["stop_token_ids"] = states[5].stop_ids
     states[5].num_output, states[5].min_tokens = 0, 3
     states[5].params.extra["min_tokens"] = 3
-    proc = processor(states, num_slots=6, model=model)
-    slots = torch.tensor([5, 0, 4, 2])
+    proc = processor(states, num_slots=6, model=model, device=kernel_device)
+    slots = torch.tensor([5, 0, 4, 2], device=kernel_device)
     logits = random_logits(4, vocab, seed=5)
     expected = reference(logits, slots.tolist(), states)
-    torch_out, triton_out = logits.clone(), logits.clone()
+    torch_out = logits.to(kernel_device, copy=True)
+    triton_out = torch_out.clone()
     proc.apply_torch(torch_out, slots)
     plugin.min_tokens_triton(triton_out, slots, proc.mask_ids, proc.num_mask_ids,
                              proc.num_generated, proc.min_tokens, block=block)
-    assert torch.equal(torch_out, expected)
+    assert torch.equal(torch_out.cpu(), expected)
     assert torch.equal(triton_out, torch_out)
     assert torch_out[0].isinf().sum() >= 40
 
@@ -235,6 +241,7 @@ KERNEL_SIGNATURE = {"logits_ptr": "*fp32", "row_stride": "i32", "slots_ptr": "*i
              "state_stride": "i32", "BLOCK": "constexpr"}
 
 
+@pytest.mark.gpu
 def test_kernel_is_lazy_and_compiles_for_cuda() -> None:
     assert_kernel_is_lazy_and_compiles("freetoken_plugins.min_tokens", KERNEL_SIGNATURE, {"BLOCK": 16})
 

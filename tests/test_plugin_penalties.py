@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_checks import assert_kernel_is_lazy_and_compiles
 
 from freetoken_core import LLM, InvalidRequest, SamplingParams
 from freetoken_core.plugins import PluginManager
@@ -100,8 +101,9 @@ def add_rows(proc: Penalties, slots: list[int], rows: list[tuple | None], *,
         # output is over draw a token that must not count (their slot is "done": remove).
         batch = [(s, r[1][step]) for s, r in zip(slots, rows) if r and step < len(r[1])]
         batch += [(s, 7) for s, r in zip(slots, rows) if r is None]
-        getattr(proc, f"update_{path}")(torch.tensor([b[0] for b in batch]),
-                                        torch.tensor([b[1] for b in batch]), **update_options)
+        getattr(proc, f"update_{path}")(torch.tensor([b[0] for b in batch], device=proc.device),
+                                        torch.tensor([b[1] for b in batch], device=proc.device),
+                                        **update_options)
 
 
 # -- validation --------------------------------------------------------------------------
@@ -204,77 +206,95 @@ def test_state_size_and_count_dtype() -> None:
     assert short_vocab.capacity == 100  # never more distinct tokens than the vocabulary
 
 
-# -- Triton kernels (CPU through TRITON_INTERPRET=1) ----------------------------------------
+# -- Triton kernels (on CUDA, or the CPU through TRITON_INTERPRET=1) -----------------------
+# Exact equality: the kernels launch without FP contraction (see kernel_checks), so each op
+# rounds as torch's does. References are computed on the CPU.
 
-def test_triton_apply_matches_torch_path() -> None:
+def test_triton_apply_matches_torch_path(kernel_device: torch.device) -> None:
     rng, gen = random.Random(2), torch.Generator().manual_seed(2)
     for block in (16, 256):
-        proc = Penalties(6, model_info(64), CPU)
+        proc = Penalties(6, model_info(64), kernel_device)
         slots, rows = random_case(rng, 64, 6, 4)
         add_rows(proc, slots, rows)
         logits = random_logits(gen, 4, 64)
-        by_torch, by_triton = logits.clone(), logits.clone()
-        proc.apply_torch(by_torch, torch.tensor(slots))
+        by_torch = logits.to(kernel_device, copy=True)
+        by_triton = by_torch.clone()
+        on_device = torch.tensor(slots, device=kernel_device)
+        proc.apply_torch(by_torch, on_device)
         penalties.penalties_apply_triton(
-            by_triton, torch.tensor(slots), proc.token_ids, proc.counts, proc.num_tokens,
+            by_triton, on_device, proc.token_ids, proc.counts, proc.num_tokens,
             proc.penalties, proc.width, block=block)
         assert torch.equal(by_triton, by_torch)
-        assert torch.equal(by_triton, reference(logits, rows))
+        assert torch.equal(by_triton.cpu(), reference(logits, rows))
 
 
 @pytest.mark.parametrize("block", [16, 1024])  # 16: the scan loops over several blocks
-def test_triton_update_matches_torch_update(block: int) -> None:
+def test_triton_update_matches_torch_update(block: int, kernel_device: torch.device) -> None:
     rng, gen = random.Random(3), torch.Generator().manual_seed(3)
     slots, rows = random_case(rng, 64, 6, 4)
-    procs = {"torch": Penalties(6, model_info(64), CPU), "triton": Penalties(6, model_info(64), CPU)}
-    add_rows(procs["torch"], slots, rows, incremental=True)
-    add_rows(procs["triton"], slots, rows, incremental=True, path="triton", block=block)
-    a, b = procs["torch"], procs["triton"]
-    assert torch.equal(a.num_tokens, b.num_tokens)
+    a, b = Penalties(6, model_info(64), CPU), Penalties(6, model_info(64), kernel_device)
+    add_rows(a, slots, rows, incremental=True)
+    add_rows(b, slots, rows, incremental=True, path="triton", block=block)
+    assert torch.equal(a.num_tokens, b.num_tokens.cpu())
     for slot, row in zip(slots, rows):  # tokens drawn by rows that do not use it: ignored
         expected = 0 if row is None else len(set(row[0]) | set(row[1]))
         assert int(a.num_tokens[slot]) == expected
     assert int(a.num_tokens.max()) <= a.width == b.width <= a.capacity
     for slot in range(6):
         n = int(a.num_tokens[slot])
-        assert torch.equal(a.token_ids[slot, :n], b.token_ids[slot, :n])
-        assert torch.equal(a.counts[slot, :n], b.counts[slot, :n])
+        assert torch.equal(a.token_ids[slot, :n], b.token_ids[slot, :n].cpu())
+        assert torch.equal(a.counts[slot, :n], b.counts[slot, :n].cpu())
     logits = random_logits(gen, 4, 64)
-    out = logits.clone()
-    b.apply_triton(out, torch.tensor(slots))
-    assert torch.equal(out, reference(logits, rows))
+    out = logits.to(kernel_device, copy=True)
+    b.apply_triton(out, torch.tensor(slots, device=kernel_device))
+    assert torch.equal(out.cpu(), reference(logits, rows))
+
+
+APPLY_SIGNATURE = {"logits_ptr": "*fp32", "row_stride": "i32", "slots_ptr": "*i64",
+                   "token_ids_ptr": "*i32", "counts_ptr": "*i16", "num_tokens_ptr": "*i32",
+                   "penalties_ptr": "*fp32", "capacity": "i32", "BLOCK": "constexpr"}
+
+
+@pytest.mark.gpu
+def test_apply_kernel_is_lazy_and_compiles_for_cuda_without_fma() -> None:
+    assert_kernel_is_lazy_and_compiles("freetoken_plugins.penalties", APPLY_SIGNATURE,
+                                       {"BLOCK": 256}, kernel="_kernels()[0]")
 
 
 # -- slots ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
-def test_rows_of_other_slots_are_untouched(path: str) -> None:
-    proc = Penalties(4, model_info(32), CPU)
+def test_rows_of_other_slots_are_untouched(path: str, kernel_device: torch.device) -> None:
+    proc = Penalties(4, model_info(32), kernel_device)
     proc.add_request(1, params(2.0, 1.0, 1.0), list(range(32)), list(range(32)))
     proc.add_request(2, params(2.0, 1.0, 1.0), list(range(32)), [5, 6])
     proc.remove_request(2)  # stale tokens stay in its list; they must not be applied
     logits = torch.randn(3, 32, generator=torch.Generator().manual_seed(4))
     logits[:, 0] = float("-inf")
-    out = logits.clone()
-    getattr(proc, f"apply_{path}")(out, torch.tensor([0, 1, 2]))
+    out = logits.to(kernel_device, copy=True)
+    getattr(proc, f"apply_{path}")(out, torch.tensor([0, 1, 2], device=kernel_device))
+    out = out.cpu()
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
     assert not torch.equal(out[1], logits[1])
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
-def test_slot_reuse_after_remove_forgets_the_old_request(path: str) -> None:
+def test_slot_reuse_after_remove_forgets_the_old_request(path: str,
+                                                         kernel_device: torch.device) -> None:
     gen = torch.Generator().manual_seed(5)
-    proc = Penalties(3, model_info(40), CPU)
+    proc = Penalties(3, model_info(40), kernel_device)
+    update = getattr(proc, f"update_{path}")
+    one = torch.tensor([1], device=kernel_device)
     proc.add_request(1, params(1.8, 1.5, 0.7), [1, 2, 3, 4, 9, 9], [9, 9, 12, 13])
-    getattr(proc, f"update_{path}")(torch.tensor([1]), torch.tensor([20]))
+    update(one, torch.tensor([20], device=kernel_device))
     proc.remove_request(1)
-    getattr(proc, f"update_{path}")(torch.tensor([1]), torch.tensor([21]))  # slot unused now
+    update(one, torch.tensor([21], device=kernel_device))  # slot unused now
     proc.add_request(1, params(pres=0.3), [30, 31], [31])
-    getattr(proc, f"update_{path}")(torch.tensor([1]), torch.tensor([32]))
+    update(one, torch.tensor([32], device=kernel_device))
     logits = torch.randn(1, 40, generator=gen)
-    out = logits.clone()
-    getattr(proc, f"apply_{path}")(out, torch.tensor([1]))
-    assert torch.equal(out, reference(logits, [([30, 31], [31, 32], 1.0, 0.3, 0.0)]))
+    out = logits.to(kernel_device, copy=True)
+    getattr(proc, f"apply_{path}")(out, one)
+    assert torch.equal(out.cpu(), reference(logits, [([30, 31], [31, 32], 1.0, 0.3, 0.0)]))
 
 
 def test_preempted_request_comes_back_with_its_outputs() -> None:

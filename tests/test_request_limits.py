@@ -16,10 +16,12 @@ from tiny_models import build_tokenizer
 
 from freetoken_core.cli import main as cli_main
 from freetoken_core.config import EngineConfig
+from freetoken_core.engine.output_processor import StopMatcher
 from freetoken_core.errors import InvalidRequest
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo
 from freetoken_core.sampling_params import SamplingParams
+from freetoken_core.server import openai_routes
 from freetoken_core.server.engine_process import Update
 from freetoken_core.server.limits import RequestLimits, count_prompts
 from freetoken_core.server.openai_routes import run_generation
@@ -159,16 +161,25 @@ def generate(serving: Serving, body: bytes, chat: bool) -> tuple[Any, int]:
 
 
 def test_run_generation_tokenizes_and_renders_off_the_loop(
-        recording: RecordingTokenizer) -> None:
+        recording: RecordingTokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    matcher_threads: set[int] = set()
+
+    class RecordingMatcher(StopMatcher):
+        def __init__(self, stops: list[str]) -> None:
+            matcher_threads.add(threading.get_ident())
+            super().__init__(stops)
+
+    monkeypatch.setattr(openai_routes, "StopMatcher", RecordingMatcher)
     serving = make_serving(recording, RequestLimits())
     response, loop_thread = generate(
         serving, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}', True)
     assert response.choices[0].finish_reason == "length"
     response, loop_thread_2 = generate(
-        serving, b'{"model": "m", "prompt": ["one", "two"], "n": 2}', False)
+        serving, b'{"model": "m", "prompt": ["one", "two"], "n": 2, "stop": ["x"]}', False)
     assert len(response.choices) == 4
     assert set(recording.threads) == {"encode", "apply_chat_template"}
-    for threads in recording.threads.values():
+    assert len(matcher_threads) >= 1
+    for threads in [*recording.threads.values(), matcher_threads]:
         assert loop_thread not in threads and loop_thread_2 not in threads
 
 

@@ -42,17 +42,22 @@ class StopMatcher:
         goto: dict[int, int] = {}
         depth, parent, char, terminal = [0], [0], [0], [False]
         for stop in self.stops:
-            node = 0
-            for ch in stop:
-                key = (node << _CHAR_BITS) | ord(ch)
-                child = goto.get(key)
+            node, i = 0, 0
+            while i < len(stop):  # down the part of the trie this stop shares
+                child = goto.get((node << _CHAR_BITS) | ord(stop[i]))
                 if child is None:
-                    child = goto[key] = len(depth)
-                    depth.append(depth[node] + 1)
-                    parent.append(node)
-                    char.append(ord(ch))
-                    terminal.append(False)
-                node = child
+                    break
+                node, i = child, i + 1
+            if i < len(stop):  # the rest is one new chain of nodes, added in bulk
+                first, codes = len(depth), [ord(ch) for ch in stop[i:]]
+                chain = range(first, first + len(codes))
+                parents = [node, *chain[:-1]]
+                goto.update(zip([(p << _CHAR_BITS) | c for p, c in zip(parents, codes)], chain))
+                depth.extend(range(depth[node] + 1, depth[node] + 1 + len(codes)))
+                parent.extend(parents)
+                char.extend(codes)
+                terminal.extend([False] * len(codes))
+                node = chain[-1]
             terminal[node] = True
         fail = [0] * len(depth)
         # ``longest[n]``: the length of the longest stop that is a suffix of node n's

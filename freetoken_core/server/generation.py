@@ -62,6 +62,9 @@ class Generation:
     prompts: list[list[int]]
     params: SamplingParams
     on_done: Callable[[Generation], None] | None = None
+    matcher: StopMatcher | None = None
+    """The automaton over ``params.stop`` (built here when not given; the server builds it
+    in a worker thread, since a large stop set takes a while)."""
     request_id: str = field(default_factory=lambda: secrets.token_hex(12))
     started: float = field(default_factory=time.monotonic)
     error: BaseException | None = None
@@ -70,7 +73,9 @@ class Generation:
     _num_cached: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        matcher = StopMatcher(self.params.stop)  # one automaton for every choice
+        if self.matcher is None:
+            self.matcher = StopMatcher(self.params.stop)
+        matcher = self.matcher  # one automaton for every choice
         self._choices = [[_Choice(ChoiceText(self.tokenizer, ids, self.params, matcher))
                           for _ in range(self.params.n)] for ids in self.prompts]
         self._num_cached = [0] * len(self.prompts)

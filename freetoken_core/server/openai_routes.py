@@ -15,6 +15,7 @@ import msgspec
 from litestar import Request
 from litestar.response import ServerSentEvent
 
+from freetoken_core.engine.output_processor import StopMatcher
 from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.server import protocol as p
 from freetoken_core.server.generation import ChoiceDelta, Generation
@@ -109,7 +110,8 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
         prompts = await pool.run(completion_prompts, tokenizer, body.prompt, rewrite)
     await pool.run(check_fits, prompts, params, model_info)
     gen = Generation(serving.client, tokenizer, prompts, params,
-                     on_done=serving.metrics.record)
+                     on_done=serving.metrics.record,
+                     matcher=await pool.run(StopMatcher, params.stop))
     if isinstance(body, p.ChatCompletionRequest) and body.request_id is not None:
         rid = body.request_id
     else:
