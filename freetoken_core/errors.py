@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""OpenAI's ``code`` for a prompt, or a prompt plus ``max_tokens``, that does not fit."""
+
 
 class FreeTokenError(Exception):
     """Base class of every error FreeToken raises on purpose."""
 
 
 class InvalidRequest(FreeTokenError, ValueError):
-    """A request field is invalid; the server turns it into HTTP 400 naming ``param``."""
+    """A request field is invalid; the server turns it into HTTP 400 naming ``param``.
 
-    def __init__(self, param: str | None, message: str) -> None:
+    ``code`` is OpenAI's machine-readable ``error.code`` (e.g. ``CONTEXT_LENGTH_EXCEEDED``),
+    ``None`` for most validation failures, as OpenAI answers them.
+    """
+
+    def __init__(self, param: str | None, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
         self.message = message
+        self.code = code
 
 
 class ModelLoadError(FreeTokenError):

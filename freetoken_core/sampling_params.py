@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from freetoken_core.errors import InvalidRequest
 
+if TYPE_CHECKING:
+    from freetoken_core.processors import ModelInfo
+
 MAX_LOGPROBS = 20
+MAX_N = 128
+"""Most choices one ``SamplingParams`` may ask for (the server allows fewer: ``MAX_N``
+in ``server/protocol.py``)."""
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+"""``seed`` must lie in ``[INT64_MIN, INT64_MAX]`` (OpenAI's and vLLM's range; the engine
+keeps seeds as int64), ``top_k`` at most ``INT64_MAX`` before the model's vocabulary bounds it."""
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy (``temperature`` becomes ``0.0``), as in vLLM:
+dividing logits by a smaller temperature could overflow float32 (and below float32's
+range the temperature would round to zero and be taken as ``1``)."""
 
 
 def _require(ok: bool, param: str, message: str) -> None:
@@ -16,8 +31,21 @@ def _require(ok: bool, param: str, message: str) -> None:
         raise InvalidRequest(param, message)
 
 
-def _is_finite_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def finite_float(value: object) -> float | None:
+    """``value`` as a float when it is a real number (not a bool) whose float is finite;
+    ``None`` otherwise, including for an integer too large for a float (``10**400``).
+    Plugins use it to check their float fields without risking ``OverflowError``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except (OverflowError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(init=False)
@@ -29,10 +57,13 @@ class SamplingParams:
     HTTP 400. Any other keyword (``repetition_penalty=1.3``, ``logit_bias={42: 5.0}``, …)
     is a plugin field: it is kept in ``extra``, readable as an attribute, and checked by
     the plugin that owns it when the request reaches an engine (a field that no enabled
-    plugin owns is refused there). ``temperature == 0`` means greedy.
-    ``seed`` makes sampling reproducible whatever else shares the batch; without it each
-    request draws a fresh seed. ``logprobs`` is the number of top alternatives to return
-    beside the sampled token's log-probability (``None``: no logprobs).
+    plugin owns is refused there). ``temperature == 0`` means greedy, and so does any
+    temperature below ``GREEDY_TEMPERATURE``, which construction turns into ``0.0``.
+    ``seed`` (an int64) makes sampling reproducible whatever else shares the batch; without
+    it each request draws a fresh seed. ``logprobs`` is the number of top alternatives to
+    return beside the sampled token's log-probability (``None``: no logprobs).
+    ``verify(model)`` checks what depends on the model (``top_k`` and ``logprobs`` against
+    the vocabulary); the process that accepts a request calls it.
     """
 
     n: int = 1
@@ -75,26 +106,29 @@ class SamplingParams:
         _require(isinstance(self.stop, (list, tuple)), "stop",
                  "stop must be a non-empty string or a list of non-empty strings")
         self.stop = list(self.stop)
-        _require(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "n must be in [1, 128]")
+        _require(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"n must be in [1, {MAX_N}]")
+        temperature = finite_float(self.temperature)
         _require(
-            _is_finite_number(self.temperature) and 0.0 <= self.temperature <= 2.0,
+            temperature is not None and 0.0 <= temperature <= 2.0,
             "temperature", "temperature must be a finite number in [0, 2]",
         )
+        top_p = finite_float(self.top_p)
         _require(
-            _is_finite_number(self.top_p) and 0.0 < self.top_p <= 1.0,
+            top_p is not None and 0.0 < top_p <= 1.0,
             "top_p", "top_p must be a finite number in (0, 1]",
         )
         _require(
-            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-            "top_k", "top_k must be -1 (disabled) or >= 1",
+            _is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= INT64_MAX),
+            "top_k", "top_k must be -1 (disabled) or an integer >= 1 (at most the vocabulary "
+                     "size)",
         )
         _require(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
             "max_tokens", "max_tokens must be an integer >= 1",
         )
         _require(
-            self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-            "seed", "seed must be an integer",
+            self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
+            "seed", f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}] (int64)",
         )
         _require(
             all(isinstance(s, str) and s for s in self.stop),
@@ -102,10 +136,22 @@ class SamplingParams:
         )
         _require(
             self.logprobs is None
-            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}]",
         )
+        if temperature < GREEDY_TEMPERATURE:  # checked above: a finite float
+            self.temperature = 0.0
+
+    def verify(self, model: ModelInfo) -> None:
+        """Raise ``InvalidRequest`` for a core field the served model cannot honour:
+        ``top_k`` above the vocabulary size, or more ``logprobs`` than it has tokens."""
+        vocab = model.vocab_size
+        _require(self.top_k <= vocab, "top_k",
+                 f"top_k must be -1 (disabled) or in [1, {vocab}] (the vocabulary size)")
+        _require(self.logprobs is None or self.logprobs <= vocab, "logprobs",
+                 f"logprobs must be at most {vocab} (the vocabulary size)")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Greedy (argmax) sampling: ``temperature`` below ``GREEDY_TEMPERATURE``."""
+        return self.temperature < GREEDY_TEMPERATURE

@@ -36,6 +36,7 @@ import torch
 from freetoken_core import hookimpl
 from freetoken_core.errors import InvalidRequest
 from freetoken_core.processors import LogitsProcessor, ModelInfo, Stage
+from freetoken_core.sampling_params import finite_float
 
 FIELD = "min_p"
 BENCH_PARAMS: dict[str, Any] = {"min_p": 0.05}
@@ -45,11 +46,14 @@ _TRITON_BLOCK = 2048
 
 
 def check_min_p(value: Any) -> float:
-    """Return ``value`` as a float, or raise ``InvalidRequest`` naming ``min_p``."""
-    if (not isinstance(value, (int, float)) or isinstance(value, bool)
-            or not math.isfinite(value) or not 0.0 <= value <= 1.0):
-        raise InvalidRequest(FIELD, f"min_p must be a number in [0, 1], got {value!r}")
-    return float(value)
+    """Return ``value`` as a float, or raise ``InvalidRequest`` naming ``min_p``. Any value
+    in ``[0, 1]`` keeps logits finite: ``log(min_p)`` is ``-inf`` (off) or at least
+    ``log(5e-324) = -744.4``, even for a subnormal ``min_p``."""
+    number = finite_float(value) if isinstance(value, (int, float)) else None
+    if number is None or not 0.0 <= number <= 1.0:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise InvalidRequest(FIELD, f"min_p must be a number in [0, 1], got {shown}")
+    return number
 
 
 def min_p_torch(logits: torch.Tensor, slots: torch.Tensor, log_min_p: torch.Tensor) -> None:

@@ -1,7 +1,11 @@
 """The min_tokens plugin: no stop token until a sequence has generated ``min_tokens`` tokens.
 
 Request field: ``min_tokens``, an integer ``>= 0`` and ``<= max_tokens`` (when
-``max_tokens`` is set); ``0`` or absent: off, and free. While a sequence has generated
+``max_tokens`` is set); ``0`` or absent: off, and free. Validation stores a ``min_tokens``
+beyond the context as ``max_model_len`` (same effect: a sequence never generates more; it
+keeps the value inside int64 for the engine), and refuses a positive ``min_tokens`` whose
+held-back ids would be the whole vocabulary (every logit ``-inf``: nothing to draw).
+While a sequence has generated
 fewer than ``min_tokens`` tokens, the logits of its stop tokens are set to ``-inf``: the
 model's EOS ids (``ModelInfo.eos_token_ids``; not with ``ignore_eos``, where EOS stops
 nothing) and the request's ``stop_token_ids`` (the stop_tokens plugin's field, read here
@@ -27,7 +31,6 @@ grows (to the next power of two, in ``add_request``, on the host; the table is r
 which a captured CUDA graph would have to follow) when a request brings more EOS + stop
 ids: 37,888 bytes for 256 slots at ``K = 16`` (at ``V = 151,936`` as at any other), about
 4 MiB at the most the stop_tokens plugin allows (1,024 stop ids + EOS: ``K = 2,048``).
-A ``min_tokens`` beyond the context length is stored as ``max_model_len`` (same effect).
 
 Cost per step: the torch path (``min_tokens_torch``, any device) gathers the ``[rows, W]``
 listed logits (``W``: the most ids among the slots in use, tracked on the host), replaces
@@ -69,7 +72,8 @@ imports triton, and the kernel below finds ``tl`` among its module's globals as 
 def check_min_tokens(value: Any, max_tokens: int | None) -> int:
     """Return ``value``, or raise ``InvalidRequest`` naming ``min_tokens``."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
-        raise InvalidRequest(FIELD, f"min_tokens must be an integer >= 0, got {value!r}")
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise InvalidRequest(FIELD, f"min_tokens must be an integer >= 0, got {shown}")
     value = int(value)
     if max_tokens is not None and value > max_tokens:
         raise InvalidRequest(FIELD, f"min_tokens ({value}) must not exceed max_tokens "
@@ -175,8 +179,18 @@ class MinTokens(LogitsProcessor):
     @classmethod
     def validate(cls, params: Any, model: ModelInfo) -> None:
         value = params.extra.get(FIELD)
-        if value is not None:
-            params.extra[FIELD] = check_min_tokens(value, params.max_tokens)
+        if value is None:
+            return
+        value = min(check_min_tokens(value, params.max_tokens), model.max_model_len)
+        params.extra[FIELD] = value
+        stop_ids = params.extra.get(STOP_IDS_FIELD) or ()
+        if value and isinstance(stop_ids, (list, tuple)):
+            # The stop_tokens plugin checks the ids themselves; count only valid ones here.
+            held = set() if params.ignore_eos else set(model.eos_token_ids)
+            held.update(t for t in stop_ids if isinstance(t, int) and 0 <= t < model.vocab_size)
+            if len(held) >= model.vocab_size:
+                raise InvalidRequest(FIELD, "min_tokens would hold back every token of the "
+                                            "vocabulary (EOS and stop_token_ids)")
 
     def _grow(self, needed: int) -> None:
         capacity = 1 << (needed - 1).bit_length()

@@ -2,9 +2,12 @@
 
 Request fields (absent or neutral: off):
 
-- ``repetition_penalty``: a finite number > 0, neutral ``1.0``. Over the prompt **and**
-  the generated tokens, each distinct token once: a logit ``x < 0`` becomes ``x * r``,
-  any other ``x / r``. Same as vLLM and Hugging Face's ``RepetitionPenaltyLogitsProcessor``.
+- ``repetition_penalty``: a number in ``[MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY]``
+  = ``[0.01, 100]``, neutral ``1.0``. Over the prompt **and** the generated tokens, each
+  distinct token once: a logit ``x < 0`` becomes ``x * r``, any other ``x / r``. Same as
+  vLLM and Hugging Face's ``RepetitionPenaltyLogitsProcessor``. The bounds keep logits
+  finite: a penalty scales a logit by at most 100 (vLLM's "> 0" lets ``r = 1e-39`` turn
+  every logit into ``inf`` and the softmax into NaN).
 - ``presence_penalty``: a number in ``[-2, 2]``, neutral ``0``. Over the generated tokens
   only: ``presence_penalty`` is subtracted once from every token generated at least once.
 - ``frequency_penalty``: a number in ``[-2, 2]``, neutral ``0``. Over the generated tokens
@@ -58,9 +61,7 @@ must not share a slot (the engine never does that).
 from __future__ import annotations
 
 import functools
-import math
 import numbers
-from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +70,7 @@ import torch
 from freetoken_core import hookimpl
 from freetoken_core.errors import InvalidRequest
 from freetoken_core.processors import LogitsProcessor, ModelInfo, Stage
+from freetoken_core.sampling_params import finite_float
 
 REPETITION = "repetition_penalty"
 PRESENCE = "presence_penalty"
@@ -76,6 +78,15 @@ FREQUENCY = "frequency_penalty"
 FIELDS = (REPETITION, PRESENCE, FREQUENCY)
 """In the order the penalties apply, which is also the column order of ``penalties``."""
 NEUTRAL = {REPETITION: 1.0, PRESENCE: 0.0, FREQUENCY: 0.0}
+MIN_REPETITION_PENALTY = 0.01
+"""Smallest ``repetition_penalty``: ``x / r`` multiplies a logit by at most 100."""
+MAX_REPETITION_PENALTY = 100.0
+"""Largest ``repetition_penalty``: ``x * r`` multiplies a logit by at most 100. With a
+temperature of at least ``GREEDY_TEMPERATURE`` (1e-5) a logit is scaled by at most 1e7 in
+all, so model logits below 1e30 in magnitude stay finite in float32 (real ones are < 1e4)."""
+PENALTY_LIMIT = 2.0
+"""``presence_penalty`` and ``frequency_penalty`` lie in ``[-PENALTY_LIMIT, PENALTY_LIMIT]``
+(OpenAI's range); ``frequency * count`` is then at most ``2 * max_model_len``."""
 
 BENCH_PARAMS: dict[str, Any] = {REPETITION: 1.2, PRESENCE: 0.5, FREQUENCY: 0.5}
 """A request that switches the processor on, for ``bench/bench_penalties.py``."""
@@ -86,24 +97,25 @@ _UPDATE_BLOCK = 1024
 
 # -- validation ----------------------------------------------------------------------
 
-def _as_float32(value: float) -> float:
-    """``value`` rounded to float32, as the state stores it (overflow gives inf)."""
-    return array("f", [value])[0]
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut short: a JSON integer may have thousands of digits."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def check_penalty(field: str, value: Any) -> float:
     """Return ``value`` as a float, or raise ``InvalidRequest`` naming ``field``."""
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise InvalidRequest(field, f"{field} must be a number, got {value!r}")
-    number = float(value)
+        raise InvalidRequest(field, f"{field} must be a number, got {_shown(value)}")
+    number = finite_float(value)
     if field == REPETITION:
-        stored = _as_float32(number) if math.isfinite(number) else number
-        if not (math.isfinite(stored) and stored > 0):
-            raise InvalidRequest(field, f"{field} must be a finite number > 0 (1 is off), "
-                                        f"got {value!r}")
-    elif not (math.isfinite(number) and -2.0 <= number <= 2.0):
+        if number is None or not MIN_REPETITION_PENALTY <= number <= MAX_REPETITION_PENALTY:
+            raise InvalidRequest(field, f"{field} must be a number in "
+                                        f"[{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}]"
+                                        f" (1 is off), got {_shown(value)}")
+    elif number is None or not -PENALTY_LIMIT <= number <= PENALTY_LIMIT:
         raise InvalidRequest(field, f"{field} must be a number in [-2, 2] (0 is off), "
-                                    f"got {value!r}")
+                                    f"got {_shown(value)}")
     return number
 
 

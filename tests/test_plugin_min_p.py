@@ -22,7 +22,8 @@ MODEL = ModelInfo(VOCAB, frozenset({2}), 2048)
 NEG_INF = float("-inf")
 
 BAD_VALUES = [True, False, -0.01, 1.0001, 2, -1, float("nan"), float("inf"), float("-inf"),
-              "0.1", [0.1], {"min_p": 0.1}, 1e-3j]
+              "0.1", [0.1], {"min_p": 0.1}, 1e-3j,
+              10**400, -(10**400)]  # JSON integers too large for a float: a 400, not a 500
 
 
 def reference(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
@@ -77,7 +78,8 @@ def test_generate_rejects_bad_value(tiny_llm, value) -> None:
 
 
 def test_good_values_are_normalised_to_float() -> None:
-    for value, expected in [(0, 0.0), (1, 1.0), (0.25, 0.25), (1e-9, 1e-9)]:
+    for value, expected in [(0, 0.0), (1, 1.0), (0.25, 0.25), (1e-9, 1e-9),
+                            (5e-324, 5e-324)]:
         params = SamplingParams(min_p=value)
         plugin.freetoken_validate_request(request=params, model=MODEL)
         assert type(params.extra["min_p"]) is float and params.extra["min_p"] == expected
@@ -85,6 +87,19 @@ def test_good_values_are_normalised_to_float() -> None:
     assert not MinP.uses(SamplingParams(min_p=None))
     assert not MinP.uses(SamplingParams())
     assert MinP.uses(SamplingParams(min_p=0.01))
+
+
+def test_subnormal_min_p_keeps_logits_finite() -> None:
+    """The smallest positive min_p has a finite log: it masks nothing of a normal row."""
+    proc = MinP(1, MODEL, torch.device("cpu"))
+    params = SamplingParams(min_p=5e-324)
+    plugin.freetoken_validate_request(request=params, model=MODEL)
+    proc.add_request(0, params, [1], [])
+    assert torch.isfinite(proc.log_min_p[0])
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0)) * 100
+    out = logits.clone()
+    min_p_torch(out, torch.tensor([0]), proc.log_min_p)
+    assert torch.equal(out, logits)
 
 
 def test_declared_traits_and_hooks() -> None:

@@ -90,6 +90,28 @@ def test_min_tokens_above_max_tokens_is_refused() -> None:
         assert type(ok.min_tokens) is int
 
 
+def test_min_tokens_beyond_the_context_is_stored_as_the_context() -> None:
+    """Same effect (a sequence never generates more), and it fits int64 on the wire."""
+    for value in (MODEL.max_model_len + 1, 2**63, 10**400):
+        params = SamplingParams(min_tokens=value, max_tokens=None)
+        plugin.freetoken_validate_request(request=params, model=MODEL)
+        assert params.min_tokens == MODEL.max_model_len
+
+
+def test_min_tokens_holding_back_the_whole_vocabulary_is_refused() -> None:
+    """Every logit -inf would leave nothing to draw."""
+    small = ModelInfo(8, frozenset({EOS}), 64)
+    others = [t for t in range(8) if t != EOS]
+    with pytest.raises(InvalidRequest) as info:
+        plugin.freetoken_validate_request(
+            request=SamplingParams(min_tokens=1, stop_token_ids=others), model=small)
+    assert info.value.param == "min_tokens" and "vocabulary" in info.value.message
+    for ok in (SamplingParams(min_tokens=1, stop_token_ids=others[1:]),  # one token left
+               SamplingParams(min_tokens=1, stop_token_ids=others, ignore_eos=True),
+               SamplingParams(min_tokens=0, stop_token_ids=others)):
+        plugin.freetoken_validate_request(request=ok, model=small)
+
+
 def test_generate_rejects_every_bad_value(tiny_llm: LLM) -> None:
     for params in [*(SamplingParams(min_tokens=v, max_tokens=4) for v in BAD_VALUES),
                    SamplingParams(min_tokens=5, max_tokens=4)]:

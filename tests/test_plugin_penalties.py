@@ -15,17 +15,25 @@ from freetoken_core import LLM, InvalidRequest, SamplingParams
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo, ProcessorPipeline
 from freetoken_plugins import penalties
-from freetoken_plugins.penalties import FIELDS, Penalties
+from freetoken_plugins.penalties import (
+    FIELDS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    Penalties,
+)
 
 CPU = torch.device("cpu")
 FREQUENCY, PRESENCE, REPETITION = "frequency_penalty", "presence_penalty", "repetition_penalty"
 
 BAD_VALUES = {
     REPETITION: [0, 0.0, -1.0, -0.5, float("nan"), float("inf"), -float("inf"), True, False,
-                 "1.2", [1.2], {"a": 1}, 1e-50, 1e39, complex(1, 0)],
+                 "1.2", [1.2], {"a": 1}, 1e-50, 1e39, complex(1, 0),
+                 # Outside [0.01, 100]: a subnormal penalty turned every logit into inf.
+                 1e-39, 1e-30, 0.0099, 100.01, 1e30, 10**400, -(10**400)],
     PRESENCE: [2.01, -2.01, 3, float("nan"), float("inf"), -float("inf"), True, False, "0.5",
-               [0.5], b"0.5", complex(0, 1)],
-    FREQUENCY: [2.5, -2.0001, -3, float("nan"), float("inf"), True, "1", (1.0,), {1.0}],
+               [0.5], b"0.5", complex(0, 1), 10**400, -(10**400)],
+    FREQUENCY: [2.5, -2.0001, -3, float("nan"), float("inf"), True, "1", (1.0,), {1.0},
+                10**400],
 }
 BAD_CASES = [(f, v) for f, values in BAD_VALUES.items() for v in values]
 
@@ -133,9 +141,24 @@ def test_good_values_are_accepted_and_normalised_to_float() -> None:
     penalties.freetoken_validate_request(request, model_info())
     assert request.extra == {REPETITION: 2.0, PRESENCE: -2.0, FREQUENCY: 2.0}
     assert all(type(v) is float for v in request.extra.values())
-    for value in (1e-30, 0.01, 1.0, 1e30):
+    for value in (MIN_REPETITION_PENALTY, 0.5, 1.0, 3, MAX_REPETITION_PENALTY):
         penalties.freetoken_validate_request(SamplingParams(repetition_penalty=value),
                                              model_info())
+    for value in (5e-324, -5e-324, 1e-300):  # subnormal / tiny additive penalties are harmless
+        penalties.freetoken_validate_request(SamplingParams(presence_penalty=value),
+                                             model_info())
+
+
+def test_repetition_penalty_bounds_keep_huge_logits_finite() -> None:
+    """At both ends of the range a logit of 1e30 stays finite (1e-39 would give inf)."""
+    proc = Penalties(2, model_info(8), CPU)
+    proc.add_request(0, params(MIN_REPETITION_PENALTY), [1, 2], [])
+    proc.add_request(1, params(MAX_REPETITION_PENALTY), [1, 2], [])
+    logits = torch.tensor([[0.0, 1e30, -1e30, 0, 0, 0, 0, 0]] * 2)
+    proc.apply(logits, torch.tensor([0, 1]))
+    assert torch.isfinite(logits).all()
+    assert logits[0, 1] == pytest.approx(1e32, rel=1e-6)
+    assert logits[1, 2] == pytest.approx(-1e32, rel=1e-6)
 
 
 def test_uses_only_when_some_penalty_is_not_neutral() -> None:

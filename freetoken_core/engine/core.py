@@ -17,7 +17,7 @@ from freetoken_core.engine.model_runner import ModelRunner
 from freetoken_core.engine.sampler import TokenLogprobs
 from freetoken_core.engine.scheduler import Scheduler
 from freetoken_core.engine.sequence import Sequence
-from freetoken_core.errors import InvalidRequest
+from freetoken_core.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest
 from freetoken_core.processors import StopView
 from freetoken_core.sampling_params import SamplingParams
 
@@ -36,18 +36,20 @@ def choice_seed(seed: int, index: int) -> int:
 def effective_max_tokens(num_prompt_tokens: int, params: SamplingParams,
                          max_model_len: int) -> int:
     """``params.max_tokens``, or the room left in the context when it is ``None``; raises
-    ``InvalidRequest`` (naming ``prompt`` or ``max_tokens``) when the request cannot fit."""
+    ``InvalidRequest`` (naming ``prompt`` or ``max_tokens``, code
+    ``context_length_exceeded`` as OpenAI answers both) when the request cannot fit."""
     if num_prompt_tokens >= max_model_len:
         raise InvalidRequest(
             "prompt", f"the prompt has {num_prompt_tokens} tokens but the model's context "
-            f"is {max_model_len} tokens, leaving no room to generate")
+            f"is {max_model_len} tokens, leaving no room to generate", CONTEXT_LENGTH_EXCEEDED)
     room = max_model_len - num_prompt_tokens
     if params.max_tokens is None:
         return room
     if params.max_tokens > room:
         raise InvalidRequest(
             "max_tokens", f"max_tokens is {params.max_tokens} but the prompt has "
-            f"{num_prompt_tokens} tokens and the context is {max_model_len}: at most {room} fit")
+            f"{num_prompt_tokens} tokens and the context is {max_model_len}: at most {room} fit",
+            CONTEXT_LENGTH_EXCEEDED)
     return params.max_tokens
 
 

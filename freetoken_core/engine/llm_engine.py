@@ -128,6 +128,7 @@ class LLMEngine:
             text, token_ids = None, list(prompt)
         else:
             raise InvalidRequest("prompt", "a prompt is a string or a list of token ids")
+        params.verify(self.model_info)
         self.plugins.validate(params, self.model_info)
         self.core.add_request(request_id, token_ids, params)
         self._requests[request_id] = RequestState(request_id, text, token_ids, params,

@@ -67,12 +67,15 @@ class SamplingBatch:
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
         params = [s.params for s in seqs]
-        temps = [p.temperature for p in params]
+        # One notion of greedy everywhere: ``is_greedy`` (temperature below
+        # GREEDY_TEMPERATURE), written as 0.0 so that the tensor agrees with it.
+        greedy = [p.is_greedy for p in params]
+        temps = [0.0 if g else float(p.temperature) for g, p in zip(greedy, params)]
         top_p = [p.top_p for p in params]
         top_k = [p.top_k for p in params]
         num_logprobs = [p.logprobs for p in params]
-        filter_rows = [i for i, p in enumerate(params)
-                       if p.temperature > 0 and (p.top_p < 1.0 or p.top_k > 0)]
+        filter_rows = [i for i, (g, p) in enumerate(zip(greedy, params))
+                       if not g and (p.top_p < 1.0 or p.top_k > 0)]
 
         def t(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
@@ -84,8 +87,8 @@ class SamplingBatch:
             top_k=t(top_k, torch.long),
             seeds=t([s.seed for s in seqs], torch.long),
             counters=t([s.num_output_tokens for s in seqs], torch.long),
-            all_greedy=all(x == 0.0 for x in temps),
-            any_greedy=any(x == 0.0 for x in temps),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
             filter_rows=t(filter_rows, torch.long) if filter_rows else None,
             max_top_k=max(top_k, default=-1),
             max_logprobs=max((n or 0 for n in num_logprobs), default=0),

@@ -47,7 +47,7 @@ def _error(status: int, message: str, type_: str, param: str | None = None,
 
 def _handle(request: Request, exc: Exception) -> Response:
     if isinstance(exc, InvalidRequest):
-        return _error(400, exc.message, "invalid_request_error", exc.param)
+        return _error(400, exc.message, "invalid_request_error", exc.param, exc.code)
     if isinstance(exc, ApiError):
         return _error(exc.status, exc.message, exc.type, exc.param, exc.code)
     if isinstance(exc, EngineDeadError):

@@ -54,7 +54,8 @@ async def _stream(gen: Generation, first: Any, deltas: AsyncIterator[Any],
             yield _sse(chunk([], gen.usage()))
     except FreeTokenError as exc:
         param = exc.param if isinstance(exc, InvalidRequest) else None
-        yield _sse(p.ErrorResponse(p.ErrorBody(str(exc), "server_error", param)))
+        yield _sse(p.ErrorResponse(p.ErrorBody(str(exc), "server_error", param,
+                                               getattr(exc, "code", None))))
     except Exception as exc:  # a bug past the first byte: still one error event and [DONE]
         log.exception("internal error while streaming", exc_info=exc)
         yield _sse(p.ErrorResponse(p.ErrorBody(f"internal error: {type(exc).__name__}",
@@ -108,7 +109,7 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
             return plugins.rewrite_prompt(body, prompt, tokenizer)
 
         prompts = await pool.run(completion_prompts, tokenizer, body.prompt, rewrite)
-    await pool.run(check_fits, prompts, params, model_info)
+    await pool.run(check_fits, prompts, params, model_info, "messages" if chat else "prompt")
     gen = Generation(serving.client, tokenizer, prompts, params,
                      on_done=serving.metrics.record,
                      matcher=await pool.run(StopMatcher, params.stop))

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from freetoken_core.sampling_params import MAX_LOGPROBS
+from freetoken_core.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS
 
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
 """Accepted and without effect on generation (as in OpenAI's own server for these)."""
@@ -26,6 +26,9 @@ TopP = Annotated[float, Meta(gt=0, le=1)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 ChoiceCount = Annotated[int, Meta(ge=1, le=MAX_N)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+TopK = Annotated[int, Meta(ge=-1, le=INT64_MAX)]
+"""-1 (off) or >= 1; 0 and the vocabulary bound are checked by ``SamplingParams``."""
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -40,8 +43,8 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     n: ChoiceCount = 1
     stream: bool = False

@@ -43,19 +43,44 @@ def _param_of(error: msgspec.ValidationError) -> str | None:
     return ".".join(parts) or None
 
 
+def _out_of_range_field(body: bytes) -> str | None:
+    """The top-level field of ``body`` holding a number the decoder cannot represent, found
+    by decoding the fields one at a time (only on that error path); ``None`` if not found."""
+    try:
+        fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    for name, value in fields.items():
+        try:
+            msgspec.json.decode(value)
+        except (msgspec.DecodeError, RecursionError):
+            return name
+    return None
+
+
 def parse_body(body: bytes, cls: type[T]) -> tuple[T, dict[str, Any]]:
     """Decode ``body`` as ``cls``; return it and the fields ``cls`` does not declare (minus
-    ``IGNORED_FIELDS``). Raises ``InvalidRequest`` for bad JSON, types or constraints."""
+    ``IGNORED_FIELDS``). Raises ``InvalidRequest`` for bad JSON, types or constraints,
+    including a number no float64 (or a 4,300-digit integer) holds, named by its field, and
+    nesting deeper than the decoder recurses (about 1,000 levels)."""
     try:
         raw = msgspec.json.decode(body)
+    except msgspec.ValidationError:  # well-formed JSON, but a number out of range
+        field = _out_of_range_field(body)
+        raise InvalidRequest(field, f"{field or 'the request body'} holds a number out of "
+                                    f"range (it does not fit a float64)") from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(None, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest(None, "the request body is nested too deeply") from None
     if not isinstance(raw, dict):
         raise InvalidRequest(None, "the request body must be a JSON object")
     try:
         request = msgspec.convert(raw, cls)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(_param_of(exc), str(exc)) from None
+    except RecursionError:
+        raise InvalidRequest(None, "the request body is nested too deeply") from None
     declared = set(cls.__struct_fields__)
     extra = {k: v for k, v in raw.items() if k not in declared and k not in IGNORED_FIELDS}
     return request, extra
@@ -113,6 +138,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: d
         ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens, logprobs=logprobs, **extra)
+    params.verify(model)
     plugins.validate(params, model)
     return params
 
@@ -172,9 +198,21 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 _RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
-    "chat_template", "return_dict", "return_tensors", "padding", "truncation", "max_length",
-    "tokenizer_kwargs", "return_assistant_tokens_mask"})
+    # Arguments of transformers' ``apply_chat_template`` / ``render_jinja_template``: they
+    # change how the template is applied, not what it renders.
+    "conversation", "conversations", "messages", "tokenize", "add_generation_prompt",
+    "continue_final_message", "chat_template", "return_dict", "return_tensors", "padding",
+    "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
+    "sanitize_control_tokens",
+    # Template inputs with a meaning of their own: tools and documents are refused as
+    # request fields, so they must not come in through the back door either.
+    "tools", "documents", "functions", "tool_choice",
+    # Globals of the template environment.
+    "raise_exception", "strftime_now", "dict", "namespace",
+    # Filled from the tokenizer's special tokens.
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+    "mask_token", "additional_special_tokens"})
+"""Keys ``chat_template_kwargs`` may not set (a 400 naming them)."""
 
 
 def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_prompt: bool,
@@ -199,11 +237,22 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_p
     except (jinja2.TemplateError, ValueError, TypeError) as exc:
         raise InvalidRequest("messages", f"the chat template failed on these messages: "
                                          f"{exc}") from None
+    except RecursionError:  # messages are flat: only chat_template_kwargs can nest
+        raise InvalidRequest("chat_template_kwargs", "chat_template_kwargs is nested too "
+                                                     "deeply") from None
 
 
-def check_fits(prompts: list[list[int]], params: SamplingParams, model: ModelInfo) -> None:
-    """400 when a prompt plus ``max_tokens`` does not fit the context, or ids are bad."""
+def check_fits(prompts: list[list[int]], params: SamplingParams, model: ModelInfo,
+               prompt_param: str = "prompt") -> None:
+    """400 when ids are bad, or when a prompt plus ``max_tokens`` does not fit the context
+    (code ``context_length_exceeded``; a too-long prompt is named ``prompt_param``:
+    ``messages`` on the chat route, as OpenAI does)."""
     for token_ids in prompts:
         if any(not 0 <= t < model.vocab_size for t in token_ids):
             raise InvalidRequest("prompt", f"prompt token ids must be in [0, {model.vocab_size})")
-        effective_max_tokens(len(token_ids), params, model.max_model_len)
+        try:
+            effective_max_tokens(len(token_ids), params, model.max_model_len)
+        except InvalidRequest as exc:
+            if exc.param == "prompt":
+                exc.param = prompt_param
+            raise
