@@ -151,6 +151,14 @@ def _cors_settings(args: argparse.Namespace) -> CorsSettings | None:
         allow_credentials=args.allow_credentials)
 
 
+def _add_restart_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine-restart-delay", type=float, default=0.5, metavar="S",
+                        help="seconds before a new engine process starts after one died; "
+                             "doubles per consecutive crash (default: 0.5)")
+    parser.add_argument("--engine-restart-max-delay", type=float, default=30.0, metavar="S",
+                        help="the longest wait between engine restarts (default: 30)")
+
+
 def _serve(args: argparse.Namespace) -> int:
     """Run the OpenAI-compatible server until SIGINT/SIGTERM; the engine process is
     stopped and joined before this returns. Exit status 2 when the model fails to load."""
@@ -159,6 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
     from freetoken_core.config import EngineConfig
     from freetoken_core.plugins import PluginManager
     from freetoken_core.server.app import ServerConfig, create_app
+    from freetoken_core.server.engine_client import RestartPolicy
     from freetoken_core.server.limits import RequestLimits
 
     engine_config = EngineConfig(model=args.model, **_engine_options(args))
@@ -172,8 +181,9 @@ def _serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     limits = RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)})
+    restart = RestartPolicy(args.engine_restart_delay, args.engine_restart_max_delay)
     config = ServerConfig(engine_config, args.served_model_name, api_key=args.api_key,
-                          limits=limits, cors=_cors_settings(args))
+                          limits=limits, cors=_cors_settings(args), restart=restart)
     app = create_app(config, on_fatal=on_fatal)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
@@ -248,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(serve)
     _add_limit_options(serve)
     _add_cors_options(serve)
+    _add_restart_options(serve)
     serve.set_defaults(func=_serve)
 
     plugins = commands.add_parser("plugins", help="list the installed plugins")

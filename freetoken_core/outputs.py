@@ -30,13 +30,15 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """A request's state: its prompt, the number of prompt tokens served from the prefix
-    cache, and one ``CompletionOutput`` per choice."""
+    cache, and one ``CompletionOutput`` per choice. ``error`` says why the request failed
+    inside the engine (its unfinished choices then have ``finish_reason="error"``)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     num_cached_tokens: int
     outputs: list[CompletionOutput]
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

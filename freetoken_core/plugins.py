@@ -9,7 +9,9 @@ for the fields they own, so a request using them gets a message naming the plugi
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 from types import ModuleType
@@ -19,9 +21,17 @@ import pluggy
 
 from freetoken_core import hookspecs
 from freetoken_core.errors import FreeTokenError, InvalidRequest
-from freetoken_core.processors import LogitsProcessor, ModelInfo, check_processor_class
+from freetoken_core.faults import RequestError, plugin_failure
+from freetoken_core.processors import (
+    LogitsProcessor,
+    ModelInfo,
+    StopHook,
+    check_processor_class,
+)
 
 ENV_VAR = "FREETOKEN_PLUGINS"
+
+log = logging.getLogger("freetoken.plugins")
 
 
 class PluginSelectionError(FreeTokenError):
@@ -65,6 +75,8 @@ class PluginManager:
         self._enabled: set[str] = set()
         self._field_owner: dict[str, str] = {}
         self._processors: dict[str, list[type[LogitsProcessor]]] = {}
+        self.on_failure: Callable[[RequestError], None] | None = None
+        """Called with every ``RequestError`` that ``call_isolated`` raises (metrics)."""
 
     # -- loading ---------------------------------------------------------------------
 
@@ -130,6 +142,42 @@ class PluginManager:
         self.pm  # noqa: B018 (loads)
         return [cls for name in sorted(self._enabled) for cls in self._processors[name]]
 
+    def processor_owners(self) -> dict[str, str]:
+        """Processor name → the enabled plugin that registered it."""
+        self.pm  # noqa: B018 (loads)
+        return {cls.name: name for name in sorted(self._enabled)
+                for cls in self._processors[name]}
+
+    def call_isolated(self, hook: str, *, firstresult: bool = False, **kwargs: Any) -> Any:
+        """Call hook ``hook`` implementation by implementation (in pluggy's order), so that
+        a plugin's exception becomes ``RequestError`` naming it. ``FreeTokenError`` (e.g.
+        ``InvalidRequest``) passes through unchanged. Returns pluggy's result: the list of
+        non-``None`` results, or the first one for ``firstresult`` hooks."""
+        caller = getattr(self.pm.hook, hook)
+        stage = hook.removeprefix("freetoken_")
+        impls = caller.get_hookimpls()
+        if any(impl.hookwrapper or impl.wrapper for impl in impls):
+            # Wrappers need pluggy's own calling loop; the failure cannot be attributed.
+            try:
+                return caller(**kwargs)
+            except FreeTokenError:
+                raise
+            except Exception as exc:
+                raise self._failed("(a hook wrapper)", stage, exc) from exc
+        results = []
+        for impl in reversed(impls):  # pluggy calls the last registered first
+            try:
+                result = impl.function(*(kwargs[name] for name in impl.argnames))
+            except FreeTokenError:
+                raise
+            except Exception as exc:
+                raise self._failed(impl.plugin_name, stage, exc) from exc
+            if result is not None:
+                if firstresult:
+                    return result
+                results.append(result)
+        return None if firstresult else results
+
     def field_owners(self) -> dict[str, str]:
         """Each request field an enabled plugin owns → that plugin's name (the fields a
         request may carry beyond the core ones)."""
@@ -137,12 +185,19 @@ class PluginManager:
         return {f: owner for f, owner in sorted(self._field_owner.items())
                 if owner in self._enabled}
 
+    def _failed(self, plugin: str, stage: str, exc: Exception) -> RequestError:
+        log.error("plugin %s failed in %s", plugin, stage, exc_info=exc)
+        error = plugin_failure(plugin, stage, exc)
+        if self.on_failure is not None:
+            self.on_failure(error)
+        return error
+
     def validate(self, params: Any, model: ModelInfo) -> None:
-        """Refuse plugin fields nobody enabled owns, then run ``freetoken_validate_request``."""
-        pm = self.pm
+        """Refuse plugin fields nobody enabled owns, then run ``freetoken_validate_request``
+        (a plugin that raises anything but ``InvalidRequest`` → ``RequestError``)."""
         for f in params.extra:
             self.require_field(f)
-        pm.hook.freetoken_validate_request(request=params, model=model)
+        self.call_isolated("freetoken_validate_request", request=params, model=model)
 
     def require_field(self, name: str) -> None:
         """``InvalidRequest`` naming ``name`` unless an enabled plugin owns that field (the
@@ -159,20 +214,35 @@ class PluginManager:
     def rewrite_prompt(self, request: Any, prompt: str | list[int], tokenizer: Any
                        ) -> str | list[int]:
         """``prompt`` after ``freetoken_rewrite_prompt`` (unchanged when no plugin answers)."""
-        new = self.pm.hook.freetoken_rewrite_prompt(request=request, prompt=prompt,
-                                                    tokenizer=tokenizer)
+        new = self.call_isolated("freetoken_rewrite_prompt", firstresult=True,
+                                 request=request, prompt=prompt, tokenizer=tokenizer)
         return prompt if new is None else new
 
     def decorate_response(self, request: Any, response: Any, output: Any) -> None:
         """Run ``freetoken_decorate_response`` on one response or stream chunk."""
-        self.pm.hook.freetoken_decorate_response(request=request, response=response,
-                                                 output=output)
+        self.call_isolated("freetoken_decorate_response", request=request,
+                           response=response, output=output)
 
     def stop_fields(self) -> set[str]:
         """Fields owned by enabled plugins that implement ``freetoken_check_stop``."""
         pm = self.pm
         names = {pm.get_name(impl.plugin) for impl in pm.hook.freetoken_check_stop.get_hookimpls()}
         return {f for f, owner in self._field_owner.items() if owner in names}
+
+    def stop_hooks(self) -> list[StopHook]:
+        """Each enabled plugin's ``freetoken_check_stop`` with the fields it owns."""
+        pm = self.pm
+        hooks = []
+        for impl in reversed(pm.hook.freetoken_check_stop.get_hookimpls()):
+            name = impl.plugin_name
+            fields = frozenset(f for f, owner in self._field_owner.items() if owner == name)
+
+            def check(views: list[Any], tokens: list[int], impl: Any = impl) -> Any:
+                kwargs = {"sequences": views, "token_ids": tokens}
+                return impl.function(*(kwargs[a] for a in impl.argnames))
+
+            hooks.append(StopHook(name, fields, check))
+        return hooks
 
     def describe(self) -> list[PluginInfo]:
         self.pm  # noqa: B018 (loads)

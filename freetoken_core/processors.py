@@ -31,15 +31,21 @@ logprobs. Processors declared ``argmax_invariant`` are skipped in all-greedy ste
 from __future__ import annotations
 
 import enum
+import logging
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from freetoken_core.faults import RequestError, plugin_failure
+
 if TYPE_CHECKING:
     from freetoken_core.engine.sequence import Sequence as EngineSequence
     from freetoken_core.sampling_params import SamplingParams
+
+log = logging.getLogger("freetoken.engine")
 
 
 class Stage(enum.IntEnum):
@@ -74,6 +80,17 @@ class StopView:
     @classmethod
     def of(cls, seq: EngineSequence) -> StopView:
         return cls(seq.params, seq.num_output_tokens, seq.output_view())
+
+
+@dataclass(frozen=True)
+class StopHook:
+    """One plugin's ``freetoken_check_stop``: the engine calls ``check(views, token_ids)``
+    with the rows whose request uses one of ``fields``; an exception fails exactly those
+    rows' requests, naming ``plugin``."""
+
+    plugin: str
+    fields: frozenset[str]
+    check: Callable[[list[StopView], list[int]], dict[int, int | str] | None]
 
 
 class LogitsProcessor:
@@ -123,10 +140,20 @@ def check_processor_class(cls: type) -> None:
 
 
 class ProcessorPipeline:
-    """The engine's processors in pipeline order, with the set of slots each one serves."""
+    """The engine's processors in pipeline order, with the set of slots each one serves.
+
+    A processor whose method raises fails the requests that use it, never the step:
+    ``add_request`` raises ``RequestError`` naming its plugin (the caller fails that
+    sequence's request; the slot is left clean); an exception in ``apply`` or ``update``
+    marks every slot the processor serves as failed, and the other processors go on.
+    ``take_failures()`` hands those slots to the engine after the step.
+    """
 
     def __init__(self, classes: list[type[LogitsProcessor]], max_num_slots: int,
-                 model: ModelInfo, device: torch.device) -> None:
+                 model: ModelInfo, device: torch.device,
+                 owners: dict[str, str] | None = None) -> None:
+        """``owners`` maps a processor's ``name`` to the plugin that registered it (for
+        error messages; the processor's own name is used when it is missing)."""
         names = [c.name for c in classes]
         if len(set(names)) != len(names):
             raise ValueError(f"two processors share a name: {sorted(names)}")
@@ -135,25 +162,52 @@ class ProcessorPipeline:
         ordered = sorted(classes, key=lambda c: (c.stage, c.name))
         self.processors = [cls(max_num_slots, model, device) for cls in ordered]
         self._slots: list[set[int]] = [set() for _ in self.processors]
+        self._owners = owners or {}
+        self._failures: dict[int, RequestError] = {}
 
     def __bool__(self) -> bool:
         return bool(self.processors)
 
+    def _plugin_of(self, proc: LogitsProcessor) -> str:
+        return self._owners.get(proc.name, proc.name)
+
     def add_request(self, slot: int, params: SamplingParams, prompt_token_ids: list[int],
                     output_token_ids: list[int]) -> None:
+        """Build ``slot``'s state in every processor the request uses. If one raises, the
+        ones already built are removed again and ``RequestError`` names the plugin."""
         for proc, slots in zip(self.processors, self._slots):
-            if type(proc).uses(params):
+            if not type(proc).uses(params):
+                continue
+            try:
                 proc.add_request(slot, params, prompt_token_ids, output_token_ids)
-                slots.add(slot)
+            except Exception as exc:
+                log.error("processor %s failed in add_request", proc.name, exc_info=exc)
+                self.remove_request(slot)
+                raise plugin_failure(self._plugin_of(proc), "add_request", exc) from exc
+            slots.add(slot)
 
     def remove_request(self, slot: int) -> None:
+        """Forget ``slot`` everywhere; a processor that raises here is logged and the slot
+        is dropped from it all the same (the request is ending anyway)."""
         for proc, slots in zip(self.processors, self._slots):
             if slot in slots:
-                proc.remove_request(slot)
                 slots.discard(slot)
+                try:
+                    proc.remove_request(slot)
+                except Exception as exc:  # a plugin bug; logged, then ignored
+                    log.error("processor %s failed in remove_request", proc.name,
+                              exc_info=exc)
+        self._failures.pop(slot, None)
 
     def active(self) -> list[LogitsProcessor]:
         return [p for p, slots in zip(self.processors, self._slots) if slots]
+
+    def _fail(self, proc: LogitsProcessor, slots: set[int], stage: str,
+              exc: Exception) -> None:
+        log.error("processor %s failed in %s", proc.name, stage, exc_info=exc)
+        error = plugin_failure(self._plugin_of(proc), stage, exc)
+        for slot in slots:
+            self._failures.setdefault(slot, error)
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor, *, post_temperature: bool,
               all_greedy: bool) -> None:
@@ -162,9 +216,24 @@ class ProcessorPipeline:
                 continue
             if all_greedy and proc.argmax_invariant:
                 continue
-            proc.apply(logits, slots)
+            try:
+                proc.apply(logits, slots)
+            except Exception as exc:  # noqa: BLE001 (fails the requests using proc)
+                self._fail(proc, used, "apply", exc)
 
     def update(self, slots: torch.Tensor, sampled: torch.Tensor) -> None:
         for proc, used in zip(self.processors, self._slots):
             if used:
-                proc.update(slots, sampled)
+                try:
+                    proc.update(slots, sampled)
+                except Exception as exc:  # noqa: BLE001 (fails the requests using proc)
+                    self._fail(proc, used, "update", exc)
+
+    def names_for(self, slot: int) -> list[str]:
+        """The processors serving ``slot`` (for error messages)."""
+        return [p.name for p, slots in zip(self.processors, self._slots) if slot in slots]
+
+    def take_failures(self) -> dict[int, RequestError]:
+        """Slots whose processor raised since the last call, with the error of each."""
+        failures, self._failures = self._failures, {}
+        return failures

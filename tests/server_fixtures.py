@@ -48,11 +48,15 @@ def serve_cmd(model: str, port: int, *extra: str) -> list[str]:
             "--served-model-name", MODEL_NAME, *extra]
 
 
-def start_server(model_dir: Path, *extra: str, api_key: str = "x") -> Server:
-    """Start the server and wait until ``/health`` is 200 (fails the test otherwise)."""
+def start_server(model_dir: Path, *extra: str, api_key: str = "x",
+                 env: dict[str, str] | None = None, log_file: Path | None = None) -> Server:
+    """Start the server and wait until ``/health`` is 200 (fails the test otherwise).
+    ``env`` replaces the server process's environment; ``log_file`` takes its output (a
+    server that logs much must not write into a pipe nobody reads)."""
     port = free_port()
-    proc = subprocess.Popen(serve_cmd(str(model_dir), port, *extra), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    out = open(log_file, "w") if log_file is not None else subprocess.PIPE  # noqa: SIM115
+    proc = subprocess.Popen(serve_cmd(str(model_dir), port, *extra), stdout=out,
+                            stderr=subprocess.STDOUT, text=True, env=env)
     srv = Server(proc, port, MODEL_NAME, api_key)
     deadline = time.monotonic() + START_TIMEOUT_S
     status = None
@@ -67,7 +71,7 @@ def start_server(model_dir: Path, *extra: str, api_key: str = "x") -> Server:
         time.sleep(0.25)
     if status != 200:
         proc.kill()
-        output = proc.communicate()[0]
+        output = proc.communicate()[0] if log_file is None else log_file.read_text()
         pytest.fail(f"freetoken serve did not become healthy within {START_TIMEOUT_S} s "
                     f"(last status {status}); its output:\n{output}")
     return srv

@@ -8,22 +8,24 @@ in-process ``LLMEngine`` and, under ``freetoken serve``, the HTTP side.
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from freetoken_core.config import EngineLimits
 from freetoken_core.engine.model_runner import ModelRunner
-from freetoken_core.engine.sampler import TokenLogprobs
-from freetoken_core.engine.scheduler import Scheduler
+from freetoken_core.engine.sampler import INVALID_TOKEN, TokenLogprobs
+from freetoken_core.engine.scheduler import ScheduledBatch, Scheduler
 from freetoken_core.engine.sequence import Sequence
 from freetoken_core.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest
-from freetoken_core.processors import StopView
+from freetoken_core.faults import RequestError, plugin_failure
+from freetoken_core.processors import ProcessorPipeline, StopHook, StopView
 from freetoken_core.sampling_params import SamplingParams
 
-StopChecker = Callable[[list[StopView], list[int]], list[dict[int, int | str] | None]]
-
 _SEED_MASK = (1 << 63) - 1
+
+log = logging.getLogger("freetoken.engine")
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -67,21 +69,32 @@ class SeqUpdate:
 
 
 class EngineCore:
-    """Owns the sequences of every live request; ``step()`` advances all of them."""
+    """Owns the sequences of every live request; ``step()`` advances all of them.
+
+    Fault isolation: an exception while admitting a sequence (a processor's
+    ``add_request``), in a processor's ``apply`` / ``update``, in a stop hook, or in the
+    model step fails only the requests it belongs to: their sequences finish with
+    ``finish_reason="error"`` (KV blocks and slots freed) and ``take_failures()`` hands the
+    ``RequestError`` of each to the caller. A row whose final logits are not finite fails
+    its request the same way instead of emitting a token.
+    """
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, limits: EngineLimits,
-                 check_stop: StopChecker | None = None,
-                 stop_fields: frozenset[str] = frozenset()) -> None:
-        """``check_stop`` is the plugins' ``freetoken_check_stop`` hook; it runs only for
-        the rows whose request uses one of ``stop_fields``."""
+                 pipeline: ProcessorPipeline | None = None,
+                 stop_hooks: Iterable[StopHook] = ()) -> None:
+        """``pipeline`` is the runner's processor pipeline (the scheduler's ``on_admit`` /
+        ``on_release`` go to ``admit`` / ``release``); ``stop_hooks`` are the enabled
+        plugins' ``freetoken_check_stop`` implementations."""
         self.runner = runner
         self.scheduler = scheduler
         self.limits = limits
-        self._check_stop_hook = check_stop
-        self._stop_fields = stop_fields
+        self.pipeline = pipeline
+        self._stop_hooks = tuple(stop_hooks)
         self._seqs: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
+        self._admission_failures: list[tuple[Sequence, RequestError]] = []
+        self._failures: list[tuple[str, RequestError]] = []
 
     @property
     def has_unfinished(self) -> bool:
@@ -123,6 +136,44 @@ class EngineCore:
         for seq in self._seqs.pop(request_id, []):
             self.scheduler.finish(seq, "abort")
 
+    def fail_request(self, request_id: str, error: RequestError) -> None:
+        """End every sequence of the request with ``finish_reason="error"``, free their
+        blocks and slots, and queue ``error`` for ``take_failures()`` (once per request)."""
+        seqs = self._seqs.pop(request_id, None)
+        if seqs is None:
+            return
+        for seq in seqs:
+            self.scheduler.finish(seq, "error")
+        self._failures.append((request_id, error))
+
+    def fail_all(self, error: RequestError) -> None:
+        """Fail every live request (the engine loop's last resort after an unexpected
+        exception)."""
+        for request_id in list(self._seqs):
+            self.fail_request(request_id, error)
+
+    def take_failures(self) -> list[tuple[str, RequestError]]:
+        """``(request_id, error)`` of the requests failed since the last call."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def admit(self, seq: Sequence) -> None:
+        """The scheduler's ``on_admit``: build the sequence's processor state. A plugin that
+        raises fails the request before the sequence computes anything."""
+        if self.pipeline is None:
+            return
+        try:
+            self.pipeline.add_request(seq.slot, seq.params,
+                                      seq.token_ids[:seq.num_prompt_tokens],
+                                      seq.output_token_ids)
+        except RequestError as error:
+            self._admission_failures.append((seq, error))
+
+    def release(self, seq: Sequence) -> None:
+        """The scheduler's ``on_release``: drop the sequence's processor state."""
+        if self.pipeline is not None:
+            self.pipeline.remove_request(seq.slot)
+
     def stop_sequence(self, request_id: str, index: int, stop_reason: int | str | None) -> None:
         """End one choice because of a rule seen outside the core (a stop string)."""
         seqs = self._seqs.get(request_id)
@@ -136,17 +187,33 @@ class EngineCore:
             self._seqs.pop(request_id, None)
 
     def step(self) -> list[SeqUpdate]:
-        batch = self.scheduler.schedule()
+        batch = self._live(self.scheduler.schedule())
         if not batch:
             return []
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except Exception as exc:  # fails this step's requests, not the engine
+            log.error("the model step failed", exc_info=exc)
+            error = RequestError("model", f"the model step failed: {type(exc).__name__}: {exc}")
+            for seq in batch.seqs:
+                self.fail_request(seq.request_id, error)
+            self._fail_processor_slots()
+            return []
         self.scheduler.advance(batch)
+        self._fail_processor_slots()
         for seq, token in zip(result.seqs, result.output.token_ids):
+            if token == INVALID_TOKEN:
+                self._fail_non_finite(seq)
+        live = [(seq, token, logprobs) for seq, token, logprobs in zip(
+            result.seqs, result.output.token_ids, result.output.logprobs)
+            if not seq.is_finished]
+        for seq, token, _ in live:
             seq.token_ids.append(token)
-        plugin_stops = self._plugin_stops(result.seqs, result.output.token_ids)
+        plugin_stops = self._plugin_stops([s for s, _, _ in live], [t for _, t, _ in live])
         updates = []
-        for row, (seq, token, logprobs) in enumerate(zip(
-                result.seqs, result.output.token_ids, result.output.logprobs)):
+        for row, (seq, token, logprobs) in enumerate(live):
+            if seq.is_finished:
+                continue  # failed by a stop hook
             if row in plugin_stops:
                 self.scheduler.finish(seq, "stop", plugin_stops[row])
             else:
@@ -158,17 +225,60 @@ class EngineCore:
                 self._forget_if_done(seq.request_id)
         return updates
 
+    def _live(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """``batch`` without the sequences whose admission failed (their requests fail)."""
+        if not self._admission_failures:
+            return batch
+        for seq, error in self._admission_failures:
+            self.fail_request(seq.request_id, error)
+        self._admission_failures = []
+        live = ScheduledBatch()
+        for seq, num in zip(batch.seqs, batch.num_new_tokens):
+            if not seq.is_finished:
+                live.add(seq, num)
+        live.num_preempted = batch.num_preempted
+        return live
+
+    def _fail_processor_slots(self) -> None:
+        if self.pipeline is None:
+            return
+        failures = self.pipeline.take_failures()
+        if not failures:
+            return
+        for seq in list(self.scheduler.running):
+            error = failures.get(seq.slot) if seq.slot is not None else None
+            if error is not None:
+                self.fail_request(seq.request_id, error)
+
+    def _fail_non_finite(self, seq: Sequence) -> None:
+        names = self.pipeline.names_for(seq.slot) if self.pipeline and seq.slot is not None \
+            else []
+        cause = f" (logits processors on this request: {', '.join(names)})" if names else ""
+        log.error("request %s: the logits became NaN or infinite%s", seq.request_id, cause)
+        self.fail_request(seq.request_id, RequestError(
+            "sampler", f"the logits of this request became NaN or infinite{cause}; no token "
+                       "was sampled"))
+
     def _plugin_stops(self, seqs: list[Sequence], tokens: list[int]) -> dict[int, int | str]:
-        if self._check_stop_hook is None:
-            return {}
-        rows = [i for i, s in enumerate(seqs) if not self._stop_fields.isdisjoint(s.params.extra)]
-        if not rows:
-            return {}
-        views = [StopView.of(seqs[i]) for i in rows]
+        """``{row: stop_reason}`` from the stop hooks; a hook that raises fails the
+        requests of the rows it was given."""
         stops: dict[int, int | str] = {}
-        for result in self._check_stop_hook(views, [tokens[i] for i in rows]):
+        for hook in self._stop_hooks:
+            rows = [i for i, s in enumerate(seqs) if not hook.fields.isdisjoint(s.params.extra)]
+            if not rows:
+                continue
+            try:
+                result = hook.check([StopView.of(seqs[i]) for i in rows],
+                                    [tokens[i] for i in rows])
+            except Exception as exc:  # a plugin bug fails its requests only
+                log.error("plugin %s failed in check_stop", hook.plugin, exc_info=exc)
+                error = plugin_failure(hook.plugin, "check_stop", exc)
+                for i in rows:
+                    self.fail_request(seqs[i].request_id, error)
+                continue
             for view_row, reason in (result or {}).items():
-                stops.setdefault(rows[view_row], reason)
+                if 0 <= view_row < len(rows):
+                    stops.setdefault(rows[view_row], reason)
         return stops
 
     def _check_stop(self, seq: Sequence, token: int) -> None:

@@ -36,12 +36,15 @@ def eos_token_ids(model_dir: Path, cfg: ModelConfig, tokenizer: Any) -> frozense
 
 
 def compute_limits(config: EngineConfig, cfg: ModelConfig, eos: frozenset[int]) -> EngineLimits:
+    """The run-time limits: ``kv_cache_tokens // block_size`` whole blocks, and a context
+    capped by the slots those blocks hold (a longer sequence could never get its blocks
+    and would preempt itself forever), by a sliding window and by ``max_model_len``."""
+    num_blocks = config.kv_cache_tokens // config.block_size
     max_len = config.max_model_len or cfg.max_position_embeddings
     if cfg.sliding_window:
         # Sliding-window attention is not implemented; within the window it is exact.
         max_len = min(max_len, cfg.sliding_window)
-    max_len = min(max_len, config.kv_cache_tokens)
-    num_blocks = config.kv_cache_tokens // config.block_size
+    max_len = min(max_len, num_blocks * config.block_size)
     return EngineLimits(max_len, num_blocks, config.block_size, cfg.vocab_size, eos)
 
 
@@ -75,25 +78,19 @@ def build_engine(config: EngineConfig, progress: bool = True,
                             eos_token_ids(model_dir, model_config, tokenizer))
     model_info = ModelInfo(limits.vocab_size, limits.eos_token_ids, limits.max_model_len)
     pipeline = ProcessorPipeline(plugins.processor_classes(), config.max_num_seqs,
-                                 model_info, device)
+                                 model_info, device, owners=plugins.processor_owners())
     model = load_model(model_dir, dtype, device, limits.max_model_len,
                        gguf_source(config.model))
     runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size, dtype, device,
                          pipeline)
     block_manager = BlockManager(limits.num_kv_blocks, limits.block_size,
                                  config.enable_prefix_caching)
+    # The core keeps processor state in step with the scheduler's slots (and fails a
+    # request whose plugin raises while it is admitted).
     scheduler = Scheduler(
         block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-        on_admit=lambda seq: pipeline.add_request(
-            seq.slot, seq.params, seq.token_ids[:seq.num_prompt_tokens],
-            seq.output_token_ids),
-        on_release=lambda seq: pipeline.remove_request(seq.slot))
-    hook = plugins.pm.hook
-    core = EngineCore(
-        runner, scheduler, limits,
-        check_stop=lambda views, tokens: hook.freetoken_check_stop(
-            sequences=views, token_ids=tokens),
-        stop_fields=frozenset(plugins.stop_fields()))
+        on_admit=lambda seq: core.admit(seq), on_release=lambda seq: core.release(seq))
+    core = EngineCore(runner, scheduler, limits, pipeline, plugins.stop_hooks())
     return EngineParts(core, tokenizer, model_info, plugins, model_dir, model_config, limits)
 
 
@@ -143,6 +140,9 @@ class LLMEngine:
         return bool(self._requests)
 
     def step(self) -> list[RequestOutput]:
+        """Outputs of the requests that changed. A request that failed inside the engine
+        (a plugin raised, the model step failed) comes back finished, its open choices
+        with ``finish_reason="error"`` and ``RequestOutput.error`` saying why."""
         changed: dict[str, RequestOutput] = {}
         for update in self.core.step():
             state = self._requests.get(update.request_id)
@@ -152,6 +152,11 @@ class LLMEngine:
             if stop is not None and update.finish_reason is None:
                 self.core.stop_sequence(update.request_id, update.index, stop)
             changed[update.request_id] = state.output
+        for request_id, error in self.core.take_failures():
+            state = self._requests.get(request_id)
+            if state is not None:
+                state.fail(str(error))
+                changed[request_id] = state.output
         for request_id, output in changed.items():
             if output.finished:
                 del self._requests[request_id]

@@ -98,8 +98,20 @@ class SamplingBatch:
 
 @dataclass
 class SamplerOutput:
+    """One token per row; ``token_ids[i]`` is ``INVALID_TOKEN`` when row ``i``'s final
+    logits had no finite maximum (all ``-inf``, or a NaN or ``+inf`` among them): that row
+    drew nothing and its request must fail instead of emitting a token."""
+
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+
+
+INVALID_TOKEN = -1
+
+
+def _finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the row has a finite maximum (``amax`` propagates NaN)."""
+    return torch.isfinite(logits.amax(dim=-1))
 
 
 # Candidates examined before falling back to a full sort of the row: a nucleus is almost
@@ -158,18 +170,20 @@ class Sampler:
                            all_greedy=batch.all_greedy)
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
+            finite = _finite_rows(logits)
         else:
-            tokens = self._sample(logits, batch, pipeline)
+            tokens, finite = self._sample(logits, batch, pipeline)
         if pipeline is not None:
             pipeline.update(batch.slots, tokens)
-        token_list = tokens.tolist()
+        token_list = torch.where(finite, tokens, INVALID_TOKEN).tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
         if wants_logprobs:
             logprobs = self._logprobs(raw, tokens, batch)
         return SamplerOutput(token_list, logprobs)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch,
-                pipeline: ProcessorPipeline | None) -> torch.Tensor:
+                pipeline: ProcessorPipeline | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drawn tokens and, per row, whether its final logits were finite."""
         greedy = batch.temperature == 0
         argmax = logits.argmax(dim=-1) if batch.any_greedy else None
         temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
@@ -180,6 +194,7 @@ class Sampler:
             rows = batch.filter_rows
             logits[rows] = _top_k_top_p(logits[rows], batch.top_k[rows], batch.top_p[rows],
                                         batch.max_top_k)
+        finite = _finite_rows(logits)
         # Inverse CDF in vocabulary order: a row's draw depends on nothing but that row.
         cdf = logits.softmax(dim=-1).cumsum(dim=-1)
         total = cdf[:, -1:]
@@ -187,7 +202,7 @@ class Sampler:
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
         choice = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[1] - 1)
         choice = choice.squeeze(1)
-        return choice if argmax is None else torch.where(greedy, argmax, choice)
+        return (choice if argmax is None else torch.where(greedy, argmax, choice)), finite
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
                   ) -> list[TokenLogprobs | None]:

@@ -22,16 +22,16 @@ import msgspec
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 
-from freetoken_core.errors import InvalidRequest
+from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.plugins import PluginManager
 from freetoken_core.server import protocol as p
 from freetoken_core.server.cors import is_preflight
-from freetoken_core.server.engine_client import EngineClient, EngineDeadError
-from freetoken_core.server.metrics import MEDIA_TYPE
+from freetoken_core.server.engine_client import EngineClient
+from freetoken_core.server.metrics import MEDIA_TYPE, ServerMetrics
 from freetoken_core.server.openai_routes import run_generation
 from freetoken_core.server.openapi import complete_document, openapi_config
 from freetoken_core.server.serving import encode, parse_body, render_chat
-from freetoken_core.server.state import ApiError, ServerConfig, Serving
+from freetoken_core.server.state import ServerConfig, Serving, error_of
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -39,19 +39,18 @@ log = logging.getLogger("freetoken.server")
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None,
-           code: str | int | None = None) -> Response:
+           code: str | int | None = None, retry_after_s: int | None = None) -> Response:
     body = p.ErrorResponse(p.ErrorBody(message, type_, param, code))
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
     # JSON whatever the route's own media type (a 401 before the HTML Swagger UI, say).
-    return Response(content=body, status_code=status, media_type=MediaType.JSON)
+    return Response(content=body, status_code=status, media_type=MediaType.JSON,
+                    headers=headers)
 
 
 def _handle(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, InvalidRequest):
-        return _error(400, exc.message, "invalid_request_error", exc.param, exc.code)
-    if isinstance(exc, ApiError):
-        return _error(exc.status, exc.message, exc.type, exc.param, exc.code)
-    if isinstance(exc, EngineDeadError):
-        return _error(503, str(exc), "service_unavailable")
+    if isinstance(exc, FreeTokenError):
+        status, body, retry_after_s = error_of(exc)
+        return _error(status, body.message, body.type, body.param, body.code, retry_after_s)
     if isinstance(exc, ValidationException):
         return _error(400, str(exc.detail), "invalid_request_error")
     if isinstance(exc, NotFoundException):
@@ -79,7 +78,11 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
         if on_fatal is not None:
             on_fatal(message)
 
-    serving = Serving(config, client or EngineClient(config.engine, on_dead=fatal))
+    metrics = ServerMetrics()
+    client = client or EngineClient(
+        config.engine, on_dead=fatal, restart=config.restart,
+        on_failure=lambda failed: metrics.record_failure(failed.stage, failed.plugin))
+    serving = Serving(config, client, metrics=metrics)
     tasks: set[asyncio.Task[None]] = set()
 
     async def startup() -> None:
@@ -108,9 +111,12 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
 
     @get("/health", sync_to_thread=False)
     def health() -> Response:
+        """200 when requests can be served; 503 while the model loads or the engine
+        process restarts (with ``Retry-After``)."""
         if not serving.is_ready:
             return _error(503, serving.client.dead_message or "the model is still loading",
-                          "service_unavailable")
+                          "service_unavailable", code="engine_unavailable",
+                          retry_after_s=serving.client.retry_after_s)
         return Response(content=b"", status_code=200)
 
     @get("/internal/stats")
@@ -187,14 +193,16 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
         return p.VersionResponse(_version())
 
     @get("/metrics")
-    async def metrics() -> Response:
-        serving.require_ready()
-        text = serving.metrics.render(await serving.client.stats())
+    async def metrics_() -> Response:
+        """Served while the engine is down too (``freetoken_engine_up`` 0, no engine
+        gauges), so that restarts can be alerted on."""
+        stats = await serving.client.stats() if serving.is_ready else None
+        text = metrics.render(stats, serving.client.num_restarts)
         return Response(content=text, media_type=MEDIA_TYPE)
 
     app = Litestar(
         route_handlers=[health, stats, models, model, completions, chat_completions,
-                        tokenize, detokenize, version_, metrics],
+                        tokenize, detokenize, version_, metrics_],
         on_startup=[startup], on_shutdown=[shutdown], before_request=authorize,
         exception_handlers={Exception: _handle},
         request_max_body_size=config.limits.max_body_bytes,

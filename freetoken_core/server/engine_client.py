@@ -1,15 +1,26 @@
-"""The server's handle on the engine process: start it, feed it, read it, stop it.
+"""The server's handle on the engine process: start it, feed it, read it, supervise it.
 
-One reader thread receives the engine's messages and hands them to the asyncio loop with
-``call_soon_threadsafe``; everything else runs on the loop's thread, so no lock guards
-the per-request queues. Sends are short blocking writes of a few hundred bytes.
+One reader thread per engine process receives its messages and hands them to the asyncio
+loop with ``call_soon_threadsafe``; everything else runs on the loop's thread, so no lock
+guards the per-request queues. Sends are short blocking writes of a few hundred bytes.
+
+Supervision: if the engine process exits after it was ready (killed, out of memory, a
+native crash), every in-flight request fails at once with ``EngineDeadError`` (HTTP 503),
+``ready`` turns false (``/health`` 503, new requests 503 with ``Retry-After``), and a new
+engine process is started after a back-off delay: ``RestartPolicy.initial_delay_s``,
+doubling per consecutive crash up to ``max_delay_s``; an engine that stayed up for
+``stable_after_s`` resets the count. A failure to load the model the first time is fatal
+(``on_dead``); after a restart it is retried like a crash.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import multiprocessing
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -18,6 +29,7 @@ import msgspec
 
 from freetoken_core.config import EngineConfig
 from freetoken_core.errors import FreeTokenError, InvalidRequest
+from freetoken_core.faults import RequestError
 from freetoken_core.sampling_params import SamplingParams
 from freetoken_core.server.engine_process import (
     AbortRequest,
@@ -36,6 +48,28 @@ from freetoken_core.server.engine_process import (
     params_to_wire,
     run_engine_process,
 )
+
+log = logging.getLogger("freetoken.server")
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How the engine process is restarted after it dies (``freetoken serve`` flags
+    ``--engine-restart-delay`` and ``--engine-restart-max-delay``)."""
+
+    initial_delay_s: float = 0.5
+    max_delay_s: float = 30.0
+    stable_after_s: float = 60.0
+    """An engine that ran this long before dying restarts after ``initial_delay_s`` again."""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.initial_delay_s <= self.max_delay_s and math.isfinite(
+                self.max_delay_s)):
+            raise InvalidRequest("engine_restart_delay", "engine restart delays must be "
+                                 "finite and satisfy 0 <= delay <= max delay")
+
+    def delay(self, num_consecutive: int) -> float:
+        return min(self.max_delay_s, self.initial_delay_s * 2 ** max(0, num_consecutive - 1))
 
 
 class EngineDeadError(FreeTokenError):
@@ -57,16 +91,26 @@ class EngineClient:
     ``wait_ready()``, then ``generate`` / ``abort`` / ``stop_sequence`` / ``stats``, and
     ``shutdown()`` exactly once at the end (it is also safe if start-up failed).
 
-    ``on_dead(message)`` runs on the loop when the engine fails to load or dies.
+    ``on_dead(message)`` runs on the loop when the engine fails to load the first time
+    (fatal). Later deaths are survived: see the module docstring. ``num_restarts`` counts
+    engine processes started after the first; ``retry_after_s`` is a client's best wait.
     """
 
     def __init__(self, config: EngineConfig,
-                 on_dead: Callable[[str], None] | None = None) -> None:
+                 on_dead: Callable[[str], None] | None = None,
+                 restart: RestartPolicy | None = None,
+                 on_failure: Callable[[RequestFailed], None] | None = None) -> None:
+        """``on_failure(message)`` runs on the loop for every request the engine failed
+        (``status`` 500), for the metrics."""
         self.config = config
+        self.restart_policy = restart or RestartPolicy()
         self.info: EngineInfo | None = None
         self.dead_message: str | None = None
+        self.num_restarts = 0
         self._on_dead = on_dead
+        self._on_failure = on_failure
         self._closing = False
+        self._fatal = False
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
         self._queues: dict[str, asyncio.Queue[Update | Exception]] = {}
@@ -75,15 +119,32 @@ class EngineClient:
         self._ready: asyncio.Future[EngineInfo] | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
         self._thread: threading.Thread | None = None
+        self._generation = 0
+        self._started_at = 0.0
+        self._num_crashes = 0
+        self._restart_at: float | None = None
+        self._restart_handle: asyncio.TimerHandle | None = None
 
     @property
     def ready(self) -> bool:
         return self.info is not None and self.dead_message is None
 
+    @property
+    def retry_after_s(self) -> int:
+        """Seconds a client should wait before retrying while the engine is not ready."""
+        if self._restart_at is None:
+            return 1
+        return max(1, math.ceil(self._restart_at - time.monotonic()))
+
     def start(self) -> None:
-        """Spawn the engine process and the reader thread; returns at once."""
+        """Spawn the engine process and its reader thread; returns at once."""
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self._generation += 1
+        self._started_at = time.monotonic()
         ctx = multiprocessing.get_context("spawn")
         to_engine_r, self._to_engine = ctx.Pipe(duplex=False)
         self._from_engine, from_engine_w = ctx.Pipe(duplex=False)
@@ -94,8 +155,9 @@ class EngineClient:
         # The child holds its own copies; closing ours lets EOF reach each side.
         to_engine_r.close()
         from_engine_w.close()
-        self._thread = threading.Thread(target=self._read, name="freetoken-engine-reader",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._read, args=(self._generation, self._process, self._from_engine),
+            name="freetoken-engine-reader", daemon=True)
         self._thread.start()
 
     async def wait_ready(self) -> EngineInfo:
@@ -105,34 +167,37 @@ class EngineClient:
 
     # -- the reader thread -------------------------------------------------------------
 
-    def _read(self) -> None:
+    def _read(self, generation: int, process: multiprocessing.process.BaseProcess,
+              conn: multiprocessing.connection.Connection) -> None:
         assert self._loop is not None
         try:
             while True:
-                message = self._decoder.decode(self._from_engine.recv_bytes())
-                self._loop.call_soon_threadsafe(self._dispatch, message)
+                message = self._decoder.decode(conn.recv_bytes())
+                self._loop.call_soon_threadsafe(self._dispatch, generation, message)
         except (EOFError, OSError):
             pass
-        process = self._process
-        if process is not None:
-            process.join(2.0)  # EOF usually comes just before the exit
-        code = process.exitcode if process is not None else None
+        process.join(2.0)  # EOF usually comes just before the exit
         try:
             self._loop.call_soon_threadsafe(
-                self._die, f"the engine process exited (exit code {code})")
+                self._exited, generation, f"the engine process exited (exit code "
+                                          f"{process.exitcode})")
         except RuntimeError:
             pass  # the loop is closed: nobody is left to tell
 
-    def _dispatch(self, message: FromEngine) -> None:
+    def _dispatch(self, generation: int, message: FromEngine) -> None:
+        if generation != self._generation:
+            return  # a message of an engine process that was replaced
         if isinstance(message, StepUpdates):
             for update in message.updates:
                 queue = self._queues.get(update.request_id)
                 if queue is not None:
                     queue.put_nowait(update)
         elif isinstance(message, RequestFailed):
+            if message.status >= 500 and self._on_failure is not None:
+                self._on_failure(message)
             queue = self._queues.get(message.request_id)
             if queue is not None:
-                queue.put_nowait(InvalidRequest(message.param, message.message))
+                queue.put_nowait(_request_error(message))
         elif isinstance(message, Stats):
             if self._stats_waiters:
                 waiter = self._stats_waiters.popleft()
@@ -141,14 +206,39 @@ class EngineClient:
         elif isinstance(message, Ready):
             self.info = EngineInfo(message.model_dir, message.vocab_size,
                                    frozenset(message.eos_token_ids), message.max_model_len)
+            if self.dead_message is not None:
+                log.warning("the engine process is ready again (restart %d)",
+                            self.num_restarts)
+            self.dead_message = None
+            self._restart_at = None
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(self.info)
         elif isinstance(message, LoadFailed):
-            self._die(f"the engine could not load the model: {message.message}")
+            self._exited(generation, f"the engine could not load the model: {message.message}")
 
-    def _die(self, message: str) -> None:
-        if self.dead_message is not None:
+    def _exited(self, generation: int, message: str) -> None:
+        """The engine process of ``generation`` is gone (or failed to load)."""
+        if generation != self._generation or self._closing or self._fatal:
             return
+        if self.info is None:
+            self._fatal = True  # never loaded: the operator must fix something
+            self._fail_in_flight(message)
+            if self._on_dead is not None:
+                self._on_dead(message)
+            return
+        if time.monotonic() - self._started_at >= self.restart_policy.stable_after_s:
+            self._num_crashes = 0
+        self._num_crashes += 1
+        delay = self.restart_policy.delay(self._num_crashes)
+        log.error("%s; restarting it in %.1f s (crash %d in a row)", message, delay,
+                  self._num_crashes)
+        self._fail_in_flight(f"{message}; the engine is restarting")
+        self._generation += 1  # ignore anything the old reader still delivers
+        self._restart_at = time.monotonic() + delay
+        assert self._loop is not None
+        self._restart_handle = self._loop.call_later(delay, self._restart)
+
+    def _fail_in_flight(self, message: str) -> None:
         self.dead_message = message
         error = EngineDeadError(message)
         if self._ready is not None and not self._ready.done():
@@ -160,8 +250,33 @@ class EngineClient:
             waiter = self._stats_waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(error)
-        if self._on_dead is not None and not self._closing:
-            self._on_dead(message)
+
+    def _restart(self) -> None:
+        self._restart_handle = None
+        if self._closing:
+            return
+        self._close_process(timeout=1.0)
+        self.num_restarts += 1
+        log.warning("starting a new engine process (restart %d)", self.num_restarts)
+        self._spawn()
+
+    def _close_process(self, timeout: float) -> None:
+        """Stop the current process (terminate, then kill) and close its pipes."""
+        process = self._process
+        if process is None:
+            return
+        process.join(timeout if process.is_alive() else 0)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        self._to_engine.close()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._from_engine.close()
+        self._process = None
 
     # -- requests ----------------------------------------------------------------------
 
@@ -201,7 +316,10 @@ class EngineClient:
                 self._queues.pop(request_id, None)
             if unfinished and self.dead_message is None:
                 for request_id in {r for r, _ in unfinished}:
-                    self._send(AbortRequest(request_id))
+                    try:
+                        self._send(AbortRequest(request_id))
+                    except (FreeTokenError, OSError):
+                        break  # the engine died meanwhile: nothing left to abort
 
     def stop_sequence(self, request_id: str, index: int, stop_reason: int | str | None) -> None:
         """Ask the engine to end one choice (its KV blocks are freed on the next step)."""
@@ -220,26 +338,25 @@ class EngineClient:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the engine process: ask, then terminate, then kill; always joins it. Requests
-        still waiting get an error; the exit is not reported through ``on_dead``."""
+        still waiting get an error; the exit is not reported through ``on_dead`` and no
+        restart follows."""
+        self._closing = True
+        if self._restart_handle is not None:
+            self._restart_handle.cancel()
         process = self._process
         if process is None:
             return
-        self._closing = True
         try:
             if process.is_alive():
                 self._to_engine.send_bytes(self._encoder.encode(Shutdown()))
         except (OSError, ValueError):
             pass
-        process.join(timeout)
-        if process.is_alive():
-            process.terminate()
-            process.join(timeout)
-        if process.is_alive():
-            process.kill()
-            process.join()
+        self._close_process(timeout)
         self.dead_message = self.dead_message or "the engine was shut down"
-        self._to_engine.close()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self._from_engine.close()
-        self._process = None
+
+
+def _request_error(message: RequestFailed) -> FreeTokenError:
+    """The exception a ``RequestFailed`` raises in the request's handler."""
+    if message.status < 500:
+        return InvalidRequest(message.param, message.message, message.code)
+    return RequestError(message.stage or "engine", message.message, message.plugin)

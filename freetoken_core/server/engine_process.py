@@ -19,6 +19,7 @@ The child exits on ``Shutdown`` or when the server's end of a pipe closes.
 
 from __future__ import annotations
 
+import logging
 import signal
 from dataclasses import fields
 from multiprocessing.connection import Connection
@@ -28,10 +29,13 @@ import msgspec
 
 from freetoken_core.config import EngineConfig
 from freetoken_core.errors import FreeTokenError, InvalidRequest
+from freetoken_core.faults import RequestError
 from freetoken_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from freetoken_core.engine.core import SeqUpdate
+
+log = logging.getLogger("freetoken.engine")
 
 
 class AddRequest(msgspec.Struct, tag=True):
@@ -95,9 +99,26 @@ class StepUpdates(msgspec.Struct, tag=True):
 
 
 class RequestFailed(msgspec.Struct, tag=True):
+    """The engine refused (``status`` 400: ``param`` and ``code`` name what is wrong) or
+    failed (``status`` 500: ``stage`` and ``plugin`` name where) ``request_id``; nothing
+    more comes for it, and its KV blocks are already free."""
+
     request_id: str
     param: str | None
     message: str
+    status: int = 400
+    code: str | None = None
+    stage: str | None = None
+    plugin: str | None = None
+
+    @classmethod
+    def of(cls, request_id: str, exc: FreeTokenError) -> RequestFailed:
+        if isinstance(exc, RequestError):
+            return cls(request_id, None, exc.message, exc.status, exc.code, exc.stage,
+                       exc.plugin)
+        if isinstance(exc, InvalidRequest):
+            return cls(request_id, exc.param, exc.message, 400, getattr(exc, "code", None))
+        return cls(request_id, None, str(exc), 500, "engine_error", "engine")
 
 
 class Stats(msgspec.Struct, tag=True):
@@ -139,6 +160,7 @@ class _Engine:
         self.decoder = msgspec.msgpack.Decoder(ToEngine)
         self.running = True
         self.num_aborted = 0
+        self.num_failed = 0
 
     def send(self, message: FromEngine) -> None:
         self.conn_out.send_bytes(self.encoder.encode(message))
@@ -149,8 +171,14 @@ class _Engine:
                 params = SamplingParams(**message.params)
                 self.parts.plugins.validate(params, self.parts.model_info)
                 self.core.add_request(message.request_id, message.prompt_token_ids, params)
-            except InvalidRequest as exc:
-                self.send(RequestFailed(message.request_id, exc.param, exc.message))
+            except FreeTokenError as exc:
+                self.send(RequestFailed.of(message.request_id, exc))
+            except Exception as exc:  # a bug fails this request only
+                log.error("adding request %s failed", message.request_id, exc_info=exc)
+                self.core.abort_request(message.request_id)
+                self.send(RequestFailed.of(message.request_id, RequestError(
+                    "engine", f"the engine failed to add the request: "
+                              f"{type(exc).__name__}: {exc}")))
         elif isinstance(message, AbortRequest):
             num_live = self.core.num_requests
             self.core.abort_request(message.request_id)
@@ -173,9 +201,18 @@ class _Engine:
                 while self.running and self.conn_in.poll(0):
                     self.handle(self.decoder.decode(self.conn_in.recv_bytes()))
                 continue
-            updates = self.core.step()
+            try:
+                updates = self.core.step()
+            except Exception as exc:  # a bug in the step: fail what is live
+                log.error("the engine step failed; failing every live request", exc_info=exc)
+                updates = []
+                self.core.fail_all(RequestError(
+                    "engine", f"the engine step failed: {type(exc).__name__}: {exc}"))
             if updates:
                 self.send(StepUpdates([_wire_update(u) for u in updates]))
+            for request_id, error in self.core.take_failures():
+                self.num_failed += 1
+                self.send(RequestFailed.of(request_id, error))
 
 
 def _wire_update(u: SeqUpdate) -> Update:
@@ -192,6 +229,8 @@ def run_engine_process(config: EngineConfig, conn_in: Connection, conn_out: Conn
     then shuts the engine down in order.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING,
+                        format="freetoken engine: %(levelname)s %(name)s: %(message)s")
     encoder = msgspec.msgpack.Encoder()
     try:
         engine = _Engine(config, conn_in, conn_out)

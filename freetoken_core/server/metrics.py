@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from freetoken_core.server.engine_process import Stats
@@ -41,6 +42,7 @@ class ServerMetrics:
         self.finish_reasons: Counter[str] = Counter()
         self.latency_counts = [0] * len(LATENCY_BUCKETS_S)
         self.latency_sum = 0.0
+        self.failures: Counter[tuple[str, str]] = Counter()
 
     def record(self, gen: Generation) -> None:
         """Count one ended request: its tokens, each choice's finish reason (``abort`` for
@@ -58,9 +60,14 @@ class ServerMetrics:
             if elapsed <= bound:
                 self.latency_counts[i] += 1
 
-    def render(self, stats: Stats) -> str:
-        """The exposition text: engine gauges from ``stats``, then the counters."""
-        usage = stats.num_used_kv_blocks / stats.num_kv_blocks if stats.num_kv_blocks else 0.0
+    def record_failure(self, stage: str | None, plugin: str | None) -> None:
+        """Count one request failed inside FreeToken (HTTP 500): a plugin raised, a model
+        step failed or a row's logits were not finite."""
+        self.failures[(stage or "engine", plugin or "")] += 1
+
+    def render(self, stats: Stats | None, num_engine_restarts: int = 0) -> str:
+        """The exposition text: engine gauges from ``stats`` (``None`` while the engine is
+        down: only ``engine_up`` 0), then the counters."""
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
@@ -68,23 +75,18 @@ class ServerMetrics:
             lines.append(f"# TYPE freetoken_{name} {kind}")
             lines.extend(f"freetoken_{suffix} {_number(v)}" for suffix, v in samples)
 
-        gauges = [
-            ("num_seqs_running", "Sequences (one per choice) in the running batch.",
-             stats.num_running),
-            ("num_seqs_waiting", "Sequences (one per choice) waiting to be scheduled.",
-             stats.num_waiting),
-            ("num_requests_live", "Engine requests (one per prompt) not yet finished.",
-             stats.num_requests),
-            ("kv_blocks_used", "KV-cache blocks held by sequences.", stats.num_used_kv_blocks),
-            ("kv_blocks_total", "KV-cache blocks in the pool.", stats.num_kv_blocks),
-            ("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0 to 1).", usage),
-        ]
-        for name, help_, value in gauges:
-            metric(name, "gauge", help_, [(name, value)])
+        metric("engine_up", "gauge", "1 while the engine process serves requests, else 0.",
+               [("engine_up", int(stats is not None))])
+        metric("engine_restarts", "counter", "Engine processes started after one died.",
+               [("engine_restarts_total", num_engine_restarts)])
+        metric("request_failures", "counter",
+               "Requests failed inside FreeToken (HTTP 500), by stage and plugin.",
+               [(f'request_failures_total{{stage="{stage}",plugin="{plugin}"}}', count)
+                for (stage, plugin), count in sorted(self.failures.items())])
+        if stats is not None:
+            self._render_engine(stats, metric)
         metric("requests", "counter", "Generation requests ended (finished or not).",
                [("requests_total", self.num_requests)])
-        metric("engine_requests_aborted", "counter", "Engine requests aborted while live.",
-               [("engine_requests_aborted_total", stats.num_aborted_requests)])
         metric("prompt_tokens", "counter", "Prompt tokens of ended requests.",
                [("prompt_tokens_total", self.num_prompt_tokens)])
         metric("generation_tokens", "counter", "Generated tokens of ended requests.",
@@ -100,3 +102,23 @@ class ServerMetrics:
                [*buckets, ("e2e_request_latency_seconds_sum", self.latency_sum),
                 ("e2e_request_latency_seconds_count", self.num_requests)])
         return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _render_engine(stats: Stats, metric: Callable[..., None]) -> None:
+        usage = stats.num_used_kv_blocks / stats.num_kv_blocks if stats.num_kv_blocks else 0.0
+        gauges = [
+            ("num_seqs_running", "Sequences (one per choice) in the running batch.",
+             stats.num_running),
+            ("num_seqs_waiting", "Sequences (one per choice) waiting to be scheduled.",
+             stats.num_waiting),
+            ("num_requests_live", "Engine requests (one per prompt) not yet finished.",
+             stats.num_requests),
+            ("kv_blocks_used", "KV-cache blocks held by sequences.", stats.num_used_kv_blocks),
+            ("kv_blocks_total", "KV-cache blocks in the pool.", stats.num_kv_blocks),
+            ("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0 to 1).", usage),
+        ]
+        for name, help_, value in gauges:
+            metric(name, "gauge", help_, [(name, value)])
+        metric("engine_requests_aborted", "counter",
+               "Engine requests aborted while live (since the engine process started).",
+               [("engine_requests_aborted_total", stats.num_aborted_requests)])

@@ -6,17 +6,18 @@ OpenAI error; after it, one ``data: {"error": …}`` event, then ``[DONE]``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request
 from litestar.response import ServerSentEvent
 
 from freetoken_core.engine.output_processor import StopMatcher
-from freetoken_core.errors import FreeTokenError, InvalidRequest
+from freetoken_core.errors import FreeTokenError
 from freetoken_core.server import protocol as p
 from freetoken_core.server.generation import ChoiceDelta, Generation
 from freetoken_core.server.limits import count_prompts
@@ -29,9 +30,11 @@ from freetoken_core.server.serving import (
     render_chat,
     sampling_params,
 )
-from freetoken_core.server.state import Serving
+from freetoken_core.server.state import ApiError, Serving, error_of
 
 log = logging.getLogger("freetoken.server")
+
+T = TypeVar("T")
 
 
 def _sse(data: msgspec.Struct | str) -> str:
@@ -53,9 +56,7 @@ async def _stream(gen: Generation, first: Any, deltas: AsyncIterator[Any],
         if include_usage:
             yield _sse(chunk([], gen.usage()))
     except FreeTokenError as exc:
-        param = exc.param if isinstance(exc, InvalidRequest) else None
-        yield _sse(p.ErrorResponse(p.ErrorBody(str(exc), "server_error", param,
-                                               getattr(exc, "code", None))))
+        yield _sse(p.ErrorResponse(error_of(exc)[1]))
     except Exception as exc:  # a bug past the first byte: still one error event and [DONE]
         log.exception("internal error while streaming", exc_info=exc)
         yield _sse(p.ErrorResponse(p.ErrorBody(f"internal error: {type(exc).__name__}",
@@ -63,6 +64,31 @@ async def _stream(gen: Generation, first: Any, deltas: AsyncIterator[Any],
     finally:
         await deltas.aclose()
     yield "[DONE]"
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Return when the client has gone away. Only for after the body was read: from
+    then on the server's next ASGI message for this request is ``http.disconnect``."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``await work``, but if the client disconnects first, cancel it (closing the engine
+    stream, which aborts every sequence of the request and frees their KV blocks) and
+    raise ``ApiError(499)``, which nobody will read."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ApiError(499, "the client closed the request", "client_closed_request")
+    return task.result()
 
 
 def _prompt_texts(tokenizer: Any, prompt: str | list[Any],
@@ -146,9 +172,10 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
 
     deltas = gen.deltas()
     if body.stream:
-        # The first delta is awaited here so that an engine refusal is still a plain 400.
+        # The first delta is awaited here so that an engine refusal is still a plain 400;
+        # a client that leaves meanwhile (a long prefill) aborts the request at once.
         try:
-            first = await deltas.__anext__()
+            first = await _unless_disconnected(request, deltas.__anext__())
         except StopAsyncIteration:
             first = None
         except BaseException:
@@ -163,8 +190,11 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return ServerSentEvent(_stream(gen, first, deltas, chunk, choice,
                                        include_usage, opening))
-    async for _ in deltas:
-        pass
+    async def drain() -> None:
+        async for _ in deltas:
+            pass
+
+    await _unless_disconnected(request, drain())
     finishes, logprobs = gen.finishes(), gen.logprobs()
     if chat:
         choices = [p.ChatChoice(i, p.ResponseMessage(t), *finishes[i],

@@ -11,14 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from freetoken_core.config import EngineConfig
-from freetoken_core.errors import FreeTokenError
+from freetoken_core.errors import FreeTokenError, InvalidRequest
+from freetoken_core.faults import RequestError
 from freetoken_core.models.resolve import DEFAULT_MODEL_NAME
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo
 from freetoken_core.server.cors import CorsSettings
-from freetoken_core.server.engine_client import EngineClient, EngineDeadError
+from freetoken_core.server.engine_client import EngineClient, EngineDeadError, RestartPolicy
 from freetoken_core.server.limits import RequestLimits, TokenizerPool
 from freetoken_core.server.metrics import ServerMetrics
+from freetoken_core.server.protocol import ErrorBody
 from freetoken_core.tokenizer import load_tokenizer
 
 
@@ -33,6 +35,8 @@ class ServerConfig:
     """When set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``."""
     limits: RequestLimits = field(default_factory=RequestLimits)
     """Per-request bounds (stop strings, prompts, sequences, prompt text, body size)."""
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    """When to start a new engine process after one died (``--engine-restart-*``)."""
     cors: CorsSettings | None = None
     """Browser origins allowed (``--allowed-origins``); ``None``: no CORS headers at all."""
 
@@ -45,10 +49,28 @@ class ApiError(FreeTokenError):
     """An error with its HTTP status and OpenAI ``type`` / ``code``."""
 
     def __init__(self, status: int, message: str, type_: str, code: str | None = None,
-                 param: str | None = None) -> None:
+                 param: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = (
             status, message, type_, code, param)
+        self.retry_after_s = retry_after_s
+        """Sent as ``Retry-After`` (a 503 while the engine loads or restarts)."""
+
+
+def error_of(exc: FreeTokenError) -> tuple[int, ErrorBody, int | None]:
+    """The HTTP status, OpenAI error body and ``Retry-After`` seconds (or ``None``) of an
+    error FreeToken raised on purpose; a streamed response sends the body as its one error
+    event instead."""
+    if isinstance(exc, InvalidRequest):
+        return 400, ErrorBody(exc.message, "invalid_request_error", exc.param, exc.code), None
+    if isinstance(exc, ApiError):
+        return exc.status, ErrorBody(exc.message, exc.type, exc.param, exc.code), \
+            exc.retry_after_s
+    if isinstance(exc, EngineDeadError):
+        return 503, ErrorBody(str(exc), "service_unavailable", None, "engine_unavailable"), 1
+    if isinstance(exc, RequestError):  # a plugin or the engine failed this request
+        return exc.status, ErrorBody(str(exc), "server_error", None, exc.code), None
+    return 500, ErrorBody(str(exc), "server_error"), None
 
 
 @dataclass
@@ -75,7 +97,8 @@ class Serving:
     def require_ready(self, model: str | None = None) -> tuple[Any, PluginManager, ModelInfo]:
         if not self.is_ready:
             raise ApiError(503, self.client.dead_message or "the model is still loading",
-                           "service_unavailable")
+                           "service_unavailable", "engine_unavailable",
+                           retry_after_s=self.client.retry_after_s)
         if model is not None and model != self.config.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.config.model_name!r}", "invalid_request_error",
@@ -93,6 +116,8 @@ class Serving:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, Path(info.model_dir))
             plugins = PluginManager(self.config.engine.plugins)
             plugins.enabled  # noqa: B018 (loads the plugins now, not on the first request)
+            plugins.on_failure = lambda error: self.metrics.record_failure(error.stage,
+                                                                           error.plugin)
             self.plugins = plugins
             self.model_info = ModelInfo(info.vocab_size, info.eos_token_ids, info.max_model_len)
         except FreeTokenError as exc:
