@@ -10,7 +10,9 @@ non-``None`` result.
 
 Errors: a hook that rejects a request raises ``freetoken_core.InvalidRequest(param,
 message)``, which the server answers with HTTP 400 naming ``param``. Any other exception
-is a bug in the plugin and surfaces as such.
+is a bug in the plugin: it fails the requests that use the plugin (HTTP 500, code
+``plugin_error``, naming the plugin and the hook), never the engine or the server
+(``freetoken_core.faults``).
 """
 
 from __future__ import annotations
@@ -90,10 +92,11 @@ def freetoken_check_stop(sequences: list[StopView], token_ids: list[int]
 
     When: every engine step, in the engine process, after sampling, with the rows that
     drew a token. ``sequences[i]`` drew ``token_ids[i]``; a ``StopView`` has ``params``,
-    ``num_output_tokens`` and ``output_token_ids``. Only called while some running
-    request uses a field of this plugin. Return: ``{row: stop_reason}`` for the rows that
-    must stop now (the reason is reported as ``stop_reason``), or ``None``. Raises:
-    nothing (the request was validated before).
+    ``num_output_tokens`` and ``output_token_ids``. Called per plugin, with only the
+    rows whose request uses one of this plugin's fields. Return: ``{row: stop_reason}``
+    for the rows that must stop now (the reason is reported as ``stop_reason``), or
+    ``None``. Raises: nothing (the request was validated before; an exception fails
+    exactly these rows' requests).
     """
 
 
