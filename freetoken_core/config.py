@@ -18,7 +18,11 @@ class EngineConfig:
     ``dtype="auto"`` is float32 on CPU (on this project's reference CPU, bf16 GEMMs at
     batch >= 8 run 2-10x slower than float32; see bench/engine.py) and bfloat16 on CUDA.
     ``max_model_len=None`` takes the model's ``max_position_embeddings`` (capped by the KV
-    cache). ``kv_cache_tokens`` sizes the paged KV cache in tokens.
+    cache). ``kv_cache_tokens`` sizes the paged KV cache in tokens; the cache holds
+    ``kv_cache_tokens // block_size`` whole blocks (a remainder is not allocated), and the
+    effective ``max_model_len`` is capped at the slots of those blocks
+    (``num_kv_blocks * block_size``), so a request that passes the length check always fits
+    in the cache on its own: ``kv_cache_tokens=100, block_size=16`` serves 96-token contexts.
     """
 
     model: str | None = None

@@ -1,14 +1,19 @@
 from __future__ import annotations
 
+import hashlib
+import random
+
 import pytest
 
+from freetoken_core.engine import block_manager
 from freetoken_core.engine.block_manager import BlockManager
 from freetoken_core.engine.sequence import Sequence
 from freetoken_core.sampling_params import SamplingParams
 
 
-def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
-    return Sequence(seq_id, str(seq_id), list(tokens), len(tokens), SamplingParams(), 0, 0, 16)
+def make_seq(tokens: list[int], seq_id: int = 0, salt: str | None = None) -> Sequence:
+    return Sequence(seq_id, str(seq_id), list(tokens), len(tokens),
+                    SamplingParams(cache_salt=salt), 0, 0, 16)
 
 
 def compute_all(bm: BlockManager, seq: Sequence) -> None:
@@ -99,3 +104,121 @@ def test_prefix_caching_can_be_disabled() -> None:
 def test_invalid_sizes() -> None:
     with pytest.raises(ValueError):
         BlockManager(0, 16)
+
+
+# -- keys: collision-safe, salted ------------------------------------------------------
+
+
+def test_keys_are_sha256_chains_over_packed_tokens() -> None:
+    bm = BlockManager(num_blocks=8, block_size=2)
+    seq = make_seq([1, 2, 3, 4, 5])
+    compute_all(bm, seq)
+    first = hashlib.sha256(bytes(32) + (1).to_bytes(8, "little") + (2).to_bytes(8, "little"))
+    second = hashlib.sha256(first.digest() + (3).to_bytes(8, "little")
+                            + (4).to_bytes(8, "little"))
+    assert [k.digest for k in seq.block_keys] == [first.digest(), second.digest()]
+
+
+def test_a_constant_digest_never_shares_another_prompts_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block collides: a hit still needs the same tokens after the same verified
+    parent, so another prompt misses, and the colliding digest passes to the newest."""
+    monkeypatch.setattr(block_manager, "_digest", lambda parent, tokens: b"same")
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = make_seq([1, 2, 3, 4, 9], 0)
+    compute_all(bm, a)
+    b = make_seq([5, 6, 7, 8, 9], 1)
+    assert bm.allocate(b, 100) == 5 and b.num_computed_tokens == 0
+    b.num_computed_tokens = 5
+    bm.cache_full_blocks(b)
+    c = make_seq([5, 6, 7, 8, 10], 2)
+    bm.allocate(c, 100)
+    assert c.num_computed_tokens == 4 and c.block_table[0] == b.block_table[0]
+    d = make_seq([1, 2, 3, 4, 10], 3)
+    bm.allocate(d, 100)
+    assert d.num_computed_tokens == 0
+
+
+def test_a_digest_blind_to_the_prefix_cannot_serve_a_block_after_another_prefix(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks with equal tokens after different prefixes hold different KV. With a digest
+    that ignores the parent they collide; the parent check keeps them apart."""
+    monkeypatch.setattr(block_manager, "_digest",
+                        lambda parent, tokens: hashlib.sha256(tokens).digest())
+    bm = BlockManager(num_blocks=16, block_size=2)
+    a = make_seq([1, 1, 7, 7, 0], 0)  # 7 7 after 1 1
+    compute_all(bm, a)
+    c = make_seq([2, 2, 3, 3, 0], 1)  # caches the block 2 2
+    compute_all(bm, c)
+    b = make_seq([2, 2, 7, 7, 0], 2)  # 7 7 after 2 2: only the first block is shared
+    bm.allocate(b, 100)
+    assert b.num_computed_tokens == 2 and b.block_table[0] == c.block_table[0]
+    assert b.block_table[1] != a.block_table[1]
+
+
+def _colliding_digest(parent: bytes, tokens: bytes) -> bytes:
+    return bytes([(sum(parent) + sum(tokens)) % 2])
+
+
+@pytest.mark.parametrize("digest", [None, _colliding_digest])
+def test_every_hit_holds_exactly_the_sequences_prefix(
+        digest: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random prompts over 2 tokens share prefixes and, with a 1-bit digest, collide all
+    the time; the KV each block was computed from is tracked and every hit is checked."""
+    if digest is not None:
+        monkeypatch.setattr(block_manager, "_digest", digest)
+    rng = random.Random(5)
+    bm = BlockManager(num_blocks=24, block_size=2)
+    computed_from: dict[int, tuple[str | None, tuple[int, ...]]] = {}
+    live: list[Sequence] = []
+    num_hits = 0
+    for i in range(400):
+        salt = rng.choice([None, "x"])
+        seq = make_seq([rng.randrange(2) for _ in range(rng.randint(3, 9))], i, salt)
+        if bm.allocate(seq, 100) is None:
+            bm.free(live.pop(0))
+            continue
+        for j, block in enumerate(seq.block_table[:seq.num_computed_tokens // 2]):
+            assert computed_from[block] == (salt, tuple(seq.token_ids[:2 * (j + 1)]))
+            num_hits += 1
+        for j in range(seq.num_computed_tokens // 2, len(seq.block_table)):
+            computed_from[seq.block_table[j]] = (salt, tuple(seq.token_ids[:2 * (j + 1)]))
+        seq.num_computed_tokens = seq.num_tokens
+        bm.cache_full_blocks(seq)
+        live.append(seq)
+        if len(live) > 3:
+            bm.free(live.pop(rng.randrange(len(live))))
+    # A 1-bit digest leaves two index entries: few hits, but each one checked.
+    assert num_hits > (100 if digest is None else 10)
+
+
+def test_salts_keep_prefixes_apart() -> None:
+    bm = BlockManager(num_blocks=32, block_size=4)
+    prompt = list(range(9))
+    compute_all(bm, make_seq(prompt, 0, salt="tenant-a"))
+    for i, salt in enumerate([None, "tenant-b", "tenant-a "], 1):
+        other = make_seq(prompt, i, salt)
+        bm.allocate(other, 100)
+        assert other.num_computed_tokens == 0, salt
+    same = make_seq(prompt, 9, salt="tenant-a")
+    bm.allocate(same, 100)
+    assert same.num_computed_tokens == 8
+
+
+def test_requests_without_a_salt_share() -> None:
+    bm = BlockManager(num_blocks=32, block_size=4)
+    compute_all(bm, make_seq(list(range(9)), 0))
+    b = make_seq(list(range(9)), 1)
+    bm.allocate(b, 100)
+    assert b.num_computed_tokens == 8
+    salted = make_seq(list(range(9)), 2, salt="s")
+    bm.allocate(salted, 100)
+    assert salted.num_computed_tokens == 0
+
+
+def test_a_salt_that_is_not_valid_utf8_still_keys() -> None:
+    bm = BlockManager(num_blocks=8, block_size=2)
+    compute_all(bm, make_seq([1, 2, 3], 0, salt="\ud800"))
+    b = make_seq([1, 2, 3], 1, salt="\ud800")
+    bm.allocate(b, 100)
+    assert b.num_computed_tokens == 2

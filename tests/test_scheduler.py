@@ -1,14 +1,17 @@
 from __future__ import annotations
 
+import pytest
+
 from freetoken_core.engine.block_manager import BlockManager
 from freetoken_core.engine.scheduler import Scheduler
 from freetoken_core.engine.sequence import Sequence, SequenceStatus
 from freetoken_core.sampling_params import SamplingParams
 
 
-def make_seq(seq_id: int, num_tokens: int) -> Sequence:
+def make_seq(seq_id: int, num_tokens: int, max_tokens: int = 64) -> Sequence:
     tokens = [seq_id * 1000 + i for i in range(num_tokens)]
-    return Sequence(seq_id, str(seq_id), tokens, num_tokens, SamplingParams(), 0, seq_id, 64)
+    return Sequence(seq_id, str(seq_id), tokens, num_tokens, SamplingParams(), 0, seq_id,
+                    max_tokens)
 
 
 def run_step(sched: Scheduler) -> dict[int, int]:
@@ -52,7 +55,7 @@ def test_preempts_latest_when_blocks_run_out() -> None:
     # 4 blocks of 4 slots: two sequences of 7 tokens fill 4 blocks; the next decode of
     # the first needs a 5th block, so the latest (seq 1) is preempted.
     sched = Scheduler(BlockManager(4, 4), max_num_seqs=8, max_num_batched_tokens=100)
-    a, b = make_seq(0, 7), make_seq(1, 7)
+    a, b = make_seq(0, 7, max_tokens=8), make_seq(1, 7, max_tokens=8)
     sched.add(a)
     sched.add(b)
     assert run_step(sched) == {0: 7, 1: 7}
@@ -69,7 +72,7 @@ def test_preempts_latest_when_blocks_run_out() -> None:
 def test_finish_frees_blocks_wherever_the_sequence_is() -> None:
     bm = BlockManager(16, 4)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
-    a, b = make_seq(0, 6), make_seq(1, 6)
+    a, b = make_seq(0, 6, max_tokens=8), make_seq(1, 6, max_tokens=8)
     sched.add(a)
     run_step(sched)
     sched.add(b)
@@ -77,3 +80,27 @@ def test_finish_frees_blocks_wherever_the_sequence_is() -> None:
     sched.finish(a, "abort")
     assert bm.num_free_blocks == 16 and not sched.has_unfinished
     assert a.finish_reason == "abort"
+
+
+def test_refuses_a_sequence_that_can_never_fit() -> None:
+    """4 blocks of 4 hold 16 slots: 10 + 7 tokens need 16 (the last is never computed) and
+    are queued; 10 + 8 would need 17 and preempt themselves forever, so ``add`` refuses."""
+    sched = Scheduler(BlockManager(4, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    sched.add(make_seq(0, 10, max_tokens=7))
+    with pytest.raises(ValueError, match="needs 17 KV slots but the cache has 16"):
+        sched.add(make_seq(1, 10, max_tokens=8))
+    assert len(sched.waiting) == 1
+
+
+def test_a_sequence_that_fills_the_whole_cache_finishes() -> None:
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=3)
+    seq = make_seq(0, 10, max_tokens=7)
+    sched.add(seq)
+    for _ in range(20):
+        run_step(sched)
+        if seq.num_output_tokens == seq.max_tokens:
+            sched.finish(seq, "length")
+            break
+    assert seq.is_finished and bm.num_used_blocks == 0 and sched.num_free_slots == 2
+    assert sched.num_preemptions == 0

@@ -4,18 +4,68 @@ The KV cache is ``num_blocks`` blocks of ``block_size`` token slots. A sequence 
 ordered block table; slot ``p`` of a sequence lives at
 ``block_table[p // block_size] * block_size + p % block_size``.
 
-Prefix cache: once a block is full of computed tokens it is keyed by a hash chain
-``hash((parent_key, tokens))``, so a key names the whole prefix up to that block. A later
-sequence whose leading tokens hash to the same keys shares those blocks (reference count
-+1). A block whose count drops to 0 goes to the back of the free queue but keeps its key
-until it is handed out again, so recently freed prefixes stay reusable (LRU eviction).
+Prefix cache: once a block is full of computed tokens it gets a ``BlockKey``. Its
+``digest`` is a SHA-256 chain, ``sha256(parent digest ‖ the block's token ids as
+little-endian int64)``, whose root is 32 zero bytes, or a digest of the request's
+``cache_salt``; so a digest names the whole salted prefix up to that block, and it indexes
+the cache. The index is not trusted: a hit also compares the block's packed tokens, the
+salt (first block) and the serial number of the parent key the walk has already verified.
+Serials are never reused, so by induction a matched block holds exactly the sequence's
+leading tokens, whatever the hash does (a collision costs a cache miss, never another
+prompt's KV; vLLM's CVE-2025-25183 was the unverified kind). Requests with different salts
+never share blocks; requests without a salt share among themselves.
+
+A later sequence whose leading blocks match shares them (reference count +1). A block whose
+count drops to 0 goes to the back of the free queue but keeps its key until it is handed
+out again, so recently freed prefixes stay reusable (LRU eviction).
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import struct
 from collections import OrderedDict
 
 from freetoken_core.engine.sequence import Sequence
+
+_NO_SALT = bytes(32)
+_SALT_DOMAIN = b"freetoken cache_salt\x00"
+
+
+def _digest(parent: bytes, tokens: bytes) -> bytes:
+    """The index digest of a block: SHA-256 of its parent's digest and its packed tokens.
+    (Tests replace it with a colliding function to show that safety does not rest on it.)"""
+    return hashlib.sha256(parent + tokens).digest()
+
+
+class BlockKey:
+    """The verified content of one full block in the prefix cache.
+
+    ``digest`` indexes the cache; ``tokens`` are the block's token ids (packed), ``salt`` the
+    request's ``cache_salt`` (first blocks only; ``None`` below), ``parent_serial`` the
+    ``serial`` of the key of the block before it (-1 for a first block) and ``block`` the
+    physical block that holds the KV. Immutable once made.
+    """
+
+    __slots__ = ("block", "digest", "parent_serial", "salt", "serial", "tokens")
+
+    def __init__(self, digest: bytes, tokens: bytes, salt: str | None, serial: int,
+                 parent_serial: int, block: int) -> None:
+        self.digest = digest
+        self.tokens = tokens
+        self.salt = salt
+        self.serial = serial
+        self.parent_serial = parent_serial
+        self.block = block
+
+    def holds(self, parent: BlockKey | None, tokens: bytes, salt: str | None) -> bool:
+        """Whether this key's block is the one after ``parent`` with these tokens."""
+        if self.tokens != tokens:
+            return False
+        if parent is None:
+            return self.parent_serial == -1 and self.salt == salt
+        return self.parent_serial == parent.serial
 
 
 class BlockManager:
@@ -28,9 +78,11 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
-        self._block_key: list[int | None] = [None] * num_blocks
+        self._block_key: list[BlockKey | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[int, int] = {}
+        self._cached: dict[bytes, BlockKey] = {}
+        self._serials = itertools.count()
+        self._pack = struct.Struct(f"<{block_size}q").pack
 
     @property
     def num_free_blocks(self) -> int:
@@ -40,62 +92,86 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_slots(self) -> int:
+        """Token slots in the whole cache: the longest sequence that can ever run."""
+        return self.num_blocks * self.block_size
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache -------------------------------------------------------------------
 
-    def _chain_keys(self, token_ids: list[int], num_blocks: int, start: int = 0,
-                    parent: int | None = None) -> list[int]:
-        keys = []
+    def _packed(self, seq: Sequence, index: int) -> bytes:
         bs = self.block_size
-        for i in range(start, num_blocks):
-            parent = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
-            keys.append(parent)
-        return keys
+        return self._pack(*seq.token_ids[index * bs:(index + 1) * bs])
 
-    def _match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks that hold ``seq``'s leading tokens, leaving >= 1 token to compute."""
+    @staticmethod
+    def _root(salt: str | None) -> bytes:
+        if salt is None:
+            return _NO_SALT
+        return _digest(_SALT_DOMAIN, salt.encode("utf-8", "surrogatepass"))
+
+    def _match_prefix(self, seq: Sequence) -> list[BlockKey]:
+        """Keys of cached blocks that hold ``seq``'s leading tokens, leaving >= 1 token to
+        compute."""
         if not self.enable_prefix_caching:
             return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        blocks = []
-        parent = None
-        bs = self.block_size
-        for i in range(max_blocks):
-            parent = hash((parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
-            block = self._cached.get(parent)
-            if block is None:
+        salt = seq.params.cache_salt
+        parent: BlockKey | None = None
+        parent_digest = self._root(salt)
+        keys = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = self._packed(seq, i)
+            key = self._cached.get(_digest(parent_digest, tokens))
+            if key is None or not key.holds(parent, tokens, salt):
                 break
-            blocks.append(block)
-        return blocks
+            keys.append(key)
+            parent, parent_digest = key, key.digest
+        return keys
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Key every block of ``seq`` that is now full of computed tokens."""
+        """Key every block of ``seq`` that is now full of computed tokens. A block whose
+        content is already cached elsewhere takes that key; a digest held by other content
+        (a collision, or a key whose parent was evicted) is taken over by this block."""
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        done = len(seq.block_hashes)
+        done = len(seq.block_keys)
         if num_full <= done:
             return
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
-        for i, key in enumerate(self._chain_keys(seq.token_ids, num_full, done, parent), done):
-            seq.block_hashes.append(key)
-            block = seq.block_table[i]
-            if key not in self._cached and self._block_key[block] is None:
-                self._cached[key] = block
+        salt = seq.params.cache_salt
+        parent = seq.block_keys[-1] if done else None
+        parent_digest = parent.digest if parent is not None else self._root(salt)
+        for i in range(done, num_full):
+            tokens = self._packed(seq, i)
+            digest = _digest(parent_digest, tokens)
+            key = self._cached.get(digest)
+            if key is None or not key.holds(parent, tokens, salt):
+                block = seq.block_table[i]
+                key = BlockKey(digest, tokens, salt if parent is None else None,
+                               next(self._serials),
+                               -1 if parent is None else parent.serial, block)
+                self._forget(block)
+                self._cached[digest] = key
                 self._block_key[block] = key
+            seq.block_keys.append(key)
+            parent, parent_digest = key, digest
+
+    def _forget(self, block: int) -> None:
+        """Drop ``block``'s key: the block is about to hold other tokens."""
+        key = self._block_key[block]
+        if key is None:
+            return
+        self._block_key[block] = None
+        if self._cached.get(key.digest) is key:
+            del self._cached[key.digest]
 
     # -- allocation ---------------------------------------------------------------------
 
     def _take_free_block(self) -> int:
         block, _ = self._free.popitem(last=False)
-        key = self._block_key[block]
-        if key is not None:
-            # Evict: the block is about to hold other tokens.
-            self._block_key[block] = None
-            if self._cached.get(key) == block:
-                del self._cached[key]
+        self._forget(block)
         self._ref_counts[block] = 1
         return block
 
@@ -121,16 +197,16 @@ class BlockManager:
         prefix = self._match_prefix(seq)
         num_cached = len(prefix) * self.block_size
         num_new = min(seq.num_tokens - num_cached, max_new_tokens)
-        revived = sum(1 for b in prefix if self._ref_counts[b] == 0)
+        revived = sum(1 for key in prefix if self._ref_counts[key.block] == 0)
         needed = self.num_blocks_for(num_cached + num_new) - len(prefix)
         if needed + revived > len(self._free):
             return None
-        for block in prefix:
-            if self._ref_counts[block] == 0:
-                del self._free[block]
-            self._ref_counts[block] += 1
-        seq.block_table = list(prefix)
-        seq.block_hashes = [self._block_key[b] for b in prefix]  # type: ignore[misc]
+        for key in prefix:
+            if self._ref_counts[key.block] == 0:
+                del self._free[key.block]
+            self._ref_counts[key.block] += 1
+        seq.block_table = [key.block for key in prefix]
+        seq.block_keys = prefix
         seq.num_computed_tokens = num_cached
         self.append(seq, num_new)
         return num_new
@@ -142,4 +218,4 @@ class BlockManager:
             if self._ref_counts[block] == 0:
                 self._free[block] = None
         seq.block_table = []
-        seq.block_hashes = []
+        seq.block_keys = []

@@ -6,6 +6,14 @@ then on waiting sequences, which join the batch as soon as blocks and seats allo
 running sequence cannot get a block, the most recently arrived running sequence is
 preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed (its prompt and generated tokens, mostly from the prefix cache) later.
+
+Liveness: every sequence must fit in the whole cache on its own (``add`` refuses one that
+cannot; the engine's length check against ``compute_limits`` guarantees it). Then the
+oldest running sequence computes at least one token every step (it preempts the others
+before itself, and alone it fits), waiting sequences hold no blocks, and when nothing runs
+the head of the queue is admitted into an empty cache; so every sequence finishes within
+about as many steps as it has tokens once it is the oldest, and nothing spins.
+tests/test_scheduler_random.py checks this over random configurations.
 """
 
 from __future__ import annotations
@@ -66,7 +74,20 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
     def add(self, seq: Sequence) -> None:
+        """Queue ``seq``. Raises ``ValueError`` when its prompt plus ``max_tokens`` cannot
+        fit in the whole KV cache: it could never run, and would preempt itself forever."""
+        # The last sampled token is never computed, hence the - 1.
+        needed = seq.num_prompt_tokens + seq.max_tokens - 1
+        if needed > self.block_manager.num_slots:
+            raise ValueError(
+                f"sequence of request {seq.request_id!r} needs {needed} KV slots but the "
+                f"cache has {self.block_manager.num_slots}: check its length against "
+                "compute_limits' max_model_len first")
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from freetoken_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from freetoken_core.engine.block_manager import BlockKey
 
 
 class TokenSlice(SequenceABC):
@@ -40,8 +44,9 @@ class Sequence:
     ``token_ids`` holds prompt + generated tokens. ``num_computed_tokens`` counts the leading
     tokens whose KV is in the cache; the scheduler advances it after each step. A preempted
     sequence drops its blocks and sets it back to 0 (recompute). ``block_table`` lists the KV
-    blocks in order and ``block_hashes`` the prefix-cache keys of its leading full blocks;
-    both are owned by the block manager.
+    blocks in order and ``block_keys`` the prefix-cache keys of the content of its leading
+    full blocks (a key may name another block holding the same tokens); both are owned by
+    the block manager. ``params.cache_salt`` keys the prefix cache apart for this request.
     """
 
     seq_id: int
@@ -59,7 +64,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_keys: list[BlockKey] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -52,6 +52,8 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None
+    """Prefix-cache isolation: only requests with the same salt share cached blocks."""
     # Declared so that they are refused by name until they are implemented.
     response_format: Any = None
     tools: Any = None

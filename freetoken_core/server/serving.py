@@ -137,7 +137,8 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: d
         max_tokens=max_tokens, seed=request.seed, stop=request.stop or [],
         ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
-        skip_special_tokens=request.skip_special_tokens, logprobs=logprobs, **extra)
+        skip_special_tokens=request.skip_special_tokens, logprobs=logprobs,
+        cache_salt=request.cache_salt, **extra)
     params.verify(model)
     plugins.validate(params, model)
     return params
