@@ -34,7 +34,7 @@ from freetoken_core.sampling_params import SamplingParams
 
 VOCAB = 40
 EOS = 0
-NUM_CASES = 120
+NUM_CASES = 400
 
 
 def draw_config(rng: random.Random) -> tuple[EngineConfig, EngineLimits]:
@@ -137,10 +137,10 @@ class SimulatedEngine:
                 self.requests.pop(seq.request_id, None)
 
 
-def draw_params(rng: random.Random) -> SamplingParams:
+def draw_params(rng: random.Random, max_model_len: int) -> SamplingParams:
     return SamplingParams(
         n=rng.choice([1, 1, 1, 2, 3]),
-        max_tokens=rng.choice([None, rng.randint(1, 12), rng.randint(1, 60)]),
+        max_tokens=rng.choice([None, rng.randint(1, 12), rng.randint(1, max_model_len)]),
         ignore_eos=rng.random() < 0.3,
         cache_salt=rng.choice([None, None, "tenant-a", "tenant-b"]),
     )
@@ -151,7 +151,8 @@ def run_case(seed: int) -> None:
     config, limits = draw_config(rng)
     assert limits.max_model_len <= limits.num_kv_blocks * limits.block_size
     engine = SimulatedEngine(config, limits, rng)
-    stems = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 50))] for _ in range(3)]
+    max_len = limits.max_model_len
+    stems = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, max_len))] for _ in range(3)]
     arrivals = sorted(rng.randrange(30) for _ in range(rng.randint(1, 14)))
     last_arrival = arrivals[-1]
     budget = last_arrival + 1  # steps allowed: grows by each accepted sequence's length
@@ -159,9 +160,10 @@ def run_case(seed: int) -> None:
         while arrivals and arrivals[0] <= engine.num_steps:
             arrivals.pop(0)
             stem = rng.choice(stems)
-            prompt = stem[:rng.randint(0, len(stem))]
-            prompt += [rng.randrange(1, VOCAB) for _ in range(rng.randint(0 if prompt else 1, 30))]
-            params = draw_params(rng)
+            length = rng.randint(1, min(max_len, rng.choice([8, 40, max_len])) + 1)
+            prompt = stem[:rng.randint(0, min(len(stem), length))]
+            prompt += [rng.randrange(1, VOCAB) for _ in range(length - len(prompt))]
+            params = draw_params(rng, max_len)
             if engine.submit(prompt, params):
                 seq = engine.requests[f"r{engine._ids - 1}"][0]
                 budget += params.n * (seq.num_prompt_tokens + seq.max_tokens)
@@ -216,7 +218,7 @@ def test_the_random_mix_exercises_what_it_claims() -> None:
         engine = SimulatedEngine(config, limits, rng)
         prompt = [rng.randrange(1, VOCAB) for _ in range(40)]
         for i in range(6):
-            engine.submit(prompt[:rng.randint(1, 40)], draw_params(rng))
+            engine.submit(prompt[:rng.randint(1, 40)], draw_params(rng, limits.max_model_len))
             if i == 3:
                 engine.abort_random()
             for _ in range(5):
