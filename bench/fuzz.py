@@ -1,6 +1,6 @@
 """Fuzz a running ``freetoken serve`` from its own OpenAPI document (schemathesis).
 
-    python bench/fuzz.py [--model PATH] [--cases 2000] [--seed 0] [--max-model-len 256]
+    python bench/fuzz.py [--model PATH] [--cases 2000] [--seed 0] [--max-model-len 128]
 
 Starts the server on a free loopback port (a tiny random-weight Llama built with
 ``tests/tiny_models.make_tiny_model`` unless ``--model``; ``--api-key`` set), loads
@@ -28,6 +28,7 @@ import functools
 import json
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -129,6 +130,7 @@ def run_fuzz(url: str, api_key: str | None, cases_per_operation: int, seed: int 
             report.counts[label][599] += 1
             report.failures.append(f"{label}: no response: {type(exc).__name__}: {exc}\n"
                                    f"    {case.as_curl_command(headers=case_headers)}")
+            log(f"FAILED {label}: no response ({type(exc).__name__})")
             return
         report.counts[label][response.status_code] += 1
         try:
@@ -138,6 +140,7 @@ def run_fuzz(url: str, api_key: str | None, cases_per_operation: int, seed: int 
                 f"{label} -> {response.status_code}: {exc}\n    body sent: "
                 f"{json.dumps(case.body, default=repr)[:2000] if case.body is not None else '-'}"
                 f"\n    answer: {response.content[:500]!r}")
+            log(f"FAILED {label} -> {response.status_code}")
 
     for result in schema.get_all_operations():
         operation = result.ok()
@@ -181,6 +184,15 @@ def _plain_case(operation: Any) -> Any:
                           path_parameters=path_parameters or None)
 
 
+def drain(srv: Any) -> list[str]:
+    """Keep reading the server's output (a full pipe would stall it); the lines so far."""
+    lines: list[str] = []
+
+    if srv.proc.stdout is not None:
+        threading.Thread(target=lambda: lines.extend(srv.proc.stdout), daemon=True).start()
+    return lines
+
+
 def settle(url: str, api_key: str | None) -> list[str]:
     """Problems with the server after the fuzz: ``/health`` not 200, or sequences or KV
     blocks still held once ``SETTLE_TIMEOUT_S`` has passed."""
@@ -208,8 +220,8 @@ def main() -> int:
     parser.add_argument("--cases", type=int, default=2000,
                         help="total cases wanted, spread over the operations (default 2000)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-model-len", type=int, default=256,
-                        help="keeps every generation short (default 256)")
+    parser.add_argument("--max-model-len", type=int, default=128,
+                        help="keeps every generation short (default 128)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -221,18 +233,19 @@ def main() -> int:
             model = args.model
         srv = start_server(Path(model), "--api-key", API_KEY,
                            "--max-model-len", str(args.max_model_len), api_key=API_KEY)
+        log_lines = drain(srv)
         try:
             document = httpx.get(f"{srv.url}/schema/openapi.json", timeout=30,
                                  headers={"Authorization": f"Bearer {API_KEY}"}).json()
             num_operations = sum(len(item) for item in document["paths"].values())
-            # Two modes per operation; routes without input give one case per mode, so
-            # the routes with input get more than an even share.
-            per_operation = -(-args.cases // num_operations) + 20
+            # Two modes per operation; the routes without input give fewer cases, so the
+            # others get a little more than an even share.
+            per_operation = -(-args.cases // (2 * num_operations)) + 10
             report = run_fuzz(srv.url, API_KEY, per_operation, args.seed)
             problems = settle(srv.url, API_KEY)
         finally:
             stop_server(srv)
-            server_log = srv.proc.stdout.read() if srv.proc.stdout else ""
+            server_log = "".join(log_lines)
     print(report.table())
     for failure in report.failures:
         print(f"\nFAILED {failure}")

@@ -37,8 +37,9 @@ bench_fuzz = _load_bench_fuzz()
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Iterator[Server]:
     # A short context keeps every generation the fuzz asks for short.
-    srv = start_server(tiny_model_dir, "--api-key", KEY, "--max-model-len", "256",
+    srv = start_server(tiny_model_dir, "--api-key", KEY, "--max-model-len", "128",
                        api_key=KEY)
+    srv.log_lines = bench_fuzz.drain(srv)  # type: ignore[attr-defined]
     yield srv
     stop_server(srv)
 
@@ -59,8 +60,10 @@ def test_fuzz_from_the_served_schema(server: Server) -> None:
                   for method in item}
     assert set(report.counts) == operations
     assert report.num_cases >= 100
-    assert report.num_server_errors == 0, "\n\n".join(report.failures)
-    assert not report.failures, "\n\n".join(report.failures)
+    failures = "\n\n".join(report.failures)
+    server_log = "".join(server.log_lines)[-10_000:]  # type: ignore[attr-defined]
+    assert report.num_server_errors == 0, f"{failures}\n\nserver log:\n{server_log}"
+    assert not report.failures, f"{failures}\n\nserver log:\n{server_log}"
     assert bench_fuzz.settle(server.url, KEY) == []
 
 

@@ -5,7 +5,9 @@ shutdown stops it. Until the model is loaded ``/health`` answers 503 and the gen
 routes 503; every error is rendered as ``{"error": {"message", "type", "param", "code"}}``
 (``InvalidRequest`` and any schema failure → 400, unknown model or route → 404). With
 ``ServerConfig.api_key`` every route but ``/health`` answers 401 without
-``Authorization: Bearer <key>``. The generation routes live in ``openai_routes.py``.
+``Authorization: Bearer <key>`` (the schema pages included; a CORS preflight passes). The
+generation routes live in ``openai_routes.py``; the OpenAPI document at
+``/schema/openapi.json`` is completed by ``openapi.py``, and CORS is set up by ``cors.py``.
 """
 
 from __future__ import annotations
