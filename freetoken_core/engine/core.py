@@ -23,16 +23,22 @@ from freetoken_core.faults import RequestError, plugin_failure
 from freetoken_core.processors import ProcessorPipeline, StopHook, StopView
 from freetoken_core.sampling_params import SamplingParams
 
-_SEED_MASK = (1 << 63) - 1
+_MASK_64 = (1 << 64) - 1
 
 log = logging.getLogger("freetoken.engine")
 
 
+def _as_int64(value: int) -> int:
+    value &= _MASK_64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def choice_seed(seed: int, index: int) -> int:
-    """Seed of choice ``index`` of a request seeded with ``seed`` (choice 0 keeps it)."""
+    """Seed (an int64, as the sampler's tensors hold it) of choice ``index`` of a request
+    seeded with ``seed``; choice 0 keeps it, so every int64 seed draws differently."""
     if index == 0:
-        return seed & _SEED_MASK
-    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & _SEED_MASK
+        return _as_int64(seed)
+    return _as_int64(seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9)
 
 
 def effective_max_tokens(num_prompt_tokens: int, params: SamplingParams,
@@ -127,9 +133,14 @@ class EngineCore:
                      max_tokens, index=i)
             for i in range(params.n)
         ]
+        for i, seq in enumerate(seqs):
+            try:
+                self.scheduler.add(seq)
+            except ValueError as exc:  # cannot fit the cache (the length check prevents it)
+                for queued in seqs[:i]:
+                    self.scheduler.finish(queued, "abort")
+                raise InvalidRequest("max_tokens", str(exc)) from None
         self._seqs[request_id] = seqs
-        for seq in seqs:
-            self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         """Finish every sequence of the request now and free their blocks."""
