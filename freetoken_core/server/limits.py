@@ -12,13 +12,14 @@ a long prompt does not stall the event loop that streams every other request.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any, TypeVar
-
-import anyio
-import anyio.to_thread
 
 from freetoken_core.errors import InvalidRequest
 
@@ -114,8 +115,23 @@ def count_prompts(prompt: str | list[Any]) -> tuple[int, int]:
     return 1, 0
 
 
+TOKENIZER_NICENESS = 10
+"""Niceness of the tokenizer worker threads (Linux keeps it per thread): when long prompts
+arrive faster than the CPUs tokenize them, the engine process and the event loop, at the
+normal priority, keep the cores they need, so the streams already running do not slow
+down; the long prompts wait instead."""
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZER_NICENESS)
+    except (AttributeError, OSError):
+        pass  # not Linux, or not allowed: run at the normal priority
+
+
 class TokenizerPool:
-    """Runs blocking tokenizer and template calls in at most ``num_threads`` worker threads.
+    """Runs blocking tokenizer and template calls in ``num_threads`` worker threads of lower
+    CPU priority (``TOKENIZER_NICENESS``).
 
     Hugging Face fast tokenizers release the GIL while they encode, so the event loop keeps
     streaming meanwhile; templates (Jinja) hold it, but only in switch-interval slices.
@@ -124,9 +140,10 @@ class TokenizerPool:
 
     def __init__(self, num_threads: int) -> None:
         self.num_threads = num_threads
-        self._limiter = anyio.CapacityLimiter(num_threads)
+        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="freetoken-tok",
+                                            initializer=_lower_priority)
 
     async def run(self, func: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """``func(*args, **kwargs)`` in a worker thread; waits for a free one."""
-        return await anyio.to_thread.run_sync(partial(func, *args, **kwargs),
-                                              limiter=self._limiter)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, partial(func, *args, **kwargs))
