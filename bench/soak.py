@@ -59,7 +59,7 @@ WORDS = ("the", "sea", "moon", "robot", "library", "winter", "city", "night", "o
 ASSUMED_TOK_S = 250.0
 """Generated tokens per second of the default model at 64 streams on 2 cores (the estimate
 printed before the run; the measured rate after the warm-up replaces it)."""
-ITL_STREAMS, ITL_TOKENS, ITL_ROUNDS, FLOOD_IN_FLIGHT, FLOOD_CHARS = 8, 64, 2, 3, 100_000
+ITL_STREAMS, ITL_TOKENS, ITL_ROUNDS, FLOOD_CHARS = 8, 64, 2, 100_000
 BODY_LIMIT = 16 * 1024 * 1024  # the default --max-body-bytes
 PROMPT_CHARS_LIMIT = 1_048_576  # the default --max-prompt-chars
 REQUEST_TIMEOUT_S = 600.0
@@ -541,7 +541,10 @@ async def flood(client: httpx.AsyncClient, bodies: list[tuple[str, bytes]], stop
 
 
 async def measure_itl(url: str, model: str, rng: random.Random, tally: Tally,
-                      api_key: str | None) -> tuple[list[float], list[float]]:
+                      api_key: str | None, in_flight: int
+                      ) -> tuple[list[float], list[float]]:
+    """ITL gaps of the well-behaved streams alone, then while ``in_flight`` senders post
+    100,000-character prompts back to back."""
     bodies = [(path, json.dumps(
         {"model": model, "max_tokens": 4, "prompt": text_of_chars(rng, FLOOD_CHARS)}
         if path == "/v1/completions" else
@@ -563,7 +566,7 @@ async def measure_itl(url: str, model: str, rng: random.Random, tally: Tally,
             stop = asyncio.Event()
             senders = [asyncio.create_task(flood(flood_client, bodies[k:] + bodies[:k], stop,
                                                  tally))
-                       for k in range(FLOOD_IN_FLIGHT)]
+                       for k in range(in_flight)]
             await asyncio.sleep(0.3)  # the long prompts are arriving
             for gaps in await asyncio.gather(*(itl_stream(client, model, i, tally)
                                                for i in range(ITL_STREAMS))):
@@ -621,7 +624,8 @@ async def soak(args: argparse.Namespace, url: str, server_pid: int | None) -> bo
         stats_warm = await wait_idle(client)
         rss_warm = rss_mib(server_pid)
         start = time.monotonic()
-        without, with_flood = await measure_itl(url, model, rng, tally, args.api_key)
+        without, with_flood = await measure_itl(url, model, rng, tally, args.api_key,
+                                                args.flood_in_flight)
         rss_itl = rss_mib(server_pid)
         print(f"idle after the warm-up: RSS {fmt_rss(rss_warm)}; after the ITL phase "
               f"({time.monotonic() - start:.0f} s): {fmt_rss(rss_itl)}", flush=True)
@@ -704,6 +708,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--max-tokens-range", default="4-24", metavar="LO-HI")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--flood-in-flight", type=int, default=3, metavar="N",
+                        help="senders posting 100,000-character prompts back to back during "
+                             "the ITL phase (default: 3)")
     args = parser.parse_args()
     if args.url:
         port = urlsplit(args.url).port
