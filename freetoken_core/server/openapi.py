@@ -48,7 +48,10 @@ ERROR_DESCRIPTIONS = {
     401: "No valid API key (``Authorization: Bearer <key>``).",
     404: "Unknown model (``code: model_not_found``) or route.",
     413: "The request is too large.",
-    503: "The model is still loading, or the engine has stopped.",
+    500: "A plugin or the engine failed this request (``code``: ``plugin_error`` or "
+         "``engine_error``; the message names the plugin and the stage).",
+    503: "The model is still loading, or the engine process is restarting (see "
+         "``Retry-After``).",
 }
 
 
@@ -65,14 +68,17 @@ class RouteBodies:
 
 
 _BODY_ERRORS = (400, 404, 413, 503)
+_GENERATION_ERRORS = (400, 404, 413, 500, 503)
+"""The generation routes also answer 500 when a plugin or the engine fails the request."""
 _TOKENIZE = RouteBodies(p.TokenizeRequest, p.TokenizeResponse, errors=_BODY_ERRORS)
 _DETOKENIZE = RouteBodies(p.DetokenizeRequest, p.DetokenizeResponse, errors=_BODY_ERRORS)
 
 ROUTES: dict[tuple[str, str], RouteBodies] = {
     ("post", "/v1/completions"): RouteBodies(
-        p.CompletionRequest, p.CompletionResponse, p.CompletionResponse, _BODY_ERRORS),
+        p.CompletionRequest, p.CompletionResponse, p.CompletionResponse, _GENERATION_ERRORS),
     ("post", "/v1/chat/completions"): RouteBodies(
-        p.ChatCompletionRequest, p.ChatCompletionResponse, p.ChatCompletionChunk, _BODY_ERRORS),
+        p.ChatCompletionRequest, p.ChatCompletionResponse, p.ChatCompletionChunk,
+        _GENERATION_ERRORS),
     ("post", "/tokenize"): _TOKENIZE,
     ("post", "/v1/tokenize"): _TOKENIZE,
     ("post", "/detokenize"): _DETOKENIZE,
@@ -80,7 +86,7 @@ ROUTES: dict[tuple[str, str], RouteBodies] = {
     ("get", "/v1/models"): RouteBodies(),
     ("get", "/v1/models/{model_id}"): RouteBodies(errors=(404, 503)),
     ("get", "/internal/stats"): RouteBodies(),
-    ("get", "/metrics"): RouteBodies(),
+    ("get", "/metrics"): RouteBodies(errors=()),  # served while the engine is down too
     ("get", "/health"): RouteBodies(),
     ("get", "/version"): RouteBodies(errors=()),
 }
