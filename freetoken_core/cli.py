@@ -14,6 +14,7 @@ installed is a start-up error (exit status 2) listing the installed plugins.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from collections.abc import Sequence
@@ -188,6 +189,10 @@ def _serve(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=5))
+    # torch, transformers and Litestar live as long as the server: keep the cyclic
+    # collector off them, so that a full collection does not stall the streams for long.
+    gc.collect()
+    gc.freeze()
     server.run()
     return 2 if failures else 0
 

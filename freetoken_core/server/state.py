@@ -4,7 +4,6 @@ tokenizer and plugins once loaded, the metrics, and the error type with an HTTP 
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -121,9 +120,5 @@ class Serving:
                                                                            error.plugin)
             self.plugins = plugins
             self.model_info = ModelInfo(info.vocab_size, info.eos_token_ids, info.max_model_len)
-            # What is loaded now lives as long as the server: keep the cyclic collector off
-            # it, so that a full collection does not stall the streams for long.
-            gc.collect()
-            gc.freeze()
         except FreeTokenError as exc:
             on_fatal(str(exc))
