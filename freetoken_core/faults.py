@@ -11,7 +11,11 @@ is ``plugin_error`` or ``engine_error``.
 
 from __future__ import annotations
 
+import logging
+
 from freetoken_core.errors import FreeTokenError
+
+log = logging.getLogger("freetoken.plugins")
 
 STAGES = ("validate_request", "rewrite_prompt", "decorate_response", "add_request", "apply",
           "update", "remove_request", "check_stop", "model", "sampler", "engine")
@@ -37,6 +41,8 @@ class RequestError(FreeTokenError):
 
 
 def plugin_failure(plugin: str, stage: str, exc: BaseException) -> RequestError:
-    """The error that fails the requests using ``plugin`` after its code raised ``exc``."""
+    """The error that fails the requests using ``plugin`` after its code raised ``exc``;
+    logs ``exc`` with its traceback (call it once per failure)."""
+    log.error("plugin %s failed in %s", plugin, stage, exc_info=exc)
     return RequestError(stage, f"the plugin {plugin!r} failed in {stage}: "
                                f"{type(exc).__name__}: {exc}", plugin)

@@ -9,7 +9,6 @@ for the fields they own, so a request using them gets a message naming the plugi
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,8 +29,6 @@ from freetoken_core.processors import (
 )
 
 ENV_VAR = "FREETOKEN_PLUGINS"
-
-log = logging.getLogger("freetoken.plugins")
 
 
 class PluginSelectionError(FreeTokenError):
@@ -58,6 +55,11 @@ def parse_selection(value: str | None) -> set[str] | None:
     if value.strip() == "none":
         return set()
     return {name.strip() for name in value.split(",") if name.strip()}
+
+
+def _call_impl(impl: pluggy.HookImpl, kwargs: dict[str, Any]) -> Any:
+    """One plugin's implementation of a hook, given the arguments it asks for by name."""
+    return impl.function(*(kwargs[name] for name in impl.argnames))
 
 
 def _hook_names(plugin: Any) -> list[str]:
@@ -167,7 +169,7 @@ class PluginManager:
         results = []
         for impl in reversed(impls):  # pluggy calls the last registered first
             try:
-                result = impl.function(*(kwargs[name] for name in impl.argnames))
+                result = _call_impl(impl, kwargs)
             except FreeTokenError:
                 raise
             except Exception as exc:
@@ -186,7 +188,6 @@ class PluginManager:
                 if owner in self._enabled}
 
     def _failed(self, plugin: str, stage: str, exc: Exception) -> RequestError:
-        log.error("plugin %s failed in %s", plugin, stage, exc_info=exc)
         error = plugin_failure(plugin, stage, exc)
         if self.on_failure is not None:
             self.on_failure(error)
@@ -238,8 +239,7 @@ class PluginManager:
             fields = frozenset(f for f, owner in self._field_owner.items() if owner == name)
 
             def check(views: list[Any], tokens: list[int], impl: Any = impl) -> Any:
-                kwargs = {"sequences": views, "token_ids": tokens}
-                return impl.function(*(kwargs[a] for a in impl.argnames))
+                return _call_impl(impl, {"sequences": views, "token_ids": tokens})
 
             hooks.append(StopHook(name, fields, check))
         return hooks

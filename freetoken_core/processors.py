@@ -181,7 +181,6 @@ class ProcessorPipeline:
             try:
                 proc.add_request(slot, params, prompt_token_ids, output_token_ids)
             except Exception as exc:
-                log.error("processor %s failed in add_request", proc.name, exc_info=exc)
                 self.remove_request(slot)
                 raise plugin_failure(self._plugin_of(proc), "add_request", exc) from exc
             slots.add(slot)
@@ -204,7 +203,6 @@ class ProcessorPipeline:
 
     def _fail(self, proc: LogitsProcessor, slots: set[int], stage: str,
               exc: Exception) -> None:
-        log.error("processor %s failed in %s", proc.name, stage, exc_info=exc)
         error = plugin_failure(self._plugin_of(proc), stage, exc)
         for slot in slots:
             self._failures.setdefault(slot, error)

@@ -118,7 +118,7 @@ class RequestFailed(msgspec.Struct, tag=True):
             return cls(request_id, None, exc.message, exc.status, exc.code, exc.stage,
                        exc.plugin)
         if isinstance(exc, InvalidRequest):
-            return cls(request_id, exc.param, exc.message, 400, getattr(exc, "code", None))
+            return cls(request_id, exc.param, exc.message, 400, exc.code)
         return cls(request_id, None, str(exc), 500, "engine_error", "engine")
 
 
@@ -161,7 +161,6 @@ class _Engine:
         self.decoder = msgspec.msgpack.Decoder(ToEngine)
         self.running = True
         self.num_aborted = 0
-        self.num_failed = 0
 
     def send(self, message: FromEngine) -> None:
         self.conn_out.send_bytes(self.encoder.encode(message))
@@ -212,7 +211,6 @@ class _Engine:
             if updates:
                 self.send(StepUpdates([_wire_update(u) for u in updates]))
             for request_id, error in self.core.take_failures():
-                self.num_failed += 1
                 self.send(RequestFailed.of(request_id, error))
 
 
