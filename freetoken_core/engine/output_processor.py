@@ -87,7 +87,7 @@ class StopMatcher:
         goto, fail, longest = self._goto, self._fail, self._longest
         for end, ch in enumerate(text):
             code = ord(ch)
-            while True:
+            while True:  # ``_step`` inlined: this loop runs once per generated character
                 nxt = goto.get((state << _CHAR_BITS) | code)
                 if nxt is not None:
                     state = nxt
