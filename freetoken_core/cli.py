@@ -58,9 +58,13 @@ def _add_limit_options(serve: argparse.ArgumentParser) -> None:
         ("--max-sequences", "max_sequences", d.max_sequences, "prompts × n"),
         ("--max-prompt-chars", "max_prompt_chars", d.max_prompt_chars,
          "characters of prompt text, before tokenization"),
+        ("--max-cache-salt-chars", "max_cache_salt_chars", d.max_cache_salt_chars,
+         "characters of cache_salt"),
         ("--max-body-bytes", "max_body_bytes", d.max_body_bytes, "bytes of request body"),
         ("--tokenizer-threads", "num_tokenizer_threads", d.num_tokenizer_threads,
          "worker threads that tokenize and render chat templates (not a per-request limit)"),
+        ("--idle-priority-chars", "idle_priority_chars", d.idle_priority_chars,
+         "prompt text above this is tokenized at idle CPU priority (not a limit)"),
     ]:
         group.add_argument(flag, dest=dest, type=int, default=default, metavar="N",
                            help=f"{help_} (default: {default})")

@@ -13,8 +13,6 @@ if TYPE_CHECKING:
     from freetoken_core.processors import ModelInfo
 
 MAX_LOGPROBS = 20
-MAX_CACHE_SALT_LENGTH = 1024
-"""Longest ``cache_salt`` in characters (it is hashed once per admitted sequence)."""
 MAX_N = 128
 """Most choices one ``SamplingParams`` may ask for (the server allows fewer: ``MAX_N``
 in ``server/protocol.py``)."""
@@ -66,8 +64,8 @@ class SamplingParams:
     return beside the sampled token's log-probability (``None``: no logprobs).
     ``verify(model)`` checks what depends on the model (``top_k`` and ``logprobs`` against
     the vocabulary); the process that accepts a request calls it.
-    ``cache_salt`` (a non-empty string of at most ``MAX_CACHE_SALT_LENGTH`` characters)
-    keys the prefix cache: requests share cached prompt blocks only when their salts are
+    ``cache_salt`` (a non-empty string; the server bounds its length with
+    ``--max-cache-salt-chars``) keys the prefix cache: requests share cached prompt blocks only when their salts are
     equal or both absent.
     """
 
@@ -146,10 +144,8 @@ class SamplingParams:
             "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}]",
         )
         _require(
-            self.cache_salt is None or (isinstance(self.cache_salt, str)
-                                        and 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_LENGTH),
-            "cache_salt", f"cache_salt must be a non-empty string of at most "
-                          f"{MAX_CACHE_SALT_LENGTH} characters",
+            self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
+            "cache_salt", "cache_salt must be a non-empty string",
         )
         if temperature < GREEDY_TEMPERATURE:  # checked above: a finite float
             self.temperature = 0.0

@@ -4,6 +4,7 @@ tokenization off the event loop (``TokenizerPool``)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -196,11 +197,40 @@ def test_a_refusal_raised_in_the_worker_thread_still_names_its_field(
     assert info.value.param == "prompt"
 
 
+def test_long_prompts_are_tokenized_at_idle_priority(recording: RecordingTokenizer) -> None:
+    """Prompt text above ``idle_priority_chars`` goes to the ``SCHED_IDLE`` thread, shorter
+    text to the niced workers; the tokenizer's own thread pool is off, so the encoding runs
+    in the thread that was picked."""
+    serving = make_serving(recording, RequestLimits(idle_priority_chars=50))
+    seen: list[tuple[str, int]] = []
+
+    def where() -> None:
+        seen.append((threading.current_thread().name, os.sched_getscheduler(0)))
+
+    async def go() -> None:
+        pool = serving.tokenizer_pool
+        await pool.run(where, num_chars=50)
+        await pool.run(where, num_chars=51)
+
+    asyncio.run(go())
+    (short_name, short_policy), (long_name, long_policy) = seen
+    assert short_name.startswith("freetoken-tok_") and short_policy == os.SCHED_OTHER
+    assert long_name.startswith("freetoken-tok-idle") and long_policy == os.SCHED_IDLE
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    recording.threads.clear()
+    generate(serving, b'{"model": "m", "prompt": "' + b"word " * 20 + b'"}', False)
+    generate(serving, b'{"model": "m", "messages": [{"role": "user", "content": "'
+             + b"word " * 12 + b'"}]}', True)
+    assert recording.threads["encode"] <= {t.ident for t in threading.enumerate()
+                                           if t.name.startswith("freetoken-tok-idle")}
+
+
 # --------------------------------------------------------------------------- server
 
 LIMIT_FLAGS = ("--max-stop-strings", "3", "--max-stop-string-chars", "10", "--max-prompts", "3",
                "--max-sequences", "4", "--max-prompt-chars", "60000",
-               "--max-body-bytes", "200000", "--tokenizer-threads", "2")
+               "--max-body-bytes", "200000", "--tokenizer-threads", "2",
+               "--max-cache-salt-chars", "8", "--idle-priority-chars", "1000")
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +261,7 @@ def test_server_refuses_each_limit_by_field(server: Server) -> None:
     refused(server, "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x" * 60_001}]}, "messages")
     refused(server, "/tokenize", {"prompt": "x" * 60_001}, "prompt")
+    refused(server, "/v1/completions", {"prompt": "hi", "cache_salt": "x" * 9}, "cache_salt")
     refused(server, "/tokenize", {"messages": [{"role": "user", "content": "x" * 60_001}]},
             "messages")
 

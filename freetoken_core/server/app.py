@@ -94,6 +94,7 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
         task.add_done_callback(tasks.discard)
 
     async def shutdown() -> None:
+        serving.tokenizer_pool.shutdown()
         await asyncio.to_thread(serving.client.shutdown)
 
     expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
@@ -160,7 +161,7 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
             if body.continue_final_message and body.add_generation_prompt:
                 raise InvalidRequest("continue_final_message", "continue_final_message and "
                                      "add_generation_prompt cannot both be true")
-            limits.check_messages(body.messages)
+            num_chars = limits.check_messages(body.messages)
 
             def work() -> list[int]:
                 text = render_chat(tokenizer, body.messages,
@@ -170,11 +171,12 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
                 limits.check_prompt_chars(len(text), "messages")
                 return encode(tokenizer, text)
         else:
-            limits.check_prompt_chars(len(body.prompt), "prompt")
+            num_chars = len(body.prompt)
+            limits.check_prompt_chars(num_chars, "prompt")
 
             def work() -> list[int]:
                 return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        tokens = await serving.tokenizer_pool.run(work)  # off the event loop
+        tokens = await serving.tokenizer_pool.run(work, num_chars=num_chars)  # off the loop
         return p.TokenizeResponse(tokens, len(tokens), model_info.max_model_len)
 
     @post(["/detokenize", "/v1/detokenize"], status_code=200)

@@ -47,11 +47,19 @@ class RequestLimits:
     """Characters of prompt text in one request before tokenization: the sum over the
     string prompts (plus ``suffix``), or over the chat messages' text and then the rendered
     chat text (``--max-prompt-chars``)."""
+    max_cache_salt_chars: int = 1024
+    """Characters of ``cache_salt`` (``--max-cache-salt-chars``); it is hashed once per
+    admitted sequence."""
     max_body_bytes: int = 16_777_216
     """Bytes in one request body; a larger body is a 413 (``--max-body-bytes``)."""
     num_tokenizer_threads: int = 4
     """Worker threads that tokenize and render chat templates, off the event loop
     (``--tokenizer-threads``)."""
+    idle_priority_chars: int = 16_384
+    """Prompt text of more characters than this is tokenized by one background thread at
+    idle CPU priority, which runs only while the engine and the event loop leave a core
+    free: a flood of long prompts waits instead of slowing the streams already running
+    (``--idle-priority-chars``)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -71,6 +79,14 @@ class RequestLimits:
                                              f"{self.max_stop_string_chars} characters, got "
                                              f"{len(s)}")
 
+    def check_cache_salt(self, salt: object) -> None:
+        """400 ``cache_salt`` for a salt above ``max_cache_salt_chars`` characters (its type
+        and emptiness are ``SamplingParams``' to check)."""
+        if isinstance(salt, str) and len(salt) > self.max_cache_salt_chars:
+            raise InvalidRequest("cache_salt", f"cache_salt may have at most "
+                                               f"{self.max_cache_salt_chars} characters, got "
+                                               f"{len(salt)}")
+
     def check_sequences(self, num_prompts: int, n: int) -> None:
         """400 ``prompt`` for too many prompts, ``n`` for too many prompts × ``n``."""
         if num_prompts > self.max_prompts:
@@ -88,9 +104,10 @@ class RequestLimits:
                                         f"the {self.max_prompt_chars} allowed before "
                                         f"tokenization")
 
-    def check_messages(self, messages: list[Any]) -> None:
-        """400 ``messages`` when the text of the messages is above ``max_prompt_chars``
-        (counted before the template runs; the rendered text is checked again)."""
+    def check_messages(self, messages: list[Any]) -> int:
+        """The characters of the messages' text; 400 ``messages`` when they are above
+        ``max_prompt_chars`` (counted before the template runs; the rendered text is checked
+        again)."""
         total = 0
         for message in messages:
             content = message.content
@@ -102,6 +119,7 @@ class RequestLimits:
             if message.name is not None:
                 total += len(message.name)
         self.check_prompt_chars(total, "messages")
+        return total
 
 
 def count_prompts(prompt: str | list[Any]) -> tuple[int, int]:
@@ -116,10 +134,8 @@ def count_prompts(prompt: str | list[Any]) -> tuple[int, int]:
 
 
 TOKENIZER_NICENESS = 10
-"""Niceness of the tokenizer worker threads (Linux keeps it per thread): when long prompts
-arrive faster than the CPUs tokenize them, the engine process and the event loop, at the
-normal priority, keep the cores they need, so the streams already running do not slow
-down; the long prompts wait instead."""
+"""Niceness of the tokenizer worker threads (Linux keeps it per thread): the engine process
+and the event loop, at the normal priority, get most of a contended core."""
 
 
 def _lower_priority() -> None:
@@ -129,21 +145,50 @@ def _lower_priority() -> None:
         pass  # not Linux, or not allowed: run at the normal priority
 
 
+def _idle_priority() -> None:
+    """``SCHED_IDLE`` for this thread: the kernel runs it only on a core that nothing of
+    normal priority wants (niceness alone still takes a third of a core from a two-thread
+    matmul on two cores; ``SCHED_IDLE`` takes nothing measurable)."""
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        _lower_priority()  # not Linux, or not allowed: niceness at least
+
+
 class TokenizerPool:
-    """Runs blocking tokenizer and template calls in ``num_threads`` worker threads of lower
-    CPU priority (``TOKENIZER_NICENESS``).
+    """Runs blocking tokenizer and template calls off the event loop.
+
+    - Work on up to ``idle_priority_chars`` characters runs in ``num_threads`` worker threads
+      at niceness ``TOKENIZER_NICENESS``.
+    - Longer work runs in one more thread with the ``SCHED_IDLE`` policy: while the engine
+      keeps every core busy, a long prompt waits for a free moment instead of taking CPU
+      from the running streams (measured in ``bench/soak.py``'s ITL figure).
 
     Hugging Face fast tokenizers release the GIL while they encode, so the event loop keeps
     streaming meanwhile; templates (Jinja) hold it, but only in switch-interval slices.
-    Exceptions raised by the call (``InvalidRequest`` among them) propagate to the caller.
+    Their Rust core would otherwise hand even a single text to its own (Rayon) thread pool,
+    at the normal priority: the pool sets ``TOKENIZERS_PARALLELISM=false`` (unless the
+    environment already says otherwise) so the encoding runs in the calling thread, at that
+    thread's priority. Exceptions raised by the call (``InvalidRequest`` among them)
+    propagate to the caller.
     """
 
-    def __init__(self, num_threads: int) -> None:
+    def __init__(self, num_threads: int, idle_priority_chars: int = 16_384) -> None:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.num_threads = num_threads
+        self.idle_priority_chars = idle_priority_chars
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="freetoken-tok",
                                             initializer=_lower_priority)
+        self._idle = ThreadPoolExecutor(1, thread_name_prefix="freetoken-tok-idle",
+                                        initializer=_idle_priority)
 
-    async def run(self, func: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-        """``func(*args, **kwargs)`` in a worker thread; waits for a free one."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, partial(func, *args, **kwargs))
+    async def run(self, func: Callable[..., R], *args: Any, num_chars: int = 0) -> R:
+        """``func(*args)`` in a worker thread; waits for a free one. ``num_chars`` (the
+        prompt text the call works on) above ``idle_priority_chars`` picks the idle-priority
+        thread."""
+        executor = self._idle if num_chars > self.idle_priority_chars else self._executor
+        return await asyncio.get_running_loop().run_in_executor(executor, partial(func, *args))
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._idle.shutdown(wait=False, cancel_futures=True)

@@ -108,12 +108,13 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
     tokenizer, plugins, model_info = serving.require_ready(body.model)
     limits, pool = serving.config.limits, serving.tokenizer_pool
     limits.check_stop(body.stop)
+    limits.check_cache_salt(body.cache_salt)
     params = sampling_params(body, extra, plugins, model_info)
     # Templates, tokenization and the rewrite hook run in worker threads (``pool``), so a
     # long prompt never stalls the streams this event loop serves.
     if isinstance(body, p.ChatCompletionRequest):
         limits.check_sequences(1, params.n)
-        limits.check_messages(body.messages)
+        num_chars = limits.check_messages(body.messages)
 
         def chat_prompts() -> list[list[int]]:
             text = render_chat(tokenizer, body.messages,
@@ -123,19 +124,22 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
             limits.check_prompt_chars(len(text), "messages")
             return [encode(tokenizer, text)]
 
-        prompts = await pool.run(chat_prompts)
+        prompts = await pool.run(chat_prompts, num_chars=num_chars)
     else:
         if body.suffix is not None:
             plugins.require_field("suffix")  # 400 naming the plugin (fim) to enable
         num_prompts, num_chars = count_prompts(body.prompt)
+        num_chars += len(body.suffix or "")
         limits.check_sequences(num_prompts, params.n)
-        limits.check_prompt_chars(num_chars + len(body.suffix or ""), "prompt")
+        limits.check_prompt_chars(num_chars, "prompt")
 
         def rewrite(prompt: str | list[int]) -> str | list[int]:
             return plugins.rewrite_prompt(body, prompt, tokenizer)
 
-        prompts = await pool.run(completion_prompts, tokenizer, body.prompt, rewrite)
-    await pool.run(check_fits, prompts, params, model_info, "messages" if chat else "prompt")
+        prompts = await pool.run(completion_prompts, tokenizer, body.prompt, rewrite,
+                                 num_chars=num_chars)
+    await pool.run(check_fits, prompts, params, model_info, "messages" if chat else "prompt",
+                   num_chars=num_chars)
     gen = Generation(serving.client, tokenizer, prompts, params,
                      on_done=serving.metrics.record,
                      matcher=await pool.run(StopMatcher, params.stop))

@@ -88,7 +88,8 @@ class Serving:
     """Where the routes tokenize and render templates: worker threads, off the loop."""
 
     def __post_init__(self) -> None:
-        self.tokenizer_pool = TokenizerPool(self.config.limits.num_tokenizer_threads)
+        self.tokenizer_pool = TokenizerPool(self.config.limits.num_tokenizer_threads,
+                                            self.config.limits.idle_priority_chars)
 
     @property
     def is_ready(self) -> bool:
