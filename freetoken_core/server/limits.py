@@ -7,16 +7,20 @@ every violation is a 400 before any tokenizer, template or engine work starts. T
 size is enforced by Litestar (``request_max_body_size``: 413).
 
 ``TokenizerPool`` runs tokenization and chat-template rendering in worker threads, so that
-a long prompt does not stall the event loop that streams every other request.
+a long prompt does not stall the event loop that streams every other request, and encodes
+long texts in a process at idle CPU priority.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import multiprocessing
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any, TypeVar
@@ -24,6 +28,7 @@ from typing import Any, TypeVar
 from freetoken_core.errors import InvalidRequest
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,9 +61,9 @@ class RequestLimits:
     """Worker threads that tokenize and render chat templates, off the event loop
     (``--tokenizer-threads``)."""
     idle_priority_chars: int = 16_384
-    """Prompt text of more characters than this is tokenized by one background thread at
-    idle CPU priority, which runs only while the engine and the event loop leave a core
-    free: a flood of long prompts waits instead of slowing the streams already running
+    """A text of more characters than this is encoded by a background process at idle CPU
+    priority, which runs only while the engine and the event loop leave a core free: a
+    flood of long prompts waits instead of slowing the streams already running
     (``--idle-priority-chars``)."""
 
     def __post_init__(self) -> None:
@@ -145,32 +150,51 @@ def _lower_priority() -> None:
         pass  # not Linux, or not allowed: run at the normal priority
 
 
-def _idle_priority() -> None:
-    """``SCHED_IDLE`` for this thread: the kernel runs it only on a core that nothing of
-    normal priority wants (niceness alone still takes a third of a core from a two-thread
-    matmul on two cores; ``SCHED_IDLE`` takes nothing measurable)."""
+_IDLE_BACKEND: Any = None
+"""The Rust tokenizer of the idle-priority encoder process (set by its initializer)."""
+
+
+def _idle_encoder_init(backend: Any) -> None:
+    """Runs first in the encoder process: ``SCHED_IDLE`` (the kernel runs it only on a core
+    that nothing of normal priority wants; niceness 19 where that is not allowed)."""
+    global _IDLE_BACKEND
     try:
-        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
-        _lower_priority()  # not Linux, or not allowed: niceness at least
+        try:
+            os.nice(19)
+        except OSError:
+            pass
+    _IDLE_BACKEND = backend
+
+
+def _idle_encode(text: str, add_special_tokens: bool) -> list[int]:
+    return _IDLE_BACKEND.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 class TokenizerPool:
     """Runs blocking tokenizer and template calls off the event loop.
 
-    - Work on up to ``idle_priority_chars`` characters runs in ``num_threads`` worker threads
-      at niceness ``TOKENIZER_NICENESS``.
-    - Longer work runs in one more thread with the ``SCHED_IDLE`` policy: while the engine
-      keeps every core busy, a long prompt waits for a free moment instead of taking CPU
-      from the running streams (measured in ``bench/soak.py``'s ITL figure).
+    - Every call runs in one of ``num_threads`` worker threads at niceness
+      ``TOKENIZER_NICENESS``.
+    - A text of more than ``idle_priority_chars`` characters is encoded (``encode``) in a
+      separate process with the ``SCHED_IDLE`` policy, which gets a core only when the engine
+      and the server leave one free: a flood of long prompts waits for a free moment instead
+      of taking CPU from the running streams (measured in ``bench/soak.py``'s ITL figure).
+      It must be a process: a ``SCHED_IDLE`` *thread* of this process stalls the event loop
+      whenever it needs the GIL back (CPython's GIL hand-off makes the releasing thread wait
+      until the waiter has actually run, and on busy cores an idle-priority thread may not
+      run for hundreds of milliseconds).
 
-    Hugging Face fast tokenizers release the GIL while they encode, so the event loop keeps
-    streaming meanwhile; templates (Jinja) hold it, but only in switch-interval slices.
-    Their Rust core would otherwise hand even a single text to its own (Rayon) thread pool,
-    at the normal priority: the pool sets ``TOKENIZERS_PARALLELISM=false`` (unless the
-    environment already says otherwise) so the encoding runs in the calling thread, at that
-    thread's priority. Exceptions raised by the call (``InvalidRequest`` among them)
-    propagate to the caller.
+    The encoder process gets a copy of the fast tokenizer's Rust core
+    (``tokenizer.backend_tokenizer``), so it encodes exactly as ``tokenizer.encode`` does; a
+    tokenizer without one (a slow tokenizer) is encoded in the worker thread. Hugging Face's
+    Rust core would otherwise hand even a single text to its own (Rayon) thread pool, at the
+    normal priority: the pool sets ``TOKENIZERS_PARALLELISM=false`` (unless the environment
+    already says otherwise) so encoding runs in the thread or process that was picked.
+    Exceptions raised by the call (``InvalidRequest`` among them) propagate to the caller;
+    if the encoder process dies, the text is encoded in the worker thread and a new process
+    starts for the next long text.
     """
 
     def __init__(self, num_threads: int, idle_priority_chars: int = 16_384) -> None:
@@ -179,16 +203,48 @@ class TokenizerPool:
         self.idle_priority_chars = idle_priority_chars
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="freetoken-tok",
                                             initializer=_lower_priority)
-        self._idle = ThreadPoolExecutor(1, thread_name_prefix="freetoken-tok-idle",
-                                        initializer=_idle_priority)
+        self._backend: Any = None
+        self._idle: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
 
-    async def run(self, func: Callable[..., R], *args: Any, num_chars: int = 0) -> R:
-        """``func(*args)`` in a worker thread; waits for a free one. ``num_chars`` (the
-        prompt text the call works on) above ``idle_priority_chars`` picks the idle-priority
-        thread."""
-        executor = self._idle if num_chars > self.idle_priority_chars else self._executor
-        return await asyncio.get_running_loop().run_in_executor(executor, partial(func, *args))
+    def attach(self, tokenizer: Any) -> None:
+        """Start the idle-priority encoder process for ``tokenizer`` (the served one)."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return
+        with self._lock:
+            self._backend = backend
+            self._start_idle()
+
+    def _start_idle(self) -> None:
+        self._idle = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=_idle_encoder_init,
+                                         initargs=(self._backend,))
+
+    async def run(self, func: Callable[..., R], *args: Any) -> R:
+        """``func(*args)`` in a worker thread; waits for a free one."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor,
+                                                                partial(func, *args))
+
+    def encode(self, tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``tokenizer.encode(text)``; a text longer than ``idle_priority_chars`` goes to the
+        idle-priority encoder process. Call it from a worker thread (it blocks)."""
+        idle = self._idle
+        if (len(text) > self.idle_priority_chars and idle is not None
+                and tokenizer.backend_tokenizer is self._backend):
+            try:
+                return idle.submit(_idle_encode, text, add_special_tokens).result()
+            except BrokenProcessPool:
+                log.warning("the idle-priority encoder process died; starting a new one")
+                with self._lock:
+                    if self._idle is idle:
+                        idle.shutdown(wait=False, cancel_futures=True)
+                        self._start_idle()
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._idle.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            if self._idle is not None:
+                self._idle.shutdown(wait=False, cancel_futures=True)
+                self._idle = None

@@ -25,7 +25,6 @@ from freetoken_core.server.logprobs import LogprobFormatter
 from freetoken_core.server.serving import (
     check_fits,
     completion_prompts,
-    encode,
     parse_body,
     render_chat,
     sampling_params,
@@ -114,7 +113,7 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
     # long prompt never stalls the streams this event loop serves.
     if isinstance(body, p.ChatCompletionRequest):
         limits.check_sequences(1, params.n)
-        num_chars = limits.check_messages(body.messages)
+        limits.check_messages(body.messages)
 
         def chat_prompts() -> list[list[int]]:
             text = render_chat(tokenizer, body.messages,
@@ -122,9 +121,9 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
                                continue_final_message=body.continue_final_message,
                                chat_template_kwargs=body.chat_template_kwargs)
             limits.check_prompt_chars(len(text), "messages")
-            return [encode(tokenizer, text)]
+            return [pool.encode(tokenizer, text)]
 
-        prompts = await pool.run(chat_prompts, num_chars=num_chars)
+        prompts = await pool.run(chat_prompts)
     else:
         if body.suffix is not None:
             plugins.require_field("suffix")  # 400 naming the plugin (fim) to enable
@@ -137,9 +136,8 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
             return plugins.rewrite_prompt(body, prompt, tokenizer)
 
         prompts = await pool.run(completion_prompts, tokenizer, body.prompt, rewrite,
-                                 num_chars=num_chars)
-    await pool.run(check_fits, prompts, params, model_info, "messages" if chat else "prompt",
-                   num_chars=num_chars)
+                                 pool.encode)
+    await pool.run(check_fits, prompts, params, model_info, "messages" if chat else "prompt")
     gen = Generation(serving.client, tokenizer, prompts, params,
                      on_done=serving.metrics.record,
                      matcher=await pool.run(StopMatcher, params.stop))
