@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -216,11 +219,11 @@ def test_long_texts_are_encoded_in_an_idle_priority_process(recording: Recording
             assert pool.encode(recording, text, special) == inner.encode(
                 text, add_special_tokens=special), (text, special)
     assert "encode" not in recording.threads  # none of them was encoded in this process
-    encoder = pool._idle
-    assert encoder is not None and encoder.submit(os.sched_getscheduler, 0).result() == \
-        os.SCHED_IDLE
-    (pid,) = encoder._processes
-    assert pid != os.getpid()
+    encoder = pool.idle_encoder
+    assert encoder is not None and encoder.pid is not None
+    pid = encoder.pid
+    assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+    assert "torch" not in " ".join(m.path for m in psutil.Process(pid).memory_maps())
     assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
 
     seen: list[tuple[int, int]] = []
@@ -250,9 +253,30 @@ def test_long_texts_are_encoded_in_an_idle_priority_process(recording: Recording
     recording.threads.pop("encode")
     assert pool.encode(recording, texts[1]) == inner.encode(texts[1], add_special_tokens=False)
     assert "encode" not in recording.threads
-    assert pool._idle is not encoder and pool._idle is not None
-    assert list(pool._idle._processes) != [pid]
+    assert encoder.pid not in (None, pid)
     pool.shutdown()
+    assert encoder.pid is None and not psutil.pid_exists(pid)
+
+
+def test_the_encoder_process_ends_with_the_server(recording: RecordingTokenizer,
+                                                  tmp_path: Path) -> None:
+    """A server killed without shutting down leaves no encoder behind (it reads EOF)."""
+    recording._inner.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    script = (
+        "import os, sys\n"
+        "from tokenizers import Tokenizer\n"
+        "from freetoken_core.server.limits import IdleEncoder\n"
+        f"encoder = IdleEncoder(Tokenizer.from_file({str(tmp_path / 'tokenizer.json')!r}))\n"
+        "assert encoder.encode('word ' * 100, False)\n"
+        "print(encoder.pid, flush=True)\n"
+        "os._exit(0)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=True)
+    child = int(done.stdout.strip())
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the encoder process outlived its server"
+        time.sleep(0.05)
 
 
 # --------------------------------------------------------------------------- server

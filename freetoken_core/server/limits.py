@@ -14,13 +14,15 @@ long texts in a process at idle CPU priority.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-import multiprocessing
 import os
+import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any, TypeVar
@@ -150,26 +152,106 @@ def _lower_priority() -> None:
         pass  # not Linux, or not allowed: run at the normal priority
 
 
-_IDLE_BACKEND: Any = None
-"""The Rust tokenizer of the idle-priority encoder process (set by its initializer)."""
-
-
-def _idle_encoder_init(backend: Any) -> None:
-    """Runs first in the encoder process: ``SCHED_IDLE`` (the kernel runs it only on a core
-    that nothing of normal priority wants; niceness 19 where that is not allowed)."""
-    global _IDLE_BACKEND
+_ENCODER_SOURCE = r"""
+import json, os, struct, sys
+try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+except (AttributeError, OSError):
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        try:
-            os.nice(19)
-        except OSError:
-            pass
-    _IDLE_BACKEND = backend
+        os.nice(19)
+    except OSError:
+        pass
+from tokenizers import Tokenizer
+inp, out = sys.stdin.buffer, sys.stdout.buffer
+
+def read():
+    head = inp.read(4)
+    if len(head) < 4:
+        sys.exit(0)  # the server closed the pipe or is gone
+    return inp.read(struct.unpack("<I", head)[0]).decode()
+
+def write(obj):
+    data = json.dumps(obj).encode()
+    out.write(struct.pack("<I", len(data)) + data)
+    out.flush()
+
+tokenizer = Tokenizer.from_str(read())
+while True:
+    request = json.loads(read())
+    try:
+        write(tokenizer.encode(request[0], add_special_tokens=request[1]).ids)
+    except Exception as exc:
+        write({"error": f"{type(exc).__name__}: {exc}"})
+"""
+"""The idle-priority encoder: stdlib and ``tokenizers`` only (no torch, no FreeToken), one
+length-prefixed JSON message per text and per answer over its stdin and stdout; it exits
+when the server closes the pipe or dies."""
 
 
-def _idle_encode(text: str, add_special_tokens: bool) -> list[int]:
-    return _IDLE_BACKEND.encode(text, add_special_tokens=add_special_tokens).ids
+class IdleEncoder:
+    """A child process at ``SCHED_IDLE`` priority that encodes with a copy of a fast
+    tokenizer's Rust core (``tokenizer.backend_tokenizer``), one text at a time.
+
+    ``encode`` blocks the calling thread (not the GIL) until the answer comes; it returns
+    ``None`` when the process failed (it is then restarted on the next call), so the caller
+    encodes in its own thread instead.
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self._config = backend.to_str()
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        process = subprocess.Popen([sys.executable, "-I", "-c", _ENCODER_SOURCE], env=env,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._send(process, self._config)
+        return process
+
+    @staticmethod
+    def _send(process: subprocess.Popen[bytes], text: str) -> None:
+        assert process.stdin is not None
+        data = text.encode()
+        process.stdin.write(struct.pack("<I", len(data)) + data)
+        process.stdin.flush()
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int] | None:
+        with self._lock:
+            try:
+                if self._process is None:
+                    self._process = self._start()
+                self._send(self._process, json.dumps([text, add_special_tokens]))
+                assert self._process.stdout is not None
+                head = self._process.stdout.read(4)
+                if len(head) < 4:
+                    raise EOFError("the encoder process exited")
+                answer = json.loads(self._process.stdout.read(struct.unpack("<I", head)[0]))
+            except (OSError, EOFError, ValueError) as exc:
+                log.warning("the idle-priority encoder process failed (%s); encoding in the "
+                            "worker thread, a new process starts for the next long text", exc)
+                self._stop()
+                return None
+        if isinstance(answer, dict):
+            log.warning("the idle-priority encoder failed: %s", answer.get("error"))
+            return None
+        return answer
+
+    def _stop(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            process.kill()
+            process.wait()
+
+    def close(self) -> None:
+        """End the process (it would also exit on its own once this process is gone)."""
+        with self._lock:
+            self._stop()
 
 
 class TokenizerPool:
@@ -193,7 +275,7 @@ class TokenizerPool:
     normal priority: the pool sets ``TOKENIZERS_PARALLELISM=false`` (unless the environment
     already says otherwise) so encoding runs in the thread or process that was picked.
     Exceptions raised by the call (``InvalidRequest`` among them) propagate to the caller;
-    if the encoder process dies, the text is encoded in the worker thread and a new process
+    if the encoder process fails, the text is encoded in the worker thread and a new process
     starts for the next long text.
     """
 
@@ -203,23 +285,14 @@ class TokenizerPool:
         self.idle_priority_chars = idle_priority_chars
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="freetoken-tok",
                                             initializer=_lower_priority)
-        self._backend: Any = None
-        self._idle: ProcessPoolExecutor | None = None
-        self._lock = threading.Lock()
+        self.idle_encoder: IdleEncoder | None = None
 
     def attach(self, tokenizer: Any) -> None:
-        """Start the idle-priority encoder process for ``tokenizer`` (the served one)."""
+        """Encode the long texts of ``tokenizer`` (the served one) in an idle-priority
+        process, started on the first of them."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is None:
-            return
-        with self._lock:
-            self._backend = backend
-            self._start_idle()
-
-    def _start_idle(self) -> None:
-        self._idle = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_idle_encoder_init,
-                                         initargs=(self._backend,))
+        if backend is not None:
+            self.idle_encoder = IdleEncoder(backend)
 
     async def run(self, func: Callable[..., R], *args: Any) -> R:
         """``func(*args)`` in a worker thread; waits for a free one."""
@@ -229,22 +302,15 @@ class TokenizerPool:
     def encode(self, tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
         """``tokenizer.encode(text)``; a text longer than ``idle_priority_chars`` goes to the
         idle-priority encoder process. Call it from a worker thread (it blocks)."""
-        idle = self._idle
+        idle = self.idle_encoder
         if (len(text) > self.idle_priority_chars and idle is not None
-                and tokenizer.backend_tokenizer is self._backend):
-            try:
-                return idle.submit(_idle_encode, text, add_special_tokens).result()
-            except BrokenProcessPool:
-                log.warning("the idle-priority encoder process died; starting a new one")
-                with self._lock:
-                    if self._idle is idle:
-                        idle.shutdown(wait=False, cancel_futures=True)
-                        self._start_idle()
+                and getattr(tokenizer, "backend_tokenizer", None) is idle.backend):
+            ids = idle.encode(text, add_special_tokens)
+            if ids is not None:
+                return ids
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            if self._idle is not None:
-                self._idle.shutdown(wait=False, cancel_futures=True)
-                self._idle = None
+        if self.idle_encoder is not None:
+            self.idle_encoder.close()
