@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,6 +38,10 @@ class EngineConfig:
     plugins: str | None = None
     """Plugins to enable: "all" (default, also when None and FREETOKEN_PLUGINS is unset),
     "none", or a comma-separated list of entry-point names."""
+    plugin_options: dict[str, Any] = field(default_factory=dict)
+    """The parsed command-line options (``vars(args)``), plugins' own options included:
+    they reach processors as ``ProcessorContext.options`` and plugins through
+    ``freetoken_configure``, in every process."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:

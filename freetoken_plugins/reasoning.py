@@ -33,10 +33,12 @@ The tags must reach the text, so a model whose ``<think>`` is a *special* token 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from freetoken_core import hookimpl
+from freetoken_core.processors import AnswerStart, Plugin, RequestView
 from freetoken_core.server import protocol as p
 
 OPEN_TAG, CLOSE_TAG = "<think>", "</think>"
@@ -133,11 +135,7 @@ def _state(output: Any) -> _RequestState | None:
     close_id = _token_id(output.tokenizer, CLOSE_TAG)
     state = None
     if open_id is not None and close_id is not None:
-        in_reasoning = []
-        for ids in output.prompts:
-            last_open = max((i for i, t in enumerate(ids) if t == open_id), default=-1)
-            last_close = max((i for i, t in enumerate(ids) if t == close_id), default=-1)
-            in_reasoning.append(last_open > last_close)
+        in_reasoning = [prompt_leaves_open(ids, open_id, close_id) for ids in output.prompts]
         state = _RequestState(open_id, close_id, in_reasoning)
     output.plugin_state[STATE_KEY] = state
     return state
@@ -155,37 +153,56 @@ def _set_usage(usage: p.Usage, state: _RequestState, output: Any) -> None:
         for i in range(num_choices)))
 
 
-@hookimpl
-def freetoken_request_fields() -> list[str]:
-    return []
+def prompt_leaves_open(prompt_token_ids: Sequence[int], open_id: int, close_id: int) -> bool:
+    """Whether the prompt's last ``<think>`` comes after its last ``</think>``."""
+    last_open = max((i for i, t in enumerate(prompt_token_ids) if t == open_id), default=-1)
+    last_close = max((i for i, t in enumerate(prompt_token_ids) if t == close_id), default=-1)
+    return last_open > last_close
 
 
-@hookimpl
-def freetoken_decorate_response(request: Any, response: Any, output: Any) -> None:
-    if not isinstance(response, (p.ChatCompletionResponse, p.ChatCompletionChunk)):
-        return
-    state = _state(output)
-    if state is None:
-        return
-    if isinstance(response, p.ChatCompletionResponse):
-        for choice in response.choices:
-            reasoning, content = split(choice.message.content,
-                                       _starts_in_reasoning(state, output, choice.index))
-            choice.message.content = content
-            if reasoning is not None:
-                choice.message.reasoning_content = reasoning
-    else:
-        for chunk_choice in response.choices:
-            final = chunk_choice.finish_reason is not None
-            delta = chunk_choice.delta
-            if not delta.content and not final:
-                continue
-            splitter = state.splitters.get(chunk_choice.index)
-            if splitter is None:
-                splitter = state.splitters[chunk_choice.index] = ThinkSplitter(
-                    _starts_in_reasoning(state, output, chunk_choice.index))
-            reasoning, content = splitter.feed(delta.content or "", final)
-            delta.reasoning_content = reasoning or None
-            delta.content = content if content or not reasoning else None
-    if response.usage is not None:
-        _set_usage(response.usage, state, output)
+class Reasoning(Plugin):
+    """Split <think>…</think> out of chat answers as reasoning_content, and count it."""
+
+    @staticmethod
+    @hookimpl
+    def freetoken_answer_start(request: RequestView, tokenizer: Any) -> AnswerStart | None:
+        """The answer of a chat sequence starts after ``</think>`` when the prompt left
+        ``<think>`` open, or when the sequence opens it with its first token."""
+        if not request.is_chat:
+            return None
+        open_id, close_id = _token_id(tokenizer, OPEN_TAG), _token_id(tokenizer, CLOSE_TAG)
+        if open_id is None or close_id is None:
+            return None
+        inside = prompt_leaves_open(request.prompt_token_ids, open_id, close_id)
+        return AnswerStart(close_id, inside, open_id)
+
+    @staticmethod
+    @hookimpl
+    def freetoken_decorate_response(request: Any, response: Any, output: Any) -> None:
+        if not isinstance(response, (p.ChatCompletionResponse, p.ChatCompletionChunk)):
+            return
+        state = _state(output)
+        if state is None:
+            return
+        if isinstance(response, p.ChatCompletionResponse):
+            for choice in response.choices:
+                reasoning, content = split(choice.message.content,
+                                           _starts_in_reasoning(state, output, choice.index))
+                choice.message.content = content
+                if reasoning is not None:
+                    choice.message.reasoning_content = reasoning
+        else:
+            for chunk_choice in response.choices:
+                final = chunk_choice.finish_reason is not None
+                delta = chunk_choice.delta
+                if not delta.content and not final:
+                    continue
+                splitter = state.splitters.get(chunk_choice.index)
+                if splitter is None:
+                    splitter = state.splitters[chunk_choice.index] = ThinkSplitter(
+                        _starts_in_reasoning(state, output, chunk_choice.index))
+                reasoning, content = splitter.feed(delta.content or "", final)
+                delta.reasoning_content = reasoning or None
+                delta.content = content if content or not reasoning else None
+        if response.usage is not None:
+            _set_usage(response.usage, state, output)

@@ -62,6 +62,8 @@ class Generation:
     prompts: list[list[int]]
     params: SamplingParams
     on_done: Callable[[Generation], None] | None = None
+    is_chat: bool = False
+    """The prompts came from the chat route (processors may treat chat answers apart)."""
     matcher: StopMatcher | None = None
     """The automaton over ``params.stop`` (built here when not given; the server builds it
     in a worker thread, since a large stop set takes a while)."""
@@ -91,7 +93,8 @@ class Generation:
         num_open = len(self.prompts) * self.params.n
         wants_logprobs = self.params.logprobs is not None
         updates = self.client.generate(
-            [(self._engine_id(i), ids) for i, ids in enumerate(self.prompts)], self.params)
+            [(self._engine_id(i), ids) for i, ids in enumerate(self.prompts)], self.params,
+            self.is_chat)
         try:
             async for update in updates:
                 p = index_of[update.request_id]

@@ -18,6 +18,7 @@ from litestar.response import ServerSentEvent
 
 from freetoken_core.engine.output_processor import StopMatcher
 from freetoken_core.errors import FreeTokenError
+from freetoken_core.processors import PromptView
 from freetoken_core.server import protocol as p
 from freetoken_core.server.generation import ChoiceDelta, Generation
 from freetoken_core.server.limits import count_prompts
@@ -126,22 +127,21 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
 
         prompts = await pool.run(chat_prompts, num_chars=num_chars)
     else:
-        if body.suffix is not None:
-            plugins.require_field("suffix")  # 400 naming the plugin (fim) to enable
         num_prompts, num_chars = count_prompts(body.prompt)
-        num_chars += len(body.suffix or "")
+        # Text a plugin may lay out around the prompt (a FIM suffix) counts as prompt text.
+        num_chars += sum(len(v) for v in params.extra.values() if isinstance(v, str))
         limits.check_sequences(num_prompts, params.n)
         limits.check_prompt_chars(num_chars, "prompt")
 
         def rewrite(prompt: str | list[int]) -> str | list[int]:
-            return plugins.rewrite_prompt(body, prompt, tokenizer)
+            return plugins.rewrite_prompt(PromptView(prompt, params, tokenizer))
 
         prompts = await pool.run(completion_prompts, tokenizer, body.prompt, rewrite,
                                  num_chars=num_chars)
     await pool.run(check_fits, prompts, params, model_info, "messages" if chat else "prompt",
                    num_chars=num_chars)
     gen = Generation(serving.client, tokenizer, prompts, params,
-                     on_done=serving.metrics.record,
+                     on_done=serving.metrics.record, is_chat=chat,
                      matcher=await pool.run(StopMatcher, params.stop))
     if isinstance(body, p.ChatCompletionRequest) and body.request_id is not None:
         rid = body.request_id

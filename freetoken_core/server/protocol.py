@@ -69,8 +69,6 @@ class CompletionRequest(_Sampling, kw_only=True):
     """Top alternatives per token beside the sampled one (``None``: no logprobs)."""
     top_logprobs: Any = None  # a chat field: refused here by name
     echo: bool = False
-    suffix: str | None = None
-    """Fill in the middle: owned by the ``fim`` plugin (``freetoken_rewrite_prompt``)."""
     best_of: int | None = None
 
 
