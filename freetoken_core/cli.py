@@ -42,6 +42,10 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--kv-cache-tokens", type=int, default=32768)
     parser.add_argument("--plugins", default=None, metavar="LIST", help=PLUGINS_HELP)
+    from freetoken_core.plugins import PluginManager
+
+    # Every installed plugin's own options (freetoken_add_cli_options), one group each.
+    PluginManager().add_cli_options(parser)
 
 
 def _add_limit_options(serve: argparse.ArgumentParser) -> None:
@@ -79,6 +83,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_tokens": args.kv_cache_tokens,
         "plugins": args.plugins,
+        "plugin_options": {k: v for k, v in vars(args).items() if not callable(v)},
     }
 
 
@@ -176,7 +181,8 @@ def _serve(args: argparse.Namespace) -> int:
     from freetoken_core.server.limits import RequestLimits
 
     engine_config = EngineConfig(model=args.model, **_engine_options(args))
-    PluginManager(engine_config.plugins).enabled  # noqa: B018 (a bad --plugins fails here)
+    # A bad --plugins, or an option a plugin refuses, fails here.
+    PluginManager(engine_config.plugins, engine_config.plugin_options).enabled  # noqa: B018
     failures: list[str] = []
     server: uvicorn.Server | None = None
 

@@ -135,7 +135,7 @@ class PluginManager:
                 if cls.name != ep.name:
                     raise ValueError(f"the class calls itself {cls.name!r}: the names must "
                                      f"agree")
-            except Exception as exc:  # noqa: BLE001 (someone else's package)
+            except Exception as exc:
                 message = f"plugin {ep.name} ({ep.value}) cannot be loaded: " \
                           f"{type(exc).__name__}: {exc}"
                 if selection is None or ep.name in selection:

@@ -214,6 +214,6 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
         cors_config=config.cors.litestar_config() if config.cors else None,
     )
     complete_document(app.openapi_schema, config.model_name,
-                      PluginManager(config.engine.plugins).field_owners(),
+                      PluginManager(config.engine.plugins).plugin_classes(),
                       has_api_key=expected_auth is not None)
     return app

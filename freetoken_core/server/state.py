@@ -115,7 +115,8 @@ class Serving:
             return  # already reported through the client's on_dead
         try:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, Path(info.model_dir))
-            plugins = PluginManager(self.config.engine.plugins)
+            plugins = PluginManager(self.config.engine.plugins,
+                                    self.config.engine.plugin_options)
             plugins.enabled  # noqa: B018 (loads the plugins now, not on the first request)
             plugins.on_failure = lambda error: self.metrics.record_failure(error.stage,
                                                                            error.plugin)
