@@ -34,9 +34,10 @@ never does row bookkeeping. One instance per engine, built with a ``ProcessorCon
   ``RequestView``: this plugin's typed ``fields``, the core ``params``, the prompt and the
   tokens drawn so far, which are not empty when a preempted sequence comes back).
 - ``remove_request(slot)``: forget the slot (it may be reused for another request).
-- ``prepare_step(slots)`` (optional, host): per-step host work for the slots this
-  processor serves, called after the model step was launched and before the logits are
-  needed, so a device that runs asynchronously overlaps the two (a grammar's token mask).
+- ``prepare_step(slots)`` (optional, host): per-step host work, called after the model
+  step was launched and before the logits are needed, so a device that runs
+  asynchronously overlaps the two (a grammar's token mask). ``slots[i]`` is the slot of
+  logits row ``i`` (rows of requests that do not use the processor included).
 - ``apply(logits, slots)``: change the float32 ``logits`` [rows, vocab] in place for all
   rows at once; row ``i`` belongs to ``slots[i]``. Rows of slots that do not use the
   processor must come out unchanged.

@@ -129,13 +129,14 @@ class ProcessorPipeline:
             self._failures.setdefault(slot, error)
 
     def prepare_step(self, slots: list[int]) -> None:
-        """Host-side work of the processors that have some, for the step's sampling rows
-        (``slots``, in row order), before any ``apply``."""
+        """Host-side work of the processors that have some, before any ``apply``; ``slots``
+        is the slot of each sampling row, in row order (rows of other processors included,
+        so that a processor can address its rows in ``apply``'s logits)."""
         for proc, used, host in zip(self.processors, self._slots, self._host_prepare):
             if not (used and host):
                 continue
             try:
-                proc.prepare_step([s for s in slots if s in used])
+                proc.prepare_step(slots)
             except Exception as exc:  # noqa: BLE001 (fails the requests using proc)
                 self._fail(proc, used, "prepare_step", exc)
 
