@@ -221,7 +221,7 @@ def _plugins(args: argparse.Namespace) -> int:
         "name": i["name"],
         "enabled": "yes" if i["enabled"] else "no",
         "distribution": f"{i['distribution'] or '-'} {i['version'] or ''}".strip(),
-        "processors": ", ".join(i["processors"]) or "-",
+        "kind": i["kind"],
         "fields": ", ".join(i["fields"]) or "-",
         "hooks": ", ".join(h.removeprefix("freetoken_") for h in i["hooks"]) or "-",
     } for i in infos]

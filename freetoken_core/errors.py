@@ -30,7 +30,7 @@ class ModelLoadError(FreeTokenError):
     """A model could not be found, read or understood. The message says what to do."""
 
 
-_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_PATH = re.compile(r"(?:at|in) `\$\.?([^`]*)`")
 _FIELD = re.compile(r"(?:missing required|contains unknown) field `([^`]+)`")
 
 
@@ -39,5 +39,6 @@ def param_of(error: Exception) -> str | None:
     text = str(error)
     path = _PATH.search(text)
     field = _FIELD.search(text)
-    parts = [p for p in (path.group(1) if path else "", field.group(1) if field else "") if p]
+    where = path.group(1).replace("[...]", "") if path else ""
+    parts = [p for p in (where, field.group(1) if field else "") if p]
     return ".".join(parts) or None

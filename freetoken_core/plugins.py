@@ -274,7 +274,7 @@ class PluginManager:
             try:
                 if not cls.uses(fields):
                     continue
-                fields = cls.validate(fields, model)
+                fields = cls.validate(fields, model, params)
             except FreeTokenError:
                 raise
             except Exception as exc:

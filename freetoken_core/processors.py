@@ -12,9 +12,10 @@ A plugin ships one class, named by its entry point in the ``freetoken.plugins`` 
   they are ``SamplingParams`` keywords.
 - ``uses(fields)``: does a request with these fields need the plugin? Default: any field
   differs from its default. A request that does not use a plugin never reaches it.
-- ``validate(fields, model)``: the checks a type cannot say (a token id within the
-  vocabulary); raise ``InvalidRequest`` naming the field, or return the fields to keep
-  (normalised). The core calls it once, in the process that accepts the request; the
+- ``validate(fields, model, params)``: the checks a type cannot say (a token id within
+  the vocabulary, a bound that depends on ``max_tokens``); raise ``InvalidRequest`` naming
+  the field, or return the fields to keep (normalised). ``params`` is the request being
+  validated: core fields checked, ``params.extra`` every plugin field as sent. The core calls it once, in the process that accepts the request; the
   engine receives the validated fields as a typed message and does not call it again.
 - hooks: static or class methods named ``freetoken_*`` and marked ``@hookimpl``
   (``freetoken_core.hookspecs`` lists them) for what is not a processor: prompt rewriting,
@@ -190,7 +191,7 @@ class Plugin:
                    for f in msgspec.structs.fields(fields))
 
     @classmethod
-    def validate(cls, fields: Any, model: ModelInfo) -> Any:
+    def validate(cls, fields: Any, model: ModelInfo, params: SamplingParams) -> Any:
         """Raise ``InvalidRequest`` for a value no type can refuse; return the fields."""
         return fields
 

@@ -198,7 +198,7 @@ class LogitBias(LogitsProcessor):
         return bool(fields.logit_bias)
 
     @classmethod
-    def validate(cls, fields: Fields, model: ModelInfo) -> Fields:
+    def validate(cls, fields: Fields, model: ModelInfo, params: Any) -> Fields:
         return cls.Fields(logit_bias=check_logit_bias(fields.logit_bias or {},
                                                       model.vocab_size))
 

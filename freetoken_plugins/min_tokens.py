@@ -197,15 +197,11 @@ class MinTokens(LogitsProcessor):
         return bool(fields.min_tokens)
 
     @classmethod
-    def validate(cls, fields: Fields, model: ModelInfo,
-                 params: SamplingParams | None = None) -> Fields:
-        """Clamp ``min_tokens`` to the context. ``params`` is the request being validated
-        (core fields checked; ``params.extra``: every plugin field as sent): with it,
-        ``check_against_request`` refuses what ``max_tokens``, ``ignore_eos`` and
-        ``stop_token_ids`` forbid; a caller that has only the fields passes none."""
+    def validate(cls, fields: Fields, model: ModelInfo, params: SamplingParams) -> Fields:
+        """Refuse what ``max_tokens``, ``ignore_eos`` and ``stop_token_ids`` forbid
+        (``check_against_request``), then clamp ``min_tokens`` to the context."""
         value = fields.min_tokens or 0
-        if params is not None:
-            check_against_request(value, params, model)
+        check_against_request(value, params, model)
         return cls.Fields(min_tokens=min(value, model.max_model_len))
 
     def _grow(self, needed: int) -> None:

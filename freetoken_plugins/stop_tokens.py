@@ -46,7 +46,7 @@ class StopTokens(Plugin):
             max_length=MAX_STOP_TOKEN_IDS)] | None = None
 
     @classmethod
-    def validate(cls, fields: Fields, model: ModelInfo) -> Fields:
+    def validate(cls, fields: Fields, model: ModelInfo, params: Any) -> Fields:
         ids = fields.stop_token_ids or []
         for token in ids:
             if token >= model.vocab_size:

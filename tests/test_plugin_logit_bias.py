@@ -58,7 +58,8 @@ def validate(value: object, model: ModelInfo = MODEL) -> SamplingParams:
 
 def fields(bias: dict, model: ModelInfo = MODEL) -> LogitBias.Fields:
     """``bias`` as typed and validated fields."""
-    return LogitBias.validate(msgspec.convert({"logit_bias": bias}, LogitBias.Fields), model)
+    return LogitBias.validate(msgspec.convert({"logit_bias": bias}, LogitBias.Fields), model,
+                              SamplingParams(logit_bias=bias))
 
 
 def make(num_slots: int, model: ModelInfo = MODEL, device: torch.device | str = "cpu"
@@ -131,7 +132,7 @@ def test_values_are_normalised_and_clamped() -> None:
     validated = params.fields["logit_bias"]
     assert validated.logit_bias == expected
     assert all(type(k) is int and type(v) is float for k, v in validated.logit_bias.items())
-    assert LogitBias.validate(validated, MODEL).logit_bias == expected  # idempotent
+    assert LogitBias.validate(validated, MODEL, SamplingParams()).logit_bias == expected  # idempotent
     # What the engine process receives: the typed fields survive the wire unchanged.
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(validated), type=LogitBias.Fields)
     assert wire.logit_bias == expected and all(type(k) is int for k in wire.logit_bias)

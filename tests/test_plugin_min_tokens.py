@@ -154,9 +154,6 @@ def test_generate_rejects_every_bad_value(tiny_llm: LLM) -> None:
     assert not tiny_llm.engine.has_unfinished_requests
 
 
-@pytest.mark.xfail(strict=True, reason="the core calls Plugin.validate(fields, model) without "
-                   "the request's core params, so min_tokens cannot see max_tokens or "
-                   "ignore_eos; passes once PluginManager.validate passes params")
 @pytest.mark.parametrize("request_", [
     {"min_tokens": 5, "max_tokens": 4},
     {"min_tokens": 1, "max_tokens": 4, "stop_token_ids": [t for t in range(8) if t != EOS]},

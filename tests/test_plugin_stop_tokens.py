@@ -81,7 +81,7 @@ def test_values_are_normalised() -> None:
     ids = params.fields["stop_tokens"].stop_token_ids
     assert ids == [5, 9, 0, VOCAB - 1]
     assert all(type(t) is int for t in ids)
-    again = StopTokens.validate(params.fields["stop_tokens"], MODEL)  # idempotent
+    again = StopTokens.validate(params.fields["stop_tokens"], MODEL, params)  # idempotent
     assert again.stop_token_ids == [5, 9, 0, VOCAB - 1]
     full = validated(SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS))), BIG_MODEL)
     assert len(full.fields["stop_tokens"].stop_token_ids) == MAX_STOP_TOKEN_IDS

@@ -17,7 +17,7 @@ requests that ask for a failure can be failed by it.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import torch
@@ -50,7 +50,7 @@ class Faulty(LogitsProcessor):
         self.modes: dict[int, tuple[Mode | None, float]] = {}
 
     @classmethod
-    def validate(cls, fields: Fields, model: ModelInfo) -> Fields:
+    def validate(cls, fields: Fields, model: ModelInfo, params: Any) -> Fields:
         if fields.fail_at == "validate":
             raise RuntimeError("faulty validate")
         return fields

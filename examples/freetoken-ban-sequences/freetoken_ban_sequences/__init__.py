@@ -81,7 +81,7 @@ class BanSequences(LogitsProcessor):
         return bool(fields.ban_token_sequences)
 
     @classmethod
-    def validate(cls, fields: Fields, model: ModelInfo) -> Fields:
+    def validate(cls, fields: Fields, model: ModelInfo, params: Any) -> Fields:
         for seq in fields.ban_token_sequences or []:
             for t in seq:
                 if t >= model.vocab_size:
