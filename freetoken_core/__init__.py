@@ -9,6 +9,7 @@ from freetoken_core.llm import LLM
 from freetoken_core.outputs import CompletionOutput, RequestOutput
 from freetoken_core.processors import (
     AnswerStart,
+    ChoiceView,
     LogitsProcessor,
     ModelInfo,
     Plugin,
@@ -16,6 +17,8 @@ from freetoken_core.processors import (
     PromptView,
     RequestFields,
     RequestView,
+    ResponseFields,
+    ResponseView,
     Stage,
     StopView,
 )
@@ -24,6 +27,7 @@ from freetoken_core.sampling_params import SamplingParams
 __all__ = [
     "LLM",
     "AnswerStart",
+    "ChoiceView",
     "CompletionOutput",
     "EngineConfig",
     "FreeTokenError",
@@ -37,6 +41,8 @@ __all__ = [
     "RequestFields",
     "RequestOutput",
     "RequestView",
+    "ResponseFields",
+    "ResponseView",
     "SamplingParams",
     "Stage",
     "StopView",

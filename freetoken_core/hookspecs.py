@@ -24,7 +24,13 @@ import pluggy
 if TYPE_CHECKING:
     import argparse
 
-    from freetoken_core.processors import AnswerStart, PromptView, RequestView, StopView
+    from freetoken_core.processors import (
+        AnswerStart,
+        PromptView,
+        RequestView,
+        ResponseView,
+        StopView,
+    )
 
 PROJECT = "freetoken"
 ENTRY_POINT_GROUP = "freetoken.plugins"
@@ -74,15 +80,14 @@ def freetoken_answer_start(request: RequestView, tokenizer: Any) -> AnswerStart 
 
 
 @hookspec
-def freetoken_decorate_response(request: Any, response: Any, output: Any) -> None:
-    """Add to a response or stream chunk before it is sent, in place.
+def freetoken_decorate_response(response: ResponseView) -> None:
+    """Change a response or stream chunk before it is sent, in place.
 
-    When: per response and per stream chunk (usage chunk included), in the server
-    process. ``request`` is the parsed HTTP request, ``response`` the response object about
-    to be encoded, ``output`` the server's ``Generation`` of the request (``tokenizer``,
-    ``prompts``, ``params``, ``token_ids(index)``, and ``plugin_state``, a dict for
-    per-request state under the plugin's name). Return: nothing. Raises: nothing (an
-    exception after a stream began becomes its one error event).
+    When: per response and per stream chunk (the opening and usage chunks included), in
+    the server process. ``response`` is a ``ResponseView``: assign a choice's ``text``, set
+    the plugin's ``MessageFields`` on ``choice.message`` and its ``UsageFields`` on
+    ``response.usage``. Return: nothing. Raises: nothing (an exception after a stream began
+    becomes its one error event).
     """
 
 

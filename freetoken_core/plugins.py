@@ -31,6 +31,7 @@ from freetoken_core.processors import (
     Plugin,
     PromptView,
     RequestFields,
+    ResponseView,
     StopView,
     check_plugin_class,
 )
@@ -299,10 +300,13 @@ class PluginManager:
         new = self.call_isolated("freetoken_rewrite_prompt", firstresult=True, prompt=view)
         return view.prompt if new is None else new
 
-    def decorate_response(self, request: Any, response: Any, output: Any) -> None:
+    def decorates_responses(self) -> bool:
+        """Whether an enabled plugin implements ``freetoken_decorate_response``."""
+        return bool(self.pm.hook.freetoken_decorate_response.get_hookimpls())
+
+    def decorate_response(self, view: ResponseView) -> None:
         """Run ``freetoken_decorate_response`` on one response or stream chunk."""
-        self.call_isolated("freetoken_decorate_response", request=request,
-                           response=response, output=output)
+        self.call_isolated("freetoken_decorate_response", response=view)
 
     def stop_hooks(self) -> list[StopHook]:
         """Each enabled plugin's ``freetoken_check_stop``."""

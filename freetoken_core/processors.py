@@ -12,6 +12,9 @@ A plugin ships one class, named by its entry point in the ``freetoken.plugins`` 
   they are ``SamplingParams`` keywords.
 - ``uses(fields)``: does a request with these fields need the plugin? Default: any field
   differs from its default. A request that does not use a plugin never reaches it.
+- ``MessageFields`` / ``UsageFields``: response fields the plugin sets (``ResponseFields``
+  structs); the server adds them to its chat messages and deltas / to ``usage``, and to
+  the schema, without knowing their names.
 - ``validate(fields, model, params)``: the checks a type cannot say (a token id within
   the vocabulary, a bound that depends on ``max_tokens``); raise ``InvalidRequest`` naming
   the field, or return the fields to keep (normalised). ``params`` is the request being
@@ -60,7 +63,7 @@ allowed tokens.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as SequenceABC
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -173,10 +176,56 @@ class AnswerStart:
     open_token_id: int | None = None
 
 
+class ResponseFields(msgspec.Struct, kw_only=True):
+    """Base of a plugin's ``MessageFields`` / ``UsageFields``: response fields the server
+    adds to its chat messages and stream deltas / to ``usage``, and to the OpenAPI schema.
+    Type every field ``T | msgspec.UnsetType = msgspec.UNSET``: it is left out of the JSON
+    until the plugin sets it (in ``freetoken_decorate_response``)."""
+
+
+@dataclass
+class ChoiceView:
+    """One choice of a response or stream chunk, as ``freetoken_decorate_response`` sees
+    it. ``text`` is the choice's text (chat: the message or delta ``content``; ``None`` in a
+    chunk that has none): assign it to change what is sent. ``message`` is the chat message
+    or delta, on which a plugin sets its ``MessageFields`` (``None`` on completions)."""
+
+    index: int
+    text: str | None
+    finish_reason: str | None
+    message: Any
+
+
+@dataclass
+class ResponseView:
+    """A response or stream chunk about to be sent (``freetoken_decorate_response``).
+
+    ``route`` is ``"chat"`` or ``"completions"``; ``is_chunk`` is true in a stream;
+    ``usage`` is where a plugin sets its ``UsageFields`` (``None`` in chunks without
+    usage). ``params``, ``prompt_token_ids`` (per prompt), ``tokenizer`` and
+    ``token_ids(i)`` (the tokens choice ``i`` generated so far) describe the request;
+    choice ``i`` belongs to prompt ``i // params.n``. ``plugin_state`` keeps per-request
+    state across the chunks of a stream: use your plugin's name as the key."""
+
+    route: str
+    is_chunk: bool
+    choices: list[ChoiceView]
+    usage: Any
+    params: SamplingParams
+    prompt_token_ids: list[list[int]]
+    tokenizer: Any
+    token_ids: Callable[[int], list[int]]
+    plugin_state: dict[str, Any]
+
+
 class Plugin:
     """Base class of every plugin; see the module docstring for the contract."""
 
     Fields: ClassVar[type[RequestFields] | None] = None
+    MessageFields: ClassVar[type[ResponseFields] | None] = None
+    """Fields added to every chat message and stream delta (``reasoning_content``)."""
+    UsageFields: ClassVar[type[ResponseFields] | None] = None
+    """Fields added to ``usage`` (``completion_tokens_details``)."""
     name: ClassVar[str] = ""
     """The plugin's name; the core sets it to the entry point's name when it is empty."""
     routes: ClassVar[frozenset[str]] = frozenset({"chat", "completions"})
@@ -255,5 +304,10 @@ def check_plugin_class(cls: object) -> None:
         missing = [f.name for f in msgspec.structs.fields(cls.Fields) if f.required]
         if missing:
             raise TypeError(f"{cls.__name__}.Fields: {', '.join(missing)} need a default")
+    for attr in ("MessageFields", "UsageFields"):
+        value = getattr(cls, attr)
+        if value is not None and not (isinstance(value, type)
+                                      and issubclass(value, ResponseFields)):
+            raise TypeError(f"{cls.__name__}.{attr} must subclass freetoken_core.ResponseFields")
     if issubclass(cls, LogitsProcessor) and not isinstance(cls.stage, Stage):
         raise TypeError(f"{cls.__name__}.stage must be a freetoken_core.processors.Stage")

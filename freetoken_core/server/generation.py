@@ -152,9 +152,10 @@ class Generation:
     def finishes(self) -> list[tuple[str | None, int | str | None]]:
         return [(c.finish_reason, c.stop_reason) for choices in self._choices for c in choices]
 
-    def usage(self) -> Usage:
-        """Prompts counted once each (not per choice); completions summed over choices."""
+    def usage(self, cls: type[Usage] = Usage) -> Usage:
+        """Prompts counted once each (not per choice); completions summed over choices;
+        ``cls`` is the server's ``Usage`` type (plugin fields included)."""
         num_prompt = sum(len(ids) for ids in self.prompts)
         num_completion = sum(c.num_tokens for choices in self._choices for c in choices)
-        return Usage(num_prompt, num_completion, num_prompt + num_completion,
+        return cls(num_prompt, num_completion, num_prompt + num_completion,
                      PromptTokensDetails(sum(self._num_cached)))

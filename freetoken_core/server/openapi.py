@@ -124,11 +124,12 @@ def _ref(cls: type) -> Reference:
     return Reference(ref=_REF.format(name=cls.__name__))
 
 
-def _plugin_properties(cls: type[Plugin], components: dict[str, Any]) -> dict[str, Any]:
-    """The JSON Schema of each field of ``cls.Fields``; the structs its types use are added
-    to ``components``."""
-    assert cls.Fields is not None
-    (ref,), found = msgspec.json.schema_components([cls.Fields], ref_template=_REF)
+def _plugin_properties(fields_cls: type[msgspec.Struct], components: dict[str, Any]
+                       ) -> dict[str, Any]:
+    """The JSON Schema of each field of a plugin's ``fields_cls`` (``Fields``,
+    ``MessageFields``, ``UsageFields``); the structs its types use are added to
+    ``components``."""
+    (ref,), found = msgspec.json.schema_components([fields_cls], ref_template=_REF)
     own = found.pop(ref["$ref"].rsplit("/", 1)[-1])
     components.update(found)
     return own.get("properties", {})
@@ -145,7 +146,7 @@ def _request_schemas(model_name: str, plugins: dict[str, type[Plugin]]) -> dict[
         components[cls.__name__]["properties"]["model"] = {
             "enum": [model_name, None], "default": None,
             "description": "The served model (another name is a 404); null means it."}
-    owned = {name: (cls, _plugin_properties(cls, components))
+    owned = {name: (cls, _plugin_properties(cls.Fields, components))
              for name, cls in sorted(plugins.items()) if cls.Fields is not None}
     for request_cls, route in _PLUGIN_FIELD_REQUESTS.items():
         schema = components[request_cls.__name__]
@@ -162,6 +163,19 @@ def _request_schemas(model_name: str, plugins: dict[str, type[Plugin]]) -> dict[
                                           "description": f"{text} {note}" if text else note}
         # Any other field is a 400 naming it (PluginManager.require_field).
         schema["additionalProperties"] = False
+    for name, cls in sorted(plugins.items()):
+        for attr, targets in (("MessageFields", (p.ResponseMessage, p.DeltaMessage)),
+                              ("UsageFields", (p.Usage,))):
+            fields_cls = getattr(cls, attr)
+            if fields_cls is None:
+                continue
+            note = f"Set by the plugin `{name}`; absent otherwise."
+            for field_name, field_schema in _plugin_properties(fields_cls, components).items():
+                field_schema.pop("default", None)
+                text = field_schema.get("description")
+                for target in targets:
+                    components[target.__name__]["properties"][field_name] = {
+                        **field_schema, "description": f"{text} {note}" if text else note}
     return components
 
 

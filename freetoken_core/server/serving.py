@@ -75,7 +75,6 @@ def parse_body(body: bytes, cls: type[T]) -> tuple[T, dict[str, Any]]:
 def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
     """400 for OpenAI fields this server does not implement yet, rather than ignore them."""
     unsupported = {
-        "response_format": request.response_format not in (None, {"type": "text"}),
         "tools": bool(request.tools),
         "functions": bool(request.functions),
         "tool_choice": request.tool_choice not in (None, "none"),
