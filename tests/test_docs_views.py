@@ -14,7 +14,8 @@ from freetoken_core import processors
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
 VIEWS = [processors.ModelInfo, processors.ProcessorContext, processors.RequestView,
-         processors.StopView, processors.PromptView, processors.AnswerStart]
+         processors.StopView, processors.PromptView, processors.AnswerStart,
+         processors.ResponseView, processors.ChoiceView]
 
 
 def documented_fields(name: str) -> list[tuple[str, str]]:
