@@ -120,7 +120,8 @@ class FakeEngine:
     ready = True
 
     async def generate(self, prompts: list[tuple[str, list[int]]],
-                       params: SamplingParams) -> AsyncIterator[Update]:
+                       params: SamplingParams, is_chat: bool = False
+                       ) -> AsyncIterator[Update]:
         for request_id, _ in prompts:
             for index in range(params.n):
                 yield Update(request_id, index, 100, None, None, 0)

@@ -47,7 +47,8 @@ class FailingEngine:
         return self.info
 
     async def generate(self, prompts: list[tuple[str, list[int]]],
-                       params: SamplingParams) -> AsyncIterator[Update]:
+                       params: SamplingParams, is_chat: bool = False
+                       ) -> AsyncIterator[Update]:
         try:
             for request_id, _ in prompts:
                 for i in range(NUM_TOKENS_BEFORE_FAILURE):
