@@ -177,7 +177,7 @@ def _serve(args: argparse.Namespace) -> int:
     from freetoken_core.config import EngineConfig
     from freetoken_core.plugins import PluginManager
     from freetoken_core.server.app import ServerConfig, create_app
-    from freetoken_core.server.engine_client import RestartPolicy
+    from freetoken_core.engine.client import RestartPolicy
     from freetoken_core.server.limits import RequestLimits
 
     engine_config = EngineConfig(model=args.model, **_engine_options(args))
@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--param", action="append", type=_parse_param, metavar="FIELD=VALUE",
-                     help="a plugin request field, VALUE as JSON, e.g. min_p=0.1 (repeatable)")
+                     help="a plugin request field, VALUE as JSON, e.g. my_field=0.1 (repeatable)")
     _add_engine_options(gen)
     gen.set_defaults(func=_generate)
 

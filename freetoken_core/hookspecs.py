@@ -41,14 +41,15 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec(firstresult=True)
 def freetoken_rewrite_prompt(prompt: PromptView) -> str | list[int] | None:
-    """Rewrite a completions prompt before tokenization, e.g. lay out prefix and suffix for
-    FIM.
+    """Rewrite a completions prompt before tokenization, e.g. lay the prompt and a
+    plugin's own request field out with the model's special tokens.
 
     When: per prompt of a ``/v1/completions`` request, in the server process (offline: in
     ``LLM.generate``), after validation, in a worker thread. ``prompt.params.fields`` holds
     the validated fields of the plugins the request uses. ``firstresult``: the first plugin
     that returns a non-``None`` prompt wins. Return: the new prompt (text or token ids) or
-    ``None`` to leave it. Raises: ``InvalidRequest`` (e.g. the model has no FIM tokens).
+    ``None`` to leave it. Raises: ``InvalidRequest`` (e.g. the model lacks a token the
+    layout needs).
     """
 
 
@@ -69,10 +70,10 @@ def freetoken_check_stop(sequences: list[StopView], token_ids: list[int]
 @hookspec(firstresult=True)
 def freetoken_answer_start(request: RequestView, tokenizer: Any) -> AnswerStart | None:
     """Where the answer of a sequence starts, for plugins that act on the answer only (a
-    grammar constrains the answer, not the reasoning before it).
+    grammar constrains the answer, not a thinking preamble before it).
 
     When: in the engine process, when a sequence of a request that uses a plugin which
-    asks (``structured_outputs``) is added. ``firstresult``. Return: an ``AnswerStart``
+    asks is added. ``firstresult``. Return: an ``AnswerStart``
     (the token that ends a preamble, whether the prompt left one open, the token that may
     open one) or ``None`` when the answer starts at the first generated token. Raises:
     nothing.
@@ -97,7 +98,7 @@ def freetoken_add_cli_options(parser: argparse._ArgumentGroup) -> None:
 
     When: at start-up, before the arguments are parsed, for every installed plugin;
     ``parser`` is an argument group named after the plugin. Use option names that start
-    with the plugin's name (``--structured-outputs-backend``). The parsed values reach a
+    with the plugin's name (``--my-plugin-backend`` for ``my_plugin``). The parsed values reach a
     processor as ``ProcessorContext.options`` and every plugin through
     ``freetoken_configure``. Return: nothing. Raises: nothing.
     """

@@ -1,7 +1,7 @@
 """The plugin contract (v2): one class is a plugin; a logits processor is one such class.
 
 A plugin ships one class, named by its entry point in the ``freetoken.plugins`` group
-(``min_p = "freetoken_plugins.min_p:MinP"``); the entry point's name is the plugin's name.
+(``my_plugin = "my_package.module:MyProcessor"``); the entry point's name is the plugin's name.
 
 ``Plugin`` (any plugin):
 
@@ -52,10 +52,10 @@ never does row bookkeeping. One instance per engine, built with a ``ProcessorCon
   now (``finish_reason`` ``"stop"``), or ``None``.
 
 Pipeline order (``Stage``), fixed here and nowhere else:
-logit_bias → min_tokens → penalties (repetition → presence → frequency) → other
-pre-temperature processors → [greedy shortcut when every row is greedy] → temperature →
-min_p and other post-temperature processors → top-k / top-p → counter-based draw →
-logprobs. Processors declared ``argmax_invariant`` are skipped in all-greedy steps.
+constraint masks (``MASK``) → additive biases (``BIAS``) → token holds (``HOLD``) →
+downweighting of seen tokens (``PENALTY``) → other pre-temperature processors →
+[greedy shortcut when every row is greedy] → temperature → post-temperature processors →
+top-k / top-p → counter-based draw → logprobs. Processors declared ``argmax_invariant`` are skipped in all-greedy steps.
 Constraint masks (``Stage.MASK``) run first of all, so the other processors see only
 allowed tokens.
 """
@@ -80,11 +80,17 @@ class Stage(enum.IntEnum):
     """Where a processor runs in the pipeline; lower runs first."""
 
     MASK = 5
-    LOGIT_BIAS = 10
-    MIN_TOKENS = 20
-    PENALTIES = 30
+    """Allowed-token masks (a grammar): first, so every later stage sees allowed tokens."""
+    BIAS = 10
+    """Additive per-token biases chosen by the client."""
+    HOLD = 20
+    """Tokens held back for now (end of sequence before a minimum length)."""
+    PENALTY = 30
+    """Downweighting of tokens already seen (in the prompt or the output)."""
     PRE_TEMPERATURE = 40
+    """Any other processor on the raw logits (third-party processors usually go here)."""
     POST_TEMPERATURE = 60
+    """Processors on temperature-scaled logits (probability floors)."""
 
 
 @dataclass(frozen=True)
@@ -223,9 +229,9 @@ class Plugin:
 
     Fields: ClassVar[type[RequestFields] | None] = None
     MessageFields: ClassVar[type[ResponseFields] | None] = None
-    """Fields added to every chat message and stream delta (``reasoning_content``)."""
+    """Fields added to every chat message and stream delta (say, a message's thinking)."""
     UsageFields: ClassVar[type[ResponseFields] | None] = None
-    """Fields added to ``usage`` (``completion_tokens_details``)."""
+    """Fields added to ``usage`` (say, a count of some kind of output token)."""
     name: ClassVar[str] = ""
     """The plugin's name; the core sets it to the entry point's name when it is empty."""
     routes: ClassVar[frozenset[str]] = frozenset({"chat", "completions"})

@@ -54,7 +54,7 @@ class SamplingParams:
 
     Takes keyword arguments only. The core fields below are checked on construction; a
     bad value raises ``InvalidRequest`` naming the field, which the server turns into an
-    HTTP 400. Any other keyword (``repetition_penalty=1.3``, ``logit_bias={42: 5.0}``, …)
+    HTTP 400. Any other keyword (``my_penalty=1.3``, ``my_bias={42: 5.0}``, …)
     is a plugin field: it is kept in ``extra``, readable as an attribute, and checked by
     the plugin that owns it when the request reaches an engine (a field that no enabled
     plugin owns is refused there). ``temperature == 0`` means greedy, and so does any

@@ -177,7 +177,7 @@ class LogitBias(LogitsProcessor):
     class Fields(RequestFields):
         logit_bias: Biases | None = None
 
-    stage = Stage.LOGIT_BIAS
+    stage = Stage.BIAS
     argmax_invariant = False
 
     def __init__(self, ctx: ProcessorContext) -> None:

@@ -174,7 +174,7 @@ class MinTokens(LogitsProcessor):
     class Fields(RequestFields):
         min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
-    stage = Stage.MIN_TOKENS
+    stage = Stage.HOLD
     argmax_invariant = False
 
     def __init__(self, ctx: ProcessorContext) -> None:

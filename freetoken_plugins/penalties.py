@@ -265,7 +265,7 @@ class Penalties(LogitsProcessor):
         presence_penalty: AdditivePenalty | None = None
         frequency_penalty: AdditivePenalty | None = None
 
-    stage = Stage.PENALTIES
+    stage = Stage.PENALTY
     argmax_invariant = False
 
     def __init__(self, ctx: ProcessorContext) -> None:

@@ -148,7 +148,7 @@ def test_limits_and_empty_mapping() -> None:
 
 
 def test_declared_traits() -> None:
-    assert LogitBias.stage is Stage.LOGIT_BIAS and not LogitBias.argmax_invariant
+    assert LogitBias.stage is Stage.BIAS and not LogitBias.argmax_invariant
     manager = PluginManager("logit_bias")
     assert manager.processor_classes() == [LogitBias] and LogitBias.name == "logit_bias"
     assert manager.field_owners() == {"logit_bias": "logit_bias"}

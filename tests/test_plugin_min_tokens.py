@@ -165,8 +165,8 @@ def test_validation_refuses_what_the_core_parameters_forbid(request_: dict) -> N
 
 
 def test_declared_traits() -> None:
-    assert MinTokens.stage is Stage.MIN_TOKENS and not MinTokens.argmax_invariant
-    assert Stage.LOGIT_BIAS < MinTokens.stage  # a +100 bias on EOS cannot beat the mask
+    assert MinTokens.stage is Stage.HOLD and not MinTokens.argmax_invariant
+    assert Stage.BIAS < MinTokens.stage  # a +100 bias on EOS cannot beat the mask
     assert manager().processor_classes() == [MinTokens] and MinTokens.name == "min_tokens"
     assert manager().field_owners() == {"min_tokens": "min_tokens",
                                         "stop_token_ids": "stop_tokens"}

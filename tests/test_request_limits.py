@@ -23,7 +23,7 @@ from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo
 from freetoken_core.sampling_params import SamplingParams
 from freetoken_core.server import openai_routes
-from freetoken_core.server.engine_process import Update
+from freetoken_core.engine.process import Update
 from freetoken_core.server.limits import RequestLimits, count_prompts
 from freetoken_core.server.openai_routes import run_generation
 from freetoken_core.server.protocol import ChatMessage

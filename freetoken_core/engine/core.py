@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from freetoken_core.config import EngineLimits
 from freetoken_core.engine.model_runner import ModelRunner
 from freetoken_core.engine.pipeline import ProcessorPipeline
-from freetoken_core.engine.sampler import INVALID_TOKEN, TokenLogprobs
+from freetoken_core.engine.sampler import INVALID_TOKEN
 from freetoken_core.engine.scheduler import ScheduledBatch, Scheduler
 from freetoken_core.engine.sequence import Sequence
 from freetoken_core.errors import CONTEXT_LENGTH_EXCEEDED, FreeTokenError, InvalidRequest
 from freetoken_core.faults import RequestError, plugin_failure
+from freetoken_core.outputs import TokenLogprobs
 from freetoken_core.plugins import StopHook
 from freetoken_core.processors import StopView
 from freetoken_core.sampling_params import SamplingParams

@@ -16,6 +16,7 @@ import torch
 
 from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.sequence import Sequence
+from freetoken_core.outputs import TokenLogprobs
 
 _MASK_53 = (1 << 53) - 1
 
@@ -34,15 +35,6 @@ def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor
     x = x * -7723592293110705685
     x = x ^ _shr(x, 31)
     return (_shr(x, 11) & _MASK_53).double() / float(1 << 53)
-
-
-@dataclass
-class TokenLogprobs:
-    """Log-probability of the sampled token and the ``len(top)`` most likely tokens."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 @dataclass

@@ -151,7 +151,7 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
         prompts = await pool.run(chat_prompts, num_chars=num_chars)
     else:
         num_prompts, num_chars = count_prompts(body.prompt)
-        # Text a plugin may lay out around the prompt (a FIM suffix) counts as prompt text.
+        # Text a plugin may lay out around the prompt counts as prompt text.
         num_chars += sum(len(v) for v in params.extra.values() if isinstance(v, str))
         limits.check_sequences(num_prompts, params.n)
         limits.check_prompt_chars(num_chars, "prompt")

@@ -156,7 +156,7 @@ def completion_prompts(tokenizer: Any, prompt: str | list[Any],
                        rewrite: Callable[[str | list[int]], str | list[int]] | None = None
                        ) -> list[list[int]]:
     """One token list per prompt; each prompt goes through ``rewrite`` (the
-    ``freetoken_rewrite_prompt`` hook, e.g. FIM) before it is tokenized."""
+    ``freetoken_rewrite_prompt`` hook) before it is tokenized."""
     parts = split_prompt(prompt)
     if rewrite is not None:
         parts = [rewrite(part) for part in parts]

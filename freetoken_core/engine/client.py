@@ -32,7 +32,7 @@ from freetoken_core.config import EngineConfig
 from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.faults import RequestError
 from freetoken_core.sampling_params import SamplingParams
-from freetoken_core.server.engine_process import (
+from freetoken_core.engine.process import (
     AbortRequest,
     FromEngine,
     LoadFailed,
