@@ -68,7 +68,7 @@ def _add_limit_options(serve: argparse.ArgumentParser) -> None:
         ("--tokenizer-threads", "num_tokenizer_threads", d.num_tokenizer_threads,
          "worker threads that tokenize and render chat templates (not a per-request limit)"),
         ("--idle-priority-chars", "idle_priority_chars", d.idle_priority_chars,
-         "prompt text above this is tokenized at idle CPU priority (not a limit)"),
+         "a text above this is encoded in a process at idle CPU priority (not a limit)"),
     ]:
         group.add_argument(flag, dest=dest, type=int, default=default, metavar="N",
                            help=f"{help_} (default: {default})")

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from server_fixtures import Server, start_server, stop_server
 from server_fixtures import post as _post
@@ -24,7 +28,7 @@ from freetoken_core.processors import ModelInfo
 from freetoken_core.sampling_params import SamplingParams
 from freetoken_core.server import openai_routes
 from freetoken_core.engine.process import Update
-from freetoken_core.server.limits import RequestLimits, count_prompts
+from freetoken_core.server.limits import TOKENIZER_NICENESS, RequestLimits, count_prompts
 from freetoken_core.server.openai_routes import run_generation
 from freetoken_core.server.protocol import ChatMessage
 from freetoken_core.server.state import ServerConfig, Serving
@@ -148,6 +152,7 @@ def make_serving(tokenizer: Any, limits: RequestLimits) -> Serving:
     serving = Serving(ServerConfig(EngineConfig(), "m", limits=limits),
                       FakeEngine())  # type: ignore[arg-type]
     serving.tokenizer = tokenizer
+    serving.tokenizer_pool.attach(tokenizer)
     serving.plugins = PluginManager("none")
     serving.model_info = ModelInfo(tokenizer.vocab_size + 16, frozenset({0}), 2048)
     return serving
@@ -198,32 +203,81 @@ def test_a_refusal_raised_in_the_worker_thread_still_names_its_field(
     assert info.value.param == "prompt"
 
 
-def test_long_prompts_are_tokenized_at_idle_priority(recording: RecordingTokenizer) -> None:
-    """Prompt text above ``idle_priority_chars`` goes to the ``SCHED_IDLE`` thread, shorter
-    text to the niced workers; the tokenizer's own thread pool is off, so the encoding runs
-    in the thread that was picked."""
+def test_long_texts_are_encoded_in_an_idle_priority_process(recording: RecordingTokenizer
+                                                             ) -> None:
+    """Text above ``idle_priority_chars`` is encoded by a ``SCHED_IDLE`` child process (a
+    ``SCHED_IDLE`` thread would stall the event loop on every GIL hand-off), exactly as the
+    tokenizer encodes it; shorter text in the niced worker threads. The tokenizer's own
+    thread pool is off, so the encoding runs where it was sent."""
     serving = make_serving(recording, RequestLimits(idle_priority_chars=50))
-    seen: list[tuple[str, int]] = []
-
-    def where() -> None:
-        seen.append((threading.current_thread().name, os.sched_getscheduler(0)))
-
-    async def go() -> None:
-        pool = serving.tokenizer_pool
-        await pool.run(where, num_chars=50)
-        await pool.run(where, num_chars=51)
-
-    asyncio.run(go())
-    (short_name, short_policy), (long_name, long_policy) = seen
-    assert short_name.startswith("freetoken-tok_") and short_policy == os.SCHED_OTHER
-    assert long_name.startswith("freetoken-tok-idle") and long_policy == os.SCHED_IDLE
+    pool = serving.tokenizer_pool
+    inner = recording._inner
+    texts = ["word " * 20, "<|im_start|>user\nhéllo wörld 日本語 " * 4 + "<|im_end|>",
+             "  leading and trailing spaces  " * 3, "x" * 51]
+    recording.threads.clear()
+    for text in texts:
+        for special in (False, True):
+            assert pool.encode(recording, text, special) == inner.encode(
+                text, add_special_tokens=special), (text, special)
+    assert "encode" not in recording.threads  # none of them was encoded in this process
+    encoder = pool.idle_encoder
+    assert encoder is not None and encoder.pid is not None
+    pid = encoder.pid
+    assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+    assert "torch" not in " ".join(m.path for m in psutil.Process(pid).memory_maps())
     assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+
+    seen: list[tuple[int, int]] = []
+
+    def short() -> list[int]:
+        seen.append((threading.get_ident(), os.getpriority(os.PRIO_PROCESS,
+                                                           threading.get_native_id())))
+        return pool.encode(recording, "word " * 10)
+
+    assert asyncio.run(pool.run(short)) == inner.encode("word " * 10, add_special_tokens=False)
+    ((thread, niceness),) = seen
+    assert recording.threads["encode"] == {thread} and niceness >= TOKENIZER_NICENESS
+
+    # Through a request: the long prompt's encoding leaves this process.
     recording.threads.clear()
     generate(serving, b'{"model": "m", "prompt": "' + b"word " * 20 + b'"}', False)
     generate(serving, b'{"model": "m", "messages": [{"role": "user", "content": "'
              + b"word " * 12 + b'"}]}', True)
-    assert recording.threads["encode"] <= {t.ident for t in threading.enumerate()
-                                           if t.name.startswith("freetoken-tok-idle")}
+    assert "encode" not in recording.threads and recording.threads["apply_chat_template"]
+
+    # A dead encoder process costs one text encoded here, then a new process serves.
+    child = psutil.Process(pid)
+    child.kill()
+    child.wait(10)
+    assert pool.encode(recording, texts[0]) == inner.encode(texts[0], add_special_tokens=False)
+    assert recording.threads["encode"]
+    recording.threads.pop("encode")
+    assert pool.encode(recording, texts[1]) == inner.encode(texts[1], add_special_tokens=False)
+    assert "encode" not in recording.threads
+    assert encoder.pid not in (None, pid)
+    pool.shutdown()
+    assert encoder.pid is None and not psutil.pid_exists(pid)
+
+
+def test_the_encoder_process_ends_with_the_server(recording: RecordingTokenizer,
+                                                  tmp_path: Path) -> None:
+    """A server killed without shutting down leaves no encoder behind (it reads EOF)."""
+    recording._inner.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    script = (
+        "import os, sys\n"
+        "from tokenizers import Tokenizer\n"
+        "from freetoken_core.server.limits import IdleEncoder\n"
+        f"encoder = IdleEncoder(Tokenizer.from_file({str(tmp_path / 'tokenizer.json')!r}))\n"
+        "assert encoder.encode('word ' * 100, False)\n"
+        "print(encoder.pid, flush=True)\n"
+        "os._exit(0)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=True)
+    child = int(done.stdout.strip())
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the encoder process outlived its server"
+        time.sleep(0.05)
 
 
 # --------------------------------------------------------------------------- server

@@ -32,7 +32,7 @@ from freetoken_core.engine.client import EngineClient
 from freetoken_core.server.metrics import MEDIA_TYPE, ServerMetrics
 from freetoken_core.server.openai_routes import run_generation
 from freetoken_core.server.openapi import complete_document, openapi_config
-from freetoken_core.server.serving import encode, parse_body, render_chat
+from freetoken_core.server.serving import parse_body, render_chat
 from freetoken_core.server.state import ServerConfig, Serving, error_of
 
 __all__ = ["ServerConfig", "create_app"]
@@ -156,12 +156,12 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
         tokenizer, _, model_info = serving.require_ready(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("prompt", "give exactly one of prompt and messages")
-        limits = config.limits
+        limits, pool = config.limits, serving.tokenizer_pool
         if body.messages is not None:
             if body.continue_final_message and body.add_generation_prompt:
                 raise InvalidRequest("continue_final_message", "continue_final_message and "
                                      "add_generation_prompt cannot both be true")
-            num_chars = limits.check_messages(body.messages)
+            limits.check_messages(body.messages)
 
             def work() -> list[int]:
                 text = render_chat(tokenizer, body.messages,
@@ -169,14 +169,13 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
                                    continue_final_message=body.continue_final_message,
                                    chat_template_kwargs=body.chat_template_kwargs)
                 limits.check_prompt_chars(len(text), "messages")
-                return encode(tokenizer, text)
+                return pool.encode(tokenizer, text)
         else:
-            num_chars = len(body.prompt)
-            limits.check_prompt_chars(num_chars, "prompt")
+            limits.check_prompt_chars(len(body.prompt), "prompt")
 
             def work() -> list[int]:
-                return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        tokens = await serving.tokenizer_pool.run(work, num_chars=num_chars)  # off the loop
+                return pool.encode(tokenizer, body.prompt, body.add_special_tokens)
+        tokens = await pool.run(work)  # off the loop
         return p.TokenizeResponse(tokens, len(tokens), model_info.max_model_len)
 
     @post(["/detokenize", "/v1/detokenize"], status_code=200)

@@ -7,13 +7,19 @@ every violation is a 400 before any tokenizer, template or engine work starts. T
 size is enforced by Litestar (``request_max_body_size``: 413).
 
 ``TokenizerPool`` runs tokenization and chat-template rendering in worker threads, so that
-a long prompt does not stall the event loop that streams every other request.
+a long prompt does not stall the event loop that streams every other request, and encodes
+long texts in a process at idle CPU priority.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
+import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +30,7 @@ from typing import Any, TypeVar
 from freetoken_core.errors import InvalidRequest
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,9 +64,9 @@ class RequestLimits:
     """Worker threads that tokenize and render chat templates, off the event loop
     (``--tokenizer-threads``)."""
     idle_priority_chars: int = 16_384
-    """Prompt text of more characters than this is tokenized by one background thread at
-    idle CPU priority, which runs only while the engine and the event loop leave a core
-    free: a flood of long prompts waits instead of slowing the streams already running
+    """A text of more characters than this is encoded by a background process at idle CPU
+    priority, which runs only while the engine and the event loop leave a core free: a
+    flood of long prompts waits instead of slowing the streams already running
     (``--idle-priority-chars``)."""
 
     def __post_init__(self) -> None:
@@ -146,32 +153,131 @@ def _lower_priority() -> None:
         pass  # not Linux, or not allowed: run at the normal priority
 
 
-def _idle_priority() -> None:
-    """``SCHED_IDLE`` for this thread: the kernel runs it only on a core that nothing of
-    normal priority wants (niceness alone still takes a third of a core from a two-thread
-    matmul on two cores; ``SCHED_IDLE`` takes nothing measurable)."""
+_ENCODER_SOURCE = r"""
+import json, os, struct, sys
+try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+except (AttributeError, OSError):
     try:
-        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        _lower_priority()  # not Linux, or not allowed: niceness at least
+        os.nice(19)
+    except OSError:
+        pass
+from tokenizers import Tokenizer
+inp, out = sys.stdin.buffer, sys.stdout.buffer
+
+def read():
+    head = inp.read(4)
+    if len(head) < 4:
+        sys.exit(0)  # the server closed the pipe or is gone
+    return inp.read(struct.unpack("<I", head)[0]).decode()
+
+def write(obj):
+    data = json.dumps(obj).encode()
+    out.write(struct.pack("<I", len(data)) + data)
+    out.flush()
+
+tokenizer = Tokenizer.from_str(read())
+while True:
+    request = json.loads(read())
+    try:
+        write(tokenizer.encode(request[0], add_special_tokens=request[1]).ids)
+    except Exception as exc:
+        write({"error": f"{type(exc).__name__}: {exc}"})
+"""
+"""The idle-priority encoder: stdlib and ``tokenizers`` only (no torch, no FreeToken), one
+length-prefixed JSON message per text and per answer over its stdin and stdout; it exits
+when the server closes the pipe or dies."""
+
+
+class IdleEncoder:
+    """A child process at ``SCHED_IDLE`` priority that encodes with a copy of a fast
+    tokenizer's Rust core (``tokenizer.backend_tokenizer``), one text at a time.
+
+    ``encode`` blocks the calling thread (not the GIL) until the answer comes; it returns
+    ``None`` when the process failed (it is then restarted on the next call), so the caller
+    encodes in its own thread instead.
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self._config = backend.to_str()
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        process = subprocess.Popen([sys.executable, "-I", "-c", _ENCODER_SOURCE], env=env,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._send(process, self._config)
+        return process
+
+    @staticmethod
+    def _send(process: subprocess.Popen[bytes], text: str) -> None:
+        assert process.stdin is not None
+        data = text.encode()
+        process.stdin.write(struct.pack("<I", len(data)) + data)
+        process.stdin.flush()
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int] | None:
+        with self._lock:
+            try:
+                if self._process is None:
+                    self._process = self._start()
+                self._send(self._process, json.dumps([text, add_special_tokens]))
+                assert self._process.stdout is not None
+                head = self._process.stdout.read(4)
+                if len(head) < 4:
+                    raise EOFError("the encoder process exited")
+                answer = json.loads(self._process.stdout.read(struct.unpack("<I", head)[0]))
+            except (OSError, EOFError, ValueError) as exc:
+                log.warning("the idle-priority encoder process failed (%s); encoding in the "
+                            "worker thread, a new process starts for the next long text", exc)
+                self._stop()
+                return None
+        if isinstance(answer, dict):
+            log.warning("the idle-priority encoder failed: %s", answer.get("error"))
+            return None
+        return answer
+
+    def _stop(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            process.kill()
+            process.wait()
+
+    def close(self) -> None:
+        """End the process (it would also exit on its own once this process is gone)."""
+        with self._lock:
+            self._stop()
 
 
 class TokenizerPool:
     """Runs blocking tokenizer and template calls off the event loop.
 
-    - Work on up to ``idle_priority_chars`` characters runs in ``num_threads`` worker threads
-      at niceness ``TOKENIZER_NICENESS``.
-    - Longer work runs in one more thread with the ``SCHED_IDLE`` policy: while the engine
-      keeps every core busy, a long prompt waits for a free moment instead of taking CPU
-      from the running streams (measured in ``bench/soak.py``'s ITL figure).
+    - Every call runs in one of ``num_threads`` worker threads at niceness
+      ``TOKENIZER_NICENESS``.
+    - A text of more than ``idle_priority_chars`` characters is encoded (``encode``) in a
+      separate process with the ``SCHED_IDLE`` policy, which gets a core only when the engine
+      and the server leave one free: a flood of long prompts waits for a free moment instead
+      of taking CPU from the running streams (measured in ``bench/soak.py``'s ITL figure).
+      It must be a process: a ``SCHED_IDLE`` *thread* of this process stalls the event loop
+      whenever it needs the GIL back (CPython's GIL hand-off makes the releasing thread wait
+      until the waiter has actually run, and on busy cores an idle-priority thread may not
+      run for hundreds of milliseconds).
 
-    Hugging Face fast tokenizers release the GIL while they encode, so the event loop keeps
-    streaming meanwhile; templates (Jinja) hold it, but only in switch-interval slices.
-    Their Rust core would otherwise hand even a single text to its own (Rayon) thread pool,
-    at the normal priority: the pool sets ``TOKENIZERS_PARALLELISM=false`` (unless the
-    environment already says otherwise) so the encoding runs in the calling thread, at that
-    thread's priority. Exceptions raised by the call (``InvalidRequest`` among them)
-    propagate to the caller.
+    The encoder process gets a copy of the fast tokenizer's Rust core
+    (``tokenizer.backend_tokenizer``), so it encodes exactly as ``tokenizer.encode`` does; a
+    tokenizer without one (a slow tokenizer) is encoded in the worker thread. Hugging Face's
+    Rust core would otherwise hand even a single text to its own (Rayon) thread pool, at the
+    normal priority: the pool sets ``TOKENIZERS_PARALLELISM=false`` (unless the environment
+    already says otherwise) so encoding runs in the thread or process that was picked.
+    Exceptions raised by the call (``InvalidRequest`` among them) propagate to the caller;
+    if the encoder process fails, the text is encoded in the worker thread and a new process
+    starts for the next long text.
     """
 
     def __init__(self, num_threads: int, idle_priority_chars: int = 16_384) -> None:
@@ -180,16 +286,32 @@ class TokenizerPool:
         self.idle_priority_chars = idle_priority_chars
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="freetoken-tok",
                                             initializer=_lower_priority)
-        self._idle = ThreadPoolExecutor(1, thread_name_prefix="freetoken-tok-idle",
-                                        initializer=_idle_priority)
+        self.idle_encoder: IdleEncoder | None = None
 
-    async def run(self, func: Callable[..., R], *args: Any, num_chars: int = 0) -> R:
-        """``func(*args)`` in a worker thread; waits for a free one. ``num_chars`` (the
-        prompt text the call works on) above ``idle_priority_chars`` picks the idle-priority
-        thread."""
-        executor = self._idle if num_chars > self.idle_priority_chars else self._executor
-        return await asyncio.get_running_loop().run_in_executor(executor, partial(func, *args))
+    def attach(self, tokenizer: Any) -> None:
+        """Encode the long texts of ``tokenizer`` (the served one) in an idle-priority
+        process, started on the first of them."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            self.idle_encoder = IdleEncoder(backend)
+
+    async def run(self, func: Callable[..., R], *args: Any) -> R:
+        """``func(*args)`` in a worker thread; waits for a free one."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor,
+                                                                partial(func, *args))
+
+    def encode(self, tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``tokenizer.encode(text)``; a text longer than ``idle_priority_chars`` goes to the
+        idle-priority encoder process. Call it from a worker thread (it blocks)."""
+        idle = self.idle_encoder
+        if (len(text) > self.idle_priority_chars and idle is not None
+                and getattr(tokenizer, "backend_tokenizer", None) is idle.backend):
+            ids = idle.encode(text, add_special_tokens)
+            if ids is not None:
+                return ids
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._idle.shutdown(wait=False, cancel_futures=True)
+        if self.idle_encoder is not None:
+            self.idle_encoder.close()

@@ -27,7 +27,6 @@ from freetoken_core.server.logprobs import LogprobFormatter
 from freetoken_core.server.serving import (
     check_fits,
     completion_prompts,
-    encode,
     parse_body,
     render_chat,
     sampling_params,
@@ -138,7 +137,7 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
     # long prompt never stalls the streams this event loop serves.
     if isinstance(body, p.ChatCompletionRequest):
         limits.check_sequences(1, params.n)
-        num_chars = limits.check_messages(body.messages)
+        limits.check_messages(body.messages)
 
         def chat_prompts() -> list[list[int]]:
             text = render_chat(tokenizer, body.messages,
@@ -146,9 +145,9 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
                                continue_final_message=body.continue_final_message,
                                chat_template_kwargs=body.chat_template_kwargs)
             limits.check_prompt_chars(len(text), "messages")
-            return [encode(tokenizer, text)]
+            return [pool.encode(tokenizer, text)]
 
-        prompts = await pool.run(chat_prompts, num_chars=num_chars)
+        prompts = await pool.run(chat_prompts)
     else:
         num_prompts, num_chars = count_prompts(body.prompt)
         # Text a plugin may lay out around the prompt counts as prompt text.
@@ -160,9 +159,8 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
             return plugins.rewrite_prompt(PromptView(prompt, params, tokenizer))
 
         prompts = await pool.run(completion_prompts, tokenizer, body.prompt, rewrite,
-                                 num_chars=num_chars)
-    await pool.run(check_fits, prompts, params, model_info, "messages" if chat else "prompt",
-                   num_chars=num_chars)
+                                 pool.encode)
+    await pool.run(check_fits, prompts, params, model_info, "messages" if chat else "prompt")
     gen = Generation(serving.client, tokenizer, prompts, params,
                      on_done=serving.metrics.record, is_chat=chat,
                      matcher=await pool.run(StopMatcher, params.stop))

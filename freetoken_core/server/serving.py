@@ -153,10 +153,10 @@ def split_prompt(prompt: str | list[Any]) -> list[str | list[int]]:
 
 
 def completion_prompts(tokenizer: Any, prompt: str | list[Any],
-                       rewrite: Callable[[str | list[int]], str | list[int]] | None = None
-                       ) -> list[list[int]]:
+                       rewrite: Callable[[str | list[int]], str | list[int]] | None = None,
+                       encode: Callable[[Any, str], list[int]] = encode) -> list[list[int]]:
     """One token list per prompt; each prompt goes through ``rewrite`` (the
-    ``freetoken_rewrite_prompt`` hook) before it is tokenized."""
+    ``freetoken_rewrite_prompt`` hook) before ``encode`` tokenizes it."""
     parts = split_prompt(prompt)
     if rewrite is not None:
         parts = [rewrite(part) for part in parts]

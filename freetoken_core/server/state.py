@@ -117,6 +117,7 @@ class Serving:
             return  # already reported through the client's on_dead
         try:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, Path(info.model_dir))
+            self.tokenizer_pool.attach(self.tokenizer)
             plugins = PluginManager(self.config.engine.plugins,
                                     self.config.engine.plugin_options)
             plugins.enabled  # noqa: B018 (loads the plugins now, not on the first request)
