@@ -21,7 +21,13 @@ import functools
 
 import torch
 
-from freetoken_core.bench import BASE_PARAMS, BenchShape, PluginBench, build_plugin_bench
+from freetoken_core.bench import (
+    BASE_PARAMS,
+    BenchShape,
+    PluginBench,
+    build_plugin_bench,
+    load_bench_model,
+)
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import LogitsProcessor, ProcessorContext, RequestView
 from freetoken_core.sampling_params import SamplingParams
@@ -48,14 +54,16 @@ def sampler_step(benchmark, name: str, case: str) -> None:
 
 def processor_alone(benchmark, cls: type[LogitsProcessor], bench_params: dict) -> None:
     device = torch.device(SHAPE.device)
-    model = SHAPE.model(ROUNDS + 2)
+    source = load_bench_model()  # the default model's tokenizer and EOS ids, as the bench's
+    model = SHAPE.model(ROUNDS + 2, source.eos_token_ids)
     # Loading the installed plugins names ``cls`` (its entry point's name); validation is
     # the server's: typed fields, then the plugin's ``validate``.
     manager = PluginManager(plugins="all")
     params = SamplingParams(**{**BASE_PARAMS, **bench_params})
     manager.validate(params, model)
     assert cls.name in params.fields, f"{bench_params} do not use {cls.__name__}"
-    proc = cls(ProcessorContext(SHAPE.batch, model, device, hooks=manager.hook))
+    proc = cls(ProcessorContext(SHAPE.batch, model, device, source.tokenizer, manager.options,
+                                manager.hook))
     gen = torch.Generator().manual_seed(0)
     history = torch.randint(0, COMMON_IDS, (SHAPE.batch, SHAPE.history), generator=gen)
     for slot, tokens in enumerate(history.tolist()):

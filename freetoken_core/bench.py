@@ -23,12 +23,19 @@ fail those requests; a bench of it would measure nothing).
 
 ``NAME`` may be ``all``: every installed plugin at once, ``BENCH_PARAMS`` merged (plugins
 without ``BENCH_PARAMS`` are skipped with a note). ``bench/bench_<plugin>.py`` use the
-same ``SamplerStep`` under pytest-benchmark. There is no tokenizer: a processor that needs
-one (``ProcessorContext.tokenizer``) cannot be benchmarked here.
+same ``SamplerStep`` under pytest-benchmark.
+
+The processors get the tokenizer and EOS ids of a real model (``--model``, by default the
+embedded default model; its weights are never loaded), as in the engine, so that a
+processor that reads ``ProcessorContext.tokenizer`` (a grammar matcher) runs on a real
+vocabulary. ``--vocab`` stays the logits' width: a processor that needs it to cover the
+tokenizer (at least ``len(tokenizer)``) may refuse a smaller one, which is a
+``BenchError``.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -41,7 +48,7 @@ import torch
 from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.sampler import Sampler, SamplingBatch
 from freetoken_core.engine.sequence import Sequence
-from freetoken_core.errors import FreeTokenError, InvalidRequest
+from freetoken_core.errors import FreeTokenError, InvalidRequest, ModelLoadError
 from freetoken_core.plugins import PluginManager, StopHook
 from freetoken_core.processors import (
     LogitsProcessor,
@@ -80,9 +87,43 @@ class BenchShape:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise BenchError(f"--device {self.device}: CUDA is not available")
 
-    def model(self, num_steps: int) -> ModelInfo:
-        return ModelInfo(self.vocab, EOS_TOKEN_IDS,
+    def model(self, num_steps: int, eos_token_ids: frozenset[int] = EOS_TOKEN_IDS
+              ) -> ModelInfo:
+        if self.vocab <= max(eos_token_ids):
+            raise BenchError(f"--vocab must be > the model's EOS ids {sorted(eos_token_ids)}")
+        return ModelInfo(self.vocab, eos_token_ids,
                          self.history + max(MAX_TOKENS, num_steps + 16))
+
+
+@dataclass(frozen=True, eq=False)
+class BenchModel:
+    """What the bench takes from a real model: its tokenizer and EOS ids (for
+    ``ProcessorContext`` and ``ModelInfo``) and its logits' width; never its weights."""
+
+    name: str
+    tokenizer: Any
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+
+@functools.cache
+def load_bench_model(model: str | None = None) -> BenchModel:
+    """The tokenizer, logits width and EOS ids of ``model`` (a Hugging Face directory or a
+    ``.gguf`` file; ``None``: the embedded default model), found as the engine finds them.
+    Loaded once per process. Raises ``BenchError`` when the model cannot be loaded."""
+    from freetoken_core.engine.llm_engine import eos_token_ids
+    from freetoken_core.models.config import ModelConfig
+    from freetoken_core.models.resolve import DEFAULT_MODEL_NAME, resolve_model
+    from freetoken_core.tokenizer import load_tokenizer
+
+    try:
+        model_dir = resolve_model(model, progress=False)
+        config = ModelConfig.from_dir(model_dir)
+        tokenizer = load_tokenizer(model_dir)
+    except ModelLoadError as exc:
+        raise BenchError(f"--model: {exc}") from exc
+    return BenchModel(model or DEFAULT_MODEL_NAME, tokenizer, config.vocab_size,
+                      eos_token_ids(model_dir, config, tokenizer))
 
 
 class SamplerStep:
@@ -156,6 +197,7 @@ class PluginBench:
 
     name: str
     shape: BenchShape
+    model: BenchModel
     plain: SamplerStep
     idle: SamplerStep
     active: SamplerStep
@@ -209,22 +251,24 @@ def bench_params(name: str, classes: dict[str, type[Plugin]]
     return used, merged, notes
 
 
-def build_plugin_bench(name: str, shape: BenchShape, num_steps: int, seed: int = 0
-                       ) -> PluginBench:
-    """Build (a), (b), (c) for plugin ``name`` (or ``all``); see the module docstring.
+def build_plugin_bench(name: str, shape: BenchShape, num_steps: int, seed: int = 0,
+                       model: str | None = None) -> PluginBench:
+    """Build (a), (b), (c) for plugin ``name`` (or ``all``), with the tokenizer and EOS ids
+    of ``model`` (``load_bench_model``); see the module docstring.
 
     Raises ``PluginSelectionError`` for a plugin that is not installed and ``BenchError``
-    for one that gives nothing to run.
+    for one that gives nothing to run or cannot be built for this shape and model.
     """
     manager = PluginManager(plugins="all" if name == "all" else name)
     # An unknown name fails here, listing the installed plugins.
     plugins, fields, notes = bench_params(name, manager.plugin_classes())
-    model = shape.model(num_steps + NUM_WARMUP_STEPS)
+    source = load_bench_model(model)
+    model_info = shape.model(num_steps + NUM_WARMUP_STEPS, source.eos_token_ids)
     plain = SamplingParams(**BASE_PARAMS)
     active = SamplingParams(**{**BASE_PARAMS, **fields})
     try:
-        manager.validate(plain, model)
-        manager.validate(active, model)  # the plugins' typed, normalised fields
+        manager.validate(plain, model_info)
+        manager.validate(active, model_info)  # the plugins' typed, normalised fields
     except InvalidRequest as exc:
         raise BenchError(f"BENCH_PARAMS of {', '.join(plugins)} do not fit a vocabulary of "
                          f"{shape.vocab} and history of {shape.history}: {exc}") from exc
@@ -236,16 +280,24 @@ def build_plugin_bench(name: str, shape: BenchShape, num_steps: int, seed: int =
         notes.append(f"{', '.join(unmeasured)}: no processor or stop hook of it runs on "
                      f"these fields; (c) measures nothing of it")
     device = torch.device(shape.device)
-    ctx = ProcessorContext(shape.batch, model, device, options=manager.options,
-                           hooks=manager.hook)
+    ctx = ProcessorContext(shape.batch, model_info, device, source.tokenizer,
+                           options=manager.options, hooks=manager.hook)
     base = model_like_logits(shape.batch, shape.vocab, seed).to(device)
 
     def step(procs: list[type[LogitsProcessor]], params: SamplingParams,
              hooks: list[StopHook]) -> SamplerStep:
         return SamplerStep(shape, base, procs, [params] * shape.batch, ctx, hooks, seed)
 
-    return PluginBench(name, shape, plain=step([], plain, []),
-                       idle=step(processors, plain, stop_hooks),
+    try:
+        idle = step(processors, plain, stop_hooks)
+    except FreeTokenError:
+        raise
+    except Exception as exc:  # a processor's __init__ refused this shape or tokenizer
+        raise BenchError(
+            f"the processors of {', '.join(p.name for p in processors)} cannot be built for "
+            f"--vocab {shape.vocab} and the tokenizer of {source.name} ({len(source.tokenizer)}"
+            f" tokens): {type(exc).__name__}: {exc}") from exc
+    return PluginBench(name, shape, source, plain=step([], plain, []), idle=idle,
                        active=step(processors, active, stop_hooks), notes=notes)
 
 
@@ -268,6 +320,7 @@ def time_steps(steps: list[SamplerStep], num_steps: int, num_warmup: int = NUM_W
 class BenchResult:
     name: str
     shape: BenchShape
+    model: str
     num_steps: int
     ms: dict[str, float]
     notes: list[str]
@@ -279,8 +332,8 @@ class BenchResult:
                 (f"(c) {self.name} on every row", self.ms["active"])]
         width = max(len(label) for label, _ in rows) + 2
         title = (f"plugin {self.name}: batch {s.batch}, vocab {s.vocab}, history {s.history}, "
-                 f"device {s.device}; median of {self.num_steps} steps after "
-                 f"{NUM_WARMUP_STEPS} warm-up")
+                 f"device {s.device}, tokenizer of {self.model}; median of {self.num_steps} "
+                 f"steps after {NUM_WARMUP_STEPS} warm-up")
         lines = [title, f"{'':<{width}}{'ms/step':>10}{'vs (a)':>10}"]
         plain = self.ms["plain"]
         for label, ms in rows:
@@ -289,12 +342,13 @@ class BenchResult:
         return "\n".join(lines)
 
 
-def run_plugin_bench(name: str, shape: BenchShape, num_steps: int = 20) -> BenchResult:
+def run_plugin_bench(name: str, shape: BenchShape, num_steps: int = 20,
+                     model: str | None = None) -> BenchResult:
     """Build and time the three setups of ``bench plugin NAME``."""
     if num_steps < 1:
         raise BenchError("--steps must be >= 1")
-    bench = build_plugin_bench(name, shape, num_steps)
+    bench = build_plugin_bench(name, shape, num_steps, model=model)
     plain, idle, active = time_steps([bench.plain, bench.idle, bench.active], num_steps)
-    return BenchResult(name, shape, num_steps,
+    return BenchResult(name, shape, bench.model.name, num_steps,
                        {"plain": plain * 1e3, "idle": idle * 1e3, "active": active * 1e3},
                        bench.notes)

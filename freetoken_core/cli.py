@@ -4,7 +4,8 @@
     freetoken serve [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
                     [--api-key KEY] [CORS options] [request limits] [engine options]
     freetoken plugins [--json] [--plugins LIST]
-    freetoken bench plugin NAME [--batch B --vocab V --history H --device D --steps N]
+    freetoken bench plugin NAME [--batch B --vocab V --history H --device D --steps N
+                                 --model M]
 
 ``--plugins`` is ``all`` (the default), ``none`` or a comma-separated list of installed
 plugin names; without it, ``FREETOKEN_PLUGINS`` does the same. A name that is not
@@ -175,9 +176,9 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from freetoken_core.config import EngineConfig
+    from freetoken_core.engine.client import RestartPolicy
     from freetoken_core.plugins import PluginManager
     from freetoken_core.server.app import ServerConfig, create_app
-    from freetoken_core.engine.client import RestartPolicy
     from freetoken_core.server.limits import RequestLimits
 
     engine_config = EngineConfig(model=args.model, **_engine_options(args))
@@ -238,7 +239,7 @@ def _bench_plugin(args: argparse.Namespace) -> int:
 
     shape = BenchShape(batch=args.batch, vocab=args.vocab, history=args.history,
                        device=args.device)
-    print(run_plugin_bench(args.name, shape, num_steps=args.steps).table())
+    print(run_plugin_bench(args.name, shape, num_steps=args.steps, model=args.model).table())
     return 0
 
 
@@ -294,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt tokens per row handed to the processors")
     plugin.add_argument("--device", default="cpu")
     plugin.add_argument("--steps", type=int, default=20, help="timed steps (median)")
+    plugin.add_argument("--model", default=None,
+                        help="the model whose tokenizer and EOS ids the processors get (its "
+                             "weights are not loaded; default: the embedded "
+                             "SmolLM2-135M-Instruct)")
     plugin.set_defaults(func=_bench_plugin)
     return parser
 

@@ -40,6 +40,9 @@ HOOKS = {"stop_tokens": ["freetoken_check_stop"], "fim": ["freetoken_rewrite_pro
 KEYS = ["name", "distribution", "version", "enabled", "kind", "description", "hooks",
         "fields"]
 SMALL = ["--batch", "4", "--vocab", "1024", "--history", "16", "--steps", "3"]
+# The vocabulary of the default model, whose tokenizer the bench hands the processors:
+# structured_outputs needs logits at least that wide.
+DEFAULT_VOCAB = 49_152
 
 
 def freetoken(*args: str) -> subprocess.CompletedProcess:
@@ -251,7 +254,8 @@ def test_bench_runs_every_builtin_with_bench_params(name: str) -> None:
     cls = next(ep.load() for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name)
     if plugin_bench_params(cls) is None:
         pytest.skip(f"{name} has no BENCH_PARAMS")
-    bench = build_plugin_bench(name, BenchShape(batch=2, vocab=1024, history=4), num_steps=1)
+    bench = build_plugin_bench(name, BenchShape(batch=2, vocab=DEFAULT_VOCAB, history=4),
+                               num_steps=1)
     assert bench.notes == []
     ran = {type(p).name for p in bench.active.pipeline.active()}
     ran |= {hook.plugin for hook, _ in bench.active.stop_checks}
@@ -262,15 +266,58 @@ def test_bench_runs_every_builtin_with_bench_params(name: str) -> None:
 
 
 def test_bench_all_merges_every_plugin(bare_plugin: str, capsys: pytest.CaptureFixture) -> None:
-    assert main(["bench", "plugin", "all", *SMALL]) == 0
+    assert main(["bench", "plugin", "all", *SMALL[:2], "--vocab", str(DEFAULT_VOCAB),
+                 *SMALL[4:]]) == 0
     out = capsys.readouterr().out
     assert set(table_rows(out)) == {"a", "b", "c"}
     assert "note: skipped bare: no BENCH_PARAMS" in out
-    bench = build_plugin_bench("all", BenchShape(batch=2, vocab=1024, history=4), num_steps=1)
+    bench = build_plugin_bench("all", BenchShape(batch=2, vocab=DEFAULT_VOCAB, history=4),
+                               num_steps=1)
     active = {type(p).name for p in bench.active.pipeline.active()}
-    assert {"min_p", "penalties", "logit_bias", "min_tokens"} <= active
+    assert {"min_p", "penalties", "logit_bias", "min_tokens", "structured_outputs"} <= active
     assert [(h.plugin, rows) for h, rows in bench.active.stop_checks] == [("stop_tokens",
                                                                           [0, 1])]
+
+
+def test_bench_structured_outputs_masks_with_the_models_tokenizer() -> None:
+    """The processors get the default model's tokenizer and EOS ids: structured_outputs
+    compiles BENCH_PARAMS' schema for it, and the active rows draw only what the schema
+    allows, while the idle rows draw freely."""
+    shape = BenchShape(batch=3, vocab=DEFAULT_VOCAB + 64, history=4)  # padded, as models are
+    bench = build_plugin_bench("structured_outputs", shape, num_steps=1)
+    tokenizer = bench.model.tokenizer
+    assert bench.model.name == "SmolLM2-135M-Instruct" and len(tokenizer) == DEFAULT_VOCAB
+    [proc] = bench.active.pipeline.active()
+    assert proc.ctx.tokenizer is tokenizer and proc.ctx.model.eos_token_ids == frozenset({2})
+    texts, free = ["", "", ""], ["", "", ""]
+    for _ in range(6):
+        for step, out in ((bench.active, texts), (bench.idle, free)):
+            step.reset()
+            for row, token in enumerate(step.run()):
+                out[row] += tokenizer.decode([token])
+    for text in texts:  # {"name": ..., "age": ...}, JSON's whitespace allowed anywhere
+        compact = re.sub(r"\s", "", text)
+        assert compact.startswith("{"), texts
+        assert any(key.startswith(compact[1:]) or compact[1:].startswith(key)
+                   for key in ('"name"', '"age"')), texts
+    assert all(not t.lstrip().startswith("{") for t in free), free
+
+
+def test_bench_model_option_chooses_the_tokenizer(tiny_model_dir) -> None:
+    bench = build_plugin_bench("structured_outputs", BenchShape(batch=2, vocab=1024, history=4),
+                               num_steps=1, model=str(tiny_model_dir))
+    assert len(bench.model.tokenizer) == 642 and bench.model.vocab_size == 642
+    bench.active.reset()
+    assert len(bench.active.run()) == 2
+    # A vocabulary narrower than the tokenizer is refused, saying why.
+    with pytest.raises(BenchError) as err:
+        build_plugin_bench("structured_outputs", BenchShape(batch=2, vocab=512, history=4),
+                           num_steps=1, model=str(tiny_model_dir))
+    message = str(err.value)
+    assert "--vocab 512" in message and "642 tokens" in message
+    with pytest.raises(BenchError, match="--model"):
+        build_plugin_bench("min_p", BenchShape(batch=2, vocab=64, history=4), num_steps=1,
+                           model="/nonexistent/model")
 
 
 def test_bench_stops_at_a_processor_that_raises(monkeypatch: pytest.MonkeyPatch) -> None:
