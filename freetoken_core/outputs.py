@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+
 @dataclass
 class TokenLogprobs:
     """Log-probability of the sampled token and the ``len(top)`` most likely tokens."""

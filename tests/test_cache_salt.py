@@ -9,12 +9,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from freetoken_core.engine.process import add_request, params_of, to_engine_type
 from freetoken_core.errors import InvalidRequest
 from freetoken_core.llm import LLM
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo
 from freetoken_core.sampling_params import SamplingParams
-from freetoken_core.engine.process import add_request, params_of, to_engine_type
 from freetoken_core.server.limits import RequestLimits
 from freetoken_core.server.protocol import ChatCompletionRequest, CompletionRequest
 from freetoken_core.server.serving import parse_body, sampling_params

@@ -114,4 +114,4 @@ def test_freetoken_bench_plugin_runs_it(plugin: ModuleType) -> None:
                 "--history", "16", "--steps", "3")
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("plugin suppress: batch 4, vocab 2048")
-    assert re.search(r"^\(c\) suppress on every row +[0-9.]+ +[0-9.]+x$", done.stdout, re.M)
+    assert re.search(r"^\(c\) suppress on every row +[0-9.]+ +[0-9.]+x$", done.stdout, re.MULTILINE)

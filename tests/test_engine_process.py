@@ -7,10 +7,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from freetoken_core.engine.process import add_request, params_of, to_engine_type
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo
 from freetoken_core.sampling_params import INT64_MAX, SamplingParams
-from freetoken_core.engine.process import add_request, params_of, to_engine_type
 
 MODEL = ModelInfo(vocab_size=1000, eos_token_ids=frozenset({0}), max_model_len=512)
 PLUGINS = "min_p,stop_tokens,fim"

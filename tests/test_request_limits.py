@@ -22,12 +22,12 @@ from tiny_models import build_tokenizer
 from freetoken_core.cli import main as cli_main
 from freetoken_core.config import EngineConfig
 from freetoken_core.engine.output_processor import StopMatcher
+from freetoken_core.engine.process import Update
 from freetoken_core.errors import InvalidRequest
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo
 from freetoken_core.sampling_params import SamplingParams
 from freetoken_core.server import openai_routes
-from freetoken_core.engine.process import Update
 from freetoken_core.server.limits import TOKENIZER_NICENESS, RequestLimits, count_prompts
 from freetoken_core.server.openai_routes import run_generation
 from freetoken_core.server.protocol import ChatMessage

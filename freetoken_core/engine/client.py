@@ -29,9 +29,6 @@ from dataclasses import dataclass
 import msgspec
 
 from freetoken_core.config import EngineConfig
-from freetoken_core.errors import FreeTokenError, InvalidRequest
-from freetoken_core.faults import RequestError
-from freetoken_core.sampling_params import SamplingParams
 from freetoken_core.engine.process import (
     AbortRequest,
     FromEngine,
@@ -48,6 +45,9 @@ from freetoken_core.engine.process import (
     add_request,
     run_engine_process,
 )
+from freetoken_core.errors import FreeTokenError, InvalidRequest
+from freetoken_core.faults import RequestError
+from freetoken_core.sampling_params import SamplingParams
 
 log = logging.getLogger("freetoken.server")
 

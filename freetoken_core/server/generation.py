@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from freetoken_core.engine.client import EngineClient
 from freetoken_core.engine.output_processor import ChoiceText, StopMatcher
 from freetoken_core.sampling_params import SamplingParams
-from freetoken_core.engine.client import EngineClient
 from freetoken_core.server.protocol import PromptTokensDetails, Usage
 
 LogprobEntry = tuple[int, float, list[tuple[int, float]]]

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from freetoken_core.config import EngineConfig
+from freetoken_core.engine.client import EngineClient, EngineDeadError, RestartPolicy
 from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.faults import RequestError
 from freetoken_core.models.resolve import DEFAULT_MODEL_NAME
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo
 from freetoken_core.server.cors import CorsSettings
-from freetoken_core.engine.client import EngineClient, EngineDeadError, RestartPolicy
 from freetoken_core.server.limits import RequestLimits, TokenizerPool
 from freetoken_core.server.metrics import ServerMetrics
 from freetoken_core.server.protocol import ErrorBody, ResponseTypes
