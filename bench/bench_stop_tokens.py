@@ -40,8 +40,8 @@ def test_check_stop_hook(benchmark, stopping: bool) -> None:
     params = SamplingParams(**BENCH_PARAMS)
     manager.validate(params, MODEL)
     rng = random.Random(0)
-    views = [StopView(params, 3000, [rng.randrange(7, SHAPE.vocab) for _ in range(3000)])
-             for _ in range(SHAPE.batch)]
+    views = [StopView(params, 3000, [rng.randrange(7, SHAPE.vocab) for _ in range(3000)],
+                      params.fields["stop_tokens"]) for _ in range(SHAPE.batch)]
     ids = BENCH_PARAMS["stop_token_ids"]
     tokens = [ids[i % len(ids)] if stopping else rng.randrange(7, SHAPE.vocab)
               for i in range(SHAPE.batch)]

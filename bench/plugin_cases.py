@@ -9,18 +9,27 @@ available (the Triton kernels), else the CPU (the torch path).
   cost nothing) and ``active`` (every row uses the plugin's ``BENCH_PARAMS``). The three
   share a benchmark group, so the table reads as a ratio; ``freetoken bench plugin NAME``
   prints the same three as ratios in one run.
-- ``processor_alone(benchmark, cls, params)``: just the processor's ``apply`` + ``update``
-  on the same rows, the part of ``active`` that the plugin adds.
+- ``processor_alone(benchmark, cls, params)``: just the processor's ``prepare_step`` +
+  ``apply`` + ``update`` on the same rows, the part of ``active`` that the plugin adds
+  (``params``: its ``BENCH_PARAMS``, validated as the server validates them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
-from freetoken_core.bench import BASE_PARAMS, BenchShape, PluginBench, build_plugin_bench
-from freetoken_core.processors import LogitsProcessor
+from freetoken_core.bench import (
+    BASE_PARAMS,
+    BenchShape,
+    PluginBench,
+    build_plugin_bench,
+    load_bench_model,
+)
+from freetoken_core.plugins import PluginManager
+from freetoken_core.processors import LogitsProcessor, ProcessorContext, RequestView
 from freetoken_core.sampling_params import SamplingParams
 
 SHAPE = BenchShape(batch=64, vocab=151_936, history=3000,
@@ -45,20 +54,32 @@ def sampler_step(benchmark, name: str, case: str) -> None:
 
 def processor_alone(benchmark, cls: type[LogitsProcessor], bench_params: dict) -> None:
     device = torch.device(SHAPE.device)
-    model = SHAPE.model(ROUNDS + 2)
-    proc = cls(SHAPE.batch, model, device)
+    source = load_bench_model()  # the default model's tokenizer and EOS ids, as the bench's
+    model = SHAPE.model(ROUNDS + 2, source.eos_token_ids)
+    # Loading the installed plugins names ``cls`` (its entry point's name); validation is
+    # the server's: typed fields, then the plugin's ``validate``.
+    manager = PluginManager(plugins="all")
     params = SamplingParams(**{**BASE_PARAMS, **bench_params})
-    cls.validate(params, model)
+    manager.validate(params, model)
+    assert cls.name in params.fields, f"{bench_params} do not use {cls.__name__}"
+    proc = cls(ProcessorContext(SHAPE.batch, model, device, source.tokenizer, manager.options,
+                                manager.hook))
     gen = torch.Generator().manual_seed(0)
     history = torch.randint(0, COMMON_IDS, (SHAPE.batch, SHAPE.history), generator=gen)
     for slot, tokens in enumerate(history.tolist()):
-        proc.add_request(slot, params, tokens, [])
+        view = RequestView(str(slot), 0, params.fields[cls.name], params, tokens, ())
+        future = proc.prepare_request(view)
+        if future is not None:
+            view = dataclasses.replace(view, prepared=future.result())
+        proc.add_request(slot, view)
+    slot_list = list(range(SHAPE.batch))
     slots = torch.arange(SHAPE.batch, device=device)
     logits = torch.randn(SHAPE.batch, SHAPE.vocab, device=device)
     before = logits.clone()
     sampled = torch.randint(0, COMMON_IDS, (SHAPE.batch,), device=device)
 
     def step() -> None:
+        proc.prepare_step(slot_list)
         proc.apply(logits, slots)
         proc.update(slots, sampled)
         if device.type == "cuda":

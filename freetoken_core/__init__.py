@@ -7,16 +7,44 @@ from freetoken_core.errors import FreeTokenError, InvalidRequest, ModelLoadError
 from freetoken_core.hookspecs import hookimpl
 from freetoken_core.llm import LLM
 from freetoken_core.outputs import CompletionOutput, RequestOutput
+from freetoken_core.processors import (
+    AnswerStart,
+    ChoiceView,
+    LogitsProcessor,
+    ModelInfo,
+    Plugin,
+    ProcessorContext,
+    PromptView,
+    RequestFields,
+    RequestView,
+    ResponseFields,
+    ResponseView,
+    Stage,
+    StopView,
+)
 from freetoken_core.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "AnswerStart",
+    "ChoiceView",
     "CompletionOutput",
     "EngineConfig",
     "FreeTokenError",
     "InvalidRequest",
+    "LogitsProcessor",
+    "ModelInfo",
     "ModelLoadError",
+    "Plugin",
+    "ProcessorContext",
+    "PromptView",
+    "RequestFields",
     "RequestOutput",
+    "RequestView",
+    "ResponseFields",
+    "ResponseView",
     "SamplingParams",
+    "Stage",
+    "StopView",
     "hookimpl",
 ]

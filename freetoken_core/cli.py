@@ -4,7 +4,8 @@
     freetoken serve [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
                     [--api-key KEY] [CORS options] [request limits] [engine options]
     freetoken plugins [--json] [--plugins LIST]
-    freetoken bench plugin NAME [--batch B --vocab V --history H --device D --steps N]
+    freetoken bench plugin NAME [--batch B --vocab V --history H --device D --steps N
+                                 --model M]
 
 ``--plugins`` is ``all`` (the default), ``none`` or a comma-separated list of installed
 plugin names; without it, ``FREETOKEN_PLUGINS`` does the same. A name that is not
@@ -42,6 +43,10 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--kv-cache-tokens", type=int, default=32768)
     parser.add_argument("--plugins", default=None, metavar="LIST", help=PLUGINS_HELP)
+    from freetoken_core.plugins import PluginManager
+
+    # Every installed plugin's own options (freetoken_add_cli_options), one group each.
+    PluginManager().add_cli_options(parser)
 
 
 def _add_limit_options(serve: argparse.ArgumentParser) -> None:
@@ -79,6 +84,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_tokens": args.kv_cache_tokens,
         "plugins": args.plugins,
+        "plugin_options": {k: v for k, v in vars(args).items() if not callable(v)},
     }
 
 
@@ -170,13 +176,14 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from freetoken_core.config import EngineConfig
+    from freetoken_core.engine.client import RestartPolicy
     from freetoken_core.plugins import PluginManager
     from freetoken_core.server.app import ServerConfig, create_app
-    from freetoken_core.server.engine_client import RestartPolicy
     from freetoken_core.server.limits import RequestLimits
 
     engine_config = EngineConfig(model=args.model, **_engine_options(args))
-    PluginManager(engine_config.plugins).enabled  # noqa: B018 (a bad --plugins fails here)
+    # A bad --plugins, or an option a plugin refuses, fails here.
+    PluginManager(engine_config.plugins, engine_config.plugin_options).enabled  # noqa: B018
     failures: list[str] = []
     server: uvicorn.Server | None = None
 
@@ -215,7 +222,7 @@ def _plugins(args: argparse.Namespace) -> int:
         "name": i["name"],
         "enabled": "yes" if i["enabled"] else "no",
         "distribution": f"{i['distribution'] or '-'} {i['version'] or ''}".strip(),
-        "processors": ", ".join(i["processors"]) or "-",
+        "kind": i["kind"],
         "fields": ", ".join(i["fields"]) or "-",
         "hooks": ", ".join(h.removeprefix("freetoken_") for h in i["hooks"]) or "-",
     } for i in infos]
@@ -232,7 +239,7 @@ def _bench_plugin(args: argparse.Namespace) -> int:
 
     shape = BenchShape(batch=args.batch, vocab=args.vocab, history=args.history,
                        device=args.device)
-    print(run_plugin_bench(args.name, shape, num_steps=args.steps).table())
+    print(run_plugin_bench(args.name, shape, num_steps=args.steps, model=args.model).table())
     return 0
 
 
@@ -251,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--param", action="append", type=_parse_param, metavar="FIELD=VALUE",
-                     help="a plugin request field, VALUE as JSON, e.g. min_p=0.1 (repeatable)")
+                     help="a plugin request field, VALUE as JSON, e.g. my_field=0.1 (repeatable)")
     _add_engine_options(gen)
     gen.set_defaults(func=_generate)
 
@@ -288,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt tokens per row handed to the processors")
     plugin.add_argument("--device", default="cpu")
     plugin.add_argument("--steps", type=int, default=20, help="timed steps (median)")
+    plugin.add_argument("--model", default=None,
+                        help="the model whose tokenizer and EOS ids the processors get (its "
+                             "weights are not loaded; default: the embedded "
+                             "SmolLM2-135M-Instruct)")
     plugin.set_defaults(func=_bench_plugin)
     return parser
 

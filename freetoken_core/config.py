@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from freetoken_core.errors import InvalidRequest
+
+_CACHE_ENV = "FREETOKEN_CACHE"
+
+
+def cache_dir() -> Path:
+    """FreeToken's cache root: ``$FREETOKEN_CACHE`` if set (and non-empty), else the per-user
+    cache directory from :func:`platformdirs.user_cache_dir`. It may not exist yet."""
+    override = os.environ.get(_CACHE_ENV)
+    if override:
+        return Path(override).expanduser()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("freetoken"))
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,6 +54,10 @@ class EngineConfig:
     plugins: str | None = None
     """Plugins to enable: "all" (default, also when None and FREETOKEN_PLUGINS is unset),
     "none", or a comma-separated list of entry-point names."""
+    plugin_options: dict[str, Any] = field(default_factory=dict)
+    """The parsed command-line options (``vars(args)``), plugins' own options included:
+    they reach processors as ``ProcessorContext.options`` and plugins through
+    ``freetoken_configure``, in every process."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:

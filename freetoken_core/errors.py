@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 """OpenAI's ``code`` for a prompt, or a prompt plus ``max_tokens``, that does not fit."""
 
@@ -26,3 +28,17 @@ class InvalidRequest(FreeTokenError, ValueError):
 
 class ModelLoadError(FreeTokenError):
     """A model could not be found, read or understood. The message says what to do."""
+
+
+_PATH = re.compile(r"(?:at|in) `\$\.?([^`]*)`")
+_FIELD = re.compile(r"(?:missing required|contains unknown) field `([^`]+)`")
+
+
+def param_of(error: Exception) -> str | None:
+    """The field a msgspec validation error is about: ``max_tokens``, ``messages[0].role``."""
+    text = str(error)
+    path = _PATH.search(text)
+    field = _FIELD.search(text)
+    where = path.group(1).replace("[...]", "") if path else ""
+    parts = [p for p in (where, field.group(1) if field else "") if p]
+    return ".".join(parts) or None

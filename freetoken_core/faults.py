@@ -17,10 +17,12 @@ from freetoken_core.errors import FreeTokenError
 
 log = logging.getLogger("freetoken.plugins")
 
-STAGES = ("validate_request", "rewrite_prompt", "decorate_response", "add_request", "apply",
-          "update", "remove_request", "check_stop", "model", "sampler", "engine")
-"""Where a request can fail: server-side hooks, processor methods, stop hooks, the model
-step, the sampler's finiteness check, and the engine loop itself."""
+STAGES = ("validate", "rewrite_prompt", "decorate_response", "prepare_request", "add_request",
+          "prepare_step", "apply", "update", "accept_tokens", "remove_request", "check_stop",
+          "answer_start", "model", "sampler", "engine")
+"""Where a request can fail: a plugin's validation and server-side hooks, processor
+methods, stop hooks, the model step, the sampler's finiteness check, and the engine loop
+itself."""
 
 
 class RequestError(FreeTokenError):

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from freetoken_core.engine.sampler import TokenLogprobs
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability of the sampled token and the ``len(top)`` most likely tokens."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass

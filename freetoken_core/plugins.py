@@ -1,38 +1,48 @@
 """The plugin manager: find plugins through entry points, enable a selection, list them.
 
-Plugins are loaded lazily (on the first call that needs them) and once. Installed plugins
-are the entry points of the ``freetoken.plugins`` group; enabled plugins are those chosen
-with ``--plugins a,b`` or ``FREETOKEN_PLUGINS`` (``all``, the default, or ``none``). Only
-enabled plugins are registered with pluggy; installed-but-disabled ones are still read
-for the fields they own, so a request using them gets a message naming the plugin.
+A plugin is one class (``freetoken_core.processors.Plugin``) named by an entry point of
+the ``freetoken.plugins`` group; the entry point's name is the plugin's name. Plugins are
+loaded lazily (on the first call that needs them) and once. Enabled plugins are those
+chosen with ``--plugins a,b`` or ``FREETOKEN_PLUGINS`` (``all``, the default, or ``none``).
+Only enabled plugins are registered with pluggy (their ``freetoken_*`` hook methods);
+installed-but-disabled ones are still read for the fields they own, so a request using
+them gets a message naming the plugin to enable.
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
-from types import ModuleType
 from typing import Any
 
+import msgspec
 import pluggy
 
 from freetoken_core import hookspecs
-from freetoken_core.errors import FreeTokenError, InvalidRequest
+from freetoken_core.errors import FreeTokenError, InvalidRequest, param_of
 from freetoken_core.faults import RequestError, plugin_failure
 from freetoken_core.processors import (
     LogitsProcessor,
     ModelInfo,
-    StopHook,
-    check_processor_class,
+    Plugin,
+    PromptView,
+    RequestFields,
+    ResponseView,
+    StopView,
+    check_plugin_class,
 )
 
 ENV_VAR = "FREETOKEN_PLUGINS"
 
+log = logging.getLogger("freetoken.plugins")
+
 
 class PluginSelectionError(FreeTokenError):
-    """``--plugins`` named a plugin that is not installed."""
+    """``--plugins`` named a plugin that is not installed, or plugins conflict."""
 
 
 @dataclass
@@ -43,9 +53,21 @@ class PluginInfo:
     distribution: str | None
     version: str | None
     enabled: bool
+    kind: str
+    """``processor`` (a ``LogitsProcessor``) or ``hooks`` (a ``Plugin`` with hooks only)."""
+    description: str
     hooks: list[str] = field(default_factory=list)
-    processors: list[str] = field(default_factory=list)
     fields: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StopHook:
+    """One plugin's ``freetoken_check_stop``: the engine calls ``check(views, token_ids)``
+    with the rows whose request uses the plugin (``plugin`` in ``params.fields``); an
+    exception fails exactly those rows' requests, naming ``plugin``."""
+
+    plugin: str
+    check: Callable[[list[StopView], list[int]], dict[int, int | str] | None]
 
 
 def parse_selection(value: str | None) -> set[str] | None:
@@ -62,21 +84,30 @@ def _call_impl(impl: pluggy.HookImpl, kwargs: dict[str, Any]) -> Any:
     return impl.function(*(kwargs[name] for name in impl.argnames))
 
 
-def _hook_names(plugin: Any) -> list[str]:
+def _hook_names(plugin: type) -> list[str]:
     return sorted(n for n in dir(plugin) if n.startswith("freetoken_")
                   and callable(getattr(plugin, n)))
+
+
+def field_names(cls: type[Plugin]) -> tuple[str, ...]:
+    """The request fields plugin class ``cls`` owns."""
+    return () if cls.Fields is None else tuple(cls.Fields.__struct_fields__)
 
 
 class PluginManager:
     """Owns the pluggy manager for one process; see the module docstring."""
 
-    def __init__(self, plugins: str | None = None) -> None:
+    def __init__(self, plugins: str | None = None,
+                 options: Mapping[str, Any] | None = None) -> None:
+        """``plugins``: the selection (``--plugins``); ``options``: the parsed command-line
+        options (``freetoken_configure`` receives them once the plugins are loaded)."""
         self._selection_text = plugins if plugins is not None else os.environ.get(ENV_VAR)
+        self.options: Mapping[str, Any] = dict(options or {})
         self._pm: pluggy.PluginManager | None = None
-        self._installed: dict[str, tuple[EntryPoint, ModuleType]] = {}
-        self._enabled: set[str] = set()
+        self._installed: dict[str, tuple[EntryPoint, type[Plugin]]] = {}
+        self._broken: set[str] = set()
+        self._enabled: dict[str, type[Plugin]] = {}
         self._field_owner: dict[str, str] = {}
-        self._processors: dict[str, list[type[LogitsProcessor]]] = {}
         self.on_failure: Callable[[RequestError], None] | None = None
         """Called with every ``RequestError`` that ``call_isolated`` raises (metrics)."""
 
@@ -89,12 +120,36 @@ class PluginManager:
         assert self._pm is not None
         return self._pm
 
+    def _load_installed(self) -> None:
+        """Import every installed plugin class. One that fails to import or breaks the
+        contract is a start-up error when it is selected, and is skipped with a warning
+        otherwise (a broken package the operator did not ask for must not stop the server)."""
+        selection = parse_selection(self._selection_text)
+        for ep in entry_points(group=hookspecs.ENTRY_POINT_GROUP):
+            if ep.name in self._installed or ep.name in self._broken:
+                continue
+            try:
+                cls = ep.load()
+                if isinstance(cls, type) and issubclass(cls, Plugin) and not cls.name:
+                    cls.name = ep.name
+                check_plugin_class(cls)
+                if cls.name != ep.name:
+                    raise ValueError(f"the class calls itself {cls.name!r}: the names must "
+                                     f"agree")
+            except Exception as exc:
+                message = f"plugin {ep.name} ({ep.value}) cannot be loaded: " \
+                          f"{type(exc).__name__}: {exc}"
+                if selection is None or ep.name in selection:
+                    raise PluginSelectionError(message) from exc
+                log.warning("%s; skipped (not selected)", message)
+                self._broken.add(ep.name)
+                continue
+            self._installed[ep.name] = (ep, cls)
+
     def _load(self) -> None:
+        self._load_installed()
         pm = pluggy.PluginManager(hookspecs.PROJECT)
         pm.add_hookspecs(hookspecs)
-        for ep in entry_points(group=hookspecs.ENTRY_POINT_GROUP):
-            if ep.name not in self._installed:
-                self._installed[ep.name] = (ep, ep.load())
         selection = parse_selection(self._selection_text)
         if selection is not None:
             unknown = sorted(selection - set(self._installed))
@@ -102,35 +157,33 @@ class PluginManager:
                 raise PluginSelectionError(
                     f"unknown plugin(s) {', '.join(unknown)}; installed: "
                     f"{', '.join(sorted(self._installed)) or 'none'}")
-        for name, (_, module) in sorted(self._installed.items()):
+        for name, (_, cls) in sorted(self._installed.items()):
             if selection is None or name in selection:
-                pm.register(module, name=name)
-                self._enabled.add(name)
+                pm.register(cls, name=name)
+                self._enabled[name] = cls
         pm.check_pending()
         self._pm = pm
         self._collect_fields()
-        self._collect_processors()
+        pm.hook.freetoken_configure(options=dict(self.options))
 
     def _collect_fields(self) -> None:
-        for name, (_, module) in sorted(self._installed.items()):
-            fn = getattr(module, "freetoken_request_fields", None)
-            for f in (fn() if fn else []) or []:
+        for name, (_, cls) in sorted(self._installed.items()):
+            for f in field_names(cls):
                 other = self._field_owner.get(f)
-                if other is not None and {other, name} <= self._enabled:
+                if other is not None and {other, name} <= set(self._enabled):
                     raise PluginSelectionError(
                         f"plugins {other} and {name} both own the request field {f!r}")
                 if other is None or name in self._enabled:
                     self._field_owner[f] = name
 
-    def _collect_processors(self) -> None:
-        for name, (_, module) in sorted(self._installed.items()):
-            found: list[type[LogitsProcessor]] = []
-            fn = getattr(module, "freetoken_register_processors", None)
-            if fn is not None:
-                fn(register=found.append)
-            for cls in found:
-                check_processor_class(cls)
-            self._processors[name] = found
+    def add_cli_options(self, parser: argparse.ArgumentParser) -> None:
+        """Let every installed plugin add its options (``freetoken_add_cli_options``), each
+        in an argument group named after it, before the selection is known."""
+        self._load_installed()
+        for name, (_, cls) in sorted(self._installed.items()):
+            hook = getattr(cls, "freetoken_add_cli_options", None)
+            if hook is not None:
+                hook(parser=parser.add_argument_group(f"plugin {name}"))
 
     # -- queries ---------------------------------------------------------------------
 
@@ -139,16 +192,34 @@ class PluginManager:
         self.pm  # noqa: B018 (loads)
         return set(self._enabled)
 
-    def processor_classes(self) -> list[type[LogitsProcessor]]:
-        """Processor classes of the enabled plugins (``freetoken_register_processors``)."""
+    def plugin_classes(self) -> dict[str, type[Plugin]]:
+        """Enabled plugin name → its class."""
         self.pm  # noqa: B018 (loads)
-        return [cls for name in sorted(self._enabled) for cls in self._processors[name]]
+        return dict(self._enabled)
 
-    def processor_owners(self) -> dict[str, str]:
-        """Processor name → the enabled plugin that registered it."""
+    def processor_classes(self) -> list[type[LogitsProcessor]]:
+        """The enabled plugins that are logits processors."""
+        return [cls for _, cls in sorted(self.plugin_classes().items())
+                if issubclass(cls, LogitsProcessor)]
+
+    def fields_types(self) -> dict[str, type[RequestFields]]:
+        """Enabled plugin name → its ``Fields`` type, for the plugins that own fields."""
+        return {name: cls.Fields for name, cls in sorted(self.plugin_classes().items())
+                if cls.Fields is not None}
+
+    def field_owners(self) -> dict[str, str]:
+        """Each request field an enabled plugin owns → that plugin's name (the fields a
+        request may carry beyond the core ones)."""
         self.pm  # noqa: B018 (loads)
-        return {cls.name: name for name in sorted(self._enabled)
-                for cls in self._processors[name]}
+        return {f: owner for f, owner in sorted(self._field_owner.items())
+                if owner in self._enabled}
+
+    @property
+    def hook(self) -> Any:
+        """pluggy's hook caller, for hooks whose callers handle plugin failures."""
+        return self.pm.hook
+
+    # -- per request -------------------------------------------------------------------
 
     def call_isolated(self, hook: str, *, firstresult: bool = False, **kwargs: Any) -> Any:
         """Call hook ``hook`` implementation by implementation (in pluggy's order), so that
@@ -157,17 +228,8 @@ class PluginManager:
         non-``None`` results, or the first one for ``firstresult`` hooks."""
         caller = getattr(self.pm.hook, hook)
         stage = hook.removeprefix("freetoken_")
-        impls = caller.get_hookimpls()
-        if any(impl.hookwrapper or impl.wrapper for impl in impls):
-            # Wrappers need pluggy's own calling loop; the failure cannot be attributed.
-            try:
-                return caller(**kwargs)
-            except FreeTokenError:
-                raise
-            except Exception as exc:
-                raise self._failed("(a hook wrapper)", stage, exc) from exc
         results = []
-        for impl in reversed(impls):  # pluggy calls the last registered first
+        for impl in reversed(caller.get_hookimpls()):  # pluggy calls the last registered first
             try:
                 result = _call_impl(impl, kwargs)
             except FreeTokenError:
@@ -180,25 +242,46 @@ class PluginManager:
                 results.append(result)
         return None if firstresult else results
 
-    def field_owners(self) -> dict[str, str]:
-        """Each request field an enabled plugin owns → that plugin's name (the fields a
-        request may carry beyond the core ones)."""
-        self.pm  # noqa: B018 (loads)
-        return {f: owner for f, owner in sorted(self._field_owner.items())
-                if owner in self._enabled}
-
     def _failed(self, plugin: str, stage: str, exc: Exception) -> RequestError:
         error = plugin_failure(plugin, stage, exc)
         if self.on_failure is not None:
             self.on_failure(error)
         return error
 
-    def validate(self, params: Any, model: ModelInfo) -> None:
-        """Refuse plugin fields nobody enabled owns, then run ``freetoken_validate_request``
-        (a plugin that raises anything but ``InvalidRequest`` → ``RequestError``)."""
+    def validate(self, params: Any, model: ModelInfo, route: str | None = None) -> None:
+        """Turn ``params.extra`` (plugin fields, as sent) into ``params.fields``: per
+        enabled plugin that the request uses, its typed ``Fields`` after the plugin's
+        ``validate``. Fields no enabled plugin owns, or sent to a ``route`` (``chat``,
+        ``completions``; ``None`` offline) the plugin does not serve, are refused; a value
+        of the wrong type is a 400 naming the field; a plugin that raises anything but
+        ``InvalidRequest`` → ``RequestError`` naming it."""
+        owners: dict[str, list[str]] = {}
         for f in params.extra:
             self.require_field(f)
-        self.call_isolated("freetoken_validate_request", request=params, model=model)
+            owner = self._field_owner[f]
+            routes = self._enabled[owner].routes
+            if route is not None and route not in routes:
+                raise InvalidRequest(f, f"{f!r} is a field of the "
+                                        f"{' and '.join(sorted(routes))} route only")
+            owners.setdefault(owner, []).append(f)
+        validated: dict[str, RequestFields] = {}
+        for name, names in sorted(owners.items()):
+            cls = self._enabled[name]
+            assert cls.Fields is not None
+            try:
+                fields = msgspec.convert({f: params.extra[f] for f in names}, cls.Fields)
+            except msgspec.ValidationError as exc:
+                raise InvalidRequest(param_of(exc) or names[0], str(exc)) from None
+            try:
+                if not cls.uses(fields):
+                    continue
+                fields = cls.validate(fields, model, params)
+            except FreeTokenError:
+                raise
+            except Exception as exc:
+                raise self._failed(name, "validate", exc) from exc
+            validated[name] = fields
+        params.fields = validated
 
     def require_field(self, name: str) -> None:
         """``InvalidRequest`` naming ``name`` unless an enabled plugin owns that field (the
@@ -212,50 +295,43 @@ class PluginManager:
                 name, f"{name!r} is handled by the plugin {owner!r}, which is not enabled; "
                 f"start FreeToken with --plugins including {owner}")
 
-    def rewrite_prompt(self, request: Any, prompt: str | list[int], tokenizer: Any
-                       ) -> str | list[int]:
-        """``prompt`` after ``freetoken_rewrite_prompt`` (unchanged when no plugin answers)."""
-        new = self.call_isolated("freetoken_rewrite_prompt", firstresult=True,
-                                 request=request, prompt=prompt, tokenizer=tokenizer)
-        return prompt if new is None else new
+    def rewrite_prompt(self, view: PromptView) -> str | list[int]:
+        """The prompt after ``freetoken_rewrite_prompt`` (unchanged when no plugin answers)."""
+        new = self.call_isolated("freetoken_rewrite_prompt", firstresult=True, prompt=view)
+        return view.prompt if new is None else new
 
-    def decorate_response(self, request: Any, response: Any, output: Any) -> None:
+    def decorates_responses(self) -> bool:
+        """Whether an enabled plugin implements ``freetoken_decorate_response``."""
+        return bool(self.pm.hook.freetoken_decorate_response.get_hookimpls())
+
+    def decorate_response(self, view: ResponseView) -> None:
         """Run ``freetoken_decorate_response`` on one response or stream chunk."""
-        self.call_isolated("freetoken_decorate_response", request=request,
-                           response=response, output=output)
-
-    def stop_fields(self) -> set[str]:
-        """Fields owned by enabled plugins that implement ``freetoken_check_stop``."""
-        pm = self.pm
-        names = {pm.get_name(impl.plugin) for impl in pm.hook.freetoken_check_stop.get_hookimpls()}
-        return {f for f, owner in self._field_owner.items() if owner in names}
+        self.call_isolated("freetoken_decorate_response", response=view)
 
     def stop_hooks(self) -> list[StopHook]:
-        """Each enabled plugin's ``freetoken_check_stop`` with the fields it owns."""
-        pm = self.pm
+        """Each enabled plugin's ``freetoken_check_stop``."""
         hooks = []
-        for impl in reversed(pm.hook.freetoken_check_stop.get_hookimpls()):
-            name = impl.plugin_name
-            fields = frozenset(f for f, owner in self._field_owner.items() if owner == name)
-
-            def check(views: list[Any], tokens: list[int], impl: Any = impl) -> Any:
+        for impl in reversed(self.pm.hook.freetoken_check_stop.get_hookimpls()):
+            def check(views: list[StopView], tokens: list[int], impl: Any = impl) -> Any:
                 return _call_impl(impl, {"sequences": views, "token_ids": tokens})
 
-            hooks.append(StopHook(name, fields, check))
+            hooks.append(StopHook(impl.plugin_name, check))
         return hooks
 
     def describe(self) -> list[PluginInfo]:
         self.pm  # noqa: B018 (loads)
         infos = []
-        for name, (ep, module) in sorted(self._installed.items()):
+        for name, (ep, cls) in sorted(self._installed.items()):
             dist = ep.dist
+            doc = (cls.__doc__ or "").strip().splitlines()
             infos.append(PluginInfo(
                 name=name,
                 distribution=dist.metadata["Name"] if dist else None,
                 version=dist.version if dist else None,
                 enabled=name in self._enabled,
-                hooks=_hook_names(module),
-                processors=[c.name for c in self._processors.get(name, [])],
-                fields=sorted(f for f, owner in self._field_owner.items() if owner == name),
+                kind="processor" if issubclass(cls, LogitsProcessor) else "hooks",
+                description=doc[0] if doc else "",
+                hooks=_hook_names(cls),
+                fields=list(field_names(cls)),
             ))
         return infos

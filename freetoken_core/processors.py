@@ -1,61 +1,96 @@
-"""The logits-processor contract and the pipeline that runs processors in a fixed order.
+"""The plugin contract (v2): one class is a plugin; a logits processor is one such class.
 
-A processor is batch-level and slot-keyed. The engine gives every running sequence a slot
-in ``[0, max_num_slots)`` and owns the mapping from batch rows to slots; a processor keeps
-its per-slot state in tensors preallocated on the device and never does row bookkeeping.
+A plugin ships one class, named by its entry point in the ``freetoken.plugins`` group
+(``my_plugin = "my_package.module:MyProcessor"``); the entry point's name is the plugin's name.
 
-Lifecycle, all driven by the engine:
+``Plugin`` (any plugin):
 
-- ``uses(params)`` (class-level): does this request need the processor? Only requests
-  that do are added, and a step in which no running request uses a processor does not
-  run it at all (no launch, no copy, no Python loop).
-- ``validate(params, model)`` (class-level): raise ``InvalidRequest`` naming the field.
-- ``add_request(slot, params, prompt_token_ids, output_token_ids)``: build the slot's
-  state once. ``output_token_ids`` is empty for a new sequence and holds the tokens drawn
-  so far when a preempted sequence comes back.
+- ``Fields``: the request fields the plugin owns, as a ``RequestFields`` struct. Each
+  attribute is one top-level request field, with its type and constraints (msgspec
+  ``Meta``) and a default (``None``: not sent). The server adds them to its request types,
+  so they are checked by type, named in a 400 and published in the OpenAPI schema; offline
+  they are ``SamplingParams`` keywords.
+- ``uses(fields)``: does a request with these fields need the plugin? Default: any field
+  differs from its default. A request that does not use a plugin never reaches it.
+- ``MessageFields`` / ``UsageFields``: response fields the plugin sets (``ResponseFields``
+  structs); the server adds them to its chat messages and deltas / to ``usage``, and to
+  the schema, without knowing their names.
+- ``validate(fields, model, params)``: the checks a type cannot say (a token id within
+  the vocabulary, a bound that depends on ``max_tokens``); raise ``InvalidRequest`` naming
+  the field, or return the fields to keep (normalised). ``params`` is the request being
+  validated: core fields checked, ``params.extra`` every plugin field as sent. The core calls it once, in the process that accepts the request; the
+  engine receives the validated fields as a typed message and does not call it again.
+- hooks: static or class methods named ``freetoken_*`` and marked ``@hookimpl``
+  (``freetoken_core.hookspecs`` lists them) for what is not a processor: prompt rewriting,
+  stop rules, response decoration, command-line options.
+
+``LogitsProcessor(Plugin)`` adds per-slot state in the engine. The engine gives every
+running sequence a slot in ``[0, max_num_slots)`` and owns the mapping from batch rows to
+slots; a processor keeps its per-slot state in tensors preallocated on the device and
+never does row bookkeeping. One instance per engine, built with a ``ProcessorContext``:
+
+- ``prepare_request(request)`` (optional): slow per-request work (a grammar compile) that
+  must not run inside a step. Return a ``concurrent.futures.Future`` (or ``None``); the
+  request waits, without holding up the others, until it resolves, and its result is
+  ``request.prepared`` in ``add_request``. An exception from the future fails the request
+  (``InvalidRequest``: a 400 naming its field).
+- ``add_request(slot, request)``: build the slot's state once (``request`` is a
+  ``RequestView``: this plugin's typed ``fields``, the core ``params``, the prompt and the
+  tokens drawn so far, which are not empty when a preempted sequence comes back).
 - ``remove_request(slot)``: forget the slot (it may be reused for another request).
-- ``update(slots, sampled)``: fold the step's sampled tokens into the state on the
-  device; ``slots`` and ``sampled`` are 1-D long tensors of the rows that drew a token.
-  No device-to-host synchronisation.
+- ``prepare_step(slots)`` (optional, host): per-step host work, called after the model
+  step was launched and before the logits are needed, so a device that runs
+  asynchronously overlaps the two (a grammar's token mask). ``slots[i]`` is the slot of
+  logits row ``i`` (rows of requests that do not use the processor included).
 - ``apply(logits, slots)``: change the float32 ``logits`` [rows, vocab] in place for all
   rows at once; row ``i`` belongs to ``slots[i]``. Rows of slots that do not use the
   processor must come out unchanged.
+- ``update(slots, sampled)`` (optional, device): fold the step's sampled tokens into the
+  device state; 1-D long tensors of the rows that drew a token. No device-to-host sync.
+- ``accept_tokens(slots, token_ids)`` (optional, host): the same step's tokens as Python
+  ints, for host-side state (a grammar matcher). Return the slots whose request must end
+  now (``finish_reason`` ``"stop"``), or ``None``.
 
 Pipeline order (``Stage``), fixed here and nowhere else:
-logit_bias → min_tokens → penalties (repetition → presence → frequency) → other
-pre-temperature processors → [greedy shortcut when every row is greedy] → temperature →
-min_p and other post-temperature processors → top-k / top-p → counter-based draw →
-logprobs. Processors declared ``argmax_invariant`` are skipped in all-greedy steps.
+constraint masks (``MASK``) → additive biases (``BIAS``) → token holds (``HOLD``) →
+downweighting of seen tokens (``PENALTY``) → other pre-temperature processors →
+[greedy shortcut when every row is greedy] → temperature → post-temperature processors →
+top-k / top-p → counter-based draw → logprobs. Processors declared ``argmax_invariant`` are skipped in all-greedy steps.
+Constraint masks (``Stage.MASK``) run first of all, so the other processors see only
+allowed tokens.
 """
 
 from __future__ import annotations
 
 import enum
-import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import msgspec
 import torch
 
-from freetoken_core.faults import RequestError, plugin_failure
-
 if TYPE_CHECKING:
-    from freetoken_core.engine.sequence import Sequence as EngineSequence
     from freetoken_core.sampling_params import SamplingParams
-
-log = logging.getLogger("freetoken.engine")
 
 
 class Stage(enum.IntEnum):
     """Where a processor runs in the pipeline; lower runs first."""
 
-    LOGIT_BIAS = 10
-    MIN_TOKENS = 20
-    PENALTIES = 30
+    MASK = 5
+    """Allowed-token masks (a grammar): first, so every later stage sees allowed tokens."""
+    BIAS = 10
+    """Additive per-token biases chosen by the client."""
+    HOLD = 20
+    """Tokens held back for now (end of sequence before a minimum length)."""
+    PENALTY = 30
+    """Downweighting of tokens already seen (in the prompt or the output)."""
     PRE_TEMPERATURE = 40
+    """Any other processor on the raw logits (third-party processors usually go here)."""
     POST_TEMPERATURE = 60
+    """Processors on temperature-scaled logits (probability floors)."""
 
 
 @dataclass(frozen=True)
@@ -67,171 +102,218 @@ class ModelInfo:
     max_model_len: int
 
 
+class RequestFields(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Base of a plugin's ``Fields``: every attribute is a top-level request field and must
+    have a default (``None`` for "not sent"). Types and ``msgspec.Meta`` constraints are
+    checked when the request is decoded; the first violation is a 400 naming the field."""
+
+
+@dataclass(frozen=True)
+class ProcessorContext:
+    """What a processor instance is built with, in the engine process."""
+
+    max_num_slots: int
+    model: ModelInfo
+    device: torch.device
+    tokenizer: Any = None
+    """The model's Hugging Face fast tokenizer (``None`` in unit tests that need none)."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """The parsed ``freetoken serve`` / ``generate`` options (``vars(args)``), including the
+    ones plugins added with ``freetoken_add_cli_options``; empty offline."""
+    hooks: Any = None
+    """The plugin manager's hook caller (``pm.hook``): a processor may ask other plugins
+    (``freetoken_answer_start``) without importing them. ``None`` in unit tests."""
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """One sequence as a processor sees it when it is added.
+
+    ``fields`` is this processor's validated ``Fields``; ``params`` the core sampling
+    parameters (read-only); ``output_token_ids`` is empty for a new sequence and holds the
+    tokens drawn so far when a preempted one comes back; ``prepared`` is the result of
+    ``prepare_request`` (``None`` if it returned none); ``is_chat`` says whether the
+    prompt came from the chat route (a chat template)."""
+
+    request_id: str
+    index: int
+    fields: Any
+    params: SamplingParams
+    prompt_token_ids: SequenceABC[int]
+    output_token_ids: SequenceABC[int]
+    is_chat: bool = False
+    prepared: Any = None
+
+
 @dataclass
 class StopView:
-    """One sequence as ``freetoken_check_stop`` sees it. ``output_token_ids`` is a read-only
-    sequence of the generated tokens (the engine passes a view: indexing from the end is
-    cheap, slicing copies)."""
+    """One sequence as ``freetoken_check_stop`` sees it. ``fields`` is the plugin's
+    validated ``Fields`` for the request; ``output_token_ids`` is a read-only sequence of
+    the generated tokens (the engine passes a view: indexing from the end is cheap, slicing
+    copies)."""
 
     params: SamplingParams
     num_output_tokens: int
     output_token_ids: SequenceABC[int]
-
-    @classmethod
-    def of(cls, seq: EngineSequence) -> StopView:
-        return cls(seq.params, seq.num_output_tokens, seq.output_view())
+    fields: Any = None
 
 
 @dataclass(frozen=True)
-class StopHook:
-    """One plugin's ``freetoken_check_stop``: the engine calls ``check(views, token_ids)``
-    with the rows whose request uses one of ``fields``; an exception fails exactly those
-    rows' requests, naming ``plugin``."""
+class PromptView:
+    """One completions prompt as ``freetoken_rewrite_prompt`` sees it: the prompt (text or
+    token ids), the request's validated parameters (``params.fields``: the plugins' typed
+    fields) and the model's tokenizer."""
 
-    plugin: str
-    fields: frozenset[str]
-    check: Callable[[list[StopView], list[int]], dict[int, int | str] | None]
+    prompt: str | list[int]
+    params: SamplingParams
+    tokenizer: Any
 
 
-class LogitsProcessor:
+@dataclass(frozen=True)
+class AnswerStart:
+    """Where a sequence's answer begins (``freetoken_answer_start``): after the first
+    ``close_token_id`` the sequence draws. ``inside`` is true when the prompt left the
+    preamble open (the answer starts only after ``close_token_id``); otherwise the answer
+    starts at once, unless the first drawn token is ``open_token_id`` (the model opens a
+    preamble itself)."""
+
+    close_token_id: int
+    inside: bool
+    open_token_id: int | None = None
+
+
+class ResponseFields(msgspec.Struct, kw_only=True):
+    """Base of a plugin's ``MessageFields`` / ``UsageFields``: response fields the server
+    adds to its chat messages and stream deltas / to ``usage``, and to the OpenAPI schema.
+    Type every field ``T | msgspec.UnsetType = msgspec.UNSET``: it is left out of the JSON
+    until the plugin sets it (in ``freetoken_decorate_response``)."""
+
+
+@dataclass
+class ChoiceView:
+    """One choice of a response or stream chunk, as ``freetoken_decorate_response`` sees
+    it. ``text`` is the choice's text (chat: the message or delta ``content``; ``None`` in a
+    chunk that has none): assign it to change what is sent. ``message`` is the chat message
+    or delta, on which a plugin sets its ``MessageFields`` (``None`` on completions)."""
+
+    index: int
+    text: str | None
+    finish_reason: str | None
+    message: Any
+
+
+@dataclass
+class ResponseView:
+    """A response or stream chunk about to be sent (``freetoken_decorate_response``).
+
+    ``route`` is ``"chat"`` or ``"completions"``; ``is_chunk`` is true in a stream;
+    ``usage`` is where a plugin sets its ``UsageFields`` (``None`` in chunks without
+    usage). ``params``, ``prompt_token_ids`` (per prompt), ``tokenizer`` and
+    ``token_ids(i)`` (the tokens choice ``i`` generated so far) describe the request;
+    choice ``i`` belongs to prompt ``i // params.n``. ``plugin_state`` keeps per-request
+    state across the chunks of a stream: use your plugin's name as the key."""
+
+    route: str
+    is_chunk: bool
+    choices: list[ChoiceView]
+    usage: Any
+    params: SamplingParams
+    prompt_token_ids: list[list[int]]
+    tokenizer: Any
+    token_ids: Callable[[int], list[int]]
+    plugin_state: dict[str, Any]
+
+
+class Plugin:
+    """Base class of every plugin; see the module docstring for the contract."""
+
+    Fields: ClassVar[type[RequestFields] | None] = None
+    MessageFields: ClassVar[type[ResponseFields] | None] = None
+    """Fields added to every chat message and stream delta (say, a message's thinking)."""
+    UsageFields: ClassVar[type[ResponseFields] | None] = None
+    """Fields added to ``usage`` (say, a count of some kind of output token)."""
+    name: ClassVar[str] = ""
+    """The plugin's name; the core sets it to the entry point's name when it is empty."""
+    routes: ClassVar[frozenset[str]] = frozenset({"chat", "completions"})
+    """The server routes whose requests may carry ``Fields`` (a field sent to another
+    route is a 400 naming it); offline requests may always carry them."""
+
+    @classmethod
+    def uses(cls, fields: Any) -> bool:
+        if cls.Fields is None or fields is None:
+            return False
+        return any(getattr(fields, f.name) != _default_of(f)
+                   for f in msgspec.structs.fields(fields))
+
+    @classmethod
+    def validate(cls, fields: Any, model: ModelInfo, params: SamplingParams) -> Any:
+        """Raise ``InvalidRequest`` for a value no type can refuse; return the fields."""
+        return fields
+
+
+class LogitsProcessor(Plugin):
     """Base class of every logits processor; see the module docstring for the contract."""
 
-    name: ClassVar[str] = ""
     stage: ClassVar[Stage] = Stage.PRE_TEMPERATURE
     argmax_invariant: ClassVar[bool] = False
-    fields: ClassVar[tuple[str, ...]] = ()
-    """Request fields that switch the processor on (``uses`` looks at them by default)."""
 
-    def __init__(self, max_num_slots: int, model: ModelInfo, device: torch.device) -> None:
-        self.max_num_slots = max_num_slots
-        self.model = model
-        self.device = device
+    def __init__(self, ctx: ProcessorContext) -> None:
+        self.ctx = ctx
+        self.max_num_slots = ctx.max_num_slots
+        self.model = ctx.model
+        self.device = ctx.device
 
-    @classmethod
-    def uses(cls, params: SamplingParams) -> bool:
-        return any(params.extra.get(f) is not None for f in cls.fields)
+    def prepare_request(self, request: RequestView) -> Future[Any] | None:
+        return None
 
-    @classmethod
-    def validate(cls, params: SamplingParams, model: ModelInfo) -> None:
-        """Raise ``InvalidRequest`` for a bad value of one of ``fields``."""
-
-    def add_request(self, slot: int, params: SamplingParams, prompt_token_ids: list[int],
-                    output_token_ids: list[int]) -> None:
+    def add_request(self, slot: int, request: RequestView) -> None:
         raise NotImplementedError
 
     def remove_request(self, slot: int) -> None:
         raise NotImplementedError
 
-    def update(self, slots: torch.Tensor, sampled: torch.Tensor) -> None:
-        """Most processors keep no per-step state; the default does nothing."""
+    def prepare_step(self, slots: list[int]) -> None:
+        """Host-side work before ``apply``; most processors have none."""
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def update(self, slots: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Most processors keep no per-step device state; the default does nothing."""
 
-def check_processor_class(cls: type) -> None:
-    """Reject a registration that breaks the contract, at start-up."""
-    if not (isinstance(cls, type) and issubclass(cls, LogitsProcessor)):
-        raise TypeError(f"{cls!r} is not a LogitsProcessor subclass")
+    def accept_tokens(self, slots: list[int], token_ids: list[int]) -> Iterable[int] | None:
+        """Host-side per-step state; most processors have none."""
+        return None
+
+
+def _default_of(info: msgspec.structs.FieldInfo) -> Any:
+    if info.default_factory is not msgspec.NODEFAULT:
+        return info.default_factory()
+    return info.default
+
+
+def has_method(cls: type, name: str) -> bool:
+    """Whether ``cls`` overrides ``LogitsProcessor.name`` (the pipeline skips the default
+    no-op methods entirely)."""
+    return getattr(cls, name) is not getattr(LogitsProcessor, name)
+
+
+def check_plugin_class(cls: object) -> None:
+    """Reject a plugin class that breaks the contract, at start-up."""
+    if not (isinstance(cls, type) and issubclass(cls, Plugin)):
+        raise TypeError(f"{cls!r} is not a freetoken_core.Plugin subclass")
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
-    if not isinstance(cls.stage, Stage):
+    if cls.Fields is not None:
+        if not (isinstance(cls.Fields, type) and issubclass(cls.Fields, RequestFields)):
+            raise TypeError(f"{cls.__name__}.Fields must subclass freetoken_core.RequestFields")
+        missing = [f.name for f in msgspec.structs.fields(cls.Fields) if f.required]
+        if missing:
+            raise TypeError(f"{cls.__name__}.Fields: {', '.join(missing)} need a default")
+    for attr in ("MessageFields", "UsageFields"):
+        value = getattr(cls, attr)
+        if value is not None and not (isinstance(value, type)
+                                      and issubclass(value, ResponseFields)):
+            raise TypeError(f"{cls.__name__}.{attr} must subclass freetoken_core.ResponseFields")
+    if issubclass(cls, LogitsProcessor) and not isinstance(cls.stage, Stage):
         raise TypeError(f"{cls.__name__}.stage must be a freetoken_core.processors.Stage")
-
-
-class ProcessorPipeline:
-    """The engine's processors in pipeline order, with the set of slots each one serves.
-
-    A processor whose method raises fails the requests that use it, never the step:
-    ``add_request`` raises ``RequestError`` naming its plugin (the caller fails that
-    sequence's request; the slot is left clean); an exception in ``apply`` or ``update``
-    marks every slot the processor serves as failed, and the other processors go on.
-    ``take_failures()`` hands those slots to the engine after the step.
-    """
-
-    def __init__(self, classes: list[type[LogitsProcessor]], max_num_slots: int,
-                 model: ModelInfo, device: torch.device,
-                 owners: dict[str, str] | None = None) -> None:
-        """``owners`` maps a processor's ``name`` to the plugin that registered it (for
-        error messages; the processor's own name is used when it is missing)."""
-        names = [c.name for c in classes]
-        if len(set(names)) != len(names):
-            raise ValueError(f"two processors share a name: {sorted(names)}")
-        for cls in classes:
-            check_processor_class(cls)
-        ordered = sorted(classes, key=lambda c: (c.stage, c.name))
-        self.processors = [cls(max_num_slots, model, device) for cls in ordered]
-        self._slots: list[set[int]] = [set() for _ in self.processors]
-        self._owners = owners or {}
-        self._failures: dict[int, RequestError] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self.processors)
-
-    def _plugin_of(self, proc: LogitsProcessor) -> str:
-        return self._owners.get(proc.name, proc.name)
-
-    def add_request(self, slot: int, params: SamplingParams, prompt_token_ids: list[int],
-                    output_token_ids: list[int]) -> None:
-        """Build ``slot``'s state in every processor the request uses. If one raises, the
-        ones already built are removed again and ``RequestError`` names the plugin."""
-        for proc, slots in zip(self.processors, self._slots):
-            if not type(proc).uses(params):
-                continue
-            try:
-                proc.add_request(slot, params, prompt_token_ids, output_token_ids)
-            except Exception as exc:
-                self.remove_request(slot)
-                raise plugin_failure(self._plugin_of(proc), "add_request", exc) from exc
-            slots.add(slot)
-
-    def remove_request(self, slot: int) -> None:
-        """Forget ``slot`` everywhere; a processor that raises here is logged and the slot
-        is dropped from it all the same (the request is ending anyway)."""
-        for proc, slots in zip(self.processors, self._slots):
-            if slot in slots:
-                slots.discard(slot)
-                try:
-                    proc.remove_request(slot)
-                except Exception as exc:  # a plugin bug; logged, then ignored
-                    log.error("processor %s failed in remove_request", proc.name,
-                              exc_info=exc)
-        self._failures.pop(slot, None)
-
-    def active(self) -> list[LogitsProcessor]:
-        return [p for p, slots in zip(self.processors, self._slots) if slots]
-
-    def _fail(self, proc: LogitsProcessor, slots: set[int], stage: str,
-              exc: Exception) -> None:
-        error = plugin_failure(self._plugin_of(proc), stage, exc)
-        for slot in slots:
-            self._failures.setdefault(slot, error)
-
-    def apply(self, logits: torch.Tensor, slots: torch.Tensor, *, post_temperature: bool,
-              all_greedy: bool) -> None:
-        for proc, used in zip(self.processors, self._slots):
-            if not used or (proc.stage >= Stage.POST_TEMPERATURE) != post_temperature:
-                continue
-            if all_greedy and proc.argmax_invariant:
-                continue
-            try:
-                proc.apply(logits, slots)
-            except Exception as exc:  # noqa: BLE001 (fails the requests using proc)
-                self._fail(proc, used, "apply", exc)
-
-    def update(self, slots: torch.Tensor, sampled: torch.Tensor) -> None:
-        for proc, used in zip(self.processors, self._slots):
-            if used:
-                try:
-                    proc.update(slots, sampled)
-                except Exception as exc:  # noqa: BLE001 (fails the requests using proc)
-                    self._fail(proc, used, "update", exc)
-
-    def names_for(self, slot: int) -> list[str]:
-        """The processors serving ``slot`` (for error messages)."""
-        return [p.name for p, slots in zip(self.processors, self._slots) if slot in slots]
-
-    def take_failures(self) -> dict[int, RequestError]:
-        """Slots whose processor raised since the last call, with the error of each."""
-        failures, self._failures = self._failures, {}
-        return failures

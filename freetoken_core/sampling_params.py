@@ -54,7 +54,7 @@ class SamplingParams:
 
     Takes keyword arguments only. The core fields below are checked on construction; a
     bad value raises ``InvalidRequest`` naming the field, which the server turns into an
-    HTTP 400. Any other keyword (``repetition_penalty=1.3``, ``logit_bias={42: 5.0}``, …)
+    HTTP 400. Any other keyword (``my_penalty=1.3``, ``my_bias={42: 5.0}``, …)
     is a plugin field: it is kept in ``extra``, readable as an attribute, and checked by
     the plugin that owns it when the request reaches an engine (a field that no enabled
     plugin owns is refused there). ``temperature == 0`` means greedy, and so does any
@@ -64,6 +64,8 @@ class SamplingParams:
     return beside the sampled token's log-probability (``None``: no logprobs).
     ``verify(model)`` checks what depends on the model (``top_k`` and ``logprobs`` against
     the vocabulary); the process that accepts a request calls it.
+    After validation (``PluginManager.validate``) ``fields`` maps the name of each plugin
+    the request uses to its typed, validated ``Fields``; that is what processors read.
     ``cache_salt`` (a non-empty string; the server bounds its length with
     ``--max-cache-salt-chars``) keys the prefix cache: requests share cached prompt blocks only when their salts are
     equal or both absent.
@@ -82,10 +84,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    fields: dict[str, Any] = field(default_factory=dict)
 
     def __init__(self, **kwargs: Any) -> None:
         for f in fields(self):
-            if f.name == "extra":
+            if f.name in ("extra", "fields"):
                 continue
             if f.name in kwargs:
                 value = kwargs.pop(f.name)
@@ -93,7 +96,24 @@ class SamplingParams:
                 value = f.default_factory() if f.default is MISSING else f.default
             setattr(self, f.name, value)
         self.extra = {k: v for k, v in kwargs.items() if v is not None}
+        self.fields = {}
         self.__post_init__()
+
+    @classmethod
+    def trusted(cls, core: dict[str, Any], plugin_fields: dict[str, Any]) -> SamplingParams:
+        """Parameters validated by another process (the engine side of ``freetoken
+        serve``): ``core`` as ``core_fields()`` gave them, ``plugin_fields`` the typed
+        ``fields``. Nothing is checked again."""
+        params = cls.__new__(cls)
+        params.__dict__.update(core)
+        params.extra = {}
+        params.fields = dict(plugin_fields)
+        return params
+
+    def core_fields(self) -> dict[str, Any]:
+        """The core fields (no plugin field) as plain values, for ``trusted``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("extra", "fields")}
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names that are not core fields: plugin fields.

@@ -1,8 +1,9 @@
 """The fim plugin: the completions field ``suffix``, laid out as a fill-in-the-middle prompt.
 
-Request field: ``suffix`` (``POST /v1/completions`` only), a string. When it is present the
-server calls ``freetoken_rewrite_prompt`` for each prompt before tokenization, and this
-plugin returns the prompt in PSM order with the model's own FIM tokens::
+Request field: ``suffix`` (``POST /v1/completions`` only, and offline), a string. When it is
+present the server (or ``LLM.generate``) calls ``freetoken_rewrite_prompt`` for each prompt
+before tokenization, and this plugin returns the prompt in PSM order with the model's own
+FIM tokens::
 
     <prefix-token>{prompt}<suffix-token>{suffix}<middle-token>
 
@@ -22,11 +23,10 @@ Errors (all HTTP 400 with ``param == "suffix"``):
   fill-in-the-middle tokens" (SmolLM2-Instruct, the default model, has none);
 - a prompt given as token ids (``[int]`` or ``[[int]]``): the layout is text, and guessing
   where the ids' text would split is worse than asking for a text prompt;
-- a ``suffix`` that is not a string (refused by the server's schema);
+- a ``suffix`` that is not a string (its type, ``Fim.Fields``);
+- ``suffix`` on the chat route;
 - ``suffix`` with the plugin not enabled: the server names this plugin.
 
-Offline (``LLM.generate``) there is no request body: ``SamplingParams(suffix=...)`` is a
-400 pointing at ``fim_prompt(tokenizer, prefix, suffix)``, which builds the same text.
 An empty ``suffix`` is a valid FIM request (fill at the end of the prefix).
 """
 
@@ -36,6 +36,7 @@ from typing import Any
 
 from freetoken_core import hookimpl
 from freetoken_core.errors import InvalidRequest
+from freetoken_core.processors import Plugin, PromptView, RequestFields
 
 FIELD = "suffix"
 FIM_STYLES: tuple[tuple[str, str, str], ...] = (
@@ -76,30 +77,21 @@ def fim_prompt(tokenizer: Any, prefix: str, suffix: str) -> str:
     return f"{begin}{prefix}{hole}{suffix}{end}"
 
 
-@hookimpl
-def freetoken_request_fields() -> list[str]:
-    return [FIELD]
+class Fim(Plugin):
+    """suffix: lay out prompt and suffix as a fill-in-the-middle prompt."""
 
+    class Fields(RequestFields):
+        suffix: str | None = None
 
-@hookimpl
-def freetoken_validate_request(request: Any) -> None:
-    # On the server ``suffix`` is a declared field of the completions body and never
-    # reaches ``SamplingParams``; here it can only come from an offline caller.
-    if FIELD in request.extra:
-        raise InvalidRequest(FIELD, "suffix is a field of POST /v1/completions; offline, "
-                                    "build the prompt with freetoken_plugins.fim.fim_prompt"
-                                    "(tokenizer, prefix, suffix)")
+    routes = frozenset({"completions"})
 
-
-@hookimpl
-def freetoken_rewrite_prompt(request: Any, prompt: str | list[int], tokenizer: Any
-                             ) -> str | None:
-    suffix = getattr(request, FIELD, None)
-    if suffix is None:
-        return None
-    if not isinstance(suffix, str):
-        raise InvalidRequest(FIELD, f"suffix must be a string, got {type(suffix).__name__}")
-    if not isinstance(prompt, str):
-        raise InvalidRequest(FIELD, "suffix needs the prompt as text (a string or a list of "
-                                    "strings), not token ids")
-    return fim_prompt(tokenizer, prompt, suffix)
+    @staticmethod
+    @hookimpl
+    def freetoken_rewrite_prompt(prompt: PromptView) -> str | None:
+        fields = prompt.params.fields.get("fim")
+        if fields is None:
+            return None
+        if not isinstance(prompt.prompt, str):
+            raise InvalidRequest(FIELD, "suffix needs the prompt as text (a string or a list "
+                                        "of strings), not token ids")
+        return fim_prompt(prompt.tokenizer, prompt.prompt, fields.suffix)

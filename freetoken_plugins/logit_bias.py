@@ -1,12 +1,14 @@
 """The logit_bias plugin: add a per-request bias to chosen tokens' logits (OpenAI ``logit_bias``).
 
-Request field: ``logit_bias``, a mapping from token id to bias. Keys are integers, or
-strings of integers as OpenAI's JSON sends them (``{"42": 5}``); each must be a token id in
-``[0, vocab_size)``. Values are finite numbers, clamped to ``[-100, 100]`` (OpenAI's range:
-``-100`` all but bans a token, ``+100`` all but forces it). At most ``MAX_ENTRIES`` (1,024)
-entries; two keys naming the same token (``"42"`` and ``42``, ``"042"``) are refused.
-Validation rewrites the field in ``request.extra`` as ``{int token id: float bias}``. An
-empty mapping is accepted and costs nothing.
+Request field (``LogitBias.Fields``): ``logit_bias``, a mapping from token id to bias, of
+at most ``MAX_ENTRIES`` (1,024) entries (the type says so; more is a 400). Keys are
+integers, or strings of integers as OpenAI's JSON sends them (``{"42": 5}``); each must be
+a token id in ``[0, vocab_size)``. Values are finite numbers, clamped to ``[-100, 100]``
+(OpenAI's range: ``-100`` all but bans a token, ``+100`` all but forces it); an integer
+too large for a float is clamped too. Two keys naming the same token (``"42"`` and ``42``,
+``"042"``) are refused. ``validate`` checks what the type cannot (key syntax and range,
+finiteness, duplicates) and returns the field as ``{int token id: float bias}``. An empty
+mapping is accepted and costs nothing (the request does not use the processor).
 
 Semantics: before everything else in the pipeline (stage ``LOGIT_BIAS``), ``logits[t] +=
 bias[t]`` for every listed token ``t``, in float32. Same as Hugging Face's
@@ -37,16 +39,21 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 import re
-from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import torch
 
-from freetoken_core import hookimpl
 from freetoken_core.errors import InvalidRequest
-from freetoken_core.processors import LogitsProcessor, ModelInfo, Stage
+from freetoken_core.processors import (
+    LogitsProcessor,
+    ModelInfo,
+    ProcessorContext,
+    RequestFields,
+    RequestView,
+    Stage,
+)
 from freetoken_plugins._slot_widths import SlotWidths
 
 FIELD = "logit_bias"
@@ -54,6 +61,10 @@ MAX_ENTRIES = 1024
 """Most entries one request's ``logit_bias`` may hold; more is a 400."""
 BIAS_LIMIT = 100.0
 """Biases are clamped to ``[-BIAS_LIMIT, BIAS_LIMIT]``."""
+Biases = Annotated[dict[int | str, int | float], msgspec.Meta(max_length=MAX_ENTRIES)]
+"""As sent: keys are token ids or strings of them (JSON object keys are strings); values
+are numbers, integers kept apart so that one too large for a float is clamped, not
+refused."""
 BENCH_PARAMS: dict[str, Any] = {
     FIELD: {10 + 31 * i: (5.0 if i % 2 else -5.0) for i in range(20)}}
 """A typical request (20 biased tokens, ids < 642 so that the tiny test model takes it too)."""
@@ -69,9 +80,8 @@ imports triton, and the kernel below finds ``tl`` among its module's globals as 
 
 # -- validation ------------------------------------------------------------------------------
 
-def _token_id(key: Any, vocab_size: int) -> int:
-    is_integer = isinstance(key, numbers.Integral) and not isinstance(key, bool)
-    if not (is_integer or isinstance(key, str) and _INT_KEY.fullmatch(key)):
+def _token_id(key: int | str, vocab_size: int) -> int:
+    if isinstance(key, str) and not _INT_KEY.fullmatch(key):
         raise InvalidRequest(FIELD, f"logit_bias keys must be token ids (integers or strings "
                                     f"of integers), got {key!r}")
     token = int(key)
@@ -81,27 +91,18 @@ def _token_id(key: Any, vocab_size: int) -> int:
     return token
 
 
-def _bias(token: int, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidRequest(FIELD, f"the logit_bias of token {token} must be a number, "
-                                    f"got {value!r}")
-    if isinstance(value, numbers.Integral):  # may be too large for a float: clamp first
-        return float(min(max(int(value), -100), 100))
-    value = float(value)
+def _bias(token: int, value: float) -> float:
+    if isinstance(value, int):  # an int may be too large for a float: clamp first
+        return float(min(max(value, -100), 100))
     if not math.isfinite(value):
         raise InvalidRequest(FIELD, f"the logit_bias of token {token} must be finite, "
                                     f"got {value!r}")
     return min(max(value, -BIAS_LIMIT), BIAS_LIMIT)
 
 
-def check_logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
-    """Return ``value`` as ``{token id: clamped bias}``, or raise ``InvalidRequest``."""
-    if not isinstance(value, Mapping):
-        raise InvalidRequest(FIELD, f"logit_bias must be a mapping from token id to bias, "
-                                    f"got {type(value).__name__}")
-    if len(value) > MAX_ENTRIES:
-        raise InvalidRequest(FIELD, f"logit_bias has {len(value)} entries; at most "
-                                    f"{MAX_ENTRIES} are allowed")
+def check_logit_bias(value: dict[int | str, float], vocab_size: int) -> dict[int, float]:
+    """Return ``value`` (typed as ``Biases``) as ``{token id: clamped bias}``, or raise
+    ``InvalidRequest``."""
     biases: dict[int, float] = {}
     for key, bias in value.items():
         token = _token_id(key, vocab_size)
@@ -171,19 +172,20 @@ def logit_bias_triton(logits: torch.Tensor, slots: torch.Tensor, token_ids: torc
 # -- the processor ---------------------------------------------------------------------------
 
 class LogitBias(LogitsProcessor):
-    """``logit_bias``: see the module docstring."""
+    """logit_bias: add a per-request bias to chosen tokens' logits (OpenAI ``logit_bias``)."""
 
-    name = "logit_bias"
-    stage = Stage.LOGIT_BIAS
+    class Fields(RequestFields):
+        logit_bias: Biases | None = None
+
+    stage = Stage.BIAS
     argmax_invariant = False
-    fields = (FIELD,)
 
-    def __init__(self, max_num_slots: int, model: ModelInfo, device: torch.device) -> None:
-        super().__init__(max_num_slots, model, device)
-        shape = (max_num_slots, MAX_ENTRIES)
-        self.token_ids = torch.zeros(shape, dtype=torch.long, device=device)
-        self.biases = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.num_entries = torch.zeros(max_num_slots, dtype=torch.int32, device=device)
+    def __init__(self, ctx: ProcessorContext) -> None:
+        super().__init__(ctx)
+        shape = (ctx.max_num_slots, MAX_ENTRIES)
+        self.token_ids = torch.zeros(shape, dtype=torch.long, device=ctx.device)
+        self.biases = torch.zeros(shape, dtype=torch.float32, device=ctx.device)
+        self.num_entries = torch.zeros(ctx.max_num_slots, dtype=torch.int32, device=ctx.device)
         self._widths = SlotWidths()  # host copy of num_entries for the slots in use
 
     @property
@@ -192,18 +194,16 @@ class LogitBias(LogitsProcessor):
         return self._widths.width
 
     @classmethod
-    def uses(cls, params: Any) -> bool:
-        return bool(params.extra.get(FIELD))
+    def uses(cls, fields: Fields) -> bool:
+        return bool(fields.logit_bias)
 
     @classmethod
-    def validate(cls, params: Any, model: ModelInfo) -> None:
-        value = params.extra.get(FIELD)
-        if value is not None:
-            params.extra[FIELD] = check_logit_bias(value, model.vocab_size)
+    def validate(cls, fields: Fields, model: ModelInfo, params: Any) -> Fields:
+        return cls.Fields(logit_bias=check_logit_bias(fields.logit_bias or {},
+                                                      model.vocab_size))
 
-    def add_request(self, slot: int, params: Any, prompt_token_ids: list[int],
-                    output_token_ids: list[int]) -> None:
-        entries = params.extra[FIELD]
+    def add_request(self, slot: int, request: RequestView) -> None:
+        entries = request.fields.logit_bias
         count = len(entries)
         self.remove_request(slot)
         self.token_ids[slot, :count] = torch.tensor(list(entries), dtype=torch.long)
@@ -228,20 +228,3 @@ class LogitBias(LogitsProcessor):
 
     def apply_triton(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
         logit_bias_triton(logits, slots, self.token_ids, self.biases, self.num_entries)
-
-
-# -- hooks -----------------------------------------------------------------------------------
-
-@hookimpl
-def freetoken_request_fields() -> list[str]:
-    return [FIELD]
-
-
-@hookimpl
-def freetoken_register_processors(register: Any) -> None:
-    register(LogitBias)
-
-
-@hookimpl
-def freetoken_validate_request(request: Any, model: ModelInfo) -> None:
-    LogitBias.validate(request, model)

@@ -29,31 +29,27 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import torch
 
-from freetoken_core import hookimpl
-from freetoken_core.errors import InvalidRequest
-from freetoken_core.processors import LogitsProcessor, ModelInfo, Stage
-from freetoken_core.sampling_params import finite_float
+from freetoken_core.processors import (
+    LogitsProcessor,
+    ProcessorContext,
+    RequestFields,
+    RequestView,
+    Stage,
+)
 
 FIELD = "min_p"
+MinPValue = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+"""``[0, 1]``: any such value keeps logits finite, since ``log(min_p)`` is ``-inf`` (off) or
+at least ``log(5e-324) = -744.4``, even for a subnormal ``min_p``."""
 BENCH_PARAMS: dict[str, Any] = {"min_p": 0.05}
 """A typical request for ``freetoken bench plugin min_p`` and ``bench/bench_min_p.py``."""
 
 _TRITON_BLOCK = 2048
-
-
-def check_min_p(value: Any) -> float:
-    """Return ``value`` as a float, or raise ``InvalidRequest`` naming ``min_p``. Any value
-    in ``[0, 1]`` keeps logits finite: ``log(min_p)`` is ``-inf`` (off) or at least
-    ``log(5e-324) = -744.4``, even for a subnormal ``min_p``."""
-    number = finite_float(value) if isinstance(value, (int, float)) else None
-    if number is None or not 0.0 <= number <= 1.0:
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise InvalidRequest(FIELD, f"min_p must be a number in [0, 1], got {shown}")
-    return number
 
 
 def min_p_torch(logits: torch.Tensor, slots: torch.Tensor, log_min_p: torch.Tensor) -> None:
@@ -110,32 +106,25 @@ def min_p_triton(logits: torch.Tensor, slots: torch.Tensor, log_min_p: torch.Ten
 
 
 class MinP(LogitsProcessor):
-    """``min_p``: see the module docstring."""
+    """min_p: drop the tokens much less likely than the row's most likely one."""
 
-    name = "min_p"
+    class Fields(RequestFields):
+        min_p: MinPValue | None = None
+
     stage = Stage.POST_TEMPERATURE
     argmax_invariant = True
-    fields = (FIELD,)
 
-    def __init__(self, max_num_slots: int, model: ModelInfo, device: torch.device) -> None:
-        super().__init__(max_num_slots, model, device)
-        self.log_min_p = torch.full((max_num_slots,), float("-inf"), dtype=torch.float32,
-                                    device=device)
-
-    @classmethod
-    def uses(cls, params: Any) -> bool:
-        value = params.extra.get(FIELD)
-        return value is not None and value > 0
+    def __init__(self, ctx: ProcessorContext) -> None:
+        super().__init__(ctx)
+        self.log_min_p = torch.full((ctx.max_num_slots,), float("-inf"), dtype=torch.float32,
+                                    device=ctx.device)
 
     @classmethod
-    def validate(cls, params: Any, model: ModelInfo) -> None:
-        value = params.extra.get(FIELD)
-        if value is not None:
-            params.extra[FIELD] = check_min_p(value)
+    def uses(cls, fields: Fields) -> bool:
+        return fields.min_p is not None and fields.min_p > 0
 
-    def add_request(self, slot: int, params: Any, prompt_token_ids: list[int],
-                    output_token_ids: list[int]) -> None:
-        self.log_min_p[slot] = math.log(params.extra[FIELD])
+    def add_request(self, slot: int, request: RequestView) -> None:
+        self.log_min_p[slot] = math.log(request.fields.min_p)
 
     def remove_request(self, slot: int) -> None:
         self.log_min_p[slot] = float("-inf")
@@ -145,18 +134,3 @@ class MinP(LogitsProcessor):
             min_p_triton(logits, slots, self.log_min_p)
         else:
             min_p_torch(logits, slots, self.log_min_p)
-
-
-@hookimpl
-def freetoken_request_fields() -> list[str]:
-    return [FIELD]
-
-
-@hookimpl
-def freetoken_register_processors(register: Any) -> None:
-    register(MinP)
-
-
-@hookimpl
-def freetoken_validate_request(request: Any, model: ModelInfo) -> None:
-    MinP.validate(request, model)

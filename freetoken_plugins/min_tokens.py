@@ -1,16 +1,19 @@
 """The min_tokens plugin: no stop token until a sequence has generated ``min_tokens`` tokens.
 
-Request field: ``min_tokens``, an integer ``>= 0`` and ``<= max_tokens`` (when
-``max_tokens`` is set); ``0`` or absent: off, and free. Validation stores a ``min_tokens``
-beyond the context as ``max_model_len`` (same effect: a sequence never generates more; it
-keeps the value inside int64 for the engine), and refuses a positive ``min_tokens`` whose
-held-back ids would be the whole vocabulary (every logit ``-inf``: nothing to draw).
-While a sequence has generated
-fewer than ``min_tokens`` tokens, the logits of its stop tokens are set to ``-inf``: the
-model's EOS ids (``ModelInfo.eos_token_ids``; not with ``ignore_eos``, where EOS stops
-nothing) and the request's ``stop_token_ids`` (the stop_tokens plugin's field, read here
-when present). The first token that may be a stop token is therefore token number
-``min_tokens + 1``. Same semantics as vLLM's ``min_tokens`` and Hugging Face's
+Request field (``MinTokens.Fields``): ``min_tokens``, an integer ``>= 0`` (the type says
+so) and ``<= max_tokens`` (when ``max_tokens`` is set); ``0`` or absent: off, and free.
+``validate`` stores a ``min_tokens`` beyond the context as ``max_model_len`` (same effect: a
+sequence never generates more; it keeps the value inside int64 for the engine) and, given
+the request's core parameters, refuses a ``min_tokens`` above ``max_tokens`` and a positive
+``min_tokens`` whose held-back ids would be the whole vocabulary (every logit ``-inf``:
+nothing to draw).
+
+While a sequence has generated fewer than ``min_tokens`` tokens, the logits of its stop
+tokens are set to ``-inf``: the model's EOS ids (``ModelInfo.eos_token_ids``; not with
+``ignore_eos``, where EOS stops nothing) and the request's ``stop_token_ids`` (the
+stop_tokens plugin's validated field, read from ``params.fields["stop_tokens"]`` when the
+request uses that plugin). The first token that may be a stop token is therefore token
+number ``min_tokens + 1``. Same semantics as vLLM's ``min_tokens`` and Hugging Face's
 ``MinNewTokensLengthLogitsProcessor(prompt_length, min_new_tokens, stop ids)``. Stop strings
 are not token ids and are not held back. Stage ``MIN_TOKENS`` (after logit_bias, so a
 ``+100`` bias on EOS cannot beat it); not ``argmax_invariant``.
@@ -43,19 +46,29 @@ one ``index_add_`` on ``num_generated``. ``O(rows * ids)``, never ``O(rows * V)`
 from __future__ import annotations
 
 import functools
-import numbers
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
 
+import msgspec
 import torch
 
-from freetoken_core import hookimpl
 from freetoken_core.errors import InvalidRequest
-from freetoken_core.processors import LogitsProcessor, ModelInfo, Stage
+from freetoken_core.processors import (
+    LogitsProcessor,
+    ModelInfo,
+    ProcessorContext,
+    RequestFields,
+    RequestView,
+    Stage,
+)
 from freetoken_plugins._slot_widths import SlotWidths
 
+if TYPE_CHECKING:
+    from freetoken_core.sampling_params import SamplingParams
+
 FIELD = "min_tokens"
+STOP_TOKENS = "stop_tokens"
 STOP_IDS_FIELD = "stop_token_ids"
-"""Owned by the stop_tokens plugin; read here so that those ids are held back too."""
+"""The stop_tokens plugin and its field; its ids are held back too."""
 BENCH_PARAMS: dict[str, Any] = {FIELD: 1000}
 """A typical request; it needs ``max_tokens >= 1000`` beside it (the bench harness's base
 request has 4,096), as ``min_tokens`` may not exceed ``max_tokens``."""
@@ -69,22 +82,27 @@ imports triton, and the kernel below finds ``tl`` among its module's globals as 
 (compiler and interpreter alike) expects."""
 
 
-def check_min_tokens(value: Any, max_tokens: int | None) -> int:
-    """Return ``value``, or raise ``InvalidRequest`` naming ``min_tokens``."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise InvalidRequest(FIELD, f"min_tokens must be an integer >= 0, got {shown}")
-    value = int(value)
-    if max_tokens is not None and value > max_tokens:
+def check_against_request(value: int, params: SamplingParams, model: ModelInfo) -> None:
+    """Raise ``InvalidRequest`` naming ``min_tokens`` when ``value`` exceeds ``max_tokens``,
+    or when it is positive and would hold back every token of the vocabulary."""
+    if params.max_tokens is not None and value > params.max_tokens:
         raise InvalidRequest(FIELD, f"min_tokens ({value}) must not exceed max_tokens "
-                                    f"({max_tokens})")
-    return value
+                                    f"({params.max_tokens})")
+    stop_ids = params.extra.get(STOP_IDS_FIELD) or ()
+    if value and isinstance(stop_ids, (list, tuple)):
+        # The stop_tokens plugin checks the ids themselves; count only valid ones here.
+        held = set() if params.ignore_eos else set(model.eos_token_ids)
+        held.update(t for t in stop_ids if isinstance(t, int) and 0 <= t < model.vocab_size)
+        if len(held) >= model.vocab_size:
+            raise InvalidRequest(FIELD, "min_tokens would hold back every token of the "
+                                        "vocabulary (EOS and stop_token_ids)")
 
 
-def stop_ids_of(params: Any, eos_token_ids: frozenset[int]) -> list[int]:
-    """The distinct token ids a request's ``min_tokens`` holds back, sorted."""
+def stop_ids_of(params: SamplingParams, eos_token_ids: frozenset[int]) -> list[int]:
+    """The distinct token ids a validated request's ``min_tokens`` holds back, sorted."""
     ids = set() if params.ignore_eos else set(eos_token_ids)
-    ids.update(params.extra.get(STOP_IDS_FIELD) or ())
+    stop_fields = params.fields.get(STOP_TOKENS)
+    ids.update(getattr(stop_fields, STOP_IDS_FIELD, None) or ())
     return sorted(ids)
 
 
@@ -151,15 +169,17 @@ def min_tokens_triton(logits: torch.Tensor, slots: torch.Tensor, mask_ids: torch
 # -- the processor ---------------------------------------------------------------------------
 
 class MinTokens(LogitsProcessor):
-    """``min_tokens``: see the module docstring."""
+    """min_tokens: no stop token until a sequence has generated min_tokens tokens."""
 
-    name = "min_tokens"
-    stage = Stage.MIN_TOKENS
+    class Fields(RequestFields):
+        min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+    stage = Stage.HOLD
     argmax_invariant = False
-    fields = (FIELD,)
 
-    def __init__(self, max_num_slots: int, model: ModelInfo, device: torch.device) -> None:
-        super().__init__(max_num_slots, model, device)
+    def __init__(self, ctx: ProcessorContext) -> None:
+        super().__init__(ctx)
+        max_num_slots, device = ctx.max_num_slots, ctx.device
         self.num_generated = torch.zeros(max_num_slots, dtype=torch.long, device=device)
         self.min_tokens = torch.zeros(max_num_slots, dtype=torch.long, device=device)
         self.num_mask_ids = torch.zeros(max_num_slots, dtype=torch.int32, device=device)
@@ -173,24 +193,16 @@ class MinTokens(LogitsProcessor):
         return self._widths.width
 
     @classmethod
-    def uses(cls, params: Any) -> bool:
-        return bool(params.extra.get(FIELD))
+    def uses(cls, fields: Fields) -> bool:
+        return bool(fields.min_tokens)
 
     @classmethod
-    def validate(cls, params: Any, model: ModelInfo) -> None:
-        value = params.extra.get(FIELD)
-        if value is None:
-            return
-        value = min(check_min_tokens(value, params.max_tokens), model.max_model_len)
-        params.extra[FIELD] = value
-        stop_ids = params.extra.get(STOP_IDS_FIELD) or ()
-        if value and isinstance(stop_ids, (list, tuple)):
-            # The stop_tokens plugin checks the ids themselves; count only valid ones here.
-            held = set() if params.ignore_eos else set(model.eos_token_ids)
-            held.update(t for t in stop_ids if isinstance(t, int) and 0 <= t < model.vocab_size)
-            if len(held) >= model.vocab_size:
-                raise InvalidRequest(FIELD, "min_tokens would hold back every token of the "
-                                            "vocabulary (EOS and stop_token_ids)")
+    def validate(cls, fields: Fields, model: ModelInfo, params: SamplingParams) -> Fields:
+        """Refuse what ``max_tokens``, ``ignore_eos`` and ``stop_token_ids`` forbid
+        (``check_against_request``), then clamp ``min_tokens`` to the context."""
+        value = fields.min_tokens or 0
+        check_against_request(value, params, model)
+        return cls.Fields(min_tokens=min(value, model.max_model_len))
 
     def _grow(self, needed: int) -> None:
         capacity = 1 << (needed - 1).bit_length()
@@ -201,9 +213,8 @@ class MinTokens(LogitsProcessor):
         grown[:, self.mask_ids.shape[1]:] = self.mask_ids[:, :1]
         self.mask_ids = grown
 
-    def add_request(self, slot: int, params: Any, prompt_token_ids: list[int],
-                    output_token_ids: list[int]) -> None:
-        ids = stop_ids_of(params, self.model.eos_token_ids)
+    def add_request(self, slot: int, request: RequestView) -> None:
+        ids = stop_ids_of(request.params, self.model.eos_token_ids)
         count = len(ids)
         if count > self.mask_ids.shape[1]:
             self._grow(count)
@@ -215,8 +226,8 @@ class MinTokens(LogitsProcessor):
         self.num_mask_ids[slot] = count
         # A sequence never generates more than the context holds; clamping there keeps
         # a huge min_tokens inside int64 without changing what it does.
-        self.min_tokens[slot] = min(params.extra[FIELD], self.model.max_model_len)
-        self.num_generated[slot] = len(output_token_ids)
+        self.min_tokens[slot] = min(request.fields.min_tokens, self.model.max_model_len)
+        self.num_generated[slot] = len(request.output_token_ids)
         self._widths.set(slot, count)
 
     def remove_request(self, slot: int) -> None:
@@ -241,20 +252,3 @@ class MinTokens(LogitsProcessor):
     def apply_triton(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
         min_tokens_triton(logits, slots, self.mask_ids, self.num_mask_ids, self.num_generated,
                           self.min_tokens)
-
-
-# -- hooks -----------------------------------------------------------------------------------
-
-@hookimpl
-def freetoken_request_fields() -> list[str]:
-    return [FIELD]
-
-
-@hookimpl
-def freetoken_register_processors(register: Any) -> None:
-    register(MinTokens)
-
-
-@hookimpl
-def freetoken_validate_request(request: Any, model: ModelInfo) -> None:
-    MinTokens.validate(request, model)

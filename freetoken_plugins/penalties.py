@@ -1,6 +1,7 @@
 """The penalties plugin: repetition (Hugging Face / CTRL), presence and frequency (OpenAI).
 
-Request fields (absent or neutral: off):
+Request fields (``Penalties.Fields``, typed and bounded, so that the server refuses any
+other value with a 400 naming the field; absent or neutral: off):
 
 - ``repetition_penalty``: a number in ``[MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY]``
   = ``[0.01, 100]``, neutral ``1.0``. Over the prompt **and** the generated tokens, each
@@ -61,16 +62,19 @@ must not share a slot (the engine never does that).
 from __future__ import annotations
 
 import functools
-import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import torch
 
-from freetoken_core import hookimpl
-from freetoken_core.errors import InvalidRequest
-from freetoken_core.processors import LogitsProcessor, ModelInfo, Stage
-from freetoken_core.sampling_params import finite_float
+from freetoken_core.processors import (
+    LogitsProcessor,
+    ProcessorContext,
+    RequestFields,
+    RequestView,
+    Stage,
+)
 
 REPETITION = "repetition_penalty"
 PRESENCE = "presence_penalty"
@@ -87,43 +91,17 @@ all, so model logits below 1e30 in magnitude stay finite in float32 (real ones a
 PENALTY_LIMIT = 2.0
 """``presence_penalty`` and ``frequency_penalty`` lie in ``[-PENALTY_LIMIT, PENALTY_LIMIT]``
 (OpenAI's range); ``frequency * count`` is then at most ``2 * max_model_len``."""
+RepetitionPenalty = Annotated[float, msgspec.Meta(ge=MIN_REPETITION_PENALTY,
+                                                  le=MAX_REPETITION_PENALTY)]
+"""A finite number in ``[0.01, 100]`` (NaN and infinities fail the bounds); 1 is off."""
+AdditivePenalty = Annotated[float, msgspec.Meta(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)]
+"""A finite number in ``[-2, 2]`` (NaN and infinities fail the bounds); 0 is off."""
 
 BENCH_PARAMS: dict[str, Any] = {REPETITION: 1.2, PRESENCE: 0.5, FREQUENCY: 0.5}
 """A request that switches the processor on, for ``bench/bench_penalties.py``."""
 
 _APPLY_BLOCK = 256
 _UPDATE_BLOCK = 1024
-
-
-# -- validation ----------------------------------------------------------------------
-
-def _shown(value: Any) -> str:
-    """``repr(value)``, cut short: a JSON integer may have thousands of digits."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def check_penalty(field: str, value: Any) -> float:
-    """Return ``value`` as a float, or raise ``InvalidRequest`` naming ``field``."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise InvalidRequest(field, f"{field} must be a number, got {_shown(value)}")
-    number = finite_float(value)
-    if field == REPETITION:
-        if number is None or not MIN_REPETITION_PENALTY <= number <= MAX_REPETITION_PENALTY:
-            raise InvalidRequest(field, f"{field} must be a number in "
-                                        f"[{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}]"
-                                        f" (1 is off), got {_shown(value)}")
-    elif number is None or not -PENALTY_LIMIT <= number <= PENALTY_LIMIT:
-        raise InvalidRequest(field, f"{field} must be a number in [-2, 2] (0 is off), "
-                                    f"got {_shown(value)}")
-    return number
-
-
-def check_fields(extra: dict[str, Any]) -> None:
-    """Check the penalty fields present in ``extra`` and normalise them to floats."""
-    for field in FIELDS:
-        if extra.get(field) is not None:
-            extra[field] = check_penalty(field, extra[field])
 
 
 # -- the math, shared by the torch path and the tests' references ----------------------
@@ -280,15 +258,19 @@ def penalties_update_triton(slots: torch.Tensor, sampled: torch.Tensor,
 # -- the processor ------------------------------------------------------------------------
 
 class Penalties(LogitsProcessor):
-    """Repetition, presence and frequency penalties: see the module docstring."""
+    """penalties: repetition (Hugging Face / CTRL), presence and frequency (OpenAI)."""
 
-    name = "penalties"
-    stage = Stage.PENALTIES
+    class Fields(RequestFields):
+        repetition_penalty: RepetitionPenalty | None = None
+        presence_penalty: AdditivePenalty | None = None
+        frequency_penalty: AdditivePenalty | None = None
+
+    stage = Stage.PENALTY
     argmax_invariant = False
-    fields = FIELDS
 
-    def __init__(self, max_num_slots: int, model: ModelInfo, device: torch.device) -> None:
-        super().__init__(max_num_slots, model, device)
+    def __init__(self, ctx: ProcessorContext) -> None:
+        super().__init__(ctx)
+        max_num_slots, model, device = ctx.max_num_slots, ctx.model, ctx.device
         self.capacity = max(1, min(model.vocab_size, model.max_model_len))
         # A count never exceeds max_model_len - 1 (the prompt is never empty).
         count_dtype = torch.int16 if model.max_model_len <= 1 << 15 else torch.int32
@@ -320,17 +302,13 @@ class Penalties(LogitsProcessor):
         return max(0, min(self.capacity, self._max_offset + self._num_updates))
 
     @classmethod
-    def uses(cls, params: Any) -> bool:
-        return any(params.extra.get(f) is not None and params.extra[f] != NEUTRAL[f]
-                   for f in FIELDS)
+    def uses(cls, fields: Fields) -> bool:
+        return any(getattr(fields, f) not in (None, NEUTRAL[f]) for f in FIELDS)
 
-    @classmethod
-    def validate(cls, params: Any, model: ModelInfo) -> None:
-        check_fields(params.extra)
-
-    def add_request(self, slot: int, params: Any, prompt_token_ids: list[int],
-                    output_token_ids: list[int]) -> None:
-        ids = torch.tensor(list(prompt_token_ids) + list(output_token_ids), dtype=torch.long)
+    def add_request(self, slot: int, request: RequestView) -> None:
+        prompt_token_ids = request.prompt_token_ids
+        ids = torch.tensor(list(prompt_token_ids) + list(request.output_token_ids),
+                           dtype=torch.long)
         if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.model.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.model.vocab_size})")
         unique, inverse = torch.unique(ids, return_inverse=True)
@@ -342,7 +320,9 @@ class Penalties(LogitsProcessor):
         self.counts[slot, :n] = counts.to(self.device, self.counts.dtype)
         self.num_tokens[slot] = n
         self.is_active[slot] = True
-        values = [params.extra.get(f, NEUTRAL[f]) for f in FIELDS]
+        fields = request.fields
+        values = [NEUTRAL[f] if getattr(fields, f) is None else getattr(fields, f)
+                  for f in FIELDS]
         self.penalties[slot] = torch.tensor(values, dtype=torch.float32).to(self.device)
         self._offsets[slot] = n - self._num_updates
         self._max_offset = max(self._offsets.values())
@@ -386,20 +366,3 @@ class Penalties(LogitsProcessor):
         if self._offsets:
             path(slots, sampled, **self._state(), is_active=self.is_active, width=self.width)
         self._num_updates += 1
-
-
-# -- hooks ------------------------------------------------------------------------------
-
-@hookimpl
-def freetoken_request_fields() -> list[str]:
-    return list(FIELDS)
-
-
-@hookimpl
-def freetoken_register_processors(register: Callable[[type[LogitsProcessor]], None]) -> None:
-    register(Penalties)
-
-
-@hookimpl
-def freetoken_validate_request(request: Any, model: ModelInfo) -> None:
-    check_fields(request.extra)

@@ -26,18 +26,30 @@ Semantics, per choice, on the generated text (``ThinkSplitter``):
   it never came; 0 if reasoning never opened), summed over choices. Counted on token ids:
   a tag the model spelled out in pieces splits the text but is not counted as a tag.
 
-Per-request state (one splitter per choice) lives in ``output.plugin_state["reasoning"]``.
+Response fields (``MessageFields``, ``UsageFields``): ``reasoning_content`` on messages and
+deltas, ``completion_tokens_details`` on usage; the server adds them without naming them.
+Per-request state (one splitter per choice) lives in
+``response.plugin_state["reasoning"]``.
 The tags must reach the text, so a model whose ``<think>`` is a *special* token needs
 ``skip_special_tokens: false``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from freetoken_core import hookimpl
-from freetoken_core.server import protocol as p
+from freetoken_core.processors import (
+    AnswerStart,
+    Plugin,
+    RequestView,
+    ResponseFields,
+    ResponseView,
+)
 
 OPEN_TAG, CLOSE_TAG = "<think>", "</think>"
 STATE_KEY = "reasoning"
@@ -125,67 +137,94 @@ class _RequestState:
     splitters: dict[int, ThinkSplitter] = field(default_factory=dict)
 
 
-def _state(output: Any) -> _RequestState | None:
+def _state(response: ResponseView) -> _RequestState | None:
     """This request's state, made on first use; ``None`` when the model has no tags."""
-    if STATE_KEY in output.plugin_state:
-        return output.plugin_state[STATE_KEY]
-    open_id = _token_id(output.tokenizer, OPEN_TAG)
-    close_id = _token_id(output.tokenizer, CLOSE_TAG)
+    if STATE_KEY in response.plugin_state:
+        return response.plugin_state[STATE_KEY]
+    open_id = _token_id(response.tokenizer, OPEN_TAG)
+    close_id = _token_id(response.tokenizer, CLOSE_TAG)
     state = None
     if open_id is not None and close_id is not None:
-        in_reasoning = []
-        for ids in output.prompts:
-            last_open = max((i for i, t in enumerate(ids) if t == open_id), default=-1)
-            last_close = max((i for i, t in enumerate(ids) if t == close_id), default=-1)
-            in_reasoning.append(last_open > last_close)
+        in_reasoning = [prompt_leaves_open(ids, open_id, close_id)
+                        for ids in response.prompt_token_ids]
         state = _RequestState(open_id, close_id, in_reasoning)
-    output.plugin_state[STATE_KEY] = state
+    response.plugin_state[STATE_KEY] = state
     return state
 
 
-def _starts_in_reasoning(state: _RequestState, output: Any, index: int) -> bool:
-    return state.in_reasoning[index // output.params.n]
+def _starts_in_reasoning(state: _RequestState, response: ResponseView, index: int) -> bool:
+    return state.in_reasoning[index // response.params.n]
 
 
-def _set_usage(usage: p.Usage, state: _RequestState, output: Any) -> None:
-    num_choices = len(output.prompts) * output.params.n
-    usage.completion_tokens_details = p.CompletionTokensDetails(sum(
-        count_reasoning_tokens(output.token_ids(i), state.open_id, state.close_id,
-                               _starts_in_reasoning(state, output, i))
-        for i in range(num_choices)))
+def _reasoning_tokens(state: _RequestState, response: ResponseView) -> int:
+    num_choices = len(response.prompt_token_ids) * response.params.n
+    return sum(count_reasoning_tokens(response.token_ids(i), state.open_id, state.close_id,
+                                      _starts_in_reasoning(state, response, i))
+               for i in range(num_choices))
 
 
-@hookimpl
-def freetoken_request_fields() -> list[str]:
-    return []
+class CompletionTokensDetails(msgspec.Struct):
+    """``usage.completion_tokens_details``, as OpenAI reports it."""
+
+    reasoning_tokens: int = 0
 
 
-@hookimpl
-def freetoken_decorate_response(request: Any, response: Any, output: Any) -> None:
-    if not isinstance(response, (p.ChatCompletionResponse, p.ChatCompletionChunk)):
-        return
-    state = _state(output)
-    if state is None:
-        return
-    if isinstance(response, p.ChatCompletionResponse):
+def prompt_leaves_open(prompt_token_ids: Sequence[int], open_id: int, close_id: int) -> bool:
+    """Whether the prompt's last ``<think>`` comes after its last ``</think>``."""
+    last_open = max((i for i, t in enumerate(prompt_token_ids) if t == open_id), default=-1)
+    last_close = max((i for i, t in enumerate(prompt_token_ids) if t == close_id), default=-1)
+    return last_open > last_close
+
+
+class Reasoning(Plugin):
+    """Split <think>…</think> out of chat answers as reasoning_content, and count it."""
+
+    @staticmethod
+    @hookimpl
+    def freetoken_answer_start(request: RequestView, tokenizer: Any) -> AnswerStart | None:
+        """The answer of a chat sequence starts after ``</think>`` when the prompt left
+        ``<think>`` open, or when the sequence opens it with its first token."""
+        if not request.is_chat:
+            return None
+        open_id, close_id = _token_id(tokenizer, OPEN_TAG), _token_id(tokenizer, CLOSE_TAG)
+        if open_id is None or close_id is None:
+            return None
+        inside = prompt_leaves_open(request.prompt_token_ids, open_id, close_id)
+        return AnswerStart(close_id, inside, open_id)
+
+    class MessageFields(ResponseFields):
+        reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+        """The text between the tags; absent when the answer never reasoned."""
+
+    class UsageFields(ResponseFields):
+        completion_tokens_details: CompletionTokensDetails | msgspec.UnsetType = msgspec.UNSET
+
+    @staticmethod
+    @hookimpl
+    def freetoken_decorate_response(response: ResponseView) -> None:
+        if response.route != "chat":
+            return
+        state = _state(response)
+        if state is None:
+            return
         for choice in response.choices:
-            reasoning, content = split(choice.message.content,
-                                       _starts_in_reasoning(state, output, choice.index))
-            choice.message.content = content
-            if reasoning is not None:
-                choice.message.reasoning_content = reasoning
-    else:
-        for chunk_choice in response.choices:
-            final = chunk_choice.finish_reason is not None
-            delta = chunk_choice.delta
-            if not delta.content and not final:
+            inside = _starts_in_reasoning(state, response, choice.index)
+            if not response.is_chunk:
+                reasoning, content = split(choice.text or "", inside)
+                choice.text = content
+                if reasoning is not None:
+                    choice.message.reasoning_content = reasoning
                 continue
-            splitter = state.splitters.get(chunk_choice.index)
+            final = choice.finish_reason is not None
+            if not choice.text and not final:
+                continue
+            splitter = state.splitters.get(choice.index)
             if splitter is None:
-                splitter = state.splitters[chunk_choice.index] = ThinkSplitter(
-                    _starts_in_reasoning(state, output, chunk_choice.index))
-            reasoning, content = splitter.feed(delta.content or "", final)
-            delta.reasoning_content = reasoning or None
-            delta.content = content if content or not reasoning else None
-    if response.usage is not None:
-        _set_usage(response.usage, state, output)
+                splitter = state.splitters[choice.index] = ThinkSplitter(inside)
+            reasoning, content = splitter.feed(choice.text or "", final)
+            if reasoning:
+                choice.message.reasoning_content = reasoning
+            choice.text = content if content or not reasoning else None
+        if response.usage is not None:
+            response.usage.completion_tokens_details = CompletionTokensDetails(
+                _reasoning_tokens(state, response))

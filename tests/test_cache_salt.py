@@ -6,14 +6,15 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from freetoken_core.engine.process import add_request, params_of, to_engine_type
 from freetoken_core.errors import InvalidRequest
 from freetoken_core.llm import LLM
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo
 from freetoken_core.sampling_params import SamplingParams
-from freetoken_core.server.engine_process import params_to_wire
 from freetoken_core.server.limits import RequestLimits
 from freetoken_core.server.protocol import ChatCompletionRequest, CompletionRequest
 from freetoken_core.server.serving import parse_body, sampling_params
@@ -35,9 +36,11 @@ def test_validated_on_construction() -> None:
 
 
 def test_crosses_the_process_boundary() -> None:
-    params = SamplingParams(cache_salt="tenant-a", top_k=5)
-    assert SamplingParams(**params_to_wire(params)).cache_salt == "tenant-a"
-    assert SamplingParams(**params_to_wire(SamplingParams())).cache_salt is None
+    decoder = msgspec.msgpack.Decoder(to_engine_type({}))
+    for salt in ("tenant-a", None):
+        wire = msgspec.msgpack.encode(add_request("r", [1, 2], SamplingParams(
+            cache_salt=salt, top_k=5)))
+        assert params_of(decoder.decode(wire)).cache_salt == salt
 
 
 def test_both_routes_take_it_and_name_it_when_bad() -> None:

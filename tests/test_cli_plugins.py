@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
 import types
-from importlib.metadata import EntryPoint, version
+from importlib.metadata import EntryPoint, entry_points, version
 
 import pytest
+import torch
 
-from freetoken_core import bench as bench_module
 from freetoken_core import plugins as plugins_module
-from freetoken_core.bench import BenchShape, build_plugin_bench
+from freetoken_core.bench import (
+    BenchError,
+    BenchShape,
+    build_plugin_bench,
+    plugin_bench_params,
+)
 from freetoken_core.cli import main
 from freetoken_core.hookspecs import ENTRY_POINT_GROUP
+from freetoken_core.processors import LogitsProcessor, Plugin, RequestFields, RequestView
 
 BUILTIN_FIELDS = {
     "penalties": ["frequency_penalty", "presence_penalty", "repetition_penalty"],
@@ -24,9 +31,18 @@ BUILTIN_FIELDS = {
     "min_tokens": ["min_tokens"],
     "min_p": ["min_p"],
     "stop_tokens": ["stop_token_ids"],
+    "fim": ["suffix"],
+    "reasoning": [],
 }
-KEYS = ["name", "distribution", "version", "enabled", "hooks", "processors", "fields"]
+PROCESSORS = {"penalties", "logit_bias", "min_tokens", "min_p"}
+HOOKS = {"stop_tokens": ["freetoken_check_stop"], "fim": ["freetoken_rewrite_prompt"],
+         "reasoning": ["freetoken_answer_start", "freetoken_decorate_response"]}
+KEYS = ["name", "distribution", "version", "enabled", "kind", "description", "hooks",
+        "fields"]
 SMALL = ["--batch", "4", "--vocab", "1024", "--history", "16", "--steps", "3"]
+# The vocabulary of the default model, whose tokenizer the bench hands the processors:
+# structured_outputs needs logits at least that wide.
+DEFAULT_VOCAB = 49_152
 
 
 def freetoken(*args: str) -> subprocess.CompletedProcess:
@@ -48,20 +64,29 @@ def listed(capsys: pytest.CaptureFixture, *args: str) -> dict[str, dict]:
     return by_name(capsys.readouterr().out)
 
 
-@pytest.fixture
-def bare_plugin(monkeypatch: pytest.MonkeyPatch) -> str:
-    """Install, for this test, a plugin ``bare`` with no hooks and no BENCH_PARAMS."""
-    monkeypatch.setitem(sys.modules, "ft_test_bare_plugin",
-                        types.ModuleType("ft_test_bare_plugin"))
+def install_plugin(monkeypatch: pytest.MonkeyPatch, name: str, cls: type[Plugin],
+                   **module_attrs: object) -> None:
+    """Install, for this test, plugin class ``cls`` under the entry point ``name``, in a
+    module of its own holding ``module_attrs`` (e.g. ``BENCH_PARAMS``)."""
+    module = types.ModuleType(f"ft_test_{name}_plugin")
+    cls.__module__ = module.__name__
+    vars(module).update(module_attrs, **{cls.__name__: cls})
+    monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.delenv("FREETOKEN_PLUGINS", raising=False)
     real = list(plugins_module.entry_points(group=ENTRY_POINT_GROUP))
-    fake = EntryPoint(name="bare", value="ft_test_bare_plugin", group=ENTRY_POINT_GROUP)
+    fake = EntryPoint(name=name, value=f"{module.__name__}:{cls.__name__}",
+                      group=ENTRY_POINT_GROUP)
 
     def entry_points(group: str) -> list[EntryPoint]:
         return [*real, fake] if group == ENTRY_POINT_GROUP else []
 
     monkeypatch.setattr(plugins_module, "entry_points", entry_points)
-    monkeypatch.setattr(bench_module, "entry_points", entry_points)
+
+
+@pytest.fixture
+def bare_plugin(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A plugin ``bare``: a ``Plugin`` with no fields, no hooks and no BENCH_PARAMS."""
+    install_plugin(monkeypatch, "bare", type("Bare", (Plugin,), {}))
     return "bare"
 
 
@@ -77,13 +102,10 @@ def test_plugins_json_lists_the_builtins() -> None:
         info = infos[name]
         assert info["enabled"] is True
         assert info["distribution"] == "freetoken" and info["version"] == version("freetoken")
-        assert info["fields"] == fields
-        assert {"freetoken_request_fields", "freetoken_validate_request"} <= set(info["hooks"])
-    assert infos["min_p"]["processors"] == ["min_p"]
-    for name in ("penalties", "logit_bias", "min_tokens"):
-        assert infos[name]["processors"] and "freetoken_register_processors" in infos[name]["hooks"]
-    assert infos["stop_tokens"]["processors"] == []
-    assert "freetoken_check_stop" in infos["stop_tokens"]["hooks"]
+        assert sorted(info["fields"]) == fields
+        assert info["kind"] == ("processor" if name in PROCESSORS else "hooks")
+        assert info["hooks"] == HOOKS.get(name, [])
+        assert info["description"]  # the first line of the class docstring
 
 
 def test_plugins_flag_enables_only_those_named(monkeypatch: pytest.MonkeyPatch,
@@ -92,7 +114,7 @@ def test_plugins_flag_enables_only_those_named(monkeypatch: pytest.MonkeyPatch,
     infos = listed(capsys, "--plugins", "penalties")
     assert {n for n, i in infos.items() if i["enabled"]} == {"penalties"}
     # A disabled plugin is still described with what it would handle.
-    assert infos["min_p"]["fields"] == ["min_p"] and infos["min_p"]["processors"] == ["min_p"]
+    assert infos["min_p"]["fields"] == ["min_p"] and infos["min_p"]["kind"] == "processor"
 
 
 def test_environment_selects_when_the_flag_is_absent(monkeypatch: pytest.MonkeyPatch,
@@ -129,15 +151,14 @@ def test_unknown_plugin_is_a_start_up_error_listing_installed_ones(
 def test_plugins_table(bare_plugin: str, capsys: pytest.CaptureFixture) -> None:
     assert main(["plugins", "--plugins", "min_p,bare"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["NAME", "ENABLED", "DISTRIBUTION", "PROCESSORS", "FIELDS",
-                                "HOOKS"]
+    assert lines[0].split() == ["NAME", "ENABLED", "DISTRIBUTION", "KIND", "FIELDS", "HOOKS"]
     rows = {line.split()[0]: line for line in lines[1:]}
     assert set(BUILTIN_FIELDS) | {"bare"} <= set(rows)
-    assert rows["min_p"].split()[:5] == ["min_p", "yes", "freetoken", version("freetoken"),
-                                         "min_p"]
-    assert "validate_request" in rows["min_p"]
-    assert rows["penalties"].split()[1] == "no"
-    assert rows["bare"].split() == ["bare", "yes", "-", "-", "-", "-"]
+    assert rows["min_p"].split() == ["min_p", "yes", "freetoken", version("freetoken"),
+                                     "processor", "min_p", "-"]
+    assert rows["stop_tokens"].split()[1:] == ["no", "freetoken", version("freetoken"),
+                                               "hooks", "stop_token_ids", "check_stop"]
+    assert rows["bare"].split() == ["bare", "yes", "-", "hooks", "-", "-"]
 
 
 # -- generate --plugins / --param ---------------------------------------------------------
@@ -157,7 +178,8 @@ def test_generate_plugins_and_param(tiny_model_dir, capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err
     assert "'min_p'" in err and "not enabled" in err
     assert main([*base, "--param", "min_p=1.5"]) == 2
-    assert "min_p must be" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "$.min_p" in err and "<= 1.0" in err  # the type of MinP.Fields refused it
     assert main([*base, "--param", "top_p=0.5"]) == 2
     assert "use --top-p" in capsys.readouterr().err
 
@@ -201,35 +223,125 @@ def test_bench_setups_run_what_they_claim() -> None:
     for step in (bench.plain, bench.idle, bench.active):
         assert [len(s.token_ids) for s in step.seqs] == [5, 5, 5]
         step.reset()
-        assert len(step.run()) == 3
-        step.reset()
-        assert [len(s.token_ids) for s in step.seqs] == [6, 6, 6]
+        tokens = step.run()
+        assert [s.token_ids[-1] for s in step.seqs] == tokens  # the step appends them
 
 
-def test_bench_stop_hook_plugin_times_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bench_stop_hook_plugin_times_the_hook() -> None:
     bench = build_plugin_bench("stop_tokens", BenchShape(batch=3, vocab=64, history=5),
                                num_steps=1)
     assert bench.active.pipeline.processors == []
-    assert bench.plain.check_stop is None and bench.idle.stop_rows == []
-    assert bench.active.stop_rows == [0, 1, 2]
-    seen: list[list[int]] = []
-    inner = bench.active.check_stop
-    monkeypatch.setattr(bench.active, "check_stop",
-                        lambda views, tokens: seen.append(tokens) or inner(views, tokens))
+    assert bench.plain.stop_checks == [] and bench.idle.stop_checks == []
+    [(hook, rows)] = bench.active.stop_checks
+    assert hook.plugin == "stop_tokens" and rows == [0, 1, 2]
+    seen: list[tuple[list, list[int]]] = []
+    bench.active.stop_checks = [(dataclasses.replace(
+        hook, check=lambda views, tokens: seen.append((views, tokens)) or hook.check(
+            views, tokens)), rows)]
     bench.active.reset()
     tokens = bench.active.run()
-    assert seen == [tokens]
+    [(views, checked)] = seen
+    assert checked == tokens
+    assert [v.fields.stop_token_ids for v in views] == [[3, 4, 5, 6]] * 3  # validated fields
+    assert [v.num_output_tokens for v in views] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("name", sorted(
+    ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)
+    if ep.value.startswith("freetoken_plugins.")))
+def test_bench_runs_every_builtin_with_bench_params(name: str) -> None:
+    """Each built-in plugin with BENCH_PARAMS runs in (c), as a processor or a stop hook."""
+    cls = next(ep.load() for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name)
+    if plugin_bench_params(cls) is None:
+        pytest.skip(f"{name} has no BENCH_PARAMS")
+    bench = build_plugin_bench(name, BenchShape(batch=2, vocab=DEFAULT_VOCAB, history=4),
+                               num_steps=1)
+    assert bench.notes == []
+    ran = {type(p).name for p in bench.active.pipeline.active()}
+    ran |= {hook.plugin for hook, _ in bench.active.stop_checks}
+    assert ran == {name}
+    assert bench.idle.pipeline.active() == [] and bench.idle.stop_checks == []
+    bench.active.reset()
+    assert len(bench.active.run()) == 2
 
 
 def test_bench_all_merges_every_plugin(bare_plugin: str, capsys: pytest.CaptureFixture) -> None:
-    assert main(["bench", "plugin", "all", *SMALL]) == 0
+    assert main(["bench", "plugin", "all", *SMALL[:2], "--vocab", str(DEFAULT_VOCAB),
+                 *SMALL[4:]]) == 0
     out = capsys.readouterr().out
     assert set(table_rows(out)) == {"a", "b", "c"}
     assert "note: skipped bare: no BENCH_PARAMS" in out
-    bench = build_plugin_bench("all", BenchShape(batch=2, vocab=1024, history=4), num_steps=1)
+    bench = build_plugin_bench("all", BenchShape(batch=2, vocab=DEFAULT_VOCAB, history=4),
+                               num_steps=1)
     active = {type(p).name for p in bench.active.pipeline.active()}
-    assert {"min_p", "penalties", "logit_bias", "min_tokens"} <= active
-    assert bench.active.stop_rows == [0, 1]
+    assert {"min_p", "penalties", "logit_bias", "min_tokens", "structured_outputs"} <= active
+    assert [(h.plugin, rows) for h, rows in bench.active.stop_checks] == [("stop_tokens",
+                                                                          [0, 1])]
+
+
+def test_bench_structured_outputs_masks_with_the_models_tokenizer() -> None:
+    """The processors get the default model's tokenizer and EOS ids: structured_outputs
+    compiles BENCH_PARAMS' schema for it, and the active rows draw only what the schema
+    allows, while the idle rows draw freely."""
+    shape = BenchShape(batch=3, vocab=DEFAULT_VOCAB + 64, history=4)  # padded, as models are
+    bench = build_plugin_bench("structured_outputs", shape, num_steps=1)
+    tokenizer = bench.model.tokenizer
+    assert bench.model.name == "SmolLM2-135M-Instruct" and len(tokenizer) == DEFAULT_VOCAB
+    [proc] = bench.active.pipeline.active()
+    assert proc.ctx.tokenizer is tokenizer and proc.ctx.model.eos_token_ids == frozenset({2})
+    texts, free = ["", "", ""], ["", "", ""]
+    for _ in range(6):
+        for step, out in ((bench.active, texts), (bench.idle, free)):
+            step.reset()
+            for row, token in enumerate(step.run()):
+                out[row] += tokenizer.decode([token])
+    for text in texts:  # {"name": ..., "age": ...}, JSON's whitespace allowed anywhere
+        compact = re.sub(r"\s", "", text)
+        assert compact.startswith("{"), texts
+        assert any(key.startswith(compact[1:]) or compact[1:].startswith(key)
+                   for key in ('"name"', '"age"')), texts
+    assert all(not t.lstrip().startswith("{") for t in free), free
+
+
+def test_bench_model_option_chooses_the_tokenizer(tiny_model_dir) -> None:
+    bench = build_plugin_bench("structured_outputs", BenchShape(batch=2, vocab=1024, history=4),
+                               num_steps=1, model=str(tiny_model_dir))
+    assert len(bench.model.tokenizer) == 642 and bench.model.vocab_size == 642
+    bench.active.reset()
+    assert len(bench.active.run()) == 2
+    # A vocabulary narrower than the tokenizer is refused, saying why.
+    with pytest.raises(BenchError) as err:
+        build_plugin_bench("structured_outputs", BenchShape(batch=2, vocab=512, history=4),
+                           num_steps=1, model=str(tiny_model_dir))
+    message = str(err.value)
+    assert "--vocab 512" in message and "642 tokens" in message
+    with pytest.raises(BenchError, match="--model"):
+        build_plugin_bench("min_p", BenchShape(batch=2, vocab=64, history=4), num_steps=1,
+                           model="/nonexistent/model")
+
+
+def test_bench_stops_at_a_processor_that_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Broken(LogitsProcessor):
+        class Fields(RequestFields):
+            broken: bool | None = None
+
+        def add_request(self, slot: int, request: RequestView) -> None:
+            pass
+
+        def remove_request(self, slot: int) -> None:
+            pass
+
+        def apply(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
+            raise RuntimeError("boom")
+
+    install_plugin(monkeypatch, "broken", Broken, BENCH_PARAMS={"broken": True})
+    bench = build_plugin_bench("broken", BenchShape(batch=2, vocab=64, history=4), num_steps=1)
+    bench.idle.reset()
+    assert len(bench.idle.run()) == 2  # no row uses it: it never runs
+    bench.active.reset()
+    with pytest.raises(BenchError) as err:
+        bench.active.run()
+    assert "'broken'" in str(err.value) and "apply" in str(err.value)
 
 
 def test_bench_errors_exit_2(bare_plugin: str, capsys: pytest.CaptureFixture) -> None:

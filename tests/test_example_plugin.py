@@ -23,8 +23,9 @@ import pytest
 import torch
 
 from freetoken_core import LLM, InvalidRequest, SamplingParams
+from freetoken_core.bench import BenchShape, build_plugin_bench
 from freetoken_core.plugins import PluginManager
-from freetoken_core.processors import ModelInfo
+from freetoken_core.processors import ModelInfo, ProcessorContext, RequestView
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "freetoken-ban-sequences"
 DISTRIBUTION = "freetoken-ban-sequences"
@@ -66,6 +67,30 @@ def greedy(llm: LLM, prompts: list[str], **fields: object) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
 
 
+def validated(sequences: object, model: ModelInfo = MODEL) -> SamplingParams:
+    """``SamplingParams`` with ``ban_token_sequences``, validated as the server does."""
+    params = SamplingParams(**{FIELD: sequences})
+    PluginManager(plugins="ban_sequences").validate(params, model)
+    return params
+
+
+def processor(plugin: ModuleType, num_slots: int, vocab: int):
+    return plugin.BanSequences(ProcessorContext(num_slots, ModelInfo(vocab, frozenset(), 4096),
+                                                CPU))
+
+
+def add(proc, slot: int, sequences: list[list[int]], prompt: list[int],
+        output: list[int]) -> None:
+    params = validated(sequences, proc.model)
+    proc.add_request(slot, RequestView(str(slot), 0, params.fields["ban_sequences"], params,
+                                       prompt, output))
+
+
+def field_of(field: str) -> str:
+    """``ban_token_sequences`` from a 400's param, which may point inside it (``[0][1]``)."""
+    return field.split("[")[0]
+
+
 # -- discovery ----------------------------------------------------------------------------
 
 
@@ -74,26 +99,21 @@ def test_plugin_manager_lists_the_installed_plugin(plugin: ModuleType) -> None:
     info = infos["ban_sequences"]
     assert info.enabled
     assert info.distribution == DISTRIBUTION and info.version == "0.1.0"
-    assert info.processors == ["ban_sequences"]
+    assert info.kind == "processor" and info.hooks == []
     assert info.fields == [FIELD]
-    assert {"freetoken_register_processors", "freetoken_request_fields",
-            "freetoken_validate_request"} <= set(info.hooks)
+    assert info.description == "ban_token_sequences: never complete a banned token sequence."
     assert plugin.BanSequences in PluginManager().processor_classes()
+    assert plugin.BanSequences.name == "ban_sequences"  # the entry point's name
 
 
 def test_cli_lists_the_installed_plugin(plugin: ModuleType) -> None:
     done = subprocess.run([sys.executable, "-m", "freetoken_core.cli", "plugins", "--json"],
                           capture_output=True, text=True, timeout=120, check=False)
-    if done.returncode != 0 and "invalid choice" in done.stderr:
-        pytest.skip("`freetoken plugins` does not exist yet")
     assert done.returncode == 0, done.stderr
-    listed = json.loads(done.stdout)
-    if isinstance(listed, dict):
-        listed = listed["plugins"]
-    entry = next(p for p in listed if p["name"] == "ban_sequences")
+    entry = next(p for p in json.loads(done.stdout) if p["name"] == "ban_sequences")
     assert entry["enabled"] is True
     assert entry["distribution"] == DISTRIBUTION
-    assert "ban_sequences" in entry["processors"] and FIELD in entry["fields"]
+    assert entry["kind"] == "processor" and entry["fields"] == [FIELD]
 
 
 @pytest.mark.parametrize("how", ["argument", "environment"])
@@ -108,7 +128,7 @@ def test_disabled_plugin_is_named(plugin: ModuleType, how: str,
         manager.validate(SamplingParams(**{FIELD: [[5]]}), MODEL)
     assert err.value.param == FIELD
     assert "ban_sequences" in err.value.message
-    PluginManager(plugins="ban_sequences").validate(SamplingParams(**{FIELD: [[5]]}), MODEL)
+    assert validated([[5]]).fields["ban_sequences"].ban_token_sequences == [[5]]
 
 
 # -- validation -----------------------------------------------------------------------------
@@ -120,23 +140,29 @@ BAD_VALUES = [
 
 
 @pytest.mark.parametrize("value", BAD_VALUES, ids=repr)
-def test_bad_value_is_refused_by_the_hook(plugin: ModuleType, value: object) -> None:
+def test_bad_value_is_refused_by_validation(plugin: ModuleType, value: object) -> None:
     with pytest.raises(InvalidRequest) as err:
-        PluginManager().validate(SamplingParams(**{FIELD: value}), MODEL)
-    assert err.value.param == FIELD
+        validated(value)
+    assert field_of(err.value.param) == FIELD
 
 
 @pytest.mark.parametrize("value", [[[True]], [[VOCAB]], [[]], "x"], ids=repr)
 def test_bad_value_is_refused_by_generate(llm: LLM, value: object) -> None:
     with pytest.raises(InvalidRequest) as err:
         llm.generate(PROMPT, SamplingParams(max_tokens=2, **{FIELD: value}))
-    assert err.value.param == FIELD
+    assert field_of(err.value.param) == FIELD
 
 
-def test_good_value_is_normalised(plugin: ModuleType) -> None:
-    params = SamplingParams(**{FIELD: ((1, 2), [VOCAB - 1])})
-    PluginManager().validate(params, MODEL)
-    assert params.extra[FIELD] == [[1, 2], [VOCAB - 1]]
+def test_good_value_is_typed(plugin: ModuleType) -> None:
+    params = validated(((1, 2), [VOCAB - 1]))
+    fields = params.fields["ban_sequences"]
+    assert isinstance(fields, plugin.BanSequences.Fields)
+    assert fields.ban_token_sequences == [[1, 2], [VOCAB - 1]]
+
+
+@pytest.mark.parametrize("value", [None, []], ids=repr)
+def test_asking_for_nothing_does_not_use_the_plugin(plugin: ModuleType, value: object) -> None:
+    assert "ban_sequences" not in validated(value).fields
 
 
 # -- the processor against references -------------------------------------------------------
@@ -182,7 +208,7 @@ def test_torch_path_matches_reference_and_transformers(plugin: ModuleType) -> No
 
     rng = random.Random(0)
     vocab, rows = 64, 6
-    proc = plugin.BanSequences(8, ModelInfo(vocab, frozenset(), 4096), CPU)
+    proc = processor(plugin, 8, vocab)
     slots = torch.tensor([5, 0, 7, 2, 3, 1])
     histories, banned = [], []
     for i, slot in enumerate(slots.tolist()):
@@ -190,7 +216,7 @@ def test_torch_path_matches_reference_and_transformers(plugin: ModuleType) -> No
         output = [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]
         seqs = None if i == 3 else random_case(rng, vocab, prompt + output)
         if seqs is not None:
-            proc.add_request(slot, SamplingParams(**{FIELD: seqs}), prompt, output)
+            add(proc, slot, seqs, prompt, output)
         histories.append(prompt + output)
         banned.append(seqs)
     num_multi = 0
@@ -218,8 +244,8 @@ def test_torch_path_matches_reference_and_transformers(plugin: ModuleType) -> No
 
 
 def test_rows_without_the_field_and_reused_slots(plugin: ModuleType) -> None:
-    proc = plugin.BanSequences(4, ModelInfo(32, frozenset(), 4096), CPU)
-    proc.add_request(1, SamplingParams(**{FIELD: [[3], [4, 5]]}), [9, 4], [])
+    proc = processor(plugin, 4, 32)
+    add(proc, 1, [[3], [4, 5]], [9, 4], [])
     slots = torch.arange(4)
     logits = torch.randn(4, 32)
     got = logits.clone()
@@ -235,12 +261,23 @@ def test_rows_without_the_field_and_reused_slots(plugin: ModuleType) -> None:
     got = logits.clone()
     proc.apply(got, slots)
     assert torch.equal(got, logits)
-    proc.add_request(1, SamplingParams(**{FIELD: [[2, 6], [7, 9]]}), [2], [])
+    add(proc, 1, [[2, 6], [7, 9]], [2], [])
     got = logits.clone()
     proc.apply(got, slots)
     expected = logits.clone()
     expected[1, 6] = float("-inf")  # not 9: the old request's 7 is gone; not 3 either
     assert torch.equal(got, expected)
+
+
+def test_bench_plugin_runs_it(plugin: ModuleType) -> None:
+    bench = build_plugin_bench("ban_sequences", BenchShape(batch=2, vocab=512, history=8),
+                               num_steps=1)
+    assert bench.notes == []
+    assert [type(p).name for p in bench.active.pipeline.active()] == ["ban_sequences"]
+    [proc] = bench.active.pipeline.processors
+    assert proc.active.sum(dim=1).tolist() == [16, 16]  # BENCH_PARAMS: 16 sequences a row
+    bench.active.reset()
+    assert len(bench.active.run()) == 2
 
 
 # -- end to end -----------------------------------------------------------------------------

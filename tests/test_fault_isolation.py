@@ -28,7 +28,8 @@ def _plugin_env(tmp: Path) -> dict[str, str]:
     dist.mkdir(parents=True, exist_ok=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: freetoken-faulty\n"
                                    "Version: 0.1\n")
-    (dist / "entry_points.txt").write_text("[freetoken.plugins]\nfaulty = freetoken_faulty\n")
+    (dist / "entry_points.txt").write_text(
+        "[freetoken.plugins]\nfaulty = freetoken_faulty:Faulty\n")
     path = os.pathsep.join([str(PLUGIN_DIR), str(tmp), os.environ.get("PYTHONPATH", "")])
     return {**os.environ, "PYTHONPATH": path}
 
@@ -81,7 +82,7 @@ def _wait_idle(srv: Server, timeout: float = 10.0) -> dict:
         time.sleep(0.05)
 
 
-FAULTS = ["validate_request", "add_request", "apply", "update", "check_stop"]
+FAULTS = ["validate", "add_request", "apply", "update", "check_stop"]
 
 
 def test_a_raising_plugin_fails_only_its_requests(server: Server) -> None:

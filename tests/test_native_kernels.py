@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from freetoken_core import LLM, SamplingParams
-from freetoken_core.engine.attention import AttentionMetadata, paged_attention
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models import llama
+from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.layers import add_rms_norm, apply_rope, rms_norm, silu_and_mul
 
 DISABLED = os.environ.get("FREETOKEN_NATIVE_KERNELS", "1").lower() in ("0", "false", "no", "off")

@@ -88,16 +88,32 @@ def test_request_schemas_carry_the_type_constraints(doc: dict[str, Any]) -> None
 
 
 def test_plugin_fields_are_properties_naming_their_plugin(doc: dict[str, Any]) -> None:
-    owners = PluginManager().field_owners()
-    assert {"min_p", "logit_bias", "presence_penalty"} <= set(owners)
+    manager = PluginManager()
+    owners = manager.field_owners()
+    classes = manager.plugin_classes()
+    assert {"min_p", "logit_bias", "presence_penalty", "suffix", "response_format"} <= set(owners)
     for name in GENERATION.values():
+        route = "chat" if name.startswith("Chat") else "completions"
         schema = doc["components"]["schemas"][name]
         for field, plugin in owners.items():
+            if route not in classes[plugin].routes:  # suffix: completions only
+                assert field not in schema["properties"], (name, field)
+                continue
             assert f"`{plugin}`" in schema["properties"][field]["description"], (name, field)
         for field in p.IGNORED_FIELDS:
             assert field in schema["properties"]
         # Any other field is a 400 naming it, so the schema is closed.
         assert schema["additionalProperties"] is False
+
+
+def test_plugin_response_fields_are_published(doc: dict[str, Any]) -> None:
+    """The reasoning plugin declares them; the server does not name them."""
+    schemas = doc["components"]["schemas"]
+    for name in ("ResponseMessage", "DeltaMessage"):
+        assert "`reasoning`" in schemas[name]["properties"]["reasoning_content"]["description"]
+    details = schemas["Usage"]["properties"]["completion_tokens_details"]
+    assert details["$ref"].endswith("/CompletionTokensDetails")
+    assert "reasoning_tokens" in schemas["CompletionTokensDetails"]["properties"]
 
 
 def test_without_plugins_no_plugin_field_is_offered() -> None:

@@ -6,17 +6,18 @@ import math
 import random
 from pathlib import Path
 
-import numpy as np
+import msgspec
 import pytest
 import torch
 from kernel_checks import assert_kernel_is_lazy_and_compiles
 from transformers import SequenceBiasLogitsProcessor
 
 from freetoken_core import LLM, InvalidRequest, SamplingParams
+from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.sampler import Sampler, SamplingBatch
 from freetoken_core.engine.sequence import Sequence
 from freetoken_core.plugins import PluginManager
-from freetoken_core.processors import ModelInfo, ProcessorPipeline, Stage
+from freetoken_core.processors import ModelInfo, ProcessorContext, RequestView, Stage
 from freetoken_plugins import logit_bias as plugin
 from freetoken_plugins.logit_bias import MAX_ENTRIES, LogitBias
 
@@ -42,15 +43,43 @@ def bad_id(value: object) -> str:
     return text if len(text) < 40 else f"{type(value).__name__}[{len(value)}]"
 
 
+def field_of(param: str | None) -> str | None:
+    """The top-level field a 400 names: ``logit_bias[...]`` (msgspec's path to a bad value
+    inside the mapping) names ``logit_bias``."""
+    return None if param is None else param.split("[")[0]
+
+
+def validate(value: object, model: ModelInfo = MODEL) -> SamplingParams:
+    """``SamplingParams(logit_bias=value)`` validated as the server validates it."""
+    params = SamplingParams(logit_bias=value)
+    PluginManager("logit_bias").validate(params, model)
+    return params
+
+
+def fields(bias: dict, model: ModelInfo = MODEL) -> LogitBias.Fields:
+    """``bias`` as typed and validated fields."""
+    return LogitBias.validate(msgspec.convert({"logit_bias": bias}, LogitBias.Fields), model,
+                              SamplingParams(logit_bias=bias))
+
+
+def make(num_slots: int, model: ModelInfo = MODEL, device: torch.device | str = "cpu"
+         ) -> LogitBias:
+    return LogitBias(ProcessorContext(num_slots, model, torch.device(device)))
+
+
+def add(proc: LogitBias, slot: int, bias_fields: LogitBias.Fields) -> None:
+    proc.add_request(slot, RequestView(str(slot), 0, bias_fields, SamplingParams(), [1, 2, 3],
+                                       []))
+
+
 def processor(biases: dict[int, dict[int, float]], num_slots: int = 8,
               device: torch.device | str = "cpu") -> LogitBias:
     """A LogitBias whose slot ``s`` holds ``biases[s]`` (validated as the engine would)."""
-    proc = LogitBias(num_slots, MODEL, device)
+    proc = make(num_slots, device=device)
     for slot, bias in biases.items():
-        params = SamplingParams(logit_bias=bias)
-        LogitBias.validate(params, MODEL)
-        if LogitBias.uses(params):
-            proc.add_request(slot, params, [1, 2, 3], [])
+        bias_fields = fields(bias)
+        if LogitBias.uses(bias_fields):
+            add(proc, slot, bias_fields)
     return proc
 
 
@@ -82,10 +111,10 @@ def random_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("value", BAD_VALUES, ids=bad_id)
-def test_hook_rejects_bad_value(value) -> None:
+def test_validation_rejects_bad_value(value) -> None:
     with pytest.raises(InvalidRequest) as info:
-        plugin.freetoken_validate_request(request=SamplingParams(logit_bias=value), model=MODEL)
-    assert info.value.param == "logit_bias"
+        validate(value)
+    assert field_of(info.value.param) == "logit_bias"
     assert "logit_bias" in info.value.message
 
 
@@ -93,36 +122,36 @@ def test_generate_rejects_every_bad_value(tiny_llm: LLM) -> None:
     for value in BAD_VALUES:
         with pytest.raises(InvalidRequest) as info:
             tiny_llm.generate("hello", SamplingParams(logit_bias=value, max_tokens=2))
-        assert info.value.param == "logit_bias", value
+        assert field_of(info.value.param) == "logit_bias", value
     assert not tiny_llm.engine.has_unfinished_requests
 
 
 def test_values_are_normalised_and_clamped() -> None:
-    params = SamplingParams(logit_bias={"42": 3, 7: 250, np.int64(8): -1e300, 9: 10**400,
-                                        "10": np.float32(0.5), 641: -100, 0: 0})
-    plugin.freetoken_validate_request(request=params, model=MODEL)
+    params = validate({"42": 3, 7: 250, 8: -1e300, 9: 10**400, "10": 0.5, 641: -100, 0: 0})
     expected = {42: 3.0, 7: 100.0, 8: -100.0, 9: 100.0, 10: 0.5, 641: -100.0, 0: 0.0}
-    assert params.extra["logit_bias"] == expected
-    assert all(type(k) is int and type(v) is float for k, v in params.logit_bias.items())
-    plugin.freetoken_validate_request(request=params, model=MODEL)  # idempotent
-    assert params.extra["logit_bias"] == expected
+    validated = params.fields["logit_bias"]
+    assert validated.logit_bias == expected
+    assert all(type(k) is int and type(v) is float for k, v in validated.logit_bias.items())
+    assert LogitBias.validate(validated, MODEL, SamplingParams()).logit_bias == expected  # idempotent
+    # What the engine process receives: the typed fields survive the wire unchanged.
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(validated), type=LogitBias.Fields)
+    assert wire.logit_bias == expected and all(type(k) is int for k in wire.logit_bias)
 
 
 def test_limits_and_empty_mapping() -> None:
-    full = SamplingParams(logit_bias={i: 1.0 for i in range(MAX_ENTRIES)})
-    plugin.freetoken_validate_request(request=full, model=BIG_MODEL)
-    assert len(full.logit_bias) == MAX_ENTRIES
-    empty = SamplingParams(logit_bias={})
-    plugin.freetoken_validate_request(request=empty, model=MODEL)
-    assert not LogitBias.uses(empty) and LogitBias.uses(SamplingParams(logit_bias={1: 1}))
-    assert not LogitBias.uses(SamplingParams())
+    full = validate({i: 1.0 for i in range(MAX_ENTRIES)}, BIG_MODEL)
+    assert len(full.fields["logit_bias"].logit_bias) == MAX_ENTRIES
+    empty = validate({})
+    assert empty.fields == {}  # accepted, and the request does not use the processor
+    assert not LogitBias.uses(LogitBias.Fields(logit_bias={}))
+    assert LogitBias.uses(fields({1: 1})) and not LogitBias.uses(LogitBias.Fields())
 
 
 def test_declared_traits() -> None:
-    assert LogitBias.stage is Stage.LOGIT_BIAS and not LogitBias.argmax_invariant
-    found: list[type] = []
-    plugin.freetoken_register_processors(register=found.append)
-    assert found == [LogitBias] and plugin.freetoken_request_fields() == ["logit_bias"]
+    assert LogitBias.stage is Stage.BIAS and not LogitBias.argmax_invariant
+    manager = PluginManager("logit_bias")
+    assert manager.processor_classes() == [LogitBias] and LogitBias.name == "logit_bias"
+    assert manager.field_owners() == {"logit_bias": "logit_bias"}
 
 
 # -- the torch path -----------------------------------------------------------------------
@@ -174,9 +203,7 @@ def test_slot_reuse_after_remove_request(kernel_device: torch.device) -> None:
     proc = processor({3: {t: 9.0 for t in range(0, 600, 7)}, 4: {11: 1.0, 12: 2.0}},
                      device=kernel_device)
     proc.remove_request(3)
-    params = SamplingParams(logit_bias={5: -2.0})
-    LogitBias.validate(params, MODEL)
-    proc.add_request(3, params, [1], [])
+    add(proc, 3, fields({5: -2.0}))
     assert proc.width == 2  # the removed slot's 86 entries no longer count
     slots = torch.tensor([3, 4], device=kernel_device)
     logits = random_logits(2, VOCAB, seed=3)
@@ -209,13 +236,11 @@ def test_triton_path_matches_torch_path(block: int, kernel_device: torch.device)
     rng = random.Random(4)
     vocab = 64
     model = ModelInfo(vocab, frozenset({2}), 256)
-    proc = LogitBias(6, model, kernel_device)
+    proc = make(6, model, kernel_device)
     biases = random_biases(rng, [0, 2, 5], vocab, max_entries=40)
     biases[2] = {t: rng.uniform(-150, 150) for t in range(vocab)}  # more entries than a block
     for slot, bias in biases.items():
-        params = SamplingParams(logit_bias=bias)
-        LogitBias.validate(params, model)
-        proc.add_request(slot, params, [1], [])
+        add(proc, slot, fields(bias, model))
     slots = torch.tensor([2, 0, 4, 5], device=kernel_device)
     logits = random_logits(4, vocab, seed=4)
     expected = reference(logits, slots.tolist(), biases)
@@ -242,15 +267,16 @@ def test_kernel_is_lazy_and_compiles_for_cuda() -> None:
 
 
 def test_sampler_pipeline_forces_the_biased_token_when_sampling() -> None:
-    pipeline = ProcessorPipeline([LogitBias], 4, MODEL, torch.device("cpu"))
-    forced = SamplingParams(temperature=1.0, top_p=0.9, logit_bias={"77": 100})
-    plain = SamplingParams(temperature=1.0, top_p=0.9)
+    manager = PluginManager("logit_bias")
+    pipeline = ProcessorPipeline(manager.processor_classes(),
+                                 ProcessorContext(4, MODEL, torch.device("cpu")))
     seqs = []
-    for slot, params in enumerate([forced, plain, forced, plain]):
-        LogitBias.validate(params, MODEL)
+    for slot, bias in enumerate([{"77": 100}, None, {"77": 100}, None]):
+        params = SamplingParams(temperature=1.0, top_p=0.9, logit_bias=bias)
+        manager.validate(params, MODEL)
         seqs.append(Sequence(slot, str(slot), [5, 6], 2, params, seed=slot, arrival=slot,
                              max_tokens=8, slot=slot))
-        pipeline.add_request(slot, params, [5, 6], [])
+        pipeline.add_request(slot, seqs[-1])
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(5)) * 2
     logits[:, 77] = -10.0
     out = Sampler(pipeline)(logits, SamplingBatch.from_seqs(seqs, torch.device("cpu")))
@@ -295,7 +321,7 @@ def test_disabled_plugin_is_named(tiny_model_dir: Path, monkeypatch) -> None:
     assert manager.processor_classes() == [LogitBias]
     params = SamplingParams(logit_bias={"1": 1})
     manager.validate(params, MODEL)
-    assert params.logit_bias == {1: 1.0}
+    assert params.fields["logit_bias"].logit_bias == {1: 1.0}
 
 
 # -- the default model against transformers ------------------------------------------------

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 import torch
 from kernel_checks import assert_kernel_is_lazy_and_compiles
 from transformers import MinPLogitsWarper
 
 from freetoken_core import LLM, InvalidRequest, SamplingParams
+from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.sampler import Sampler, SamplingBatch
 from freetoken_core.engine.sequence import Sequence
 from freetoken_core.plugins import PluginManager
-from freetoken_core.processors import ModelInfo, ProcessorPipeline, Stage
+from freetoken_core.processors import ModelInfo, ProcessorContext, RequestView, Stage
 from freetoken_plugins import min_p as plugin
 from freetoken_plugins.min_p import MinP, min_p_torch, min_p_triton
 
@@ -40,13 +42,27 @@ def reference(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     return out
 
 
+def validated(params: SamplingParams) -> SamplingParams:
+    """``params`` after the server's validation (``params.fields`` filled)."""
+    PluginManager("min_p").validate(params, MODEL)
+    return params
+
+
+def make(num_slots: int) -> MinP:
+    return MinP(ProcessorContext(num_slots, MODEL, torch.device("cpu")))
+
+
+def add(proc: MinP, slot: int, min_p: float, prompt: list[int]) -> None:
+    proc.add_request(slot, RequestView(str(slot), 0, MinP.Fields(min_p=min_p),
+                                       SamplingParams(), prompt, []))
+
+
 def processor(min_ps: list[float], num_slots: int = 8) -> tuple[MinP, torch.Tensor]:
     """A MinP with slot ``i`` holding ``min_ps[i]`` (0: not added), and those slots."""
-    proc = MinP(num_slots, MODEL, torch.device("cpu"))
+    proc = make(num_slots)
     for slot, mp in enumerate(min_ps):
-        params = SamplingParams(min_p=mp)
-        if MinP.uses(params):
-            proc.add_request(slot, params, [1, 2, 3], [])
+        if MinP.uses(MinP.Fields(min_p=mp)):
+            add(proc, slot, mp, [1, 2, 3])
     return proc, torch.arange(len(min_ps))
 
 
@@ -63,9 +79,11 @@ def random_logits(rows: int, vocab: int, seed: int, num_masked: int = 0) -> torc
 
 
 @pytest.mark.parametrize("value", BAD_VALUES, ids=repr)
-def test_hook_rejects_bad_value(value) -> None:
+def test_validation_rejects_bad_value(value) -> None:
+    with pytest.raises(msgspec.ValidationError, match="min_p"):  # the published type refuses
+        msgspec.convert({"min_p": value}, MinP.Fields)
     with pytest.raises(InvalidRequest) as info:
-        plugin.freetoken_validate_request(request=SamplingParams(min_p=value), model=MODEL)
+        validated(SamplingParams(min_p=value))
     assert info.value.param == "min_p"
     assert "min_p" in info.value.message
 
@@ -80,21 +98,21 @@ def test_generate_rejects_bad_value(tiny_llm, value) -> None:
 def test_good_values_are_normalised_to_float() -> None:
     for value, expected in [(0, 0.0), (1, 1.0), (0.25, 0.25), (1e-9, 1e-9),
                             (5e-324, 5e-324)]:
-        params = SamplingParams(min_p=value)
-        plugin.freetoken_validate_request(request=params, model=MODEL)
-        assert type(params.extra["min_p"]) is float and params.extra["min_p"] == expected
-    assert not MinP.uses(SamplingParams(min_p=0.0))
-    assert not MinP.uses(SamplingParams(min_p=None))
-    assert not MinP.uses(SamplingParams())
-    assert MinP.uses(SamplingParams(min_p=0.01))
+        typed = msgspec.convert({"min_p": value}, MinP.Fields).min_p
+        assert type(typed) is float and typed == expected
+        fields = validated(SamplingParams(min_p=value)).fields
+        assert fields == ({} if expected == 0 else {"min_p": MinP.Fields(min_p=expected)})
+    assert not MinP.uses(MinP.Fields(min_p=0.0))
+    assert not MinP.uses(MinP.Fields(min_p=None))
+    assert not MinP.uses(MinP.Fields())
+    assert MinP.uses(MinP.Fields(min_p=0.01))
 
 
 def test_subnormal_min_p_keeps_logits_finite() -> None:
     """The smallest positive min_p has a finite log: it masks nothing of a normal row."""
-    proc = MinP(1, MODEL, torch.device("cpu"))
-    params = SamplingParams(min_p=5e-324)
-    plugin.freetoken_validate_request(request=params, model=MODEL)
-    proc.add_request(0, params, [1], [])
+    proc = make(1)
+    params = validated(SamplingParams(min_p=5e-324))
+    proc.add_request(0, RequestView("0", 0, params.fields["min_p"], params, [1], []))
     assert torch.isfinite(proc.log_min_p[0])
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0)) * 100
     out = logits.clone()
@@ -104,10 +122,11 @@ def test_subnormal_min_p_keeps_logits_finite() -> None:
 
 def test_declared_traits_and_hooks() -> None:
     assert MinP.stage is Stage.POST_TEMPERATURE and MinP.argmax_invariant
-    assert plugin.freetoken_request_fields() == ["min_p"]
-    found: list[type] = []
-    plugin.freetoken_register_processors(register=found.append)
-    assert found == [MinP]
+    manager = PluginManager("min_p")
+    assert manager.processor_classes() == [MinP] and MinP.name == "min_p"
+    assert manager.field_owners() == {"min_p": "min_p"}
+    info = {p.name: p for p in manager.describe()}["min_p"]
+    assert info.kind == "processor" and info.hooks == []
     assert plugin.BENCH_PARAMS == {"min_p": 0.05}
 
 
@@ -171,9 +190,9 @@ def test_rows_of_other_slots_are_untouched() -> None:
 
 def test_slot_reuse_after_remove_request() -> None:
     logits = random_logits(1, 300, seed=3)
-    proc = MinP(4, MODEL, torch.device("cpu"))
+    proc = make(4)
     slot = torch.tensor([2])
-    proc.add_request(2, SamplingParams(min_p=0.9), [5], [])
+    add(proc, 2, 0.9, [5])
     first = logits.clone()
     proc.apply(first, slot)
     assert torch.equal(first, reference(logits, [0.9]))
@@ -181,7 +200,7 @@ def test_slot_reuse_after_remove_request() -> None:
     after_remove = logits.clone()
     proc.apply(after_remove, slot)
     assert torch.equal(after_remove, logits)
-    proc.add_request(2, SamplingParams(min_p=0.01), [5], [])
+    add(proc, 2, 0.01, [5])
     second = logits.clone()
     proc.apply(second, slot)
     assert torch.equal(second, reference(logits, [0.01]))
@@ -189,9 +208,9 @@ def test_slot_reuse_after_remove_request() -> None:
 
 
 def test_state_is_one_float_per_slot() -> None:
-    proc = MinP(64, MODEL, torch.device("cpu"))
+    proc = make(64)
     assert proc.log_min_p.shape == (64,) and proc.log_min_p.dtype == torch.float32
-    proc.add_request(3, SamplingParams(min_p=0.25), [], [])
+    add(proc, 3, 0.25, [])
     assert proc.log_min_p[3].item() == pytest.approx(math.log(0.25))
 
 
@@ -242,18 +261,23 @@ def test_kernel_is_lazy_and_compiles_for_cuda() -> None:
 
 
 def _seqs(params: list[SamplingParams]) -> list[Sequence]:
+    """Sequences of validated ``params`` (which names the plugin classes, too)."""
     return [Sequence(seq_id=i, request_id=str(i), token_ids=[1, 2], num_prompt_tokens=2,
-                     params=p, seed=1000 + i, arrival=i, max_tokens=8, slot=i)
+                     params=validated(p), seed=1000 + i, arrival=i, max_tokens=8, slot=i)
             for i, p in enumerate(params)]
 
 
+def _pipeline(classes: list[type[MinP]], num_slots: int) -> ProcessorPipeline:
+    return ProcessorPipeline(classes, ProcessorContext(num_slots, MODEL, torch.device("cpu")))
+
+
 def test_sampler_draws_only_tokens_that_survive_min_p() -> None:
-    pipeline = ProcessorPipeline([MinP], 8, MODEL, torch.device("cpu"))
     params = [SamplingParams(temperature=1.0, min_p=1.0), SamplingParams(temperature=1.0),
               SamplingParams(temperature=1.0, min_p=0.3)]
     seqs = _seqs(params)
+    pipeline = _pipeline([MinP], 8)
     for seq in seqs:
-        pipeline.add_request(seq.slot, seq.params, [1, 2], [])
+        pipeline.add_request(seq.slot, seq)
     sampler = Sampler(pipeline)
     logits = torch.zeros(3, 10)
     logits[:, 0] = 1.0  # p_0 = e * p_other: min_p 0.3 keeps tokens 0-4, min_p 1 only 0
@@ -277,12 +301,12 @@ def test_greedy_batches_skip_min_p() -> None:
             calls.append(logits.shape[0])
             super().apply(logits, slots)
 
-    pipeline = ProcessorPipeline([Counting], 4, MODEL, torch.device("cpu"))
     seqs = _seqs([SamplingParams(temperature=0.0, min_p=0.5)])
-    pipeline.add_request(0, seqs[0].params, [1, 2], [])
+    pipeline = _pipeline([Counting], 4)
+    pipeline.add_request(0, seqs[0])
     Sampler(pipeline)(torch.randn(1, 10), SamplingBatch.from_seqs(seqs, torch.device("cpu")))
     assert calls == []
-    seqs[0].params = SamplingParams(temperature=0.7, min_p=0.5)
+    seqs[0].params = validated(SamplingParams(temperature=0.7, min_p=0.5))
     Sampler(pipeline)(torch.randn(1, 10), SamplingBatch.from_seqs(seqs, torch.device("cpu")))
     assert calls == [1]
 
@@ -320,7 +344,7 @@ def test_freetoken_plugins_env_selects(monkeypatch) -> None:
     assert manager.processor_classes() == [MinP]
     params = SamplingParams(min_p=1)
     manager.validate(params, MODEL)
-    assert params.extra["min_p"] == 1.0
+    assert params.fields["min_p"].min_p == 1.0
     with pytest.raises(InvalidRequest) as info:
         manager.validate(SamplingParams(min_p=3), MODEL)
     assert info.value.param == "min_p"

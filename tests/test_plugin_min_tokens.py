@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
-import numpy as np
+import msgspec
 import pytest
 import torch
 from kernel_checks import assert_kernel_is_lazy_and_compiles
 from transformers import MinNewTokensLengthLogitsProcessor
 
 from freetoken_core import LLM, InvalidRequest, SamplingParams
+from freetoken_core.engine.pipeline import ProcessorPipeline
+from freetoken_core.engine.sequence import Sequence
 from freetoken_core.plugins import PluginManager
-from freetoken_core.processors import ModelInfo, ProcessorPipeline, Stage
+from freetoken_core.processors import ModelInfo, ProcessorContext, RequestView, Stage
 from freetoken_plugins import min_tokens as plugin
 from freetoken_plugins.logit_bias import LogitBias
 from freetoken_plugins.min_tokens import MinTokens
@@ -43,12 +46,42 @@ class Slot:
         return set(self.stop_ids) | (set() if self.ignore_eos else {EOS})
 
 
+@functools.cache
+def manager() -> PluginManager:
+    """min_tokens with stop_tokens, whose ``stop_token_ids`` it holds back too."""
+    return PluginManager("min_tokens,stop_tokens")
+
+
+def validated(params: SamplingParams, model: ModelInfo = MODEL) -> SamplingParams:
+    """``params`` after the server's validation (``params.fields`` filled)."""
+    manager().validate(params, model)
+    return params
+
+
+def check(params: SamplingParams, model: ModelInfo = MODEL) -> MinTokens.Fields:
+    """``MinTokens.validate`` of ``params``'s typed field, given the request's core
+    parameters (``max_tokens``, ``ignore_eos``, ``stop_token_ids`` as sent)."""
+    fields = msgspec.convert({"min_tokens": params.extra["min_tokens"]}, MinTokens.Fields)
+    return MinTokens.validate(fields, model, params)
+
+
+def view(params: SamplingParams, prompt: list[int], output: list[int],
+         model: ModelInfo = MODEL) -> RequestView:
+    """The sequence ``add_request`` receives, ``params`` validated first."""
+    validated(params, model)
+    return RequestView("r", 0, params.fields["min_tokens"], params, prompt, output)
+
+
+def make(num_slots: int, model: ModelInfo = MODEL, device: torch.device | str = "cpu"
+         ) -> MinTokens:
+    return MinTokens(ProcessorContext(num_slots, model, torch.device(device)))
+
+
 def processor(states: dict[int, Slot], num_slots: int = 8, model: ModelInfo = MODEL,
               device: torch.device | str = "cpu") -> MinTokens:
-    proc = MinTokens(num_slots, model, device)
+    proc = make(num_slots, model, device)
     for slot, state in states.items():
-        MinTokens.validate(state.params, model)
-        proc.add_request(slot, state.params, [1, 2, 3], [7] * state.num_output)
+        proc.add_request(slot, view(state.params, [1, 2, 3], [7] * state.num_output, model))
     return proc
 
 
@@ -71,31 +104,33 @@ def random_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("value", BAD_VALUES, ids=repr)
-def test_hook_rejects_bad_value(value) -> None:
+def test_validation_rejects_bad_value(value) -> None:
+    with pytest.raises(msgspec.ValidationError, match="min_tokens"):  # the published type
+        msgspec.convert({"min_tokens": value}, MinTokens.Fields)
     with pytest.raises(InvalidRequest) as info:
-        plugin.freetoken_validate_request(request=SamplingParams(min_tokens=value), model=MODEL)
+        validated(SamplingParams(min_tokens=value))
     assert info.value.param == "min_tokens"
     assert "min_tokens" in info.value.message
 
 
 def test_min_tokens_above_max_tokens_is_refused() -> None:
     with pytest.raises(InvalidRequest) as info:
-        plugin.freetoken_validate_request(
-            request=SamplingParams(min_tokens=11, max_tokens=10), model=MODEL)
+        check(SamplingParams(min_tokens=11, max_tokens=10))
     assert info.value.param == "min_tokens" and "max_tokens" in info.value.message
-    for ok in (SamplingParams(min_tokens=10, max_tokens=10),
-               SamplingParams(min_tokens=10**30, max_tokens=None),
-               SamplingParams(min_tokens=np.int64(3)), SamplingParams(min_tokens=0)):
-        plugin.freetoken_validate_request(request=ok, model=MODEL)
-        assert type(ok.min_tokens) is int
+    for ok, expected in ((SamplingParams(min_tokens=10, max_tokens=10), 10),
+                         (SamplingParams(min_tokens=10**30, max_tokens=None), 2048),
+                         (SamplingParams(min_tokens=3), 3), (SamplingParams(min_tokens=0), 0)):
+        value = check(ok).min_tokens
+        assert type(value) is int and value == expected
 
 
 def test_min_tokens_beyond_the_context_is_stored_as_the_context() -> None:
     """Same effect (a sequence never generates more), and it fits int64 on the wire."""
     for value in (MODEL.max_model_len + 1, 2**63, 10**400):
-        params = SamplingParams(min_tokens=value, max_tokens=None)
-        plugin.freetoken_validate_request(request=params, model=MODEL)
-        assert params.min_tokens == MODEL.max_model_len
+        params = validated(SamplingParams(min_tokens=value, max_tokens=None))
+        assert params.fields["min_tokens"].min_tokens == MODEL.max_model_len
+        wire = msgspec.msgpack.encode(params.fields["min_tokens"])
+        assert msgspec.msgpack.decode(wire, type=MinTokens.Fields).min_tokens == 2048
 
 
 def test_min_tokens_holding_back_the_whole_vocabulary_is_refused() -> None:
@@ -103,32 +138,42 @@ def test_min_tokens_holding_back_the_whole_vocabulary_is_refused() -> None:
     small = ModelInfo(8, frozenset({EOS}), 64)
     others = [t for t in range(8) if t != EOS]
     with pytest.raises(InvalidRequest) as info:
-        plugin.freetoken_validate_request(
-            request=SamplingParams(min_tokens=1, stop_token_ids=others), model=small)
+        check(SamplingParams(min_tokens=1, stop_token_ids=others), small)
     assert info.value.param == "min_tokens" and "vocabulary" in info.value.message
     for ok in (SamplingParams(min_tokens=1, stop_token_ids=others[1:]),  # one token left
                SamplingParams(min_tokens=1, stop_token_ids=others, ignore_eos=True),
                SamplingParams(min_tokens=0, stop_token_ids=others)):
-        plugin.freetoken_validate_request(request=ok, model=small)
+        check(ok, small)
 
 
 def test_generate_rejects_every_bad_value(tiny_llm: LLM) -> None:
-    for params in [*(SamplingParams(min_tokens=v, max_tokens=4) for v in BAD_VALUES),
-                   SamplingParams(min_tokens=5, max_tokens=4)]:
+    for value in BAD_VALUES:
         with pytest.raises(InvalidRequest) as info:
-            tiny_llm.generate("hello", params)
-        assert info.value.param == "min_tokens", params
+            tiny_llm.generate("hello", SamplingParams(min_tokens=value, max_tokens=4))
+        assert info.value.param == "min_tokens", value
     assert not tiny_llm.engine.has_unfinished_requests
 
 
+@pytest.mark.parametrize("request_", [
+    {"min_tokens": 5, "max_tokens": 4},
+    {"min_tokens": 1, "max_tokens": 4, "stop_token_ids": [t for t in range(8) if t != EOS]},
+], ids=["above_max_tokens", "whole_vocabulary"])
+def test_validation_refuses_what_the_core_parameters_forbid(request_: dict) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        validated(SamplingParams(**request_), ModelInfo(8, frozenset({EOS}), 64))
+    assert info.value.param == "min_tokens"
+
+
 def test_declared_traits() -> None:
-    assert MinTokens.stage is Stage.MIN_TOKENS and not MinTokens.argmax_invariant
-    assert Stage.LOGIT_BIAS < MinTokens.stage  # a +100 bias on EOS cannot beat the mask
-    found: list[type] = []
-    plugin.freetoken_register_processors(register=found.append)
-    assert found == [MinTokens] and plugin.freetoken_request_fields() == ["min_tokens"]
-    assert not MinTokens.uses(SamplingParams(min_tokens=0))
-    assert MinTokens.uses(SamplingParams(min_tokens=1)) and not MinTokens.uses(SamplingParams())
+    assert MinTokens.stage is Stage.HOLD and not MinTokens.argmax_invariant
+    assert Stage.BIAS < MinTokens.stage  # a +100 bias on EOS cannot beat the mask
+    assert manager().processor_classes() == [MinTokens] and MinTokens.name == "min_tokens"
+    assert manager().field_owners() == {"min_tokens": "min_tokens",
+                                        "stop_token_ids": "stop_tokens"}
+    assert not MinTokens.uses(MinTokens.Fields(min_tokens=0))
+    assert MinTokens.uses(MinTokens.Fields(min_tokens=1))
+    assert not MinTokens.uses(MinTokens.Fields())
+    assert validated(SamplingParams(min_tokens=0)).fields == {}
 
 
 # -- the torch path -----------------------------------------------------------------------
@@ -200,9 +245,9 @@ def test_slot_reuse_after_remove_request_and_resume_after_preemption(
         kernel_device: torch.device) -> None:
     many = SamplingParams(min_tokens=50, max_tokens=64, stop_token_ids=list(range(100, 140)))
     other = SamplingParams(min_tokens=50, max_tokens=64)
-    proc = MinTokens(4, MODEL, kernel_device)
-    proc.add_request(2, many, [1], [])
-    proc.add_request(3, other, [1], [])
+    proc = make(4, device=kernel_device)
+    proc.add_request(2, view(many, [1], []))
+    proc.add_request(3, view(other, [1], []))
     assert proc.width == 41 and proc.mask_ids.shape[1] == 64  # grown past 16
     proc.remove_request(2)
     assert proc.width == 1
@@ -216,7 +261,7 @@ def test_slot_reuse_after_remove_request_and_resume_after_preemption(
     assert torch.equal(logits.cpu(), expected) and torch.equal(triton_logits.cpu(), expected)
     # Reused by a preempted sequence that had already drawn 3 of its 5 minimum tokens.
     resumed = SamplingParams(min_tokens=5, max_tokens=64, stop_token_ids=[9])
-    proc.add_request(2, resumed, [1], [4, 5, 6])
+    proc.add_request(2, view(resumed, [1], [4, 5, 6]))
     slots = torch.tensor([2, 0], device=kernel_device)
     for step in range(4):
         logits = random_logits(2, VOCAB, seed=step).to(kernel_device)
@@ -272,9 +317,12 @@ def test_kernel_is_lazy_and_compiles_for_cuda() -> None:
 
 
 def test_pipeline_runs_logit_bias_before_min_tokens() -> None:
-    pipeline = ProcessorPipeline([MinTokens, LogitBias], 2, MODEL, torch.device("cpu"))
     params = SamplingParams(temperature=0, min_tokens=2, logit_bias={EOS: 100})
-    pipeline.add_request(0, params, [1], [])
+    PluginManager("min_tokens,logit_bias").validate(params, MODEL)  # names the classes too
+    pipeline = ProcessorPipeline([MinTokens, LogitBias],
+                                 ProcessorContext(2, MODEL, torch.device("cpu")))
+    pipeline.add_request(0, Sequence(0, "0", [1], 1, params, seed=0, arrival=0, max_tokens=8,
+                                     slot=0))
     logits = random_logits(1, VOCAB, seed=6)
     pipeline.apply(logits, torch.tensor([0]), post_temperature=False, all_greedy=True)
     assert logits[0, EOS].item() == NEG_INF

@@ -7,13 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from kernel_checks import assert_kernel_is_lazy_and_compiles
 
 from freetoken_core import LLM, InvalidRequest, SamplingParams
+from freetoken_core.engine.pipeline import ProcessorPipeline
+from freetoken_core.engine.sequence import Sequence
 from freetoken_core.plugins import PluginManager
-from freetoken_core.processors import ModelInfo, ProcessorPipeline
+from freetoken_core.processors import ModelInfo, ProcessorContext, RequestView
 from freetoken_plugins import penalties
 from freetoken_plugins.penalties import (
     FIELDS,
@@ -45,6 +48,27 @@ def model_info(vocab: int = 64, max_model_len: int = 512) -> ModelInfo:
 def params(rep: float | None = None, pres: float | None = None,
            freq: float | None = None) -> SamplingParams:
     return SamplingParams(repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq)
+
+
+def fields(rep: float | None = None, pres: float | None = None,
+           freq: float | None = None) -> Penalties.Fields:
+    return Penalties.Fields(repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq)
+
+
+def validated(request: SamplingParams, model: ModelInfo | None = None) -> SamplingParams:
+    """``request`` after the server's validation: typed fields, then ``Penalties.validate``."""
+    PluginManager("penalties").validate(request, model or model_info())
+    return request
+
+
+def make(num_slots: int, model: ModelInfo, device: torch.device | str = CPU) -> Penalties:
+    return Penalties(ProcessorContext(num_slots, model, torch.device(device)))
+
+
+def add(proc: Penalties, slot: int, penalty_fields: Penalties.Fields, prompt: list[int],
+        output: list[int]) -> None:
+    proc.add_request(slot, RequestView(str(slot), 0, penalty_fields, SamplingParams(),
+                                       prompt, output))
 
 
 def reference(logits: torch.Tensor, rows: list[tuple | None]) -> torch.Tensor:
@@ -99,8 +123,7 @@ def add_rows(proc: Penalties, slots: list[int], rows: list[tuple | None], *,
     for slot, row in zip(slots, rows):
         if row is not None:
             prompt, output, rep, pres, freq = row
-            proc.add_request(slot, params(rep, pres, freq), prompt,
-                             [] if incremental else output)
+            add(proc, slot, fields(rep, pres, freq), prompt, [] if incremental else output)
     if not incremental:
         return
     longest = max(len(r[1]) for r in rows if r is not None)
@@ -117,13 +140,13 @@ def add_rows(proc: Penalties, slots: list[int], rows: list[tuple | None], *,
 # -- validation --------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("field", "value"), BAD_CASES, ids=lambda v: repr(v)[:20])
-def test_bad_values_are_rejected_by_the_hook_and_the_class(field: str, value: object) -> None:
-    for check in (penalties.freetoken_validate_request, Penalties.validate):
-        request = SamplingParams(**{field: value})
-        with pytest.raises(InvalidRequest) as err:
-            check(request, model_info())
-        assert err.value.param == field
-        assert field in err.value.message
+def test_bad_values_are_rejected_by_the_type_and_the_manager(field: str, value: object) -> None:
+    with pytest.raises(msgspec.ValidationError, match=field):  # the published type refuses it
+        msgspec.convert({field: value}, Penalties.Fields)
+    with pytest.raises(InvalidRequest) as err:
+        validated(SamplingParams(**{field: value}))
+    assert err.value.param == field
+    assert field in err.value.message
 
 
 @pytest.mark.parametrize(("field", "value"), [(REPETITION, 0), (REPETITION, float("nan")),
@@ -137,23 +160,22 @@ def test_bad_values_are_rejected_by_generate(tiny_llm: LLM, field: str, value: o
 
 
 def test_good_values_are_accepted_and_normalised_to_float() -> None:
-    request = SamplingParams(repetition_penalty=2, presence_penalty=-2, frequency_penalty=2)
-    penalties.freetoken_validate_request(request, model_info())
-    assert request.extra == {REPETITION: 2.0, PRESENCE: -2.0, FREQUENCY: 2.0}
-    assert all(type(v) is float for v in request.extra.values())
+    request = validated(SamplingParams(repetition_penalty=2, presence_penalty=-2,
+                                       frequency_penalty=2))
+    assert request.fields == {"penalties": fields(2.0, -2.0, 2.0)}
+    assert all(type(getattr(request.fields["penalties"], f)) is float for f in FIELDS)
     for value in (MIN_REPETITION_PENALTY, 0.5, 1.0, 3, MAX_REPETITION_PENALTY):
-        penalties.freetoken_validate_request(SamplingParams(repetition_penalty=value),
-                                             model_info())
+        validated(SamplingParams(repetition_penalty=value))
     for value in (5e-324, -5e-324, 1e-300):  # subnormal / tiny additive penalties are harmless
-        penalties.freetoken_validate_request(SamplingParams(presence_penalty=value),
-                                             model_info())
+        assert validated(SamplingParams(presence_penalty=value)).fields["penalties"] == fields(
+            pres=value)
 
 
 def test_repetition_penalty_bounds_keep_huge_logits_finite() -> None:
     """At both ends of the range a logit of 1e30 stays finite (1e-39 would give inf)."""
-    proc = Penalties(2, model_info(8), CPU)
-    proc.add_request(0, params(MIN_REPETITION_PENALTY), [1, 2], [])
-    proc.add_request(1, params(MAX_REPETITION_PENALTY), [1, 2], [])
+    proc = make(2, model_info(8))
+    add(proc, 0, fields(MIN_REPETITION_PENALTY), [1, 2], [])
+    add(proc, 1, fields(MAX_REPETITION_PENALTY), [1, 2], [])
     logits = torch.tensor([[0.0, 1e30, -1e30, 0, 0, 0, 0, 0]] * 2)
     proc.apply(logits, torch.tensor([0, 1]))
     assert torch.isfinite(logits).all()
@@ -162,12 +184,16 @@ def test_repetition_penalty_bounds_keep_huge_logits_finite() -> None:
 
 
 def test_uses_only_when_some_penalty_is_not_neutral() -> None:
-    assert not Penalties.uses(SamplingParams())
-    assert not Penalties.uses(params(1.0, 0.0, 0.0))
-    assert not Penalties.uses(params(1, 0, 0))
-    assert Penalties.uses(params(rep=1.1))
-    assert Penalties.uses(params(pres=-0.1))
-    assert Penalties.uses(params(1.0, 0.0, 0.5))
+    assert not Penalties.uses(fields())
+    assert not Penalties.uses(fields(1.0, 0.0, 0.0))
+    assert not Penalties.uses(msgspec.convert({REPETITION: 1, PRESENCE: 0, FREQUENCY: 0},
+                                              Penalties.Fields))
+    assert Penalties.uses(fields(rep=1.1))
+    assert Penalties.uses(fields(pres=-0.1))
+    assert Penalties.uses(fields(1.0, 0.0, 0.5))
+    # The manager keeps the fields of using requests only: neutral ones never reach it.
+    assert validated(params(1, 0, 0)).fields == {}
+    assert validated(params(rep=1.1)).fields == {"penalties": fields(rep=1.1)}
 
 
 # -- the math ------------------------------------------------------------------------------
@@ -177,7 +203,7 @@ def test_torch_path_matches_a_per_row_reference(incremental: bool) -> None:
     rng, gen = random.Random(1), torch.Generator().manual_seed(1)
     for _ in range(5):
         vocab = rng.choice([32, 64, 100])
-        proc = Penalties(12, model_info(vocab), CPU)
+        proc = make(12, model_info(vocab))
         slots, rows = random_case(rng, vocab, 12, 8)
         add_rows(proc, slots, rows, incremental=incremental)
         logits = random_logits(gen, len(rows), vocab)
@@ -197,18 +223,18 @@ def test_repetition_matches_transformers(penalty: float) -> None:
     logits = torch.randn(rows, vocab, generator=gen) * 4
     expected = RepetitionPenaltyLogitsProcessor(penalty)(input_ids, logits.clone())
     assert not torch.equal(expected, logits)
-    proc = Penalties(rows, model_info(vocab), CPU)
+    proc = make(rows, model_info(vocab))
     for slot in range(rows):
         ids = input_ids[slot].tolist()
         split = 10 + 5 * slot  # HF's input_ids are prompt + generated, whatever the split
-        proc.add_request(slot, params(rep=penalty), ids[:split], ids[split:])
+        add(proc, slot, fields(rep=penalty), ids[:split], ids[split:])
     proc.apply(logits, torch.arange(rows))
     assert torch.equal(logits, expected)
 
 
 def test_presence_and_frequency_count_generated_tokens_only() -> None:
-    proc = Penalties(2, model_info(16), CPU)
-    proc.add_request(0, params(pres=0.5, freq=0.25), [3, 3, 4], [4, 5, 5, 5])
+    proc = make(2, model_info(16))
+    add(proc, 0, fields(pres=0.5, freq=0.25), [3, 3, 4], [4, 5, 5, 5])
     logits = torch.ones(1, 16)
     proc.apply(logits, torch.tensor([0]))
     expected = torch.ones(1, 16)
@@ -218,14 +244,14 @@ def test_presence_and_frequency_count_generated_tokens_only() -> None:
 
 
 def test_state_size_and_count_dtype() -> None:
-    big = Penalties(256, ModelInfo(151_936, frozenset({2}), 32_768), CPU)
+    big = make(256, ModelInfo(151_936, frozenset({2}), 32_768))
     assert big.capacity == 32_768 and big.counts.dtype == torch.int16
     assert big.state_bytes == 256 * 32_768 * (4 + 2) + 17 * 256
     assert big.state_bytes < 120e6
     del big
-    long_ctx = Penalties(2, ModelInfo(50_000, frozenset({2}), 40_000), CPU)
+    long_ctx = make(2, ModelInfo(50_000, frozenset({2}), 40_000))
     assert long_ctx.capacity == 40_000 and long_ctx.counts.dtype == torch.int32
-    short_vocab = Penalties(2, ModelInfo(100, frozenset({2}), 40_000), CPU)
+    short_vocab = make(2, ModelInfo(100, frozenset({2}), 40_000))
     assert short_vocab.capacity == 100  # never more distinct tokens than the vocabulary
 
 
@@ -236,7 +262,7 @@ def test_state_size_and_count_dtype() -> None:
 def test_triton_apply_matches_torch_path(kernel_device: torch.device) -> None:
     rng, gen = random.Random(2), torch.Generator().manual_seed(2)
     for block in (16, 256):
-        proc = Penalties(6, model_info(64), kernel_device)
+        proc = make(6, model_info(64), kernel_device)
         slots, rows = random_case(rng, 64, 6, 4)
         add_rows(proc, slots, rows)
         logits = random_logits(gen, 4, 64)
@@ -255,7 +281,7 @@ def test_triton_apply_matches_torch_path(kernel_device: torch.device) -> None:
 def test_triton_update_matches_torch_update(block: int, kernel_device: torch.device) -> None:
     rng, gen = random.Random(3), torch.Generator().manual_seed(3)
     slots, rows = random_case(rng, 64, 6, 4)
-    a, b = Penalties(6, model_info(64), CPU), Penalties(6, model_info(64), kernel_device)
+    a, b = make(6, model_info(64)), make(6, model_info(64), kernel_device)
     add_rows(a, slots, rows, incremental=True)
     add_rows(b, slots, rows, incremental=True, path="triton", block=block)
     assert torch.equal(a.num_tokens, b.num_tokens.cpu())
@@ -288,9 +314,9 @@ def test_apply_kernel_is_lazy_and_compiles_for_cuda_without_fma() -> None:
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
 def test_rows_of_other_slots_are_untouched(path: str, kernel_device: torch.device) -> None:
-    proc = Penalties(4, model_info(32), kernel_device)
-    proc.add_request(1, params(2.0, 1.0, 1.0), list(range(32)), list(range(32)))
-    proc.add_request(2, params(2.0, 1.0, 1.0), list(range(32)), [5, 6])
+    proc = make(4, model_info(32), kernel_device)
+    add(proc, 1, fields(2.0, 1.0, 1.0), list(range(32)), list(range(32)))
+    add(proc, 2, fields(2.0, 1.0, 1.0), list(range(32)), [5, 6])
     proc.remove_request(2)  # stale tokens stay in its list; they must not be applied
     logits = torch.randn(3, 32, generator=torch.Generator().manual_seed(4))
     logits[:, 0] = float("-inf")
@@ -305,14 +331,14 @@ def test_rows_of_other_slots_are_untouched(path: str, kernel_device: torch.devic
 def test_slot_reuse_after_remove_forgets_the_old_request(path: str,
                                                          kernel_device: torch.device) -> None:
     gen = torch.Generator().manual_seed(5)
-    proc = Penalties(3, model_info(40), kernel_device)
+    proc = make(3, model_info(40), kernel_device)
     update = getattr(proc, f"update_{path}")
     one = torch.tensor([1], device=kernel_device)
-    proc.add_request(1, params(1.8, 1.5, 0.7), [1, 2, 3, 4, 9, 9], [9, 9, 12, 13])
+    add(proc, 1, fields(1.8, 1.5, 0.7), [1, 2, 3, 4, 9, 9], [9, 9, 12, 13])
     update(one, torch.tensor([20], device=kernel_device))
     proc.remove_request(1)
     update(one, torch.tensor([21], device=kernel_device))  # slot unused now
-    proc.add_request(1, params(pres=0.3), [30, 31], [31])
+    add(proc, 1, fields(pres=0.3), [30, 31], [31])
     update(one, torch.tensor([32], device=kernel_device))
     logits = torch.randn(1, 40, generator=gen)
     out = logits.to(kernel_device, copy=True)
@@ -321,15 +347,15 @@ def test_slot_reuse_after_remove_forgets_the_old_request(path: str,
 
 
 def test_preempted_request_comes_back_with_its_outputs() -> None:
-    proc = Penalties(2, model_info(20), CPU)
-    proc.add_request(0, params(1.5, 0.5, 0.5), [1, 2], [])
+    proc = make(2, model_info(20))
+    add(proc, 0, fields(1.5, 0.5, 0.5), [1, 2], [])
     for token in (3, 3, 2):
         proc.update(torch.tensor([0]), torch.tensor([token]))
     logits = torch.randn(1, 20, generator=torch.Generator().manual_seed(6))
     before = logits.clone()
     proc.apply(before, torch.tensor([0]))
     proc.remove_request(0)  # preempted
-    proc.add_request(0, params(1.5, 0.5, 0.5), [1, 2], [3, 3, 2])  # resumed
+    add(proc, 0, fields(1.5, 0.5, 0.5), [1, 2], [3, 3, 2])  # resumed
     after = logits.clone()
     proc.apply(after, torch.tensor([0]))
     assert torch.equal(before, after)
@@ -337,21 +363,26 @@ def test_preempted_request_comes_back_with_its_outputs() -> None:
 
 
 def test_pipeline_runs_it_only_for_using_requests() -> None:
-    pipe = ProcessorPipeline([Penalties], 4, model_info(16), CPU)
-    pipe.add_request(0, SamplingParams(repetition_penalty=1.0), [1, 2], [])
-    assert pipe.active() == []
-    pipe.add_request(1, SamplingParams(repetition_penalty=2.0), [1, 2], [])
-    assert [type(p) for p in pipe.active()] == [Penalties]
+    manager = PluginManager("penalties")
+    pipe = ProcessorPipeline(manager.processor_classes(), ProcessorContext(4, model_info(16), CPU))
+    for slot, penalty in enumerate([1.0, 2.0]):
+        request = SamplingParams(repetition_penalty=penalty)
+        manager.validate(request, model_info(16))
+        pipe.add_request(slot, Sequence(slot, str(slot), [1, 2], 2, request, seed=0,
+                                        arrival=slot, max_tokens=4, slot=slot))
+        assert [type(p) for p in pipe.active()] == ([] if slot == 0 else [Penalties])
 
 
 # -- plugin wiring and end to end --------------------------------------------------------------
 
 def test_plugin_registers_its_processor_and_fields() -> None:
     manager = PluginManager("penalties")
-    assert manager.processor_classes() == [Penalties]
-    assert set(penalties.freetoken_request_fields()) == set(FIELDS)
+    assert manager.processor_classes() == [Penalties] and Penalties.name == "penalties"
+    assert manager.field_owners() == dict.fromkeys(FIELDS, "penalties")
+    assert manager.fields_types() == {"penalties": Penalties.Fields}
     info = {p.name: p for p in manager.describe()}["penalties"]
-    assert info.enabled and info.processors == ["penalties"] and set(info.fields) == set(FIELDS)
+    assert info.enabled and info.kind == "processor" and set(info.fields) == set(FIELDS)
+    assert info.hooks == []  # one class, no module-level hooks
 
 
 def test_importing_the_plugin_does_not_import_triton() -> None:

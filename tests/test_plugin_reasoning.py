@@ -1,5 +1,5 @@
-"""The reasoning plugin: the ``<think>`` splitter and counter against plain references, and
-chat end to end on a real ``freetoken serve`` (tiny model: ``<think>`` 640, ``</think>``
+"""The reasoning plugin: the ``<think>`` splitter and counter against plain references, where
+an answer starts (``freetoken_answer_start``), and chat end to end on a real ``freetoken serve`` (tiny model: ``<think>`` 640, ``</think>``
 641), streamed and not, checked against the raw text of the same prompt on completions."""
 
 from __future__ import annotations
@@ -13,7 +13,18 @@ from server_fixtures import Server, start_server, stop_server
 from server_fixtures import events as _events
 from server_fixtures import ok as _ok
 
-from freetoken_plugins.reasoning import ThinkSplitter, count_reasoning_tokens, split
+from freetoken_core import SamplingParams
+from freetoken_core.models.resolve import resolve_model
+from freetoken_core.plugins import PluginManager
+from freetoken_core.processors import AnswerStart, RequestView
+from freetoken_core.tokenizer import load_tokenizer
+from freetoken_plugins.reasoning import (
+    Reasoning,
+    ThinkSplitter,
+    count_reasoning_tokens,
+    prompt_leaves_open,
+    split,
+)
 
 OPEN, CLOSE = 640, 641
 
@@ -72,6 +83,40 @@ def test_streamed_pieces_split_like_the_whole(seed: int) -> None:
 ])
 def test_count_reasoning_tokens(ids: list[int], in_reasoning: bool, expected: int) -> None:
     assert count_reasoning_tokens(ids, OPEN, CLOSE, in_reasoning) == expected
+
+
+@pytest.mark.parametrize(("prompt", "expected"), [
+    ([5, 6], False),
+    ([5, OPEN], True),
+    ([OPEN, 5, CLOSE, 6], False),
+    ([OPEN, CLOSE, OPEN, 7], True),
+    ([CLOSE, 5], False),
+])
+def test_prompt_leaves_open(prompt: list[int], expected: bool) -> None:
+    assert prompt_leaves_open(prompt, OPEN, CLOSE) is expected
+
+
+# -- where the answer starts -------------------------------------------------------------
+
+
+def _view(prompt: list[int], is_chat: bool) -> RequestView:
+    return RequestView("r", 0, None, SamplingParams(), prompt, (), is_chat)
+
+
+def test_answer_start_of_chat_sequences(tiny_model_dir: Path) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    hook = PluginManager(plugins="reasoning").hook.freetoken_answer_start
+    assert hook(request=_view([5, 6], True), tokenizer=tokenizer) == AnswerStart(
+        CLOSE, False, OPEN)
+    assert hook(request=_view([5, OPEN], True), tokenizer=tokenizer) == AnswerStart(
+        CLOSE, True, OPEN)
+    assert hook(request=_view([5, OPEN], False), tokenizer=tokenizer) is None  # completions
+    assert Reasoning.Fields is None  # a switch, not a request field
+
+
+def test_no_answer_start_without_think_tokens() -> None:
+    tokenizer = load_tokenizer(resolve_model(None, progress=False))  # SmolLM2: no <think>
+    assert Reasoning.freetoken_answer_start(_view([5, 6], True), tokenizer) is None
 
 
 # -- end to end ------------------------------------------------------------------------

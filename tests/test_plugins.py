@@ -6,7 +6,7 @@ import pytest
 
 from freetoken_core import InvalidRequest, SamplingParams
 from freetoken_core.plugins import PluginManager, PluginSelectionError, parse_selection
-from freetoken_core.processors import ModelInfo
+from freetoken_core.processors import ModelInfo, ProcessorContext
 
 MODEL = ModelInfo(vocab_size=1000, eos_token_ids=frozenset({2}), max_model_len=4096)
 BUILT_INS = {"penalties", "logit_bias", "min_tokens", "min_p", "stop_tokens"}
@@ -24,7 +24,8 @@ def test_all_built_ins_are_found_through_entry_points(monkeypatch) -> None:
     assert BUILT_INS <= pm.enabled
     infos = {i.name: i for i in pm.describe()}
     assert infos["penalties"].distribution == "freetoken"
-    assert infos["penalties"].processors == ["penalties"]
+    assert infos["penalties"].kind == "processor"  # v2: one class, a LogitsProcessor
+    assert infos["stop_tokens"].kind == "hooks"
     assert set(infos["penalties"].fields) == {
         "presence_penalty", "frequency_penalty", "repetition_penalty"}
     assert "freetoken_check_stop" in infos["stop_tokens"].hooks
@@ -77,11 +78,14 @@ def _tensor_bytes(obj: object) -> int:
                if hasattr(v, "element_size"))
 
 
-def test_state_of_all_built_ins_for_256_slots_fits_256_mb() -> None:
+def test_state_of_all_built_ins_for_256_slots_fits_256_mb(tmp_path) -> None:
     import torch
+    from tiny_models import build_tokenizer
 
     model = ModelInfo(vocab_size=151_936, eos_token_ids=frozenset({2}), max_model_len=32_768)
     classes = PluginManager("all").processor_classes()
     assert {c.name for c in classes} >= {"penalties", "logit_bias", "min_tokens", "min_p"}
-    total = sum(_tensor_bytes(cls(256, model, torch.device("cpu"))) for cls in classes)
+    # structured_outputs builds its grammar backend from the tokenizer.
+    ctx = ProcessorContext(256, model, torch.device("cpu"), build_tokenizer(tmp_path))
+    total = sum(_tensor_bytes(cls(ctx)) for cls in classes)
     assert 0 < total < 256 * 2**20

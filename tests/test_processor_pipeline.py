@@ -4,23 +4,30 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import msgspec
 import pytest
 import torch
 
 from freetoken_core.engine.block_manager import BlockManager
+from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.sampler import Sampler, SamplingBatch
 from freetoken_core.engine.scheduler import Scheduler
 from freetoken_core.engine.sequence import Sequence
 from freetoken_core.processors import (
     LogitsProcessor,
     ModelInfo,
-    ProcessorPipeline,
+    ProcessorContext,
+    RequestFields,
     Stage,
-    check_processor_class,
+    check_plugin_class,
 )
 from freetoken_core.sampling_params import SamplingParams
 
 MODEL = ModelInfo(vocab_size=8, eos_token_ids=frozenset({2}), max_model_len=64)
+
+
+def ctx(max_num_slots: int) -> ProcessorContext:
+    return ProcessorContext(max_num_slots, MODEL, torch.device("cpu"))
 
 
 class Recorder(LogitsProcessor):
@@ -28,18 +35,20 @@ class Recorder(LogitsProcessor):
 
     name = "recorder"
     stage = Stage.PRE_TEMPERATURE
-    fields = ("bump",)
     calls: ClassVar[list] = []
 
-    def __init__(self, max_num_slots, model, device):
-        super().__init__(max_num_slots, model, device)
-        self.value = torch.zeros(max_num_slots)
-        self.seen = torch.zeros(max_num_slots, dtype=torch.long)
+    class Fields(RequestFields):
+        bump: float | None = None
 
-    def add_request(self, slot, params, prompt_token_ids, output_token_ids):
-        self.calls.append(("add", slot, list(output_token_ids)))
-        self.value[slot] = params.extra["bump"]
-        self.seen[slot] = len(output_token_ids)
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.value = torch.zeros(ctx.max_num_slots)
+        self.seen = torch.zeros(ctx.max_num_slots, dtype=torch.long)
+
+    def add_request(self, slot, request):
+        self.calls.append(("add", slot, list(request.output_token_ids)))
+        self.value[slot] = request.fields.bump
+        self.seen[slot] = len(request.output_token_ids)
 
     def remove_request(self, slot):
         self.calls.append(("remove", slot))
@@ -57,9 +66,11 @@ class Doubler(Recorder):
     name = "doubler"
     stage = Stage.POST_TEMPERATURE
     argmax_invariant = True
-    fields = ("double",)
 
-    def add_request(self, slot, params, prompt_token_ids, output_token_ids):
+    class Fields(RequestFields):
+        double: bool | None = None
+
+    def add_request(self, slot, request):
         self.calls.append(("add-doubler", slot))
 
     def remove_request(self, slot):
@@ -74,18 +85,29 @@ def clear_calls():
     Recorder.calls.clear()
 
 
+def validated(params: SamplingParams) -> SamplingParams:
+    """``params.fields`` as ``PluginManager.validate`` fills them (the test doubles are not
+    installed through entry points)."""
+    for cls in (Recorder, Doubler):
+        sent = {f: params.extra[f] for f in cls.Fields.__struct_fields__ if f in params.extra}
+        fields = msgspec.convert(sent, cls.Fields)
+        if cls.uses(fields):
+            params.fields[cls.name] = cls.validate(fields, MODEL, params)
+    return params
+
+
 def seq(seq_id: int, slot: int | None, **extra) -> Sequence:
-    s = Sequence(seq_id, str(seq_id), [5, 6, 7], 3, SamplingParams(temperature=0, **extra),
-                 seq_id, seq_id, 8)
+    params = validated(SamplingParams(temperature=0, **extra))
+    s = Sequence(seq_id, str(seq_id), [5, 6, 7], 3, params, seq_id, seq_id, 8)
     s.slot = slot
     return s
 
 
 def test_only_users_are_added_and_unused_processors_do_not_run() -> None:
-    pipe = ProcessorPipeline([Recorder, Doubler], 4, MODEL, torch.device("cpu"))
+    pipe = ProcessorPipeline([Recorder, Doubler], ctx(4))
     assert [p.name for p in pipe.processors] == ["recorder", "doubler"]
     plain = seq(0, 0)
-    pipe.add_request(0, plain.params, [5, 6, 7], [])
+    pipe.add_request(0, plain)
     assert Recorder.calls == [] and not pipe.active()
     sampler = Sampler(pipe)
     logits = torch.zeros(1, 8)
@@ -95,10 +117,10 @@ def test_only_users_are_added_and_unused_processors_do_not_run() -> None:
 
 
 def test_apply_changes_only_using_rows_and_greedy_skips_argmax_invariant() -> None:
-    pipe = ProcessorPipeline([Recorder, Doubler], 4, MODEL, torch.device("cpu"))
+    pipe = ProcessorPipeline([Recorder, Doubler], ctx(4))
     a, b = seq(0, 2, bump=5.0, double=True), seq(1, 0)
-    pipe.add_request(2, a.params, [5, 6, 7], [])
-    pipe.add_request(0, b.params, [5, 6, 7], [])
+    pipe.add_request(2, a)
+    pipe.add_request(0, b)
     logits = torch.zeros(2, 8)
     logits[:, 3] = 1.0
     out = Sampler(pipe)(logits, SamplingBatch.from_seqs([a, b], torch.device("cpu")))
@@ -109,22 +131,25 @@ def test_apply_changes_only_using_rows_and_greedy_skips_argmax_invariant() -> No
 
 
 def test_remove_resets_and_slot_can_be_reused() -> None:
-    pipe = ProcessorPipeline([Recorder], 2, MODEL, torch.device("cpu"))
-    pipe.add_request(1, seq(0, 1, bump=3.0).params, [1], [])
+    pipe = ProcessorPipeline([Recorder], ctx(2))
+    first = seq(0, 1, bump=3.0)
+    first.token_ids, first.num_prompt_tokens = [1], 1
+    pipe.add_request(1, first)
     pipe.remove_request(1)
     assert not pipe.active() and pipe.processors[0].value[1] == 0
-    pipe.add_request(1, seq(1, 1, bump=4.0).params, [1], [9])
+    again = seq(1, 1, bump=4.0)
+    again.token_ids, again.num_prompt_tokens = [1, 9], 1  # a preempted one, with its output
+    pipe.add_request(1, again)
     assert pipe.processors[0].value[1] == 4.0 and pipe.processors[0].seen[1] == 1
 
 
 def test_scheduler_gives_slots_and_resumes_preempted_with_their_outputs() -> None:
-    pipe = ProcessorPipeline([Recorder], 2, MODEL, torch.device("cpu"))
+    pipe = ProcessorPipeline([Recorder], ctx(2))
     admitted, released = [], []
 
     def on_admit(s: Sequence) -> None:
         admitted.append((s.seq_id, s.slot))
-        pipe.add_request(s.slot, s.params, s.token_ids[:s.num_prompt_tokens],
-                         s.output_token_ids)
+        pipe.add_request(s.slot, s)
 
     def on_release(s: Sequence) -> None:
         released.append((s.seq_id, s.slot))
@@ -157,8 +182,8 @@ def test_registration_is_checked() -> None:
         pass
 
     with pytest.raises(ValueError):
-        check_processor_class(NoName)
+        check_plugin_class(NoName)
     with pytest.raises(TypeError):
-        check_processor_class(int)
+        check_plugin_class(int)
     with pytest.raises(ValueError):
-        ProcessorPipeline([Recorder, Recorder], 2, MODEL, torch.device("cpu"))
+        ProcessorPipeline([Recorder, Recorder], ctx(2))

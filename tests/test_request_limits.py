@@ -22,12 +22,12 @@ from tiny_models import build_tokenizer
 from freetoken_core.cli import main as cli_main
 from freetoken_core.config import EngineConfig
 from freetoken_core.engine.output_processor import StopMatcher
+from freetoken_core.engine.process import Update
 from freetoken_core.errors import InvalidRequest
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo
 from freetoken_core.sampling_params import SamplingParams
 from freetoken_core.server import openai_routes
-from freetoken_core.server.engine_process import Update
 from freetoken_core.server.limits import TOKENIZER_NICENESS, RequestLimits, count_prompts
 from freetoken_core.server.openai_routes import run_generation
 from freetoken_core.server.protocol import ChatMessage
@@ -124,7 +124,8 @@ class FakeEngine:
     ready = True
 
     async def generate(self, prompts: list[tuple[str, list[int]]],
-                       params: SamplingParams) -> AsyncIterator[Update]:
+                       params: SamplingParams, is_chat: bool = False
+                       ) -> AsyncIterator[Update]:
         for request_id, _ in prompts:
             for index in range(params.n):
                 yield Update(request_id, index, 100, None, None, 0)

@@ -16,11 +16,11 @@ import pytest
 from litestar.testing import TestClient
 
 from freetoken_core.config import EngineConfig
+from freetoken_core.engine.client import EngineDeadError, EngineInfo
+from freetoken_core.engine.process import Update
 from freetoken_core.errors import InvalidRequest
 from freetoken_core.sampling_params import SamplingParams
 from freetoken_core.server.app import create_app
-from freetoken_core.server.engine_client import EngineDeadError, EngineInfo
-from freetoken_core.server.engine_process import Update
 from freetoken_core.server.state import ServerConfig
 
 NUM_TOKENS_BEFORE_FAILURE = 3
@@ -47,7 +47,8 @@ class FailingEngine:
         return self.info
 
     async def generate(self, prompts: list[tuple[str, list[int]]],
-                       params: SamplingParams) -> AsyncIterator[Update]:
+                       params: SamplingParams, is_chat: bool = False
+                       ) -> AsyncIterator[Update]:
         try:
             for request_id, _ in prompts:
                 for i in range(NUM_TOKENS_BEFORE_FAILURE):

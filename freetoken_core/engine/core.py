@@ -11,16 +11,20 @@ import itertools
 import logging
 import secrets
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from freetoken_core.config import EngineLimits
 from freetoken_core.engine.model_runner import ModelRunner
-from freetoken_core.engine.sampler import INVALID_TOKEN, TokenLogprobs
+from freetoken_core.engine.pipeline import ProcessorPipeline
+from freetoken_core.engine.sampler import INVALID_TOKEN
 from freetoken_core.engine.scheduler import ScheduledBatch, Scheduler
 from freetoken_core.engine.sequence import Sequence
-from freetoken_core.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest
+from freetoken_core.errors import CONTEXT_LENGTH_EXCEEDED, FreeTokenError, InvalidRequest
 from freetoken_core.faults import RequestError, plugin_failure
-from freetoken_core.processors import ProcessorPipeline, StopHook, StopView
+from freetoken_core.outputs import TokenLogprobs
+from freetoken_core.plugins import StopHook
+from freetoken_core.processors import StopView
 from freetoken_core.sampling_params import SamplingParams
 
 _MASK_64 = (1 << 64) - 1
@@ -83,6 +87,9 @@ class EngineCore:
     ``finish_reason="error"`` (KV blocks and slots freed) and ``take_failures()`` hands the
     ``RequestError`` of each to the caller. A row whose final logits are not finite fails
     its request the same way instead of emitting a token.
+
+    A request whose processors have slow per-request work (``prepare_request``: a grammar
+    compile) waits outside the scheduler until it is done; the others step meanwhile.
     """
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, limits: EngineLimits,
@@ -99,12 +106,13 @@ class EngineCore:
         self._seqs: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
-        self._admission_failures: list[tuple[Sequence, RequestError]] = []
-        self._failures: list[tuple[str, RequestError]] = []
+        self._admission_failures: list[tuple[Sequence, FreeTokenError]] = []
+        self._failures: list[tuple[str, FreeTokenError]] = []
+        self._preparing: dict[str, tuple[list[Sequence], dict[str, Future]]] = {}
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._preparing)
 
     @property
     def num_requests(self) -> int:
@@ -116,8 +124,10 @@ class EngineCore:
         return effective_max_tokens(num_prompt_tokens, params, self.limits.max_model_len)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
-        if request_id in self._seqs:
+                    params: SamplingParams, is_chat: bool = False) -> None:
+        """Queue a validated request (``params.fields`` set); raises ``InvalidRequest`` when
+        it cannot fit, ``RequestError`` when a processor's ``prepare_request`` raises."""
+        if request_id in self._seqs or request_id in self._preparing:
             raise InvalidRequest("request_id", f"request {request_id!r} is already running")
         if not prompt_token_ids:
             raise InvalidRequest("prompt", "the prompt is empty")
@@ -130,9 +140,17 @@ class EngineCore:
         seqs = [
             Sequence(next(self._seq_ids), request_id, list(prompt_token_ids),
                      len(prompt_token_ids), params, choice_seed(base_seed, i), arrival,
-                     max_tokens, index=i)
+                     max_tokens, index=i, is_chat=is_chat)
             for i in range(params.n)
         ]
+        futures = (self.pipeline.prepare_request(request_id, params, prompt_token_ids, is_chat)
+                   if self.pipeline else {})
+        if futures:
+            self._preparing[request_id] = (seqs, futures)
+            return
+        self._schedule(request_id, seqs)
+
+    def _schedule(self, request_id: str, seqs: list[Sequence]) -> None:
         for i, seq in enumerate(seqs):
             try:
                 self.scheduler.add(seq)
@@ -142,16 +160,45 @@ class EngineCore:
                 raise InvalidRequest("max_tokens", str(exc)) from None
         self._seqs[request_id] = seqs
 
+    def _admit_prepared(self) -> None:
+        """Schedule the requests whose ``prepare_request`` futures are all done; fail those
+        where one raised. Waits a moment for one when nothing else can run."""
+        if not self._preparing:
+            return
+        if not self.scheduler.has_unfinished:
+            pending = [f for _, futures in self._preparing.values() for f in futures.values()]
+            wait(pending, timeout=0.01, return_when=FIRST_COMPLETED)
+        for request_id, (seqs, futures) in list(self._preparing.items()):
+            if not all(f.done() for f in futures.values()):
+                continue
+            del self._preparing[request_id]
+            prepared = {}
+            try:
+                for name, future in futures.items():
+                    prepared[name] = _result(name, future)
+                for seq in seqs:
+                    seq.prepared = prepared
+                self._schedule(request_id, seqs)
+            except FreeTokenError as error:
+                self._failures.append((request_id, error))
+
     def abort_request(self, request_id: str) -> None:
         """Finish every sequence of the request now and free their blocks."""
+        preparing = self._preparing.pop(request_id, None)
+        if preparing is not None:
+            for future in preparing[1].values():
+                future.cancel()
         for seq in self._seqs.pop(request_id, []):
             self.scheduler.finish(seq, "abort")
 
-    def fail_request(self, request_id: str, error: RequestError) -> None:
+    def fail_request(self, request_id: str, error: FreeTokenError) -> None:
         """End every sequence of the request with ``finish_reason="error"``, free their
         blocks and slots, and queue ``error`` for ``take_failures()`` (once per request)."""
         seqs = self._seqs.pop(request_id, None)
         if seqs is None:
+            seqs = (self._preparing.pop(request_id, None) or (None, None))[0]
+            if seqs is not None:
+                self._failures.append((request_id, error))
             return
         for seq in seqs:
             self.scheduler.finish(seq, "error")
@@ -160,10 +207,10 @@ class EngineCore:
     def fail_all(self, error: RequestError) -> None:
         """Fail every live request (the engine loop's last resort after an unexpected
         exception)."""
-        for request_id in list(self._seqs):
+        for request_id in [*self._seqs, *self._preparing]:
             self.fail_request(request_id, error)
 
-    def take_failures(self) -> list[tuple[str, RequestError]]:
+    def take_failures(self) -> list[tuple[str, FreeTokenError]]:
         """``(request_id, error)`` of the requests failed since the last call."""
         failures, self._failures = self._failures, []
         return failures
@@ -174,10 +221,8 @@ class EngineCore:
         if self.pipeline is None:
             return
         try:
-            self.pipeline.add_request(seq.slot, seq.params,
-                                      seq.token_ids[:seq.num_prompt_tokens],
-                                      seq.output_token_ids)
-        except RequestError as error:
+            self.pipeline.add_request(seq.slot, seq)
+        except FreeTokenError as error:
             self._admission_failures.append((seq, error))
 
     def release(self, seq: Sequence) -> None:
@@ -198,6 +243,7 @@ class EngineCore:
             self._seqs.pop(request_id, None)
 
     def step(self) -> list[SeqUpdate]:
+        self._admit_prepared()
         batch = self._live(self.scheduler.schedule())
         if not batch:
             return []
@@ -221,12 +267,18 @@ class EngineCore:
         for seq, token, _ in live:
             seq.token_ids.append(token)
         plugin_stops = self._plugin_stops([s for s, _, _ in live], [t for _, t, _ in live])
+        ended = (self.pipeline.accept_tokens([s.slot for s, _, _ in live],
+                                             [t for _, t, _ in live])
+                 if self.pipeline else set())
+        self._fail_processor_slots()
         updates = []
         for row, (seq, token, logprobs) in enumerate(live):
             if seq.is_finished:
-                continue  # failed by a stop hook
+                continue  # failed by a stop hook or a processor
             if row in plugin_stops:
                 self.scheduler.finish(seq, "stop", plugin_stops[row])
+            elif seq.slot in ended:
+                self.scheduler.finish(seq, "stop")
             else:
                 self._check_stop(seq, token)
             updates.append(SeqUpdate(
@@ -275,11 +327,14 @@ class EngineCore:
         requests of the rows it was given."""
         stops: dict[int, int | str] = {}
         for hook in self._stop_hooks:
-            rows = [i for i, s in enumerate(seqs) if not hook.fields.isdisjoint(s.params.extra)]
+            rows = [i for i, s in enumerate(seqs) if hook.plugin in s.params.fields]
             if not rows:
                 continue
             try:
-                result = hook.check([StopView.of(seqs[i]) for i in rows],
+                result = hook.check([StopView(seqs[i].params, seqs[i].num_output_tokens,
+                                              seqs[i].output_view(),
+                                              seqs[i].params.fields[hook.plugin])
+                                     for i in rows],
                                     [tokens[i] for i in rows])
             except Exception as exc:  # noqa: BLE001 (a plugin bug fails its requests only)
                 error = plugin_failure(hook.plugin, "check_stop", exc)
@@ -296,3 +351,13 @@ class EngineCore:
             self.scheduler.finish(seq, "stop")
         elif seq.num_output_tokens >= seq.max_tokens:
             self.scheduler.finish(seq, "length")
+
+
+def _result(name: str, future: Future) -> object:
+    """A ``prepare_request`` future's result; its exception as a ``FreeTokenError``."""
+    try:
+        return future.result()
+    except FreeTokenError:
+        raise
+    except Exception as exc:
+        raise plugin_failure(name, "prepare_request", exc) from exc

@@ -12,6 +12,7 @@ from freetoken_core.engine.block_manager import BlockManager
 from freetoken_core.engine.core import EngineCore
 from freetoken_core.engine.model_runner import ModelRunner
 from freetoken_core.engine.output_processor import RequestState
+from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.scheduler import Scheduler
 from freetoken_core.errors import InvalidRequest
 from freetoken_core.models.config import ModelConfig
@@ -19,7 +20,7 @@ from freetoken_core.models.loader import load_model
 from freetoken_core.models.resolve import gguf_source, resolve_model
 from freetoken_core.outputs import RequestOutput
 from freetoken_core.plugins import PluginManager
-from freetoken_core.processors import ModelInfo, ProcessorPipeline
+from freetoken_core.processors import ModelInfo, ProcessorContext, PromptView
 from freetoken_core.sampling_params import SamplingParams
 from freetoken_core.tokenizer import load_tokenizer
 
@@ -67,7 +68,8 @@ def build_engine(config: EngineConfig, progress: bool = True,
     """Resolve and load the model named by ``config`` and wire the engine core to the
     enabled plugins' processors and stop hooks. Raises ``ModelLoadError`` or
     ``PluginSelectionError`` with a message for the operator."""
-    plugins = plugins if plugins is not None else PluginManager(config.plugins)
+    plugins = (plugins if plugins is not None
+               else PluginManager(config.plugins, config.plugin_options))
     plugins.enabled  # noqa: B018 (fail fast on an unknown plugin name)
     model_dir = resolve_model(config.model, progress=progress)
     model_config = ModelConfig.from_dir(model_dir)
@@ -77,8 +79,8 @@ def build_engine(config: EngineConfig, progress: bool = True,
     limits = compute_limits(config, model_config,
                             eos_token_ids(model_dir, model_config, tokenizer))
     model_info = ModelInfo(limits.vocab_size, limits.eos_token_ids, limits.max_model_len)
-    pipeline = ProcessorPipeline(plugins.processor_classes(), config.max_num_seqs,
-                                 model_info, device, owners=plugins.processor_owners())
+    pipeline = ProcessorPipeline(plugins.processor_classes(), ProcessorContext(
+        config.max_num_seqs, model_info, device, tokenizer, plugins.options, plugins.hook))
     model = load_model(model_dir, dtype, device, limits.max_model_len,
                        gguf_source(config.model))
     runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size, dtype, device,
@@ -119,14 +121,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams) -> None:
+        """Validate ``params`` (the plugins' fields too), let ``freetoken_rewrite_prompt``
+        lay out the prompt, tokenize it and queue the request."""
+        params.verify(self.model_info)
+        self.plugins.validate(params, self.model_info)
+        prompt = self.plugins.rewrite_prompt(PromptView(prompt, params, self.tokenizer))
         if isinstance(prompt, str):
             text, token_ids = prompt, self.encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             text, token_ids = None, list(prompt)
         else:
             raise InvalidRequest("prompt", "a prompt is a string or a list of token ids")
-        params.verify(self.model_info)
-        self.plugins.validate(params, self.model_info)
         self.core.add_request(request_id, token_ids, params)
         self._requests[request_id] = RequestState(request_id, text, token_ids, params,
                                                   self.tokenizer)

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken_core.engine.attention import AttentionMetadata
+from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from freetoken_core.engine.scheduler import ScheduledBatch
 from freetoken_core.engine.sequence import Sequence
+from freetoken_core.models.attention import AttentionMetadata
 from freetoken_core.models.llama import LlamaForCausalLM
-from freetoken_core.processors import ProcessorPipeline
 
 
 @dataclass

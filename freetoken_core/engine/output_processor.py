@@ -60,8 +60,8 @@ class StopMatcher:
                 node = chain[-1]
             terminal[node] = True
         fail = [0] * len(depth)
-        # ``longest[n]``: the length of the longest stop that is a suffix of node n's
-        # string (0 if none): n itself when terminal, else what its failure link ends in.
+        # ``longest[n]``: the length of the longest stop that ends node n's string
+        # (0 if none): n itself when terminal, else what its failure link ends in.
         longest = [0] * len(depth)
         for node in sorted(range(1, len(depth)), key=depth.__getitem__):
             if depth[node] > 1:

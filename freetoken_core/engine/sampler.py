@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.sequence import Sequence
-from freetoken_core.processors import ProcessorPipeline
+from freetoken_core.outputs import TokenLogprobs
 
 _MASK_53 = (1 << 53) - 1
 
@@ -37,15 +38,6 @@ def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor
 
 
 @dataclass
-class TokenLogprobs:
-    """Log-probability of the sampled token and the ``len(top)`` most likely tokens."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
 class SamplingBatch:
     """The sampler's view of the rows that sample this step, as device tensors."""
 
@@ -63,6 +55,8 @@ class SamplingBatch:
     max_top_k: int
     max_logprobs: int
     num_logprobs: list[int | None]
+    slot_list: list[int]
+    """``slots`` as Python ints (for the processors' host-side work)."""
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
@@ -93,6 +87,7 @@ class SamplingBatch:
             max_top_k=max(top_k, default=-1),
             max_logprobs=max((n or 0 for n in num_logprobs), default=0),
             num_logprobs=num_logprobs,
+            slot_list=[s.slot or 0 for s in seqs],
         )
 
 
@@ -166,6 +161,9 @@ class Sampler:
         pipeline = self.pipeline if self.pipeline is not None and self.pipeline.active() else None
         raw = logits.clone() if wants_logprobs and pipeline is not None else logits
         if pipeline is not None:
+            # Host-side work (a grammar's mask) while an asynchronous device still computes
+            # the logits.
+            pipeline.prepare_step(batch.slot_list)
             pipeline.apply(logits, batch.slots, post_temperature=False,
                            all_greedy=batch.all_greedy)
         if batch.all_greedy:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from freetoken_core.sampling_params import SamplingParams
 
@@ -67,6 +67,10 @@ class Sequence:
     block_keys: list[BlockKey] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    is_chat: bool = False
+    """The prompt came from the chat route (processors may treat chat answers apart)."""
+    prepared: dict[str, Any] = field(default_factory=dict)
+    """Results of the processors' ``prepare_request``, by processor name."""
 
     @property
     def num_tokens(self) -> int:

@@ -40,7 +40,7 @@ def _cpu_flags() -> str:
 
 
 def _build_dir(sources: list[Path]) -> Path:
-    from freetoken_core.models.resolve import cache_dir
+    from freetoken_core.config import cache_dir
 
     digest = hashlib.sha256()
     for src in [*sources, *sources[0].parent.glob("*.h")]:

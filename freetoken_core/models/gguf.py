@@ -141,8 +141,8 @@ def read_gguf_blocks(gguf_path: Path) -> dict[str, tuple[int, np.ndarray]]:
         if qtype not in GGUF_BLOCK_TYPES or len(planned.shape) != 2:
             continue
         rows = np.asarray(planned.tensor.data).reshape(planned.shape[0], -1)
-        for suffix, n_head in heads.items():
-            if planned.hf_name.endswith(suffix):
+        for tail, n_head in heads.items():
+            if planned.hf_name.endswith(tail):
                 rows = _reverse_permute(rows, n_head)
         blocks[planned.hf_name] = (qtype, rows)
     return blocks
@@ -169,7 +169,7 @@ def _expected_names(config: dict[str, Any]) -> set[str]:
     if not config["tie_word_embeddings"]:
         names.add("lm_head.weight")
     for i in range(config["num_hidden_layers"]):
-        names.update(f"model.layers.{i}.{suffix}" for suffix in _LAYER_TENSORS.values())
+        names.update(f"model.layers.{i}.{tail}" for tail in _LAYER_TENSORS.values())
     return names
 
 

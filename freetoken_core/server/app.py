@@ -24,11 +24,11 @@ import msgspec
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 
+from freetoken_core.engine.client import EngineClient
 from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.plugins import PluginManager
 from freetoken_core.server import protocol as p
 from freetoken_core.server.cors import is_preflight
-from freetoken_core.server.engine_client import EngineClient
 from freetoken_core.server.metrics import MEDIA_TYPE, ServerMetrics
 from freetoken_core.server.openai_routes import run_generation
 from freetoken_core.server.openapi import complete_document, openapi_config
@@ -213,6 +213,6 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
         cors_config=config.cors.litestar_config() if config.cors else None,
     )
     complete_document(app.openapi_schema, config.model_name,
-                      PluginManager(config.engine.plugins).field_owners(),
+                      PluginManager(config.engine.plugins).plugin_classes(),
                       has_api_key=expected_auth is not None)
     return app

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from freetoken_core.engine.client import EngineClient
 from freetoken_core.engine.output_processor import ChoiceText, StopMatcher
 from freetoken_core.sampling_params import SamplingParams
-from freetoken_core.server.engine_client import EngineClient
 from freetoken_core.server.protocol import PromptTokensDetails, Usage
 
 LogprobEntry = tuple[int, float, list[tuple[int, float]]]
@@ -62,6 +62,8 @@ class Generation:
     prompts: list[list[int]]
     params: SamplingParams
     on_done: Callable[[Generation], None] | None = None
+    is_chat: bool = False
+    """The prompts came from the chat route (processors may treat chat answers apart)."""
     matcher: StopMatcher | None = None
     """The automaton over ``params.stop`` (built here when not given; the server builds it
     in a worker thread, since a large stop set takes a while)."""
@@ -91,7 +93,8 @@ class Generation:
         num_open = len(self.prompts) * self.params.n
         wants_logprobs = self.params.logprobs is not None
         updates = self.client.generate(
-            [(self._engine_id(i), ids) for i, ids in enumerate(self.prompts)], self.params)
+            [(self._engine_id(i), ids) for i, ids in enumerate(self.prompts)], self.params,
+            self.is_chat)
         try:
             async for update in updates:
                 p = index_of[update.request_id]
@@ -149,9 +152,10 @@ class Generation:
     def finishes(self) -> list[tuple[str | None, int | str | None]]:
         return [(c.finish_reason, c.stop_reason) for choices in self._choices for c in choices]
 
-    def usage(self) -> Usage:
-        """Prompts counted once each (not per choice); completions summed over choices."""
+    def usage(self, cls: type[Usage] = Usage) -> Usage:
+        """Prompts counted once each (not per choice); completions summed over choices;
+        ``cls`` is the server's ``Usage`` type (plugin fields included)."""
         num_prompt = sum(len(ids) for ids in self.prompts)
         num_completion = sum(c.num_tokens for choices in self._choices for c in choices)
-        return Usage(num_prompt, num_completion, num_prompt + num_completion,
+        return cls(num_prompt, num_completion, num_prompt + num_completion,
                      PromptTokensDetails(sum(self._num_cached)))

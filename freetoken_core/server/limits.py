@@ -52,7 +52,8 @@ class RequestLimits:
     """Sequences one request runs: prompts × ``n`` (``--max-sequences``)."""
     max_prompt_chars: int = 1_048_576
     """Characters of prompt text in one request before tokenization: the sum over the
-    string prompts (plus ``suffix``), or over the chat messages' text and then the rendered
+    string prompts (plus the string fields of plugins, which may lay text around the
+    prompt), or over the chat messages' text and then the rendered
     chat text (``--max-prompt-chars``)."""
     max_cache_salt_chars: int = 1024
     """Characters of ``cache_salt`` (``--max-cache-salt-chars``); it is hashed once per

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from freetoken_core.server.engine_process import Stats
+from freetoken_core.engine.process import Stats
 
 if TYPE_CHECKING:
     from freetoken_core.server.generation import Generation
@@ -73,7 +73,7 @@ class ServerMetrics:
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
             lines.append(f"# HELP freetoken_{name} {help_}")
             lines.append(f"# TYPE freetoken_{name} {kind}")
-            lines.extend(f"freetoken_{suffix} {_number(v)}" for suffix, v in samples)
+            lines.extend(f"freetoken_{name} {_number(v)}" for name, v in samples)
 
         metric("engine_up", "gauge", "1 while the engine process serves requests, else 0.",
                [("engine_up", int(stats is not None))])

@@ -18,6 +18,8 @@ from litestar.response import ServerSentEvent
 
 from freetoken_core.engine.output_processor import StopMatcher
 from freetoken_core.errors import FreeTokenError
+from freetoken_core.plugins import PluginManager
+from freetoken_core.processors import ChoiceView, PromptView, ResponseView
 from freetoken_core.server import protocol as p
 from freetoken_core.server.generation import ChoiceDelta, Generation
 from freetoken_core.server.limits import count_prompts
@@ -43,7 +45,7 @@ def _sse(data: msgspec.Struct | str) -> str:
 async def _stream(gen: Generation, first: Any, deltas: AsyncIterator[Any],
                   chunk: Callable[[list[Any], p.Usage | None], msgspec.Struct],
                   choice: Callable[[Any], Any], include_usage: bool,
-                  opening: list[Any]) -> AsyncIterator[str]:
+                  opening: list[Any], usage_cls: type[p.Usage]) -> AsyncIterator[str]:
     """The SSE body; ``deltas`` is closed (and the engine request aborted) on disconnect."""
     try:
         if opening:
@@ -53,7 +55,7 @@ async def _stream(gen: Generation, first: Any, deltas: AsyncIterator[Any],
         async for delta in deltas:
             yield _sse(chunk([choice(delta)], None))
         if include_usage:
-            yield _sse(chunk([], gen.usage()))
+            yield _sse(chunk([], gen.usage(usage_cls)))
     except FreeTokenError as exc:
         yield _sse(p.ErrorResponse(error_of(exc)[1]))
     except Exception as exc:  # a bug past the first byte: still one error event and [DONE]
@@ -88,6 +90,28 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     if task.cancelled():
         raise ApiError(499, "the client closed the request", "client_closed_request")
     return task.result()
+
+
+def _decorate(plugins: PluginManager, response: Any, gen: Generation, chat: bool,
+              is_chunk: bool) -> None:
+    """Run ``freetoken_decorate_response`` on a ``ResponseView`` of ``response`` (a
+    response or a stream chunk), then write the choices' ``text`` back."""
+    if chat:
+        views = [ChoiceView(c.index, c.delta.content if is_chunk else c.message.content,
+                            c.finish_reason, c.delta if is_chunk else c.message)
+                 for c in response.choices]
+    else:
+        views = [ChoiceView(c.index, c.text, c.finish_reason, None) for c in response.choices]
+    plugins.decorate_response(ResponseView(
+        "chat" if chat else "completions", is_chunk, views, response.usage, gen.params,
+        gen.prompts, gen.tokenizer, gen.token_ids, gen.plugin_state))
+    for view, c in zip(views, response.choices):
+        if not chat:
+            c.text = view.text or ""
+        elif is_chunk:
+            c.delta.content = view.text
+        else:
+            c.message.content = view.text or ""
 
 
 def _prompt_texts(tokenizer: Any, prompt: str | list[Any],
@@ -125,21 +149,20 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
 
         prompts = await pool.run(chat_prompts)
     else:
-        if body.suffix is not None:
-            plugins.require_field("suffix")  # 400 naming the plugin (fim) to enable
         num_prompts, num_chars = count_prompts(body.prompt)
-        num_chars += len(body.suffix or "")
+        # Text a plugin may lay out around the prompt counts as prompt text.
+        num_chars += sum(len(v) for v in params.extra.values() if isinstance(v, str))
         limits.check_sequences(num_prompts, params.n)
         limits.check_prompt_chars(num_chars, "prompt")
 
         def rewrite(prompt: str | list[int]) -> str | list[int]:
-            return plugins.rewrite_prompt(body, prompt, tokenizer)
+            return plugins.rewrite_prompt(PromptView(prompt, params, tokenizer))
 
         prompts = await pool.run(completion_prompts, tokenizer, body.prompt, rewrite,
                                  pool.encode)
     await pool.run(check_fits, prompts, params, model_info, "messages" if chat else "prompt")
     gen = Generation(serving.client, tokenizer, prompts, params,
-                     on_done=serving.metrics.record,
+                     on_done=serving.metrics.record, is_chat=chat,
                      matcher=await pool.run(StopMatcher, params.stop))
     if isinstance(body, p.ChatCompletionRequest) and body.request_id is not None:
         rid = body.request_id
@@ -151,8 +174,12 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
     if isinstance(body, p.CompletionRequest) and body.echo:
         echoes = [t for t in await pool.run(_prompt_texts, tokenizer, body.prompt, prompts)
                   for _ in range(params.n)]
-    def decorated(response: Any) -> Any:
-        plugins.decorate_response(body, response, gen)
+    types = serving.response_types
+    decorates = plugins.decorates_responses()
+
+    def decorated(response: Any, is_chunk: bool = True) -> Any:
+        if decorates:
+            _decorate(plugins, response, gen, chat, is_chunk)
         return response
 
     if chat:
@@ -160,7 +187,7 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
             return decorated(p.ChatCompletionChunk(rid, created, name, choices, usage))
 
         def choice(d: ChoiceDelta) -> Any:
-            return p.ChatChunkChoice(d.index, p.DeltaMessage(content=d.text), d.finish_reason,
+            return p.ChatChunkChoice(d.index, types.delta(content=d.text), d.finish_reason,
                                      d.stop_reason,
                                      None if d.logprobs is None else fmt.chat(d.logprobs))
     else:
@@ -185,13 +212,13 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
             raise
         num_choices = len(prompts) * params.n
         if chat:
-            opening = [p.ChatChunkChoice(i, p.DeltaMessage(role="assistant", content=""))
+            opening = [p.ChatChunkChoice(i, types.delta(role="assistant", content=""))
                        for i in range(num_choices)]
         else:
             opening = [p.CompletionChoice(i, text) for i, text in enumerate(echoes)]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return ServerSentEvent(_stream(gen, first, deltas, chunk, choice,
-                                       include_usage, opening))
+                                       include_usage, opening, types.usage))
     async def drain() -> None:
         async for _ in deltas:
             pass
@@ -199,14 +226,16 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
     await _unless_disconnected(request, drain())
     finishes, logprobs = gen.finishes(), gen.logprobs()
     if chat:
-        choices = [p.ChatChoice(i, p.ResponseMessage(t), *finishes[i],
+        choices = [p.ChatChoice(i, types.message(t), *finishes[i],
                                 None if logprobs[i] is None else fmt.chat(logprobs[i]))
                    for i, t in enumerate(gen.texts())]
-        return decorated(p.ChatCompletionResponse(rid, created, name, choices, gen.usage()))
+        return decorated(p.ChatCompletionResponse(rid, created, name, choices,
+                                                  gen.usage(types.usage)), is_chunk=False)
     texts = gen.texts()
     if echoes:
         texts = [e + t for e, t in zip(echoes, texts)]
     choices = [p.CompletionChoice(i, t, *finishes[i],
                                   None if logprobs[i] is None else fmt.completion(i, logprobs[i]))
                for i, t in enumerate(texts)]
-    return decorated(p.CompletionResponse(rid, created, name, choices, gen.usage()))
+    return decorated(p.CompletionResponse(rid, created, name, choices,
+                                          gen.usage(types.usage)), is_chunk=False)

@@ -9,8 +9,9 @@ keeps undeclared fields as plugin fields), so Litestar sees no body type there.
 - each body route's request body and its 200 body: msgspec's JSON Schema of the
   ``protocol`` Structs, the constraints the server checks included; the generation
   routes answer ``text/event-stream`` as well when ``stream`` is true;
-- the request fields the enabled plugins own, each described with its plugin, and the
-  accepted-without-effect ``IGNORED_FIELDS``; any other field is a 400, so the generation
+- the request fields the enabled plugins own, with the JSON Schema of their types (each
+  plugin's ``Fields``), on the routes the plugin serves, each described with its plugin,
+  and the accepted-without-effect ``IGNORED_FIELDS``; any other field is a 400, so the generation
   requests are closed (``additionalProperties: false``);
 - ``model`` as the one name served (another is a 404);
 - the OpenAI error answers (``ErrorResponse``) of every route, and under ``--api-key`` the
@@ -35,6 +36,7 @@ from litestar.openapi.spec import (
     SecurityScheme,
 )
 
+from freetoken_core.processors import Plugin
 from freetoken_core.server import protocol as p
 
 SCHEMA_PATH = "/schema"
@@ -100,7 +102,7 @@ _OK_RESPONSES = {
 }
 """200 answers that are not a JSON Struct."""
 
-_PLUGIN_FIELD_REQUESTS = (p.CompletionRequest, p.ChatCompletionRequest)
+_PLUGIN_FIELD_REQUESTS = {p.CompletionRequest: "completions", p.ChatCompletionRequest: "chat"}
 _MODEL_REQUESTS = (p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest,
                    p.DetokenizeRequest)
 
@@ -122,8 +124,20 @@ def _ref(cls: type) -> Reference:
     return Reference(ref=_REF.format(name=cls.__name__))
 
 
-def _request_schemas(model_name: str, field_owners: dict[str, str]) -> dict[str, Any]:
-    """msgspec's component schemas of every body Struct, completed as the module says."""
+def _plugin_properties(fields_cls: type[msgspec.Struct], components: dict[str, Any]
+                       ) -> dict[str, Any]:
+    """The JSON Schema of each field of a plugin's ``fields_cls`` (``Fields``,
+    ``MessageFields``, ``UsageFields``); the structs its types use are added to
+    ``components``."""
+    (ref,), found = msgspec.json.schema_components([fields_cls], ref_template=_REF)
+    own = found.pop(ref["$ref"].rsplit("/", 1)[-1])
+    components.update(found)
+    return own.get("properties", {})
+
+
+def _request_schemas(model_name: str, plugins: dict[str, type[Plugin]]) -> dict[str, Any]:
+    """msgspec's component schemas of every body Struct, completed as the module says;
+    ``plugins``: the enabled plugin classes by name."""
     structs = {cls for bodies in ROUTES.values()
                for cls in (bodies.request, bodies.response, bodies.stream_chunk) if cls}
     _, components = msgspec.json.schema_components(
@@ -132,20 +146,36 @@ def _request_schemas(model_name: str, field_owners: dict[str, str]) -> dict[str,
         components[cls.__name__]["properties"]["model"] = {
             "enum": [model_name, None], "default": None,
             "description": "The served model (another name is a 404); null means it."}
-    for cls in _PLUGIN_FIELD_REQUESTS:
-        schema = components[cls.__name__]
+    owned = {name: (cls, _plugin_properties(cls.Fields, components))
+             for name, cls in sorted(plugins.items()) if cls.Fields is not None}
+    for request_cls, route in _PLUGIN_FIELD_REQUESTS.items():
+        schema = components[request_cls.__name__]
         properties = schema["properties"]
         for name in sorted(p.IGNORED_FIELDS):
             properties.setdefault(name, {"description": "Accepted, without effect."})
-        for name, plugin in sorted(field_owners.items()):
-            owned = f"Owned by the plugin `{plugin}` (see docs/openai_api.md)."
-            if name in properties:
-                text = properties[name].get("description")
-                properties[name]["description"] = f"{text} {owned}" if text else owned
-            else:
-                properties[name] = {"description": owned}
+        for plugin, (cls, fields) in owned.items():
+            if route not in cls.routes:
+                continue
+            for field_name, field_schema in fields.items():
+                note = f"Owned by the plugin `{plugin}` (see docs/openai_api.md)."
+                text = field_schema.get("description")
+                properties[field_name] = {**field_schema,
+                                          "description": f"{text} {note}" if text else note}
         # Any other field is a 400 naming it (PluginManager.require_field).
         schema["additionalProperties"] = False
+    for name, cls in sorted(plugins.items()):
+        for attr, targets in (("MessageFields", (p.ResponseMessage, p.DeltaMessage)),
+                              ("UsageFields", (p.Usage,))):
+            fields_cls = getattr(cls, attr)
+            if fields_cls is None:
+                continue
+            note = f"Set by the plugin `{name}`; absent otherwise."
+            for field_name, field_schema in _plugin_properties(fields_cls, components).items():
+                field_schema.pop("default", None)
+                text = field_schema.get("description")
+                for target in targets:
+                    components[target.__name__]["properties"][field_name] = {
+                        **field_schema, "description": f"{text} {note}" if text else note}
     return components
 
 
@@ -171,10 +201,10 @@ def _responses(bodies: RouteBodies, op: Operation, has_api_key: bool, path: str
     return responses
 
 
-def complete_document(openapi: OpenAPI, model_name: str, field_owners: dict[str, str],
+def complete_document(openapi: OpenAPI, model_name: str, plugins: dict[str, type[Plugin]],
                       has_api_key: bool) -> None:
-    """Complete Litestar's document in place (see the module docstring); ``field_owners``
-    maps each request field of an enabled plugin to the plugin. Raises ``ValueError`` when
+    """Complete Litestar's document in place (see the module docstring); ``plugins`` are
+    the enabled plugin classes by name. Raises ``ValueError`` when
     a served route is missing from ``ROUTES`` or a ``ROUTES`` entry is not served."""
     served: set[tuple[str, str]] = set()
     for path, item in (openapi.paths or {}).items():
@@ -197,7 +227,7 @@ def complete_document(openapi: OpenAPI, model_name: str, field_owners: dict[str,
         raise ValueError(f"openapi.ROUTES names routes the app does not serve: {missing}")
     assert openapi.components is not None  # Litestar always sets it
     schemas = dict(openapi.components.schemas or {})
-    schemas.update(_request_schemas(model_name, field_owners))
+    schemas.update(_request_schemas(model_name, plugins))
     openapi.components.schemas = dict(sorted(schemas.items()))
     if has_api_key:
         openapi.components.security_schemes = {

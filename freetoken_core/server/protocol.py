@@ -9,12 +9,16 @@ Simple constraints live in the types; ``SamplingParams`` and the plugins check t
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
-from msgspec import UNSET, Meta, UnsetType
+from msgspec import Meta
 
+from freetoken_core.plugins import PluginSelectionError
 from freetoken_core.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS
+
+S = TypeVar("S", bound=msgspec.Struct)
 
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
 """Accepted and without effect on generation (as in OpenAI's own server for these)."""
@@ -55,7 +59,6 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     cache_salt: str | None = None
     """Prefix-cache isolation: only requests with the same salt share cached blocks."""
     # Declared so that they are refused by name until they are implemented.
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -69,8 +72,6 @@ class CompletionRequest(_Sampling, kw_only=True):
     """Top alternatives per token beside the sampled one (``None``: no logprobs)."""
     top_logprobs: Any = None  # a chat field: refused here by name
     echo: bool = False
-    suffix: str | None = None
-    """Fill in the middle: owned by the ``fim`` plugin (``freetoken_rewrite_prompt``)."""
     best_of: int | None = None
 
 
@@ -132,17 +133,13 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
 
 
-class CompletionTokensDetails(msgspec.Struct):
-    reasoning_tokens: int = 0
-
-
 class Usage(msgspec.Struct):
+    """Plugins add fields (``UsageFields``): see ``ResponseTypes``."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
-    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
-    """Set by a plugin (``reasoning``); left out of the JSON otherwise."""
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -193,10 +190,10 @@ class CompletionResponse(msgspec.Struct):
 
 
 class ResponseMessage(msgspec.Struct):
+    """Plugins add fields (``MessageFields``): see ``ResponseTypes``."""
+
     content: str
     role: str = "assistant"
-    reasoning_content: str | UnsetType = UNSET
-    """Set by the ``reasoning`` plugin when the answer reasoned; left out otherwise."""
 
 
 class ChatChoice(msgspec.Struct):
@@ -218,9 +215,10 @@ class ChatCompletionResponse(msgspec.Struct):
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
+    """Plugins add fields (``MessageFields``): see ``ResponseTypes``."""
+
     role: str | None = None
     content: str | None = None
-    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -267,3 +265,43 @@ class ErrorResponse(msgspec.Struct):
 
 class VersionResponse(msgspec.Struct):
     version: str
+
+
+@dataclass(frozen=True)
+class ResponseTypes:
+    """The message, delta and usage Structs of this server: the ones above plus the
+    response fields the enabled plugins declare (``Plugin.MessageFields`` on messages and
+    deltas, ``Plugin.UsageFields`` on usage), so the server never names them. The routes
+    build their responses with these; a container's annotation names the base class, and
+    msgspec encodes the subclass's fields too."""
+
+    message: type[ResponseMessage] = ResponseMessage
+    delta: type[DeltaMessage] = DeltaMessage
+    usage: type[Usage] = Usage
+
+    @classmethod
+    def build(cls, plugins: dict[str, type[Any]]) -> ResponseTypes:
+        """Types for the enabled ``plugins`` (name → class); ``PluginSelectionError`` when two
+        plugins, or a plugin and the server, declare the same response field."""
+        return cls(_extended(ResponseMessage, plugins, "MessageFields"),
+                   _extended(DeltaMessage, plugins, "MessageFields"),
+                   _extended(Usage, plugins, "UsageFields"))
+
+
+def _extended(base: type[S], plugins: dict[str, type[Any]], attr: str) -> type[S]:
+    added: list[tuple[str, Any, Any]] = []
+    owners: dict[str, str] = {}
+    for name, plugin in sorted(plugins.items()):
+        fields_cls = getattr(plugin, attr, None)
+        if fields_cls is None:
+            continue
+        for info in msgspec.structs.fields(fields_cls):
+            if info.name in base.__struct_fields__ or info.name in owners:
+                other = owners.get(info.name, "the server")
+                raise PluginSelectionError(f"plugins {name} and {other} both declare the "
+                                           f"response field {info.name!r}")
+            owners[info.name] = name
+            added.append((info.name, info.type, info.default))
+    if not added:
+        return base
+    return msgspec.defstruct(base.__name__, added, bases=(base,))  # type: ignore[return-value]

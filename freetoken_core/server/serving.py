@@ -8,7 +8,6 @@ runs the engine requests).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -16,7 +15,7 @@ import jinja2
 import msgspec
 
 from freetoken_core.engine.core import effective_max_tokens
-from freetoken_core.errors import InvalidRequest
+from freetoken_core.errors import InvalidRequest, param_of
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo
 from freetoken_core.sampling_params import SamplingParams
@@ -29,19 +28,6 @@ from freetoken_core.server.protocol import (
 from freetoken_core.tokenizer import apply_chat_template
 
 T = TypeVar("T", bound=msgspec.Struct)
-
-_PATH = re.compile(r"at `\$\.?([^`]*)`")
-_FIELD = re.compile(r"(?:missing required|contains unknown) field `([^`]+)`")
-
-
-def _param_of(error: msgspec.ValidationError) -> str | None:
-    """The field a msgspec validation error is about: ``max_tokens``, ``messages[0].role``."""
-    text = str(error)
-    path = _PATH.search(text)
-    field = _FIELD.search(text)
-    parts = [p for p in (path.group(1) if path else "", field.group(1) if field else "") if p]
-    return ".".join(parts) or None
-
 
 def _out_of_range_field(body: bytes) -> str | None:
     """The top-level field of ``body`` holding a number the decoder cannot represent, found
@@ -78,7 +64,7 @@ def parse_body(body: bytes, cls: type[T]) -> tuple[T, dict[str, Any]]:
     try:
         request = msgspec.convert(raw, cls)
     except msgspec.ValidationError as exc:
-        raise InvalidRequest(_param_of(exc), str(exc)) from None
+        raise InvalidRequest(param_of(exc), str(exc)) from None
     except RecursionError:
         raise InvalidRequest(None, "the request body is nested too deeply") from None
     declared = set(cls.__struct_fields__)
@@ -89,7 +75,6 @@ def parse_body(body: bytes, cls: type[T]) -> tuple[T, dict[str, Any]]:
 def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
     """400 for OpenAI fields this server does not implement yet, rather than ignore them."""
     unsupported = {
-        "response_format": request.response_format not in (None, {"type": "text"}),
         "tools": bool(request.tools),
         "functions": bool(request.functions),
         "tool_choice": request.tool_choice not in (None, "none"),
@@ -140,7 +125,8 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: d
         skip_special_tokens=request.skip_special_tokens, logprobs=logprobs,
         cache_salt=request.cache_salt, **extra)
     params.verify(model)
-    plugins.validate(params, model)
+    plugins.validate(params, model,
+                     "completions" if isinstance(request, CompletionRequest) else "chat")
     return params
 
 
@@ -170,7 +156,7 @@ def completion_prompts(tokenizer: Any, prompt: str | list[Any],
                        rewrite: Callable[[str | list[int]], str | list[int]] | None = None,
                        encode: Callable[[Any, str], list[int]] = encode) -> list[list[int]]:
     """One token list per prompt; each prompt goes through ``rewrite`` (the
-    ``freetoken_rewrite_prompt`` hook, e.g. FIM) before ``encode`` tokenizes it."""
+    ``freetoken_rewrite_prompt`` hook) before ``encode`` tokenizes it."""
     parts = split_prompt(prompt)
     if rewrite is not None:
         parts = [rewrite(part) for part in parts]

@@ -11,16 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from freetoken_core.config import EngineConfig
+from freetoken_core.engine.client import EngineClient, EngineDeadError, RestartPolicy
 from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.faults import RequestError
 from freetoken_core.models.resolve import DEFAULT_MODEL_NAME
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo
 from freetoken_core.server.cors import CorsSettings
-from freetoken_core.server.engine_client import EngineClient, EngineDeadError, RestartPolicy
 from freetoken_core.server.limits import RequestLimits, TokenizerPool
 from freetoken_core.server.metrics import ServerMetrics
-from freetoken_core.server.protocol import ErrorBody
+from freetoken_core.server.protocol import ErrorBody, ResponseTypes
 from freetoken_core.tokenizer import load_tokenizer
 
 
@@ -82,6 +82,8 @@ class Serving:
     created: int = field(default_factory=lambda: int(time.time()))
     tokenizer: Any = None
     plugins: PluginManager | None = None
+    response_types: ResponseTypes = field(default_factory=ResponseTypes)
+    """Message, delta and usage Structs with the enabled plugins' response fields."""
     model_info: ModelInfo | None = None
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     tokenizer_pool: TokenizerPool = field(init=False)
@@ -116,10 +118,12 @@ class Serving:
         try:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, Path(info.model_dir))
             self.tokenizer_pool.attach(self.tokenizer)
-            plugins = PluginManager(self.config.engine.plugins)
+            plugins = PluginManager(self.config.engine.plugins,
+                                    self.config.engine.plugin_options)
             plugins.enabled  # noqa: B018 (loads the plugins now, not on the first request)
             plugins.on_failure = lambda error: self.metrics.record_failure(error.stage,
                                                                            error.plugin)
+            self.response_types = ResponseTypes.build(plugins.plugin_classes())
             self.plugins = plugins
             self.model_info = ModelInfo(info.vocab_size, info.eos_token_ids, info.max_model_len)
         except FreeTokenError as exc:

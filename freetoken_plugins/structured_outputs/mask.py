@@ -14,6 +14,7 @@ program per (row, block of columns)) writes only the masked entries and reads no
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -69,9 +70,36 @@ def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor,
     _check(logits, bitmask, rows)
     if rows.numel() == 0:
         return
-    allowed = unpack_bitmask(bitmask, logits.shape[1])
-    selected = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    blocked = _blocked(bitmask, logits.shape[1])
+    if rows.numel() == logits.shape[0] and bool(
+            (rows == torch.arange(rows.numel(), device=rows.device)).all()):
+        logits.masked_fill_(blocked, float("-inf"))  # every row, in order: no copies
+        return
+    selected = logits.index_select(0, rows).masked_fill_(blocked, float("-inf"))
     logits.index_copy_(0, rows, selected)
+
+
+@functools.cache
+def _byte_table(device: torch.device) -> torch.Tensor:
+    """[256, 8] bool: ``table[b, j]`` is true when bit ``j`` of byte ``b`` is 0."""
+    return torch.tensor([[(b >> j) & 1 == 0 for j in range(8)] for b in range(256)],
+                        dtype=torch.bool, device=device)
+
+
+def _blocked(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The bool tensor [rows, vocab_size] of the tokens *not* allowed by an int32 bitmask,
+    through a byte lookup table (one gather instead of 32 shifts per word: about 1.5x
+    faster on CPU); tokens beyond the bitmask's ``32 * words`` are blocked."""
+    if sys.byteorder != "little":
+        return ~unpack_bitmask(bitmask, vocab_size)
+    rows = bitmask.shape[0]
+    table = _byte_table(bitmask.device)
+    blocked = table.index_select(0, bitmask.contiguous().view(torch.uint8).flatten().int())
+    blocked = blocked.view(rows, -1)[:, :vocab_size]
+    if blocked.shape[1] < vocab_size:
+        blocked = torch.nn.functional.pad(blocked, (0, vocab_size - blocked.shape[1]),
+                                          value=True)
+    return blocked
 
 
 @functools.cache

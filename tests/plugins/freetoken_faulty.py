@@ -1,48 +1,70 @@
 """A plugin that fails on purpose: a test double for the fault-isolation tests.
 
 Tests install it for one server process only (``tests/test_fault_isolation.py`` puts this
-directory and a generated ``.dist-info`` on that process's ``PYTHONPATH``). Its fields:
+directory and a generated ``.dist-info`` naming ``freetoken_faulty:Faulty`` on that
+process's ``PYTHONPATH``). Its fields:
 
-* ``fail_at``: the stage whose code raises for this request: ``validate_request``,
+* ``fail_at``: the stage whose code raises for this request: ``validate``,
   ``add_request``, ``apply``, ``update`` or ``check_stop``; or ``nan``, which turns the
   request's logits into NaN (the engine must fail it instead of emitting a token).
 * ``slow_step_s``: ``apply`` sleeps this long every step while the request runs (to hold a
   request in the engine while a test disconnects from it).
+
+A request without these fields never reaches the plugin (``uses`` is false), so only the
+requests that ask for a failure can be failed by it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
 import torch
 
 from freetoken_core import hookimpl
-from freetoken_core.processors import LogitsProcessor, ModelInfo, Stage, StopView
+from freetoken_core.processors import (
+    LogitsProcessor,
+    ModelInfo,
+    ProcessorContext,
+    RequestFields,
+    RequestView,
+    Stage,
+    StopView,
+)
 
-FIELDS = ("fail_at", "slow_step_s")
+Mode = Literal["validate", "add_request", "apply", "update", "check_stop", "nan"]
 
 
-class FaultyProcessor(LogitsProcessor):
-    name = "faulty"
+class Faulty(LogitsProcessor):
+    """fail_at / slow_step_s: raise in the stage asked for, or slow every step down."""
+
+    class Fields(RequestFields):
+        fail_at: Mode | None = None
+        slow_step_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+
     stage = Stage.PRE_TEMPERATURE
-    fields = FIELDS
 
-    def __init__(self, max_num_slots: int, model: ModelInfo, device: torch.device) -> None:
-        super().__init__(max_num_slots, model, device)
-        self.modes: dict[int, tuple[str | None, float]] = {}
+    def __init__(self, ctx: ProcessorContext) -> None:
+        super().__init__(ctx)
+        self.modes: dict[int, tuple[Mode | None, float]] = {}
 
-    def add_request(self, slot: int, params: Any, prompt_token_ids: list[int],
-                    output_token_ids: list[int]) -> None:
-        mode = params.extra.get("fail_at")
-        if mode == "add_request":
+    @classmethod
+    def validate(cls, fields: Fields, model: ModelInfo, params: Any) -> Fields:
+        if fields.fail_at == "validate":
+            raise RuntimeError("faulty validate")
+        return fields
+
+    def add_request(self, slot: int, request: RequestView) -> None:
+        fields = request.fields
+        if fields.fail_at == "add_request":
             raise RuntimeError("faulty add_request")
-        self.modes[slot] = (mode, float(params.extra.get("slow_step_s") or 0.0))
+        self.modes[slot] = (fields.fail_at, fields.slow_step_s or 0.0)
 
     def remove_request(self, slot: int) -> None:
         self.modes.pop(slot, None)
 
-    def _has(self, mode: str) -> bool:
+    def _has(self, mode: Mode) -> bool:
         return any(m == mode for m, _ in self.modes.values())
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
@@ -57,24 +79,8 @@ class FaultyProcessor(LogitsProcessor):
         if self._has("update"):
             raise RuntimeError("faulty update")
 
-
-@hookimpl
-def freetoken_request_fields() -> list[str]:
-    return list(FIELDS)
-
-
-@hookimpl
-def freetoken_register_processors(register: Any) -> None:
-    register(FaultyProcessor)
-
-
-@hookimpl
-def freetoken_validate_request(request: Any, model: ModelInfo) -> None:
-    if request.extra.get("fail_at") == "validate_request":
-        raise RuntimeError("faulty validate_request")
-
-
-@hookimpl
-def freetoken_check_stop(sequences: list[StopView], token_ids: list[int]) -> None:
-    if any(view.params.extra.get("fail_at") == "check_stop" for view in sequences):
-        raise RuntimeError("faulty check_stop")
+    @staticmethod
+    @hookimpl
+    def freetoken_check_stop(sequences: list[StopView], token_ids: list[int]) -> None:
+        if any(view.fields.fail_at == "check_stop" for view in sequences):
+            raise RuntimeError("faulty check_stop")

@@ -1,11 +1,18 @@
 """freetoken-ban-sequences: an example FreeToken plugin that bans token sequences.
 
+The whole plugin is one class, ``BanSequences``, named by its entry point (see
+``pyproject.toml``): its ``Fields`` declare the request field and its type, ``validate``
+checks what the type cannot, and the rest is the logits-processor contract of
+``freetoken_core.processors``.
+
 Request field ``ban_token_sequences``: a list of token-id sequences, e.g.
 ``[[42], [7, 8, 9]]``, at most ``MAX_SEQUENCES`` of them, each of 1 to ``MAX_LEN`` ids in
-``[0, vocab_size)``. A one-token sequence is banned everywhere. For a longer one, whenever
-the row's last ``len(seq) - 1`` tokens (prompt and generated alike) equal the sequence
-without its last token, that last token's logit is set to -inf, so the model can never
-complete the sequence (the meaning of transformers' ``NoBadWordsLogitsProcessor``).
+``[0, vocab_size)`` (the type checks all but the upper bound; ``validate`` checks that).
+An empty list, or ``null``, asks for nothing and costs nothing. A one-token sequence is
+banned everywhere. For a longer one, whenever the row's last ``len(seq) - 1`` tokens
+(prompt and generated alike) equal the sequence without its last token, that last token's
+logit is set to -inf, so the model can never complete the sequence (the meaning of
+transformers' ``NoBadWordsLogitsProcessor``).
 
 State, preallocated on the device for S slots (independent of the vocabulary):
 
@@ -24,73 +31,72 @@ Triton kernel.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import torch
 
-from freetoken_core import InvalidRequest, hookimpl
-from freetoken_core.processors import LogitsProcessor, ModelInfo, Stage
+from freetoken_core import InvalidRequest
+from freetoken_core.processors import (
+    LogitsProcessor,
+    ModelInfo,
+    ProcessorContext,
+    RequestFields,
+    RequestView,
+    Stage,
+)
 
 FIELD = "ban_token_sequences"
 MAX_SEQUENCES = 32
 MAX_LEN = 8
 PAD = -1
 
-# A typical request, for `freetoken bench plugin ban_sequences`.
-BENCH_PARAMS = {FIELD: [[7]] + [[100 + i, 200 + i, 300 + i] for i in range(15)]}
+# A typical request, for `freetoken bench plugin ban_sequences` (the bench reads it from
+# the module that defines the plugin's class).
+BENCH_PARAMS: dict[str, Any] = {FIELD: [[7]] + [[100 + i, 200 + i, 300 + i] for i in range(15)]}
 
-
-def check_sequences(value: Any, model: ModelInfo) -> list[list[int]]:
-    """The field's value as a list of lists of ints, or ``InvalidRequest`` naming it."""
-
-    def fail(message: str) -> InvalidRequest:
-        return InvalidRequest(FIELD, f"{FIELD} {message}")
-
-    if not isinstance(value, (list, tuple)):
-        raise fail("must be a list of token-id lists")
-    if len(value) > MAX_SEQUENCES:
-        raise fail(f"holds at most {MAX_SEQUENCES} sequences")
-    for seq in value:
-        if not isinstance(seq, (list, tuple)) or not 1 <= len(seq) <= MAX_LEN:
-            raise fail(f"entries must be lists of 1 to {MAX_LEN} token ids")
-        for t in seq:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < model.vocab_size:
-                raise fail(f"token ids must be integers in [0, {model.vocab_size}), got {t!r}")
-    return [list(seq) for seq in value]
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+BannedSequence = Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_LEN)]
 
 
 class BanSequences(LogitsProcessor):
-    """Sets the last token of a banned sequence to -inf when its prefix was just produced."""
+    """ban_token_sequences: never complete a banned token sequence."""
 
-    name = "ban_sequences"
+    class Fields(RequestFields):
+        ban_token_sequences: Annotated[list[BannedSequence], msgspec.Meta(
+            max_length=MAX_SEQUENCES)] | None = None
+
     stage = Stage.PRE_TEMPERATURE
-    fields = (FIELD,)
 
-    def __init__(self, max_num_slots: int, model: ModelInfo, device: torch.device) -> None:
-        super().__init__(max_num_slots, model, device)
-        s, n, k = max_num_slots, MAX_SEQUENCES, MAX_LEN - 1
-        self.prefix = torch.full((s, n, k), PAD, dtype=torch.long, device=device)
-        self.last = torch.zeros((s, n), dtype=torch.long, device=device)
-        self.active = torch.zeros((s, n), dtype=torch.bool, device=device)
-        self.history = torch.full((s, k), PAD, dtype=torch.long, device=device)
-
-    @classmethod
-    def uses(cls, params: Any) -> bool:
-        return bool(params.extra.get(FIELD))
+    def __init__(self, ctx: ProcessorContext) -> None:
+        super().__init__(ctx)
+        s, n, k = ctx.max_num_slots, MAX_SEQUENCES, MAX_LEN - 1
+        self.prefix = torch.full((s, n, k), PAD, dtype=torch.long, device=ctx.device)
+        self.last = torch.zeros((s, n), dtype=torch.long, device=ctx.device)
+        self.active = torch.zeros((s, n), dtype=torch.bool, device=ctx.device)
+        self.history = torch.full((s, k), PAD, dtype=torch.long, device=ctx.device)
 
     @classmethod
-    def validate(cls, params: Any, model: ModelInfo) -> None:
-        check_sequences(params.extra.get(FIELD, []), model)
+    def uses(cls, fields: Fields) -> bool:
+        return bool(fields.ban_token_sequences)
 
-    def add_request(self, slot: int, params: Any, prompt_token_ids: list[int],
-                    output_token_ids: list[int]) -> None:
+    @classmethod
+    def validate(cls, fields: Fields, model: ModelInfo, params: Any) -> Fields:
+        for seq in fields.ban_token_sequences or []:
+            for t in seq:
+                if t >= model.vocab_size:
+                    raise InvalidRequest(FIELD, f"{FIELD} token ids must be in "
+                                                f"[0, {model.vocab_size}), got {t}")
+        return fields
+
+    def add_request(self, slot: int, request: RequestView) -> None:
         k = MAX_LEN - 1
-        seqs = params.extra[FIELD]
+        seqs = request.fields.ban_token_sequences
         prefix = [[PAD] * (k - len(s) + 1) + list(s[:-1]) for s in seqs]
         prefix += [[PAD] * k] * (MAX_SEQUENCES - len(seqs))
         last = [s[-1] for s in seqs] + [0] * (MAX_SEQUENCES - len(seqs))
-        seen = (list(prompt_token_ids[-k:]) + list(output_token_ids))[-k:]
+        # A preempted sequence comes back with the tokens it drew so far.
+        seen = (list(request.prompt_token_ids[-k:]) + list(request.output_token_ids))[-k:]
         # One host-to-device copy per tensor, once per request; never per step.
         self.prefix[slot] = torch.tensor(prefix, dtype=torch.long, device=self.device)
         self.last[slot] = torch.tensor(last, dtype=torch.long, device=self.device)
@@ -114,20 +120,3 @@ class BanSequences(LogitsProcessor):
         # not match come out unchanged, and duplicate ids add up the same in any order.
         penalty = torch.zeros(matched.shape, dtype=logits.dtype, device=logits.device)
         logits.scatter_add_(1, self.last[slots], penalty.masked_fill_(matched, float("-inf")))
-
-
-@hookimpl
-def freetoken_request_fields() -> list[str]:
-    return [FIELD]
-
-
-@hookimpl
-def freetoken_register_processors(register: Callable[[type[LogitsProcessor]], None]) -> None:
-    register(BanSequences)
-
-
-@hookimpl
-def freetoken_validate_request(request: Any, model: ModelInfo) -> None:
-    value = request.extra.get(FIELD)
-    if value is not None:
-        request.extra[FIELD] = check_sequences(value, model)

@@ -29,12 +29,8 @@ from dataclasses import dataclass
 import msgspec
 
 from freetoken_core.config import EngineConfig
-from freetoken_core.errors import FreeTokenError, InvalidRequest
-from freetoken_core.faults import RequestError
-from freetoken_core.sampling_params import SamplingParams
-from freetoken_core.server.engine_process import (
+from freetoken_core.engine.process import (
     AbortRequest,
-    AddRequest,
     FromEngine,
     LoadFailed,
     Ready,
@@ -46,9 +42,12 @@ from freetoken_core.server.engine_process import (
     StopSequence,
     ToEngine,
     Update,
-    params_to_wire,
+    add_request,
     run_engine_process,
 )
+from freetoken_core.errors import FreeTokenError, InvalidRequest
+from freetoken_core.faults import RequestError
+from freetoken_core.sampling_params import SamplingParams
 
 log = logging.getLogger("freetoken.server")
 
@@ -299,7 +298,8 @@ class EngineClient:
         self._to_engine.send_bytes(self._encoder.encode(message))
 
     async def generate(self, prompts: list[tuple[str, list[int]]],
-                       params: SamplingParams) -> AsyncIterator[Update]:
+                       params: SamplingParams, is_chat: bool = False
+                       ) -> AsyncIterator[Update]:
         """Submit every ``(request_id, prompt_token_ids)`` together and yield their
         updates as they come, until the engine has finished each of the
         ``len(prompts) * params.n`` choices. Raises ``InvalidRequest`` if the engine refuses
@@ -312,11 +312,10 @@ class EngineClient:
         queue: asyncio.Queue[Update | Exception] = asyncio.Queue()
         ids = [request_id for request_id, _ in prompts]
         unfinished = {(request_id, i) for request_id in ids for i in range(params.n)}
-        wire = params_to_wire(params)
         try:
             for request_id, token_ids in prompts:
                 self._queues[request_id] = queue
-                self._send(AddRequest(request_id, token_ids, wire))
+                self._send(add_request(request_id, token_ids, params, is_chat))
             while unfinished:
                 item = await queue.get()
                 if isinstance(item, Exception):

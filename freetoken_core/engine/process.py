@@ -22,7 +22,6 @@ from __future__ import annotations
 import gc
 import logging
 import signal
-from dataclasses import fields
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +30,7 @@ import msgspec
 from freetoken_core.config import EngineConfig
 from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.faults import RequestError
+from freetoken_core.processors import RequestFields
 from freetoken_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -40,11 +40,16 @@ log = logging.getLogger("freetoken.engine")
 
 
 class AddRequest(msgspec.Struct, tag=True):
-    """Start ``request_id``; ``params`` are ``SamplingParams`` keywords (plugin fields too)."""
+    """Start ``request_id``, validated by the server: ``params`` are the core fields
+    (``SamplingParams.core_fields()``), ``fields`` the typed ``Fields`` of each plugin the
+    request uses, by plugin name. The engine decodes ``fields`` into those types
+    (``to_engine_type``) and validates nothing again."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any]
+    fields: Any = None
+    is_chat: bool = False
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -137,14 +142,35 @@ class Stats(msgspec.Struct, tag=True):
 ToEngine = AddRequest | AbortRequest | StopSequence | StatsQuery | Shutdown
 FromEngine = Ready | LoadFailed | StepUpdates | RequestFailed | Stats
 
-_CORE_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.name != "extra")
+
+def add_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                is_chat: bool = False) -> AddRequest:
+    """The message that starts one validated request in the engine process."""
+    return AddRequest(request_id, prompt_token_ids, params.core_fields(), params.fields,
+                      is_chat)
 
 
-def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    """``SamplingParams`` as the keywords that rebuild it on the other side."""
-    wire = {name: getattr(params, name) for name in _CORE_FIELDS}
-    wire.update(params.extra)
-    return wire
+def to_engine_type(fields_types: dict[str, type[RequestFields]]) -> Any:
+    """``ToEngine`` with ``AddRequest.fields`` typed: a struct with one optional field per
+    plugin, of that plugin's ``Fields`` type, so the decoder rebuilds them."""
+    plugin_fields = msgspec.defstruct(
+        "PluginFields", [(name, cls | None, None) for name, cls in fields_types.items()],
+        kw_only=True, omit_defaults=True)
+    typed = msgspec.defstruct(
+        "AddRequest", [("request_id", str), ("prompt_token_ids", list[int]),
+                       ("params", dict[str, Any]), ("fields", plugin_fields | None, None),
+                       ("is_chat", bool, False)], tag="AddRequest")
+    return typed | AbortRequest | StopSequence | StatsQuery | Shutdown
+
+
+def params_of(message: Any) -> SamplingParams:
+    """The ``SamplingParams`` an ``AddRequest`` (decoded as ``to_engine_type`` says)
+    carries, trusted as the server validated them."""
+    plugin_fields = message.fields
+    fields = {} if plugin_fields is None else {
+        name: value for name in plugin_fields.__struct_fields__
+        if (value := getattr(plugin_fields, name)) is not None}
+    return SamplingParams.trusted(message.params, fields)
 
 
 class _Engine:
@@ -158,19 +184,19 @@ class _Engine:
         self.conn_in = conn_in
         self.conn_out = conn_out
         self.encoder = msgspec.msgpack.Encoder()
-        self.decoder = msgspec.msgpack.Decoder(ToEngine)
+        self.decoder = msgspec.msgpack.Decoder(
+            to_engine_type(self.parts.plugins.fields_types()))
         self.running = True
         self.num_aborted = 0
 
     def send(self, message: FromEngine) -> None:
         self.conn_out.send_bytes(self.encoder.encode(message))
 
-    def handle(self, message: ToEngine) -> None:
-        if isinstance(message, AddRequest):
+    def handle(self, message: Any) -> None:
+        if type(message).__name__ == "AddRequest":
             try:
-                params = SamplingParams(**message.params)
-                self.parts.plugins.validate(params, self.parts.model_info)
-                self.core.add_request(message.request_id, message.prompt_token_ids, params)
+                self.core.add_request(message.request_id, message.prompt_token_ids,
+                                      params_of(message), message.is_chat)
             except FreeTokenError as exc:
                 self.send(RequestFailed.of(message.request_id, exc))
             except Exception as exc:  # a bug fails this request only
