@@ -7,7 +7,6 @@ that works."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from pip_packages import pip_installed
 
 from freetoken_core import LLM, InvalidRequest, SamplingParams
 from freetoken_core.plugins import PluginManager
@@ -37,11 +37,6 @@ def _blocks(section: str, language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", section, re.DOTALL)
 
 
-def _pip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True,
-                          timeout=300, check=False)
-
-
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "freetoken_core.cli", *args],
                           capture_output=True, text=True, timeout=300, check=False)
@@ -55,15 +50,8 @@ def plugin(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
     (root / "freetoken_suppress").mkdir(parents=True)
     (root / "freetoken_suppress" / "__init__.py").write_text(source)
     (root / "pyproject.toml").write_text(pyproject)
-    try:
-        done = _pip("install", "--no-deps", "--no-build-isolation", str(root))
-        assert done.returncode == 0, done.stdout + done.stderr
-        importlib.invalidate_caches()
-        yield importlib.import_module("freetoken_suppress")
-    finally:
-        _pip("uninstall", "-y", DISTRIBUTION)
-        sys.modules.pop("freetoken_suppress", None)
-        importlib.invalidate_caches()
+    with pip_installed(root, DISTRIBUTION, "freetoken_suppress") as module:
+        yield module
 
 
 def test_the_processor_is_short() -> None:

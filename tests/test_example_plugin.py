@@ -9,7 +9,6 @@ a ``.pth`` file that Python reads at start-up; and the checkout gets no build li
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 import random
@@ -21,6 +20,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from pip_packages import pip_installed
 
 from freetoken_core import LLM, InvalidRequest, SamplingParams
 from freetoken_core.bench import BenchShape, build_plugin_bench
@@ -36,25 +36,13 @@ CPU = torch.device("cpu")
 PROMPT = "The quick brown fox jumps over the lazy dog. The"
 
 
-def _pip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True,
-                          timeout=300, check=False)
-
-
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
     source = tmp_path_factory.mktemp("example") / EXAMPLE.name
     shutil.copytree(EXAMPLE, source,
                     ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    try:
-        done = _pip("install", "--no-deps", "--no-build-isolation", str(source))
-        assert done.returncode == 0, done.stdout + done.stderr
-        importlib.invalidate_caches()
-        yield importlib.import_module("freetoken_ban_sequences")
-    finally:
-        _pip("uninstall", "-y", DISTRIBUTION)
-        sys.modules.pop("freetoken_ban_sequences", None)
-        importlib.invalidate_caches()
+    with pip_installed(source, DISTRIBUTION, "freetoken_ban_sequences") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")

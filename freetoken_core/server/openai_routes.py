@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import msgspec
@@ -158,8 +159,8 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
         def rewrite(prompt: str | list[int]) -> str | list[int]:
             return plugins.rewrite_prompt(PromptView(prompt, params, tokenizer))
 
-        prompts = await pool.run(completion_prompts, tokenizer, body.prompt, rewrite,
-                                 pool.encode)
+        prompts = await pool.run(completion_prompts, body.prompt, rewrite,
+                                 partial(pool.encode, tokenizer))
     await pool.run(check_fits, prompts, params, model_info, "messages" if chat else "prompt")
     gen = Generation(serving.client, tokenizer, prompts, params,
                      on_done=serving.metrics.record, is_chat=chat,

@@ -130,11 +130,6 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: d
     return params
 
 
-def encode(tokenizer: Any, text: str) -> list[int]:
-    """The engine's tokenization of a rendered prompt (no special tokens added)."""
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 def split_prompt(prompt: str | list[Any]) -> list[str | list[int]]:
     """``prompt`` as str, [str], [int] or [[int]] → one text or token list per prompt."""
     if isinstance(prompt, str):
@@ -152,15 +147,14 @@ def split_prompt(prompt: str | list[Any]) -> list[str | list[int]]:
                                    "token ids or a list of non-empty lists of token ids")
 
 
-def completion_prompts(tokenizer: Any, prompt: str | list[Any],
-                       rewrite: Callable[[str | list[int]], str | list[int]] | None = None,
-                       encode: Callable[[Any, str], list[int]] = encode) -> list[list[int]]:
+def completion_prompts(prompt: str | list[Any],
+                       rewrite: Callable[[str | list[int]], str | list[int]],
+                       encode: Callable[[str], list[int]]) -> list[list[int]]:
     """One token list per prompt; each prompt goes through ``rewrite`` (the
-    ``freetoken_rewrite_prompt`` hook) before ``encode`` tokenizes it."""
-    parts = split_prompt(prompt)
-    if rewrite is not None:
-        parts = [rewrite(part) for part in parts]
-    return [encode(tokenizer, part) if isinstance(part, str) else list(part) for part in parts]
+    ``freetoken_rewrite_prompt`` hook) before ``encode`` tokenizes it (no special tokens
+    added)."""
+    parts = [rewrite(part) for part in split_prompt(prompt)]
+    return [encode(part) if isinstance(part, str) else list(part) for part in parts]
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
