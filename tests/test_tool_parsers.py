@@ -29,20 +29,18 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from freetoken_plugins.tool_calls.json_scan import JsonScanner, JsonSyntaxError
-from freetoken_plugins.tool_calls.parsers import (
+from freetoken_plugins.tool_calls.families import (
     BUILTIN_PARSERS,
     ENTRY_POINT_GROUP,
     Hermes,
     Json,
     Llama3Json,
     Mistral,
-    Parsed,
-    ToolParser,
     available_parsers,
     detect_parser,
-    parse_text,
 )
+from freetoken_plugins.tool_calls.json_scan import JsonScanner, JsonSyntaxError
+from freetoken_plugins.tool_calls.parsers import Parsed, ToolParser, parse_text
 
 Calls = list[tuple[str, str]]
 

@@ -53,13 +53,8 @@ from freetoken_core.processors import (
     ResponseView,
 )
 from freetoken_plugins.tool_calls import prompting
-from freetoken_plugins.tool_calls.parsers import (
-    CallDelta,
-    Parsed,
-    ToolParser,
-    available_parsers,
-    detect_parser,
-)
+from freetoken_plugins.tool_calls.families import available_parsers, detect_parser
+from freetoken_plugins.tool_calls.parsers import CallDelta, Parsed, ToolParser
 
 STATE_KEY = "tool_calls"
 """The plugin's name: its key in ``params.fields`` and ``plugin_state``."""
@@ -127,6 +122,13 @@ class ToolCall(msgspec.Struct, omit_defaults=True):
 class _Options:
     parser: str = "auto"
     max_tools: int = DEFAULT_MAX_TOOLS
+    families: dict[str, type[ToolParser]] = field(default_factory=dict)
+    """The installed parser families, read once (entry points are slow to list)."""
+
+    def parsers(self) -> dict[str, type[ToolParser]]:
+        if not self.families:
+            self.families = available_parsers()
+        return self.families
 
 
 _options = _Options()
@@ -229,7 +231,7 @@ class _RequestState:
 
 
 def _parser_class(tokenizer: Any, mode: str) -> type[ToolParser]:
-    parsers = available_parsers()
+    parsers = _options.parsers()
     if mode == "required":
         return parsers[REQUIRED_PARSER]
     if _options.parser != "auto":
@@ -413,9 +415,11 @@ class ToolCalls(Plugin):
     @hookimpl
     def freetoken_configure(options: dict[str, Any]) -> None:
         name = options.get("tool_calls_parser") or "auto"
-        if name != "auto" and name not in available_parsers():
+        families = available_parsers()
+        if name != "auto" and name not in families:
             raise ValueError(f"--tool-calls-parser {name}: no such family; installed: "
-                             f"{', '.join(sorted(available_parsers()))}")
+                             f"{', '.join(sorted(families))}")
+        _options.families = families
         max_tools = int(options.get("tool_calls_max_tools") or DEFAULT_MAX_TOOLS)
         if max_tools < 1:
             raise ValueError("--tool-calls-max-tools must be at least 1")
