@@ -120,6 +120,18 @@ def run_one(client: openai.OpenAI, model: str, i: int, mode: str, seed: int,
                    content, errors)
 
 
+def guarded(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, or an ``Outcome``/error list naming the exception it raised."""
+    try:
+        return fn(*args)
+    except openai.APIError as exc:
+        if fn is follow_up:
+            return [f"follow-up: {type(exc).__name__}: {exc}"]
+        i, mode, seed, stream = args[2:6]
+        return Outcome(TOOLS[i].name, mode + (" stream" if stream else ""), seed, [], None,
+                       None, [f"{type(exc).__name__}: {exc}"])
+
+
 def follow_up(client: openai.OpenAI, model: str, i: int, max_tokens: int) -> list[str]:
     case = TOOLS[i]
     messages: list[dict[str, Any]] = [{"role": "user", "content": case.ask}]
@@ -127,8 +139,8 @@ def follow_up(client: openai.OpenAI, model: str, i: int, max_tokens: int) -> lis
         model=model, messages=messages, tools=tools_for(i), temperature=0, max_tokens=max_tokens,
         tool_choice={"type": "function", "function": {"name": case.name}})
     message = first.choices[0].message
-    if not message.tool_calls:
-        return ["follow-up: the first answer made no call"]
+    if first.choices[0].finish_reason != "tool_calls":
+        return [f"follow-up: the first answer ended with {first.choices[0].finish_reason}"]
     messages.append(message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id,
                      "content": json.dumps({"status": "ok", "result": 42})})
@@ -180,10 +192,11 @@ def main() -> None:
                 for stream in (False, True)]
         started = time.monotonic()
         with ThreadPoolExecutor(args.concurrency) as pool:
-            outcomes = list(pool.map(lambda job: run_one(client, model, *job, args.max_tokens),
-                                     jobs))
-            follow = list(pool.map(lambda i: follow_up(client, model, i, args.max_tokens),
-                                   range(len(TOOLS))))
+            outcomes = list(pool.map(
+                lambda job: guarded(run_one, client, model, *job, args.max_tokens), jobs))
+            follow = list(pool.map(
+                lambda i: guarded(follow_up, client, model, i, args.max_tokens),
+                range(len(TOOLS))))
         elapsed = time.monotonic() - started
     finally:
         if proc is not None:

@@ -10,7 +10,8 @@ A request, read top to bottom:
 2. ``implies``: ``required`` and a named function are *guaranteed* by the
    structured_outputs plugin: the answer must match a JSON schema (a named function: its
    ``parameters``; ``required``: an array of ``{"name", "parameters"}`` objects, one of the
-   tools each, at most one item when ``parallel_tool_calls`` is false). ``auto`` constrains
+   tools each, at most one item when ``parallel_tool_calls`` is false), written compactly
+   (``disable_any_whitespace``: a small model cannot wander off in whitespace). ``auto`` constrains
    nothing and parses what the model writes.
 3. ``freetoken_chat_template``: the tools reach the prompt through the model's chat
    template, or the generic tool prompt when the template has no tool support
@@ -334,7 +335,8 @@ class ToolCalls(Plugin):
         schema = forced_schema(fields)
         if schema is None:
             return None
-        return Implied("tool_choice", {GRAMMAR_FIELD: {"json": schema}})
+        return Implied("tool_choice", {GRAMMAR_FIELD: {"json": schema,
+                                                       "disable_any_whitespace": True}})
 
     # -- the prompt ----------------------------------------------------------------
 
