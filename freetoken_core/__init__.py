@@ -9,7 +9,9 @@ from freetoken_core.llm import LLM
 from freetoken_core.outputs import CompletionOutput, RequestOutput
 from freetoken_core.processors import (
     AnswerStart,
+    ChatView,
     ChoiceView,
+    Implied,
     LogitsProcessor,
     ModelInfo,
     Plugin,
@@ -27,10 +29,12 @@ from freetoken_core.sampling_params import SamplingParams
 __all__ = [
     "LLM",
     "AnswerStart",
+    "ChatView",
     "ChoiceView",
     "CompletionOutput",
     "EngineConfig",
     "FreeTokenError",
+    "Implied",
     "InvalidRequest",
     "LogitsProcessor",
     "ModelInfo",

@@ -17,7 +17,8 @@ from freetoken_core.errors import FreeTokenError
 
 log = logging.getLogger("freetoken.plugins")
 
-STAGES = ("validate", "rewrite_prompt", "decorate_response", "prepare_request", "add_request",
+STAGES = ("validate", "implies", "rewrite_prompt", "chat_template", "decorate_response",
+          "prepare_request", "add_request",
           "prepare_step", "apply", "update", "accept_tokens", "remove_request", "check_stop",
           "answer_start", "model", "sampler", "engine")
 """Where a request can fail: a plugin's validation and server-side hooks, processor

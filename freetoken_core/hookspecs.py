@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from freetoken_core.processors import (
         AnswerStart,
+        ChatView,
         PromptView,
         RequestView,
         ResponseView,
@@ -50,6 +51,20 @@ def freetoken_rewrite_prompt(prompt: PromptView) -> str | list[int] | None:
     that returns a non-``None`` prompt wins. Return: the new prompt (text or token ids) or
     ``None`` to leave it. Raises: ``InvalidRequest`` (e.g. the model lacks a token the
     layout needs).
+    """
+
+
+@hookspec
+def freetoken_chat_template(chat: ChatView) -> None:
+    """Adapt a chat request's messages and template variables before the model's chat
+    template renders them, in place: give the template a variable it reads (definitions
+    of callable functions), or spell out for a template that lacks one what it cannot
+    render.
+
+    When: per chat request (and ``/tokenize`` with ``messages``, where ``chat.params`` is
+    ``None``), in the server process (offline: never, as ``LLM`` takes prompts), in a
+    worker thread, after validation and before the template. Every enabled plugin runs.
+    Return: nothing. Raises: ``InvalidRequest`` naming the message field at fault.
     """
 
 

@@ -26,6 +26,7 @@ from freetoken_core import hookspecs
 from freetoken_core.errors import FreeTokenError, InvalidRequest, param_of
 from freetoken_core.faults import RequestError, plugin_failure
 from freetoken_core.processors import (
+    ChatView,
     LogitsProcessor,
     ModelInfo,
     Plugin,
@@ -94,6 +95,12 @@ def field_names(cls: type[Plugin]) -> tuple[str, ...]:
     return () if cls.Fields is None else tuple(cls.Fields.__struct_fields__)
 
 
+def message_field_names(cls: type[Plugin]) -> tuple[str, ...]:
+    """The chat request message keys plugin class ``cls`` owns."""
+    fields = cls.ChatMessageFields
+    return () if fields is None else tuple(fields.__struct_fields__)
+
+
 class PluginManager:
     """Owns the pluggy manager for one process; see the module docstring."""
 
@@ -108,6 +115,7 @@ class PluginManager:
         self._broken: set[str] = set()
         self._enabled: dict[str, type[Plugin]] = {}
         self._field_owner: dict[str, str] = {}
+        self._message_field_owner: dict[str, str] = {}
         self.on_failure: Callable[[RequestError], None] | None = None
         """Called with every ``RequestError`` that ``call_isolated`` raises (metrics)."""
 
@@ -167,14 +175,17 @@ class PluginManager:
         pm.hook.freetoken_configure(options=dict(self.options))
 
     def _collect_fields(self) -> None:
-        for name, (_, cls) in sorted(self._installed.items()):
-            for f in field_names(cls):
-                other = self._field_owner.get(f)
-                if other is not None and {other, name} <= set(self._enabled):
-                    raise PluginSelectionError(
-                        f"plugins {other} and {name} both own the request field {f!r}")
-                if other is None or name in self._enabled:
-                    self._field_owner[f] = name
+        for owners, names_of, what in ((self._field_owner, field_names, "request field"),
+                                       (self._message_field_owner, message_field_names,
+                                        "chat message field")):
+            for name, (_, cls) in sorted(self._installed.items()):
+                for f in names_of(cls):
+                    other = owners.get(f)
+                    if other is not None and {other, name} <= set(self._enabled):
+                        raise PluginSelectionError(
+                            f"plugins {other} and {name} both own the {what} {f!r}")
+                    if other is None or name in self._enabled:
+                        owners[f] = name
 
     def add_cli_options(self, parser: argparse.ArgumentParser) -> None:
         """Let every installed plugin add its options (``freetoken_add_cli_options``), each
@@ -254,34 +265,103 @@ class PluginManager:
         ``validate``. Fields no enabled plugin owns, or sent to a ``route`` (``chat``,
         ``completions``; ``None`` offline) the plugin does not serve, are refused; a value
         of the wrong type is a 400 naming the field; a plugin that raises anything but
-        ``InvalidRequest`` → ``RequestError`` naming it."""
-        owners: dict[str, list[str]] = {}
-        for f in params.extra:
+        ``InvalidRequest`` → ``RequestError`` naming it. Then the fields the used plugins
+        imply (``Plugin.implies``) are validated by their owners, with the same checks
+        (the 400 names the implying field); one the client sent too is a 400."""
+        owners: dict[str, dict[str, Any]] = {}
+        for f, value in params.extra.items():
             self.require_field(f)
             owner = self._field_owner[f]
             routes = self._enabled[owner].routes
             if route is not None and route not in routes:
                 raise InvalidRequest(f, f"{f!r} is a field of the "
                                         f"{' and '.join(sorted(routes))} route only")
-            owners.setdefault(owner, []).append(f)
-        validated: dict[str, RequestFields] = {}
-        for name, names in sorted(owners.items()):
-            cls = self._enabled[name]
-            assert cls.Fields is not None
+            owners.setdefault(owner, {})[f] = value
+        validated = {name: self._validated(name, sent, model, params)
+                     for name, sent in sorted(owners.items())}
+        implied: dict[str, dict[str, Any]] = {}
+        implied_by: dict[str, str] = {}
+        for name, fields in sorted(validated.items()):
+            if fields is None:
+                continue
             try:
-                fields = msgspec.convert({f: params.extra[f] for f in names}, cls.Fields)
-            except msgspec.ValidationError as exc:
-                raise InvalidRequest(param_of(exc) or names[0], str(exc)) from None
-            try:
-                if not cls.uses(fields):
-                    continue
-                fields = cls.validate(fields, model, params)
+                found = self._enabled[name].implies(fields, params)
             except FreeTokenError:
                 raise
             except Exception as exc:
-                raise self._failed(name, "validate", exc) from exc
-            validated[name] = fields
-        params.fields = validated
+                raise self._failed(name, "implies", exc) from exc
+            if found is None:
+                continue
+            for f, value in found.fields.items():
+                owner = self._field_owner.get(f)
+                if owner is None or owner not in self._enabled:
+                    raise InvalidRequest(found.by, f"this {found.by} needs the request field "
+                                         f"{f!r}, whose plugin {owner or '(none)'} is not "
+                                         f"enabled")
+                if f in params.extra or f in implied.get(owner, {}):
+                    raise InvalidRequest(f, f"{f!r} cannot be sent with this {found.by}, "
+                                            f"which sets it")
+                implied.setdefault(owner, {})[f] = value
+                implied_by[owner] = found.by
+        for name, fields in sorted(implied.items()):
+            try:
+                validated[name] = self._validated(name, {**owners.get(name, {}), **fields},
+                                                  model, params)
+            except InvalidRequest as exc:
+                by = implied_by[name]
+                raise InvalidRequest(by, f"{by}: {exc.message}") from None
+        params.fields = {name: fields for name, fields in validated.items()
+                         if fields is not None}
+
+    def _validated(self, name: str, sent: dict[str, Any], model: ModelInfo,
+                   params: Any) -> RequestFields | None:
+        """Plugin ``name``'s typed and validated ``Fields`` from the fields ``sent``;
+        ``None`` when the request does not use it."""
+        cls = self._enabled[name]
+        assert cls.Fields is not None
+        try:
+            fields = msgspec.convert(sent, cls.Fields)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(param_of(exc) or next(iter(sent)), str(exc)) from None
+        try:
+            if not cls.uses(fields):
+                return None
+            return cls.validate(fields, model, params)
+        except FreeTokenError:
+            raise
+        except Exception as exc:
+            raise self._failed(name, "validate", exc) from exc
+
+    def message_fields(self, index: int, sent: dict[str, Any]) -> dict[str, Any]:
+        """The keys ``sent`` beyond ``role``/``content``/``name`` in chat message ``index``,
+        typed by their plugins' ``ChatMessageFields`` and back to plain values (``None``
+        dropped); a key no enabled plugin owns, or of the wrong type, is a 400 naming
+        ``messages[index].key``."""
+        self.pm  # noqa: B018 (loads)
+        by_owner: dict[str, dict[str, Any]] = {}
+        for key, value in sent.items():
+            owner = self._message_field_owner.get(key)
+            if owner is None or owner not in self._enabled:
+                hint = "" if owner is None else (f": the plugin {owner!r} handles it; start "
+                                                 f"FreeToken with --plugins including {owner}")
+                raise InvalidRequest(f"messages[{index}].{key}",
+                                     f"unknown message field {key!r}{hint}")
+            by_owner.setdefault(owner, {})[key] = value
+        out: dict[str, Any] = {}
+        for owner, values in sorted(by_owner.items()):
+            fields_cls = self._enabled[owner].ChatMessageFields
+            assert fields_cls is not None
+            try:
+                typed = msgspec.convert(values, fields_cls)
+            except msgspec.ValidationError as exc:
+                param = param_of(exc) or next(iter(values))
+                raise InvalidRequest(f"messages[{index}].{param}", str(exc)) from None
+            out.update({k: v for k, v in msgspec.to_builtins(typed).items() if v is not None})
+        return out
+
+    def prepare_chat(self, view: ChatView) -> None:
+        """Run ``freetoken_chat_template`` on a chat request about to be rendered."""
+        self.call_isolated("freetoken_chat_template", chat=view)
 
     def require_field(self, name: str) -> None:
         """``InvalidRequest`` naming ``name`` unless an enabled plugin owns that field (the
@@ -332,6 +412,7 @@ class PluginManager:
                 kind="processor" if issubclass(cls, LogitsProcessor) else "hooks",
                 description=doc[0] if doc else "",
                 hooks=_hook_names(cls),
-                fields=list(field_names(cls)),
+                fields=list(field_names(cls)) + [f"messages[].{f}"
+                                                 for f in message_field_names(cls)],
             ))
         return infos

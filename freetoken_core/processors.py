@@ -15,6 +15,14 @@ A plugin ships one class, named by its entry point in the ``freetoken.plugins`` 
 - ``MessageFields`` / ``UsageFields``: response fields the plugin sets (``ResponseFields``
   structs); the server adds them to its chat messages and deltas / to ``usage``, and to
   the schema, without knowing their names.
+- ``ChatMessageFields``: keys a chat *request* message may carry beyond ``role``,
+  ``content`` and ``name`` (a ``RequestFields`` struct: an assistant's earlier tool calls);
+  checked by type (a 400 naming ``messages[i].key``) and handed to the chat template with
+  the message.
+- ``implies(fields, params)``: request fields of *other* plugins that this request sets
+  (``Implied``): a tool choice that must be a call asks the grammar plugin for the call's
+  JSON schema. The owner validates them as if the client had sent them; a client that
+  sent one of them too gets a 400.
 - ``validate(fields, model, params)``: the checks a type cannot say (a token id within
   the vocabulary, a bound that depends on ``max_tokens``); raise ``InvalidRequest`` naming
   the field, or return the fields to keep (normalised). ``params`` is the request being
@@ -22,7 +30,7 @@ A plugin ships one class, named by its entry point in the ``freetoken.plugins`` 
   engine receives the validated fields as a typed message and does not call it again.
 - hooks: static or class methods named ``freetoken_*`` and marked ``@hookimpl``
   (``freetoken_core.hookspecs`` lists them) for what is not a processor: prompt rewriting,
-  stop rules, response decoration, command-line options.
+  chat template inputs, stop rules, response decoration, command-line options.
 
 ``LogitsProcessor(Plugin)`` adds per-slot state in the engine. The engine gives every
 running sequence a slot in ``[0, max_num_slots)`` and owns the mapping from batch rows to
@@ -182,6 +190,34 @@ class AnswerStart:
     open_token_id: int | None = None
 
 
+@dataclass(frozen=True)
+class Implied:
+    """Request fields one plugin sets for others (``Plugin.implies``): ``fields`` maps each
+    field to its value, as a client would send it; ``by`` is the request field of the
+    implying plugin that a 400 names (a conflict, a disabled owner)."""
+
+    by: str
+    fields: dict[str, Any]
+
+
+@dataclass
+class ChatView:
+    """A chat request about to be rendered (``freetoken_chat_template``).
+
+    ``messages`` are the dicts the template receives (``role``, ``content``, ``name`` and
+    the ``ChatMessageFields`` keys the client sent), and ``variables`` the extra template
+    variables (``chat_template_kwargs``); change both in place. ``template`` is the chat
+    template's source (``""`` when the model has none), ``tokenizer`` the model's.
+    ``params`` is the validated request (``params.fields``: the plugins it uses); ``None``
+    on ``/tokenize``, which renders messages without sampling parameters."""
+
+    messages: list[dict[str, Any]]
+    variables: dict[str, Any]
+    template: str
+    tokenizer: Any
+    params: SamplingParams | None
+
+
 class ResponseFields(msgspec.Struct, kw_only=True):
     """Base of a plugin's ``MessageFields`` / ``UsageFields``: response fields the server
     adds to its chat messages and stream deltas / to ``usage``, and to the OpenAPI schema.
@@ -193,8 +229,11 @@ class ResponseFields(msgspec.Struct, kw_only=True):
 class ChoiceView:
     """One choice of a response or stream chunk, as ``freetoken_decorate_response`` sees
     it. ``text`` is the choice's text (chat: the message or delta ``content``; ``None`` in a
-    chunk that has none): assign it to change what is sent. ``message`` is the chat message
-    or delta, on which a plugin sets its ``MessageFields`` (``None`` on completions)."""
+    chunk that has none, or a message whose content a plugin set to ``null``): assign it
+    to change what is sent. ``finish_reason`` is set on the choice's last chunk (and on a
+    whole response); assign it to report another reason (a call was made). ``message`` is
+    the chat message or delta, on which a plugin sets its ``MessageFields`` (``None`` on
+    completions)."""
 
     index: int
     text: str | None
@@ -230,6 +269,8 @@ class Plugin:
     Fields: ClassVar[type[RequestFields] | None] = None
     MessageFields: ClassVar[type[ResponseFields] | None] = None
     """Fields added to every chat message and stream delta (say, a message's thinking)."""
+    ChatMessageFields: ClassVar[type[RequestFields] | None] = None
+    """Keys a chat request message may carry (say, an assistant's earlier tool calls)."""
     UsageFields: ClassVar[type[ResponseFields] | None] = None
     """Fields added to ``usage`` (say, a count of some kind of output token)."""
     name: ClassVar[str] = ""
@@ -249,6 +290,12 @@ class Plugin:
     def validate(cls, fields: Any, model: ModelInfo, params: SamplingParams) -> Any:
         """Raise ``InvalidRequest`` for a value no type can refuse; return the fields."""
         return fields
+
+    @classmethod
+    def implies(cls, fields: Any, params: SamplingParams) -> Implied | None:
+        """Request fields of other plugins that a request with these (validated) fields
+        sets; ``None``: none."""
+        return None
 
 
 class LogitsProcessor(Plugin):
@@ -304,12 +351,15 @@ def check_plugin_class(cls: object) -> None:
         raise TypeError(f"{cls!r} is not a freetoken_core.Plugin subclass")
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
-    if cls.Fields is not None:
-        if not (isinstance(cls.Fields, type) and issubclass(cls.Fields, RequestFields)):
-            raise TypeError(f"{cls.__name__}.Fields must subclass freetoken_core.RequestFields")
-        missing = [f.name for f in msgspec.structs.fields(cls.Fields) if f.required]
+    for attr in ("Fields", "ChatMessageFields"):
+        value = getattr(cls, attr)
+        if value is None:
+            continue
+        if not (isinstance(value, type) and issubclass(value, RequestFields)):
+            raise TypeError(f"{cls.__name__}.{attr} must subclass freetoken_core.RequestFields")
+        missing = [f.name for f in msgspec.structs.fields(value) if f.required]
         if missing:
-            raise TypeError(f"{cls.__name__}.Fields: {', '.join(missing)} need a default")
+            raise TypeError(f"{cls.__name__}.{attr}: {', '.join(missing)} need a default")
     for attr in ("MessageFields", "UsageFields"):
         value = getattr(cls, attr)
         if value is not None and not (isinstance(value, type)

@@ -82,7 +82,7 @@ def _wait_idle(srv: Server, timeout: float = 10.0) -> dict:
         time.sleep(0.05)
 
 
-FAULTS = ["validate", "add_request", "apply", "update", "check_stop"]
+FAULTS = ["validate", "implies", "add_request", "apply", "update", "check_stop"]
 
 
 def test_a_raising_plugin_fails_only_its_requests(server: Server) -> None:
@@ -115,6 +115,21 @@ def test_a_raising_plugin_fails_only_its_requests(server: Server) -> None:
         assert f'freetoken_request_failures_total{{stage="{stage}",plugin="faulty"}} 2' \
             in metrics, metrics
     assert server.http.get("/health").status_code == 200
+
+
+def test_a_raising_chat_template_hook_fails_only_its_request(server: Server) -> None:
+    messages = [{"role": "user", "content": "Hello"}]
+    for stream in (False, True):
+        r = server.http.post("/v1/chat/completions", json={
+            "messages": messages, "max_tokens": 4, "fail_at": "chat_template", "stream": stream})
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+        assert error["code"] == "plugin_error" and "chat_template" in error["message"], error
+    plain = server.http.post("/v1/chat/completions", json={"messages": messages,
+                                                           "max_tokens": 4})
+    assert plain.status_code == 200, plain.text
+    assert 'freetoken_request_failures_total{stage="chat_template",plugin="faulty"} 2' \
+        in server.http.get("/metrics").text
 
 
 def test_a_row_whose_logits_become_nan_fails_instead_of_emitting(server: Server) -> None:

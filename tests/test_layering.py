@@ -99,10 +99,11 @@ def _built_in_names() -> set[str]:
         module, _, attr = target.partition(":")
         cls = getattr(importlib.import_module(module), attr)
         assert issubclass(cls, Plugin)
-        for fields in (cls.Fields, cls.MessageFields, cls.UsageFields):
+        for fields in (cls.Fields, cls.ChatMessageFields, cls.MessageFields, cls.UsageFields):
             if fields is not None:
                 names.update(fields.__struct_encode_fields__)
-                names.update(_nested_field_names(fields))
+        if cls.UsageFields is not None:
+            names.update(_nested_field_names(cls.UsageFields))
     return names
 
 
@@ -134,7 +135,8 @@ def test_core_names_no_built_in_plugin_or_field() -> None:
     names = _built_in_names()
     # Sanity: the scan looks for what it should (a scan for nothing passes anything).
     assert {"penalties", "logit_bias", "suffix", "reasoning_content", "response_format",
-            "structured_outputs", "min_p"} <= names, names
+            "structured_outputs", "min_p", "tools", "tool_choice", "tool_call_id",
+            "reasoning_tokens"} <= names, names
     pattern = re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(map(re.escape, sorted(names)))
                          + r")(?![A-Za-z0-9_])", re.IGNORECASE)
     hits = []

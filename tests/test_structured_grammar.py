@@ -149,6 +149,8 @@ def test_parse_constraint_kinds() -> None:
     assert parse_constraint({"type": "text"}, vllm_defaults) == Constraint("regex", "[a-z]+")
     assert parse_constraint(None, {"choice": ["a", "é"]}) == Constraint("choice", '["a", "é"]')
     assert parse_constraint(None, {"grammar": ARITHMETIC}) == Constraint("grammar", ARITHMETIC)
+    compact = parse_constraint(None, {"json": schema, "disable_any_whitespace": True})
+    assert compact == Constraint("json", from_format.spec, compact=True) != from_format
 
 
 JS = "response_format.json_schema"
@@ -181,7 +183,9 @@ JS = "response_format.json_schema"
     (None, {"json": "{not json"}, "structured_outputs.json"),
     (None, {"json": "[1]"}, "structured_outputs.json"),
     (None, {"json_object": "yes"}, "structured_outputs.json_object"),
-    (None, {"json": {}, "disable_any_whitespace": True},
+    (None, {"regex": "a", "disable_any_whitespace": True},
+     "structured_outputs.disable_any_whitespace"),
+    (None, {"json": {}, "disable_any_whitespace": "yes"},
      "structured_outputs.disable_any_whitespace"),
     (None, {"regexp": "a"}, "structured_outputs.regexp"),
     ({"type": "json_object"}, {"regex": "a"}, "structured_outputs"),
@@ -309,6 +313,30 @@ def test_length_bounded_string(backend: GrammarBackend, tokenizer: Any,
     raw_controls = [tokenizer.encode(chr(byte))[0] for byte in (0, 7, 9, 27)]
     assert not allowed[raw_controls].any(), "a raw control character is allowed"
     assert all(bounded.accept(token) for token in tokenizer.encode('\\t"'))
+
+
+def test_compact_json_allows_no_free_whitespace(backend: GrammarBackend,
+                                                tokenizer: Any) -> None:
+    """``disable_any_whitespace``: no newline or run of spaces anywhere in the document (a
+    backend may keep one space after ``:`` and ``,``); without it a newline may follow
+    ``{``."""
+    schema = {"type": "object", "required": ["a", "b"],
+              "properties": {"a": {"type": "integer"},
+                             "b": {"type": "array", "items": {"type": "integer"}}}}
+    text = '{"a":1,"b":[2,3]}' if backend.name == "llguidance" else '{"a": 1, "b": [2, 3]}'
+    document = tokenizer.encode(text, add_special_tokens=False)
+    loose = open_matcher(backend, "json", json.dumps(schema))
+    walk(loose, document[:1])
+    newline_ids = [i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])]
+    assert allowed_ids(loose)[newline_ids].any()
+    spaces = [i for i in range(len(tokenizer))
+              if "\n" in tokenizer.decode([i]) or "  " in tokenizer.decode([i])]
+    compiled = backend.compile(Constraint("json", json.dumps(schema), compact=True))
+    matcher = backend.matcher(compiled)
+    for token in document:
+        assert not allowed_ids(matcher)[spaces].any()
+        walk(matcher, [token])
+    assert matcher.is_terminated() or allowed_ids(matcher)[sorted(backend.vocab.eos_ids)].all()
 
 
 def test_special_tokens_are_never_allowed(backend: GrammarBackend, tokenizer: Any) -> None:

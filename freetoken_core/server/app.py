@@ -152,8 +152,8 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
 
     @post(["/tokenize", "/v1/tokenize"], status_code=200)
     async def tokenize(request: Request) -> p.TokenizeResponse:
-        body, _ = parse_body(await request.body(), p.TokenizeRequest)
-        tokenizer, _, model_info = serving.require_ready(body.model)
+        body, extra = parse_body(await request.body(), p.TokenizeRequest)
+        tokenizer, plugins, model_info = serving.require_ready(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("prompt", "give exactly one of prompt and messages")
         limits, pool = config.limits, serving.tokenizer_pool
@@ -167,7 +167,8 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
                 text = render_chat(tokenizer, body.messages,
                                    add_generation_prompt=body.add_generation_prompt,
                                    continue_final_message=body.continue_final_message,
-                                   chat_template_kwargs=body.chat_template_kwargs)
+                                   chat_template_kwargs=body.chat_template_kwargs,
+                                   plugins=plugins, extras=extra.get("messages"))
                 limits.check_prompt_chars(len(text), "messages")
                 return pool.encode(tokenizer, text)
         else:

@@ -107,12 +107,13 @@ def _decorate(plugins: PluginManager, response: Any, gen: Generation, chat: bool
         "chat" if chat else "completions", is_chunk, views, response.usage, gen.params,
         gen.prompts, gen.tokenizer, gen.token_ids, gen.plugin_state))
     for view, c in zip(views, response.choices):
+        c.finish_reason = view.finish_reason
         if not chat:
             c.text = view.text or ""
         elif is_chunk:
             c.delta.content = view.text
         else:
-            c.message.content = view.text or ""
+            c.message.content = view.text
 
 
 def _prompt_texts(tokenizer: Any, prompt: str | list[Any],
@@ -129,6 +130,7 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
     """Serve one generation request; the response object or an ``ServerSentEvent``."""
     cls = p.ChatCompletionRequest if chat else p.CompletionRequest
     body, extra = parse_body(await request.body(), cls)
+    message_extras = extra.pop("messages", None)
     tokenizer, plugins, model_info = serving.require_ready(body.model)
     limits, pool = serving.config.limits, serving.tokenizer_pool
     limits.check_stop(body.stop)
@@ -144,7 +146,8 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
             text = render_chat(tokenizer, body.messages,
                                add_generation_prompt=body.add_generation_prompt,
                                continue_final_message=body.continue_final_message,
-                               chat_template_kwargs=body.chat_template_kwargs)
+                               chat_template_kwargs=body.chat_template_kwargs,
+                               plugins=plugins, params=params, extras=message_extras)
             limits.check_prompt_chars(len(text), "messages")
             return [pool.encode(tokenizer, text)]
 

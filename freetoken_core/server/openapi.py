@@ -11,6 +11,7 @@ keeps undeclared fields as plugin fields), so Litestar sees no body type there.
   routes answer ``text/event-stream`` as well when ``stream`` is true;
 - the request fields the enabled plugins own, with the JSON Schema of their types (each
   plugin's ``Fields``), on the routes the plugin serves, each described with its plugin,
+  and the chat message keys they own (``ChatMessageFields``),
   and the accepted-without-effect ``IGNORED_FIELDS``; any other field is a 400, so the generation
   requests are closed (``additionalProperties: false``);
 - ``model`` as the one name served (another is a 404);
@@ -163,6 +164,17 @@ def _request_schemas(model_name: str, plugins: dict[str, type[Plugin]]) -> dict[
                                           "description": f"{text} {note}" if text else note}
         # Any other field is a 400 naming it (PluginManager.require_field).
         schema["additionalProperties"] = False
+    message = components[p.ChatMessage.__name__]
+    for name, cls in sorted(plugins.items()):
+        if cls.ChatMessageFields is None:
+            continue
+        note = f"Owned by the plugin `{name}` (see docs/openai_api.md)."
+        for field_name, field_schema in _plugin_properties(cls.ChatMessageFields,
+                                                           components).items():
+            text = field_schema.get("description")
+            message["properties"][field_name] = {
+                **field_schema, "description": f"{text} {note}" if text else note}
+    message["additionalProperties"] = False  # another key is a 400 naming it
     for name, cls in sorted(plugins.items()):
         for attr, targets in (("MessageFields", (p.ResponseMessage, p.DeltaMessage)),
                               ("UsageFields", (p.Usage,))):

@@ -20,7 +20,7 @@ from freetoken_core.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS
 
 S = TypeVar("S", bound=msgspec.Struct)
 
-IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
+IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier"})
 """Accepted and without effect on generation (as in OpenAI's own server for these)."""
 
 MAX_N = 16
@@ -58,10 +58,6 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     """Prefix-cache isolation: only requests with the same salt share cached blocks."""
-    # Declared so that they are refused by name until they are implemented.
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -75,9 +71,10 @@ class CompletionRequest(_Sampling, kw_only=True):
     best_of: int | None = None
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    """A chat message. Unknown keys (``tool_calls``, ``tool_call_id``, …) are a 400: tools are
-    not supported, and a key the template never sees must not be dropped silently."""
+class ChatMessage(msgspec.Struct):
+    """A chat message. Other keys are the enabled plugins' (``Plugin.ChatMessageFields``:
+    an assistant's earlier tool calls, a tool result's call id); ``parse_body`` keeps them
+    beside the message, and a key no enabled plugin owns is a 400 naming it."""
 
     role: str
     content: str | list[Any] | None = None
@@ -190,9 +187,10 @@ class CompletionResponse(msgspec.Struct):
 
 
 class ResponseMessage(msgspec.Struct):
-    """Plugins add fields (``MessageFields``): see ``ResponseTypes``."""
+    """Plugins add fields (``MessageFields``): see ``ResponseTypes``. ``content`` is
+    ``null`` only when a plugin says so (a message that is all tool calls)."""
 
-    content: str
+    content: str | None
     role: str = "assistant"
 
 

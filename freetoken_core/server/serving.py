@@ -17,7 +17,7 @@ import msgspec
 from freetoken_core.engine.core import effective_max_tokens
 from freetoken_core.errors import InvalidRequest, param_of
 from freetoken_core.plugins import PluginManager
-from freetoken_core.processors import ModelInfo
+from freetoken_core.processors import ChatView, ModelInfo
 from freetoken_core.sampling_params import SamplingParams
 from freetoken_core.server.protocol import (
     IGNORED_FIELDS,
@@ -44,11 +44,26 @@ def _out_of_range_field(body: bytes) -> str | None:
     return None
 
 
+_MESSAGE_KEYS = frozenset(ChatMessage.__struct_fields__)
+
+
+def message_extras(request: Any, raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per message of ``request`` (a chat or tokenize request decoded from ``raw``), the
+    keys it carries beyond ``ChatMessage``'s (plugin message fields, still unchecked)."""
+    messages = getattr(request, "messages", None)
+    if not messages:
+        return []
+    return [{k: v for k, v in m.items() if k not in _MESSAGE_KEYS}
+            for m in raw["messages"]]
+
+
 def parse_body(body: bytes, cls: type[T]) -> tuple[T, dict[str, Any]]:
     """Decode ``body`` as ``cls``; return it and the fields ``cls`` does not declare (minus
     ``IGNORED_FIELDS``). Raises ``InvalidRequest`` for bad JSON, types or constraints,
     including a number no float64 (or a 4,300-digit integer) holds, named by its field, and
-    nesting deeper than the decoder recurses (about 1,000 levels)."""
+    nesting deeper than the decoder recurses (about 1,000 levels). The keys of each chat
+    message beyond ``ChatMessage``'s are kept in ``extra["messages"]`` (one dict per
+    message; ``messages`` is never a plugin field), for ``render_chat``."""
     try:
         raw = msgspec.json.decode(body)
     except msgspec.ValidationError:  # well-formed JSON, but a number out of range
@@ -69,16 +84,15 @@ def parse_body(body: bytes, cls: type[T]) -> tuple[T, dict[str, Any]]:
         raise InvalidRequest(None, "the request body is nested too deeply") from None
     declared = set(cls.__struct_fields__)
     extra = {k: v for k, v in raw.items() if k not in declared and k not in IGNORED_FIELDS}
+    extras = message_extras(request, raw)
+    if any(extras):
+        extra["messages"] = extras
     return request, extra
 
 
 def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
     """400 for OpenAI fields this server does not implement yet, rather than ignore them."""
-    unsupported = {
-        "tools": bool(request.tools),
-        "functions": bool(request.functions),
-        "tool_choice": request.tool_choice not in (None, "none"),
-    }
+    unsupported: dict[str, bool] = {}
     if isinstance(request, CompletionRequest):
         unsupported["top_logprobs"] = request.top_logprobs is not None
         unsupported["best_of"] = request.best_of not in (None, 1)
@@ -105,7 +119,8 @@ def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> N
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: dict[str, Any],
                     plugins: PluginManager, model: ModelInfo) -> SamplingParams:
-    """Validated ``SamplingParams``; undeclared fields go to the plugins (or a 400)."""
+    """Validated ``SamplingParams``; undeclared fields go to the plugins (or a 400).
+    ``extra`` is ``parse_body``'s, without ``messages`` (``render_chat`` reads that)."""
     _refuse_unsupported(request)
     max_tokens = request.max_completion_tokens or request.max_tokens
     if isinstance(request, CompletionRequest):
@@ -157,8 +172,10 @@ def completion_prompts(prompt: str | list[Any],
     return [encode(part) if isinstance(part, str) else list(part) for part in parts]
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them; text parts of a content list joined."""
+def chat_messages(messages: list[ChatMessage],
+                  extras: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them; text parts of a content list joined;
+    ``extras[i]`` (plugin message fields, already typed) joins message ``i``."""
     rendered = []
     for i, message in enumerate(messages):
         content = message.content
@@ -174,6 +191,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         entry = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if extras:
+            entry.update(extras[i])
         rendered.append(entry)
     return rendered
 
@@ -185,9 +204,9 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
     "continue_final_message", "chat_template", "return_dict", "return_tensors", "padding",
     "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
     "sanitize_control_tokens",
-    # Template inputs with a meaning of their own: tools and documents are refused as
-    # request fields, so they must not come in through the back door either.
-    "tools", "documents", "functions", "tool_choice",
+    # A template input with a meaning of its own that no request field sets. (Request
+    # fields, plugin fields included, are refused too: see ``render_chat``.)
+    "documents",
     # Globals of the template environment.
     "raise_exception", "strftime_now", "dict", "namespace",
     # Filled from the tokenizer's special tokens.
@@ -198,21 +217,40 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 
 def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_prompt: bool,
                 continue_final_message: bool = False,
-                chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                chat_template_kwargs: dict[str, Any] | None = None,
+                plugins: PluginManager | None = None, params: SamplingParams | None = None,
+                extras: list[dict[str, Any]] | None = None) -> str:
     """The chat prompt text. ``continue_final_message`` leaves the last message, which must
     be the assistant's, open for the model to continue. ``chat_template_kwargs`` become
     template variables; a key that would change how the template is applied (rather than
-    what it renders) is a 400, as is a template that fails on these messages."""
-    kwargs = chat_template_kwargs or {}
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-    if reserved:
+    what it renders), or that is a request field of an enabled plugin, is a 400, as is a
+    template that fails on these messages. ``extras`` are the messages' plugin keys
+    (``parse_body``'s ``extra["messages"]``), checked here by ``plugins``, whose
+    ``freetoken_chat_template`` hooks then adapt messages and variables for the template
+    (``params``: the validated request; ``None`` on ``/tokenize``)."""
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = _RESERVED_TEMPLATE_KWARGS | (set(plugins.field_owners()) if plugins else set())
+    refused = sorted(reserved & kwargs.keys())
+    if refused:
         raise InvalidRequest("chat_template_kwargs",
-                             f"chat_template_kwargs cannot set {', '.join(reserved)}")
+                             f"chat_template_kwargs cannot set {', '.join(refused)}")
     if continue_final_message and messages[-1].role != "assistant":
         raise InvalidRequest("continue_final_message", "continue_final_message needs the "
                              "last message to be the assistant's")
+    typed: list[dict[str, Any]] | None = None
+    if extras and any(extras):
+        if plugins is None:
+            key = next(k for e in extras for k in e)
+            raise InvalidRequest(f"messages[{next(i for i, e in enumerate(extras) if e)}]."
+                                 f"{key}", f"unknown message field {key!r}")
+        typed = [plugins.message_fields(i, e) if e else {} for i, e in enumerate(extras)]
+    rendered = chat_messages(messages, typed)
+    if plugins is not None:
+        plugins.prepare_chat(ChatView(rendered, kwargs,
+                                      getattr(tokenizer, "chat_template", None) or "",
+                                      tokenizer, params))
     try:
-        return apply_chat_template(tokenizer, chat_messages(messages),
+        return apply_chat_template(tokenizer, rendered,
                                    add_generation_prompt=add_generation_prompt,
                                    continue_final_message=continue_final_message, **kwargs)
     except (jinja2.TemplateError, ValueError, TypeError) as exc:

@@ -1,7 +1,7 @@
 """Compile constraints off the caller's thread, once per distinct constraint, within a time.
 
 ``GrammarCompiler`` wraps a ``GrammarBackend`` with a thread pool and an LRU cache keyed by
-``(kind, spec)``. The cache holds futures, so a constraint is compiled once however many
+the ``Constraint`` (kind, spec and options). The cache holds futures, so a constraint is compiled once however many
 requests ask for it at the same time, and an invalid one is refused from the cache without
 compiling again. Both outcomes count toward the same bound (``cache_entries``); a compile
 that failed for another reason than an invalid constraint (a library bug, memory) is not
@@ -35,7 +35,7 @@ DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_CACHE_ENTRIES = 256
 """Compiled (or refused) constraints kept; the least recently used goes first."""
 
-_Key = tuple[str, str]
+_Key = Constraint
 
 
 class GrammarCompiler:
@@ -63,7 +63,7 @@ class GrammarCompiler:
         """The future of ``constraint``'s compiled grammar: the cached one, or a new compile.
         An invalid constraint's future raises ``InvalidRequest`` with ``param`` None;
         ``compile`` names the field."""
-        key = (constraint.kind, constraint.spec)
+        key = constraint
         with self._lock:
             future = self._cache.get(key)
             if future is not None:

@@ -7,9 +7,10 @@ Two request fields say it, OpenAI's and vLLM's:
   "strict", "description"}}``;
 * ``structured_outputs`` (vLLM's extra field): an object with exactly one of ``json`` (a
   schema, as an object or its JSON text), ``regex``, ``choice`` (a non-empty list of
-  strings), ``grammar`` (Lark text) or ``json_object: true``. vLLM's tuning keys
-  (``disable_any_whitespace`` ...) are refused when set, never silently ignored: an ignored
-  key would change what the client gets without telling it.
+  strings), ``grammar`` (Lark text) or ``json_object: true``; and, with ``json`` or
+  ``json_object``, ``disable_any_whitespace: true`` (compact JSON: no whitespace beyond the
+  backend's fixed separators). vLLM's other tuning keys are refused when set, never
+  silently ignored: an ignored key would change what the client gets without telling it.
 
 A request may use one of the two, not both. Every failure is an ``InvalidRequest`` whose
 ``param`` is the exact field (``response_format.json_schema.name``, ``structured_outputs.regex``).
@@ -47,7 +48,8 @@ ANY_JSON_OBJECT = '{"type":"object"}'
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _KINDS: tuple[str, ...] = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's StructuredOutputsParams fields that tune a constraint rather than state one.
-_UNSUPPORTED = ("disable_any_whitespace", "disable_additional_properties",
+_TUNING = ("disable_any_whitespace",)
+_UNSUPPORTED = ("disable_additional_properties",
                 "whitespace_pattern", "structural_tag", "disable_fallback", "_backend")
 
 
@@ -63,6 +65,8 @@ class Constraint:
 
     kind: ConstraintKind
     spec: str
+    compact: bool = False
+    """JSON only: no free whitespace (``disable_any_whitespace``)."""
 
 
 def parse_constraint(response_format: Any, structured_outputs: Any,
@@ -119,7 +123,7 @@ def _from_structured_outputs(value: Any, max_chars: int) -> Constraint | None:
         raise InvalidRequest("structured_outputs", "structured_outputs must be an object")
     for key, item in value.items():
         # vLLM sends every field; its defaults (null, false) mean "not set".
-        if key not in _KINDS and item not in (None, False):
+        if key not in _KINDS and key not in _TUNING and item not in (None, False):
             reason = "is not supported" if key in _UNSUPPORTED else "is not a known field"
             raise InvalidRequest(f"structured_outputs.{key}", f"structured_outputs.{key} {reason}"
                                  f"; set exactly one of {', '.join(_KINDS)}")
@@ -129,10 +133,18 @@ def _from_structured_outputs(value: Any, max_chars: int) -> Constraint | None:
                              f"{', '.join(_KINDS)}, got {len(chosen)}")
     key = chosen[0]
     param, item = f"structured_outputs.{key}", value[key]
+    compact = value.get("disable_any_whitespace")
+    if compact not in (None, False, True):
+        raise InvalidRequest("structured_outputs.disable_any_whitespace",
+                             "structured_outputs.disable_any_whitespace must be a boolean")
+    if compact and key not in ("json", "json_object"):
+        raise InvalidRequest("structured_outputs.disable_any_whitespace",
+                             "structured_outputs.disable_any_whitespace applies to json and "
+                             "json_object only")
     if key == "json_object":
         if item is not True:
             raise InvalidRequest(param, f"{param} must be true or absent")
-        return Constraint("json", ANY_JSON_OBJECT)
+        return Constraint("json", ANY_JSON_OBJECT, bool(compact))
     if key == "json":
         if isinstance(item, str):
             _limited(item, param, max_chars)
@@ -140,7 +152,7 @@ def _from_structured_outputs(value: Any, max_chars: int) -> Constraint | None:
                 item = json.loads(item)
             except ValueError as exc:
                 raise InvalidRequest(param, f"{param} is not valid JSON: {exc}") from None
-        return Constraint("json", _schema_spec(item, param, max_chars))
+        return Constraint("json", _schema_spec(item, param, max_chars), bool(compact))
     if key == "choice":
         if (not isinstance(item, list) or not item
                 or not all(isinstance(choice, str) for choice in item)):

@@ -42,7 +42,9 @@ class LLGuidanceBackend(GrammarBackend):
     def compile(self, constraint: Constraint, param: str | None = None) -> CompiledGrammar:
         if constraint.kind == "json":
             try:
-                grammar = LLMatcher.grammar_from_json_schema(constraint.spec)
+                grammar = LLMatcher.grammar_from_json_schema(
+                    constraint.spec,
+                    overrides={"whitespace_flexible": False} if constraint.compact else None)
             except ValueError as exc:
                 raise invalid(param, constraint, str(exc)) from None
         elif constraint.kind == "regex":

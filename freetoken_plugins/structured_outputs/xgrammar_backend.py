@@ -45,7 +45,7 @@ class XGrammarBackend(GrammarBackend):
             if constraint.kind == "json":
                 # strict_mode=False: undeclared properties follow the schema, as in llguidance.
                 compiled = self._compiler.compile_json_schema(
-                    constraint.spec, any_whitespace=True, strict_mode=False)
+                    constraint.spec, any_whitespace=not constraint.compact, strict_mode=False)
             elif constraint.kind == "regex":
                 compiled = self._compiler.compile_regex(constraint.spec)
             elif constraint.kind == "grammar":

@@ -4,9 +4,10 @@ Tests install it for one server process only (``tests/test_fault_isolation.py`` 
 directory and a generated ``.dist-info`` naming ``freetoken_faulty:Faulty`` on that
 process's ``PYTHONPATH``). Its fields:
 
-* ``fail_at``: the stage whose code raises for this request: ``validate``,
-  ``add_request``, ``apply``, ``update`` or ``check_stop``; or ``nan``, which turns the
-  request's logits into NaN (the engine must fail it instead of emitting a token).
+* ``fail_at``: the stage whose code raises for this request: ``validate``, ``implies``,
+  ``chat_template`` (chat requests), ``add_request``, ``apply``, ``update`` or
+  ``check_stop``; or ``nan``, which turns the request's logits into NaN (the engine must
+  fail it instead of emitting a token).
 * ``slow_step_s``: ``apply`` sleeps this long every step while the request runs (to hold a
   request in the engine while a test disconnects from it).
 
@@ -24,6 +25,8 @@ import torch
 
 from freetoken_core import hookimpl
 from freetoken_core.processors import (
+    ChatView,
+    Implied,
     LogitsProcessor,
     ModelInfo,
     ProcessorContext,
@@ -33,7 +36,8 @@ from freetoken_core.processors import (
     StopView,
 )
 
-Mode = Literal["validate", "add_request", "apply", "update", "check_stop", "nan"]
+Mode = Literal["validate", "implies", "chat_template", "add_request", "apply", "update",
+               "check_stop", "nan"]
 
 
 class Faulty(LogitsProcessor):
@@ -54,6 +58,19 @@ class Faulty(LogitsProcessor):
         if fields.fail_at == "validate":
             raise RuntimeError("faulty validate")
         return fields
+
+    @classmethod
+    def implies(cls, fields: Fields, params: Any) -> Implied | None:
+        if fields.fail_at == "implies":
+            raise RuntimeError("faulty implies")
+        return None
+
+    @staticmethod
+    @hookimpl
+    def freetoken_chat_template(chat: ChatView) -> None:
+        fields = None if chat.params is None else chat.params.fields.get("faulty")
+        if fields is not None and fields.fail_at == "chat_template":
+            raise RuntimeError("faulty chat_template")
 
     def add_request(self, slot: int, request: RequestView) -> None:
         fields = request.fields
