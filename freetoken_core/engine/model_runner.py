@@ -1,4 +1,5 @@
-"""The one owner of tensors and the device: KV cache, model forward, sampling."""
+"""The one owner of tensors and the device: KV cache, model forward, sampling, prompt
+logprobs."""
 
 from __future__ import annotations
 
@@ -14,11 +15,10 @@ from freetoken_core.models.attention import AttentionMetadata
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.outputs import PromptLogprobs
 
-
 PROMPT_LOGPROBS_ROWS = 256
-"""Prompt positions whose logits are computed at once for prompt logprobs: a step's extra
-memory is at most this many rows × the vocabulary in float32 (48 MiB for a 49,152-token
-vocabulary), whatever the size of its prefill chunks."""
+"""Prompt positions whose logits are computed at once for prompt logprobs, so a step's extra
+memory is a small multiple of this many rows × the vocabulary in float32 (256 × 49,152
+floats are 48 MiB), whatever the size of its prefill chunks."""
 
 
 @dataclass
@@ -45,9 +45,9 @@ class _Scoring:
 
     def add(self, seq: Sequence, first_row: int, start: int, num: int) -> None:
         """Score ``seq``'s prompt positions among the ``num`` it computes from ``start``
-        (flat row ``first_row``): those not scored yet, up to the last but one."""
-        if seq.prompt_logprobs is None:
-            return
+        (flat row ``first_row``): those not scored yet, up to the last but one. ``seq``
+        collects prompt logprobs."""
+        assert seq.prompt_logprobs is not None
         lo = max(start, len(seq.prompt_logprobs))
         hi = min(start + num, seq.num_prompt_tokens - 1)
         if lo < hi:
@@ -90,7 +90,8 @@ class ModelRunner:
         scoring = _Scoring()
         for seq, num in zip(seqs, counts):
             start = seq.num_computed_tokens
-            scoring.add(seq, len(input_ids), start, num)
+            if seq.prompt_logprobs is not None:
+                scoring.add(seq, len(input_ids), start, num)
             input_ids.extend(seq.token_ids[start:start + num])
             positions.extend(range(start, start + num))
             if start + num == seq.num_tokens:
@@ -125,7 +126,7 @@ class ModelRunner:
                                 device=self.device)
             targets = torch.tensor(scoring.targets[i:i + PROMPT_LOGPROBS_ROWS],
                                    dtype=torch.long, device=self.device).unsqueeze(1)
-            lp = self.model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)
+            lp = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)  # float32
             chosen = lp.gather(1, targets)
             scored.logprobs.extend(chosen.squeeze(1).tolist())
             scored.ranks.extend(((lp > chosen).sum(dim=-1) + 1).tolist())

@@ -115,7 +115,7 @@ def _check_scoring(request: CompletionRequest | ChatCompletionRequest) -> None:
                              "prompt's logprobs)")
 
 
-def prompt_logprobs_of(request: CompletionRequest | ChatCompletionRequest) -> int | None:
+def engine_prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
     """The alternatives per prompt position the engine computes: ``prompt_logprobs``, and on
     completions with ``echo`` the ``logprobs`` of the echoed prompt tokens (the larger)."""
     wanted = [request.prompt_logprobs]
@@ -145,7 +145,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: d
         ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs_of(request), cache_salt=request.cache_salt, **extra)
+        prompt_logprobs=engine_prompt_logprobs(request), cache_salt=request.cache_salt, **extra)
     params.verify(model)
     plugins.validate(params, model,
                      "completions" if isinstance(request, CompletionRequest) else "chat")
