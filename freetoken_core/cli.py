@@ -65,6 +65,8 @@ def _add_limit_options(serve: argparse.ArgumentParser) -> None:
          "characters of prompt text, before tokenization"),
         ("--max-cache-salt-chars", "max_cache_salt_chars", d.max_cache_salt_chars,
          "characters of cache_salt"),
+        ("--max-prompt-logprobs", "max_prompt_logprobs", d.max_prompt_logprobs,
+         "prompt-logprob entries: prompt tokens × (alternatives + 1) × n"),
         ("--max-body-bytes", "max_body_bytes", d.max_body_bytes, "bytes of request body"),
         ("--tokenizer-threads", "num_tokenizer_threads", d.num_tokenizer_threads,
          "worker threads that tokenize and render chat templates (not a per-request limit)"),

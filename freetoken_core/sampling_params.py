@@ -81,6 +81,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -147,8 +148,8 @@ class SamplingParams:
                      "size)",
         )
         _require(
-            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-            "max_tokens", "max_tokens must be an integer >= 1",
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 0),
+            "max_tokens", "max_tokens must be an integer >= 0 (0: only compute the prompt)",
         )
         _require(
             self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
@@ -164,6 +165,11 @@ class SamplingParams:
             "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}]",
         )
         _require(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+        )
+        _require(
             self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
             "cache_salt", "cache_salt must be a non-empty string",
         )
@@ -172,12 +178,16 @@ class SamplingParams:
 
     def verify(self, model: ModelInfo) -> None:
         """Raise ``InvalidRequest`` for a core field the served model cannot honour:
-        ``top_k`` above the vocabulary size, or more ``logprobs`` than it has tokens."""
+        ``top_k`` above the vocabulary size, or more ``logprobs`` or ``prompt_logprobs`` than
+        it has tokens."""
         vocab = model.vocab_size
         _require(self.top_k <= vocab, "top_k",
                  f"top_k must be -1 (disabled) or in [1, {vocab}] (the vocabulary size)")
         _require(self.logprobs is None or self.logprobs <= vocab, "logprobs",
                  f"logprobs must be at most {vocab} (the vocabulary size)")
+        _require(self.prompt_logprobs is None or self.prompt_logprobs <= vocab,
+                 "prompt_logprobs",
+                 f"prompt_logprobs must be at most {vocab} (the vocabulary size)")
 
     @property
     def is_greedy(self) -> bool:

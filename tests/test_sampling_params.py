@@ -29,7 +29,7 @@ BAD_VALUES = [
     ("top_p", math.inf), ("top_p", "0.9"), ("top_p", None), ("top_p", 10**400),
     ("top_k", 0), ("top_k", -2), ("top_k", 2.0), ("top_k", "5"), ("top_k", None),
     ("top_k", True), ("top_k", 2**63), ("top_k", 10**400),
-    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", "16"),
+    ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", "16"),
     ("max_tokens", True),
     ("seed", 1.0), ("seed", 1.5), ("seed", True), ("seed", False), ("seed", "42"),
     ("seed", 2**63), ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 10**400),
@@ -37,6 +37,8 @@ BAD_VALUES = [
     ("stop", ""), ("stop", [""]), ("stop", ["ok", ""]), ("stop", [5]), ("stop", ["a", None]),
     ("stop", 5), ("stop", 1.5), ("stop", b"x"),
     ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", 1.0), ("logprobs", "3"),
+    ("prompt_logprobs", -1), ("prompt_logprobs", MAX_LOGPROBS + 1), ("prompt_logprobs", 1.0),
+    ("prompt_logprobs", True),
 ]
 
 
@@ -62,10 +64,11 @@ GOOD_VALUES = [
     ("temperature", GREEDY_TEMPERATURE), ("temperature", 0.5),
     ("top_p", 1), ("top_p", 1.0), ("top_p", 1e-9), ("top_p", 0.5), ("top_p", 5e-324),
     ("top_k", -1), ("top_k", 1), ("top_k", 100_000), ("top_k", INT64_MAX),
-    ("max_tokens", None), ("max_tokens", 1), ("max_tokens", 1_000_000),
+    ("max_tokens", None), ("max_tokens", 0), ("max_tokens", 1), ("max_tokens", 1_000_000),
     ("seed", None), ("seed", 0), ("seed", -1), ("seed", INT64_MAX), ("seed", INT64_MIN),
     ("stop", []), ("stop", ["a", "bc"]), ("stop", ("x", "y")),
     ("logprobs", None), ("logprobs", 0), ("logprobs", MAX_LOGPROBS),
+    ("prompt_logprobs", None), ("prompt_logprobs", 0), ("prompt_logprobs", MAX_LOGPROBS),
 ]
 
 

@@ -202,7 +202,6 @@ def test_min_tokens_forces_length(server: Server) -> None:
     ("/v1/completions", {"prompt": "x", "presence_penalty": 5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
      "stream_options"),

@@ -141,12 +141,6 @@ def test_invalid_extras_are_400_naming_the_field(server: Server, path: str, body
     _bad(server, path, body, param)
 
 
-def test_echo_with_logprobs_says_why(server: Server) -> None:
-    message = _bad(server, "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1},
-                   "echo")
-    assert "prompt" in message and "logprobs" in message
-
-
 # -- echo -------------------------------------------------------------------------------
 
 

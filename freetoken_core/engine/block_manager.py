@@ -113,15 +113,15 @@ class BlockManager:
         return _digest(_SALT_DOMAIN, salt.encode("utf-8", "surrogatepass"))
 
     def _match_prefix(self, seq: Sequence) -> list[BlockKey]:
-        """Keys of cached blocks that hold ``seq``'s leading tokens, leaving >= 1 token to
-        compute."""
+        """Keys of cached blocks that hold ``seq``'s leading tokens, up to its
+        ``num_cacheable_tokens`` (so >= 1 token is left to compute)."""
         if not self.enable_prefix_caching:
             return []
         salt = seq.params.cache_salt
         parent: BlockKey | None = None
         parent_digest = self._root(salt)
         keys = []
-        for i in range((seq.num_tokens - 1) // self.block_size):
+        for i in range(seq.num_cacheable_tokens // self.block_size):
             tokens = self._packed(seq, i)
             key = self._cached.get(_digest(parent_digest, tokens))
             if key is None or not key.holds(parent, tokens, salt):

@@ -22,7 +22,7 @@ from freetoken_core.engine.scheduler import ScheduledBatch, Scheduler
 from freetoken_core.engine.sequence import Sequence
 from freetoken_core.errors import CONTEXT_LENGTH_EXCEEDED, FreeTokenError, InvalidRequest
 from freetoken_core.faults import RequestError, plugin_failure
-from freetoken_core.outputs import TokenLogprobs
+from freetoken_core.outputs import PromptLogprobs, TokenLogprobs
 from freetoken_core.plugins import StopHook
 from freetoken_core.processors import StopView
 from freetoken_core.sampling_params import SamplingParams
@@ -49,7 +49,10 @@ def effective_max_tokens(num_prompt_tokens: int, params: SamplingParams,
                          max_model_len: int) -> int:
     """``params.max_tokens``, or the room left in the context when it is ``None``; raises
     ``InvalidRequest`` (naming ``prompt`` or ``max_tokens``, code
-    ``context_length_exceeded`` as OpenAI answers both) when the request cannot fit."""
+    ``context_length_exceeded`` as OpenAI answers both) when the request cannot fit. A
+    request that generates nothing (``max_tokens == 0``) may fill the whole context."""
+    if params.max_tokens == 0 and num_prompt_tokens <= max_model_len:
+        return 0
     if num_prompt_tokens >= max_model_len:
         raise InvalidRequest(
             "prompt", f"the prompt has {num_prompt_tokens} tokens but the model's context "
@@ -67,15 +70,21 @@ def effective_max_tokens(num_prompt_tokens: int, params: SamplingParams,
 
 @dataclass
 class SeqUpdate:
-    """What one sequence did in one step: the token it drew and whether it finished."""
+    """What one sequence did in one step: the token it drew and whether it finished.
+
+    ``token_id`` is ``None`` only in the one update of a choice that generates nothing
+    (``max_tokens == 0``, finished with ``"length"``). ``prompt_logprobs`` comes once per
+    request that asked for them, on the first update of its first choice, which precedes
+    the first update of every other choice of the request (see ``Scheduler``)."""
 
     request_id: str
     index: int
-    token_id: int
+    token_id: int | None
     logprobs: TokenLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
     num_cached_tokens: int
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class EngineCore:
@@ -143,6 +152,8 @@ class EngineCore:
                      max_tokens, index=i, is_chat=is_chat)
             for i in range(params.n)
         ]
+        if params.prompt_logprobs is not None:
+            seqs[0].prompt_logprobs = PromptLogprobs()  # the choices share the prompt
         futures = (self.pipeline.prepare_request(request_id, params, prompt_token_ids, is_chat)
                    if self.pipeline else {})
         if futures:
@@ -257,6 +268,9 @@ class EngineCore:
             self._fail_processor_slots()
             return []
         self.scheduler.advance(batch)
+        for seq, scored in result.prompt_logprobs:
+            if seq.prompt_logprobs is not None:
+                seq.prompt_logprobs.extend(scored)
         self._fail_processor_slots()
         for seq, token in zip(result.seqs, result.output.token_ids):
             if token == INVALID_TOKEN:
@@ -271,7 +285,7 @@ class EngineCore:
                                              [t for _, t, _ in live])
                  if self.pipeline else set())
         self._fail_processor_slots()
-        updates = []
+        updates = [self._prefilled(seq) for seq in result.prefilled if not seq.is_finished]
         for row, (seq, token, logprobs) in enumerate(live):
             if seq.is_finished:
                 continue  # failed by a stop hook or a processor
@@ -283,10 +297,20 @@ class EngineCore:
                 self._check_stop(seq, token)
             updates.append(SeqUpdate(
                 seq.request_id, seq.index, token, logprobs,
-                seq.finish_reason, seq.stop_reason, seq.num_cached_tokens))
+                seq.finish_reason, seq.stop_reason, seq.num_cached_tokens,
+                _hand_off_prompt_logprobs(seq)))
             if seq.is_finished:
                 self._forget_if_done(seq.request_id)
         return updates
+
+    def _prefilled(self, seq: Sequence) -> SeqUpdate:
+        """End a sequence that generates nothing, now that its prompt is computed."""
+        self.scheduler.finish(seq, "length")
+        update = SeqUpdate(seq.request_id, seq.index, None, None, seq.finish_reason,
+                           seq.stop_reason, seq.num_cached_tokens,
+                           _hand_off_prompt_logprobs(seq))
+        self._forget_if_done(seq.request_id)
+        return update
 
     def _live(self, batch: ScheduledBatch) -> ScheduledBatch:
         """``batch`` without the sequences whose admission failed (their requests fail)."""
@@ -351,6 +375,17 @@ class EngineCore:
             self.scheduler.finish(seq, "stop")
         elif seq.num_output_tokens >= seq.max_tokens:
             self.scheduler.finish(seq, "length")
+
+
+def _hand_off_prompt_logprobs(seq: Sequence) -> PromptLogprobs | None:
+    """``seq``'s prompt logprobs once its whole prompt is scored (then it keeps none, so a
+    later recompute scores nothing and may use the prefix cache); ``None`` before that and
+    for a sequence that collects none."""
+    scored = seq.prompt_logprobs
+    if scored is None or seq.num_computed_tokens < seq.num_prompt_tokens:
+        return None
+    seq.prompt_logprobs = None
+    return scored
 
 
 def _result(name: str, future: Future) -> object:

@@ -1,8 +1,9 @@
-"""The one owner of tensors and the device: KV cache, model forward, sampling."""
+"""The one owner of tensors and the device: KV cache, model forward, sampling, prompt
+logprobs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,18 +13,53 @@ from freetoken_core.engine.scheduler import ScheduledBatch
 from freetoken_core.engine.sequence import Sequence
 from freetoken_core.models.attention import AttentionMetadata
 from freetoken_core.models.llama import LlamaForCausalLM
+from freetoken_core.outputs import PromptLogprobs
+
+PROMPT_LOGPROBS_ROWS = 256
+"""Prompt positions whose logits are computed at once for prompt logprobs, so a step's extra
+memory is a small multiple of this many rows × the vocabulary in float32 (256 × 49,152
+floats are 48 MiB), whatever the size of its prefill chunks."""
 
 
 @dataclass
 class StepResult:
-    """The sequences that reached the end of their tokens this step and what they drew."""
+    """The sequences that reached the end of their tokens this step and what they drew;
+    ``prefilled``: those that reached it but generate nothing (``max_tokens == 0``), so drew
+    nothing; ``prompt_logprobs``: the logprobs of the prompt positions this step scored,
+    per sequence that collects them (``Sequence.prompt_logprobs``)."""
 
     seqs: list[Sequence]
     output: SamplerOutput
+    prefilled: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[tuple[Sequence, PromptLogprobs]] = field(default_factory=list)
+
+
+@dataclass
+class _Scoring:
+    """The prompt positions a step scores: flat rows of the step's hidden states, the prompt
+    token each row predicts, and how many rows each scoring sequence has, in order."""
+
+    rows: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    seqs: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    def add(self, seq: Sequence, first_row: int, start: int, num: int) -> None:
+        """Score ``seq``'s prompt positions among the ``num`` it computes from ``start``
+        (flat row ``first_row``): those not scored yet, up to the last but one. ``seq``
+        collects prompt logprobs."""
+        assert seq.prompt_logprobs is not None
+        lo = max(start, len(seq.prompt_logprobs))
+        hi = min(start + num, seq.num_prompt_tokens - 1)
+        if lo < hi:
+            self.rows.extend(range(first_row + lo - start, first_row + hi - start))
+            self.targets.extend(seq.token_ids[lo + 1:hi + 1])
+            self.seqs.append((seq, hi - lo))
 
 
 class ModelRunner:
-    """Builds a step's flat inputs from the scheduled batch, runs the model, samples."""
+    """Builds a step's flat inputs from the scheduled batch, runs the model, samples, and
+    scores the prompt positions of the sequences that collect prompt logprobs (and only
+    theirs: a step without them computes logits for the sampled rows alone)."""
 
     def __init__(self, model: LlamaForCausalLM, num_kv_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device,
@@ -50,13 +86,20 @@ class ModelRunner:
         positions: list[int] = []
         sample_rows: list[int] = []
         sampling: list[Sequence] = []
+        prefilled: list[Sequence] = []
+        scoring = _Scoring()
         for seq, num in zip(seqs, counts):
             start = seq.num_computed_tokens
+            if seq.prompt_logprobs is not None:
+                scoring.add(seq, len(input_ids), start, num)
             input_ids.extend(seq.token_ids[start:start + num])
             positions.extend(range(start, start + num))
             if start + num == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sampling.append(seq)
+                if seq.max_tokens == 0:
+                    prefilled.append(seq)
+                else:
+                    sample_rows.append(len(input_ids) - 1)
+                    sampling.append(seq)
         meta = AttentionMetadata.build(
             [s.block_table for s in seqs],
             [s.num_computed_tokens + n for s, n in zip(seqs, counts)],
@@ -64,9 +107,42 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model.forward(ids, pos, self.kv_caches, meta)
+        prompt_logprobs = self._score_prompts(hidden, scoring) if scoring.seqs else []
         if not sampling:
-            return StepResult([], SamplerOutput([], []))
+            return StepResult([], SamplerOutput([], []), prefilled, prompt_logprobs)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         output = self.sampler(logits, SamplingBatch.from_seqs(sampling, self.device))
-        return StepResult(sampling, output)
+        return StepResult(sampling, output, prefilled, prompt_logprobs)
+
+    def _score_prompts(self, hidden: torch.Tensor, scoring: _Scoring
+                       ) -> list[tuple[Sequence, PromptLogprobs]]:
+        """Logprob, rank and top alternatives of each scored row's next prompt token, from
+        float32 log-softmax over ``PROMPT_LOGPROBS_ROWS`` rows at a time."""
+        num_top = max(seq.params.prompt_logprobs or 0 for seq, _ in scoring.seqs)
+        scored = PromptLogprobs()
+        for i in range(0, len(scoring.rows), PROMPT_LOGPROBS_ROWS):
+            rows = torch.tensor(scoring.rows[i:i + PROMPT_LOGPROBS_ROWS], dtype=torch.long,
+                                device=self.device)
+            targets = torch.tensor(scoring.targets[i:i + PROMPT_LOGPROBS_ROWS],
+                                   dtype=torch.long, device=self.device).unsqueeze(1)
+            lp = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)  # float32
+            chosen = lp.gather(1, targets)
+            scored.logprobs.extend(chosen.squeeze(1).tolist())
+            scored.ranks.extend(((lp > chosen).sum(dim=-1) + 1).tolist())
+            if num_top:
+                values, top_ids = lp.topk(num_top, dim=-1)
+                scored.top_ids.extend(top_ids.tolist())
+                scored.top_logprobs.extend(values.tolist())
+            else:
+                scored.top_ids.extend([] for _ in range(len(rows)))
+                scored.top_logprobs.extend([] for _ in range(len(rows)))
+        out, offset = [], 0
+        for seq, num in scoring.seqs:
+            end, width = offset + num, seq.params.prompt_logprobs or 0
+            out.append((seq, PromptLogprobs(
+                scored.logprobs[offset:end], scored.ranks[offset:end],
+                [ids[:width] for ids in scored.top_ids[offset:end]],
+                [values[:width] for values in scored.top_logprobs[offset:end]])))
+            offset = end
+        return out

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from freetoken_core.engine.core import SeqUpdate
-from freetoken_core.outputs import CompletionOutput, RequestOutput
+from freetoken_core.outputs import CompletionOutput, RequestOutput, prompt_logprob_dicts
 from freetoken_core.sampling_params import SamplingParams
 from freetoken_core.tokenizer import IncrementalDetokenizer
 
@@ -154,6 +154,7 @@ class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, tokenizer: Any) -> None:
         self.params = params
+        self.tokenizer = tokenizer
         matcher = StopMatcher(params.stop)
         self.texts = [ChoiceText(tokenizer, prompt_token_ids, params, matcher)
                       for _ in range(params.n)]
@@ -168,6 +169,12 @@ class RequestState:
         text = self.texts[update.index]
         self.output.num_cached_tokens = max(self.output.num_cached_tokens,
                                             update.num_cached_tokens)
+        if update.prompt_logprobs is not None:
+            self.output.prompt_logprobs = prompt_logprob_dicts(
+                self.output.prompt_token_ids, update.prompt_logprobs, self._decode_alone)
+        if update.token_id is None:  # a choice that generates nothing ends here
+            choice.finish_reason, choice.stop_reason = update.finish_reason, update.stop_reason
+            return None
         choice.token_ids.append(update.token_id)
         if choice.logprobs is not None and update.logprobs is not None:
             choice.logprobs.append(update.logprobs)
@@ -178,6 +185,9 @@ class RequestState:
             choice.finish_reason, choice.stop_reason = update.finish_reason, update.stop_reason
         choice.text = text.released
         return matched
+
+    def _decode_alone(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def fail(self, message: str) -> None:
         """The engine failed the request: every open choice ends with ``"error"``."""

@@ -30,6 +30,7 @@ import msgspec
 from freetoken_core.config import EngineConfig
 from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.faults import RequestError
+from freetoken_core.outputs import PromptLogprobs
 from freetoken_core.processors import RequestFields
 from freetoken_core.sampling_params import SamplingParams
 
@@ -88,16 +89,19 @@ class LoadFailed(msgspec.Struct, tag=True):
 class Update(msgspec.Struct, array_like=True):
     """One sequence's step: the ``SeqUpdate`` fields the server needs. ``logprob`` and
     ``top_logprobs`` (``(token_id, logprob)``, most likely first) are set only when the
-    request asked for ``SamplingParams.logprobs``."""
+    request asked for ``SamplingParams.logprobs``. ``token_id`` is ``None`` when the choice
+    generates nothing (``max_tokens == 0``); ``prompt_logprobs`` comes once per request, as
+    ``SeqUpdate`` says."""
 
     request_id: str
     index: int
-    token_id: int
+    token_id: int | None
     finish_reason: str | None
     stop_reason: int | str | None
     num_cached_tokens: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class StepUpdates(msgspec.Struct, tag=True):
@@ -244,7 +248,7 @@ def _wire_update(u: SeqUpdate) -> Update:
     lp = u.logprobs
     return Update(u.request_id, u.index, u.token_id, u.finish_reason, u.stop_reason,
                   u.num_cached_tokens, None if lp is None else lp.logprob,
-                  None if lp is None else lp.top)
+                  None if lp is None else lp.top, u.prompt_logprobs)
 
 
 def run_engine_process(config: EngineConfig, conn_in: Connection, conn_out: Connection) -> None:

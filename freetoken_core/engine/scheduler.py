@@ -81,8 +81,9 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``. Raises ``ValueError`` when its prompt plus ``max_tokens`` cannot
         fit in the whole KV cache: it could never run, and would preempt itself forever."""
-        # The last sampled token is never computed, hence the - 1.
-        needed = seq.num_prompt_tokens + seq.max_tokens - 1
+        # The last sampled token is never computed, hence the - 1 (a request that generates
+        # nothing computes its whole prompt).
+        needed = seq.num_prompt_tokens + max(seq.max_tokens - 1, 0)
         if needed > self.block_manager.num_slots:
             raise ValueError(
                 f"sequence of request {seq.request_id!r} needs {needed} KV slots but the "
@@ -121,7 +122,9 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.index > 0 and self._prompt_in_progress(seq.request_id):
                 # A later choice of a request waits until the first one has computed the
-                # shared prompt, so it is served from the prefix cache instead of recomputed.
+                # shared prompt, so it is served from the prefix cache instead of recomputed
+                # (and the first choice's first update, which carries the prompt's logprobs,
+                # comes before any other choice's).
                 return
             num = self.block_manager.allocate(seq, budget)
             if num is None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from freetoken_core.outputs import PromptLogprobs
 from freetoken_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,6 +48,12 @@ class Sequence:
     blocks in order and ``block_keys`` the prefix-cache keys of the content of its leading
     full blocks (a key may name another block holding the same tokens); both are owned by
     the block manager. ``params.cache_salt`` keys the prefix cache apart for this request.
+
+    ``prompt_logprobs`` collects the prompt's logprobs while the prompt is computed, on the
+    first choice of a request that asked for them (``None`` otherwise, and once the engine
+    handed them on). Its length is the number of prompt positions already scored, so a
+    recompute after preemption scores only the rest, and the prefix cache never serves a
+    position still to be scored (``num_cacheable_tokens``).
     """
 
     seq_id: int
@@ -71,6 +78,7 @@ class Sequence:
     """The prompt came from the chat route (processors may treat chat answers apart)."""
     prepared: dict[str, Any] = field(default_factory=dict)
     """Results of the processors' ``prepare_request``, by processor name."""
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +95,15 @@ class Sequence:
     def output_view(self) -> TokenSlice:
         """The generated tokens without a copy (a stop hook reads them every step)."""
         return TokenSlice(self.token_ids, self.num_prompt_tokens)
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """Leading tokens the prefix cache may serve: never the last one (it is computed to
+        sample the next token), nor a prompt position whose logprob is still to be scored
+        (its hidden state is needed)."""
+        if self.prompt_logprobs is None:
+            return self.num_tokens - 1
+        return min(self.num_tokens - 1, len(self.prompt_logprobs))
 
     @property
     def num_uncomputed_tokens(self) -> int:

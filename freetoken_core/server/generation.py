@@ -11,11 +11,13 @@ from typing import Any
 
 from freetoken_core.engine.client import EngineClient
 from freetoken_core.engine.output_processor import ChoiceText, StopMatcher
+from freetoken_core.outputs import PromptLogprobs
 from freetoken_core.sampling_params import SamplingParams
 from freetoken_core.server.protocol import PromptTokensDetails, Usage
 
-LogprobEntry = tuple[int, float, list[tuple[int, float]]]
-"""``(token_id, logprob, [(alternative_id, logprob), ...])`` of one generated token."""
+LogprobEntry = tuple[int, float | None, list[tuple[int, float]] | None]
+"""``(token_id, logprob, [(alternative_id, logprob), ...])`` of one token; ``logprob`` and
+the alternatives are ``None`` only for the first token of an echoed prompt."""
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Generation:
     plugin_state: dict[str, Any] = field(default_factory=dict)
     _choices: list[list[_Choice]] = field(init=False)
     _num_cached: list[int] = field(init=False)
+    _prompt_logprobs: list[PromptLogprobs | None] = field(init=False)
 
     def __post_init__(self) -> None:
         if self.matcher is None:
@@ -81,6 +84,7 @@ class Generation:
         self._choices = [[_Choice(ChoiceText(self.tokenizer, ids, self.params, matcher))
                           for _ in range(self.params.n)] for ids in self.prompts]
         self._num_cached = [0] * len(self.prompts)
+        self._prompt_logprobs = [None] * len(self.prompts)
 
     def _engine_id(self, prompt_index: int) -> str:
         return f"{self.request_id}-{prompt_index}"
@@ -98,16 +102,21 @@ class Generation:
         try:
             async for update in updates:
                 p = index_of[update.request_id]
+                if update.prompt_logprobs is not None:
+                    self._prompt_logprobs[p] = update.prompt_logprobs
                 choice = self._choices[p][update.index]
                 if choice.finish_reason is not None:
                     continue  # a token drawn before the engine saw our stop_sequence
                 self._num_cached[p] = max(self._num_cached[p], update.num_cached_tokens)
-                choice.num_tokens += 1
-                choice.token_ids.append(update.token_id)
-                if wants_logprobs and update.logprob is not None:
-                    choice.logprobs.append((update.token_id, update.logprob,
-                                            [tuple(t) for t in update.top_logprobs or []]))
-                matched = choice.text.add(update.token_id, update.finish_reason is not None)
+                matched = None
+                if update.token_id is not None:  # None: the choice generates nothing
+                    choice.num_tokens += 1
+                    choice.token_ids.append(update.token_id)
+                    if wants_logprobs and update.logprob is not None:
+                        choice.logprobs.append((update.token_id, update.logprob,
+                                                [tuple(t) for t in update.top_logprobs or []]))
+                    matched = choice.text.add(update.token_id,
+                                              update.finish_reason is not None)
                 if matched is not None:
                     choice.finish_reason, choice.stop_reason = "stop", matched
                     if update.finish_reason is None:
@@ -136,6 +145,12 @@ class Generation:
             finally:
                 if self.on_done is not None:
                     self.on_done(self)
+
+    def prompt_logprobs(self, prompt_index: int) -> PromptLogprobs | None:
+        """The engine's logprobs of prompt ``prompt_index`` when ``params.prompt_logprobs``
+        asked for them: set by the first update of the prompt's first choice, so before any
+        delta of any of the prompt's choices is yielded."""
+        return self._prompt_logprobs[prompt_index]
 
     def token_ids(self, index: int) -> list[int]:
         """The tokens choice ``index`` generated so far (the caller must not change them)."""

@@ -58,6 +58,10 @@ class RequestLimits:
     max_cache_salt_chars: int = 1024
     """Characters of ``cache_salt`` (``--max-cache-salt-chars``); it is hashed once per
     admitted sequence."""
+    max_prompt_logprobs: int = 1_048_576
+    """Prompt-logprob entries one request may ask for: its prompt tokens × (alternatives
+    + 1) × ``n`` (``--max-prompt-logprobs``), counted after tokenization. Each entry is
+    about 60 bytes of JSON, so the default bounds that part of a response near 64 MB."""
     max_body_bytes: int = 16_777_216
     """Bytes in one request body; a larger body is a 413 (``--max-body-bytes``)."""
     num_tokenizer_threads: int = 4
@@ -111,6 +115,16 @@ class RequestLimits:
             raise InvalidRequest(param, f"the prompt text has {num_chars} characters, above "
                                         f"the {self.max_prompt_chars} allowed before "
                                         f"tokenization")
+
+    def check_prompt_logprobs(self, num_prompt_tokens: int, n: int, num_top: int,
+                              param: str) -> None:
+        """400 ``param`` when ``num_prompt_tokens × (num_top + 1) × n`` prompt-logprob entries
+        are above ``max_prompt_logprobs``."""
+        num = num_prompt_tokens * (num_top + 1) * n
+        if num > self.max_prompt_logprobs:
+            raise InvalidRequest(param, f"{param} asks for {num_prompt_tokens} prompt tokens × "
+                                        f"{num_top + 1} logprobs × n={n} = {num} entries, above "
+                                        f"the {self.max_prompt_logprobs} allowed in one request")
 
     def check_messages(self, messages: list[Any]) -> int:
         """The characters of the messages' text; 400 ``messages`` when they are above

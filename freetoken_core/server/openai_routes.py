@@ -22,9 +22,9 @@ from freetoken_core.errors import FreeTokenError
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ChoiceView, PromptView, ResponseView
 from freetoken_core.server import protocol as p
-from freetoken_core.server.generation import ChoiceDelta, Generation
+from freetoken_core.server.generation import ChoiceDelta, Generation, LogprobEntry
 from freetoken_core.server.limits import count_prompts
-from freetoken_core.server.logprobs import LogprobFormatter
+from freetoken_core.server.logprobs import LogprobFormatter, echo_entries
 from freetoken_core.server.serving import (
     check_fits,
     completion_prompts,
@@ -165,6 +165,10 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
         prompts = await pool.run(completion_prompts, body.prompt, rewrite,
                                  partial(pool.encode, tokenizer))
     await pool.run(check_fits, prompts, params, model_info, "messages" if chat else "prompt")
+    if params.prompt_logprobs is not None:
+        limits.check_prompt_logprobs(
+            sum(map(len, prompts)), params.n, params.prompt_logprobs,
+            "logprobs" if body.prompt_logprobs is None else "prompt_logprobs")
     gen = Generation(serving.client, tokenizer, prompts, params,
                      on_done=serving.metrics.record, is_chat=chat,
                      matcher=await pool.run(StopMatcher, params.stop))
@@ -178,6 +182,19 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
     if isinstance(body, p.CompletionRequest) and body.echo:
         echoes = [t for t in await pool.run(_prompt_texts, tokenizer, body.prompt, prompts)
                   for _ in range(params.n)]
+    # With echo and logprobs the prompt's tokens lead each choice's logprobs, from the
+    # prompt logprobs that come with the first update of its prompt (before any delta).
+    echo_num_top = body.logprobs if echoes and body.logprobs is not None else None
+    echoed: set[int] = set()
+
+    def echo_entries_of(index: int) -> list[LogprobEntry]:
+        prompt_index = index // params.n
+        return echo_entries(prompts[prompt_index], gen.prompt_logprobs(prompt_index),
+                            echo_num_top)
+
+    def prompt_logprobs_of(prompt_index: int) -> p.PromptLogprobsList:
+        return fmt.prompt(prompts[prompt_index], gen.prompt_logprobs(prompt_index),
+                          body.prompt_logprobs)
     types = serving.response_types
     decorates = plugins.decorates_responses()
 
@@ -199,9 +216,13 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
             return decorated(p.CompletionResponse(rid, created, name, choices, usage))
 
         def choice(d: ChoiceDelta) -> Any:
+            text, entries = d.text, d.logprobs
+            if echo_num_top is not None and d.index not in echoed:  # echo in its first chunk
+                echoed.add(d.index)
+                text, entries = echoes[d.index] + text, echo_entries_of(d.index) + entries
             return p.CompletionChoice(
-                d.index, d.text, d.finish_reason, d.stop_reason,
-                None if d.logprobs is None else fmt.completion(d.index, d.logprobs))
+                d.index, text, d.finish_reason, d.stop_reason,
+                None if entries is None else fmt.completion(d.index, entries))
 
     deltas = gen.deltas()
     if body.stream:
@@ -219,7 +240,8 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
             opening = [p.ChatChunkChoice(i, types.delta(role="assistant", content=""))
                        for i in range(num_choices)]
         else:
-            opening = [p.CompletionChoice(i, text) for i, text in enumerate(echoes)]
+            opening = [p.CompletionChoice(i, text) for i, text in enumerate(echoes)
+                       if echo_num_top is None]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return ServerSentEvent(_stream(gen, first, deltas, chunk, choice,
                                        include_usage, opening, types.usage))
@@ -233,13 +255,22 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
         choices = [p.ChatChoice(i, types.message(t), *finishes[i],
                                 None if logprobs[i] is None else fmt.chat(logprobs[i]))
                    for i, t in enumerate(gen.texts())]
-        return decorated(p.ChatCompletionResponse(rid, created, name, choices,
-                                                  gen.usage(types.usage)), is_chunk=False)
+        response = p.ChatCompletionResponse(rid, created, name, choices,
+                                            gen.usage(types.usage))
+        if body.prompt_logprobs is not None:
+            response.prompt_logprobs = prompt_logprobs_of(0)
+        return decorated(response, is_chunk=False)
     texts = gen.texts()
     if echoes:
         texts = [e + t for e, t in zip(echoes, texts)]
+    if echo_num_top is not None:
+        logprobs = [echo_entries_of(i) + (entries or []) for i, entries in enumerate(logprobs)]
     choices = [p.CompletionChoice(i, t, *finishes[i],
                                   None if logprobs[i] is None else fmt.completion(i, logprobs[i]))
                for i, t in enumerate(texts)]
+    if body.prompt_logprobs is not None:
+        scored = [prompt_logprobs_of(i) for i in range(len(prompts))]
+        for c in choices:
+            c.prompt_logprobs = scored[c.index // params.n]
     return decorated(p.CompletionResponse(rid, created, name, choices,
                                           gen.usage(types.usage)), is_chunk=False)

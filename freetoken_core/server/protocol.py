@@ -28,6 +28,9 @@ MAX_N = 16
 Temperature = Annotated[float, Meta(ge=0, le=2)]
 TopP = Annotated[float, Meta(gt=0, le=1)]
 PositiveInt = Annotated[int, Meta(ge=1)]
+NumTokens = Annotated[int, Meta(ge=0)]
+"""``max_tokens``: 0 only to score the prompt (``echo`` or ``prompt_logprobs``), checked
+by the routes."""
 ChoiceCount = Annotated[int, Meta(ge=1, le=MAX_N)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
@@ -43,8 +46,8 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     """Fields shared by both generation routes (core ``SamplingParams`` fields)."""
 
     model: str | None = None
-    max_tokens: PositiveInt | None = None
-    max_completion_tokens: PositiveInt | None = None
+    max_tokens: NumTokens | None = None
+    max_completion_tokens: NumTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
@@ -58,6 +61,8 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     """Prefix-cache isolation: only requests with the same salt share cached blocks."""
+    prompt_logprobs: NumLogprobs | None = None
+    """vLLM's extra: the prompt tokens' logprobs, ranks and this many alternatives."""
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -140,13 +145,29 @@ class Usage(msgspec.Struct):
 
 
 class CompletionLogprobs(msgspec.Struct):
-    """The completions shape: one entry per generated token in each list; ``text_offset``
-    is the token's character offset in the choice's text."""
+    """The completions shape: one entry per generated token in each list (with ``echo``,
+    per prompt token first); ``text_offset`` is the token's character offset in the
+    choice's text. The first token of an echoed prompt has no logprob: ``null`` in
+    ``token_logprobs`` and ``top_logprobs``, as in OpenAI's legacy API."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptTokenLogprob(msgspec.Struct):
+    """One token at one prompt position, as vLLM's ``Logprob``: ``rank`` 1 is the most
+    likely token there; ``decoded_token`` is the token's text decoded alone."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobsList = list[dict[str, PromptTokenLogprob] | None]
+"""vLLM's ``prompt_logprobs``: ``null`` for the first prompt token, then per prompt token
+the token and the asked-for alternatives, keyed by token id (as a string)."""
 
 
 class TopLogprob(msgspec.Struct):
@@ -174,6 +195,8 @@ class CompletionChoice(msgspec.Struct):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobsList | msgspec.UnsetType = msgspec.UNSET
+    """Present only when the request asked for ``prompt_logprobs``."""
 
 
 class CompletionResponse(msgspec.Struct):
@@ -210,6 +233,8 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
     system_fingerprint: None = None
+    prompt_logprobs: PromptLogprobsList | msgspec.UnsetType = msgspec.UNSET
+    """Present only when the request asked for ``prompt_logprobs``."""
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):

@@ -105,11 +105,8 @@ def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> N
             and request.max_tokens != request.max_completion_tokens):
         raise InvalidRequest("max_completion_tokens", "max_completion_tokens is an alias of "
                              "max_tokens: give one, or both with the same value")
-    if isinstance(request, CompletionRequest):
-        if request.echo and request.logprobs is not None:
-            raise InvalidRequest("echo", "echo cannot be combined with logprobs: this server "
-                                 "does not compute the prompt's logprobs")
-    else:
+    _check_scoring(request)
+    if not isinstance(request, CompletionRequest):
         if request.top_logprobs is not None and not request.logprobs:
             raise InvalidRequest("top_logprobs", "top_logprobs needs logprobs: true")
         if request.continue_final_message and request.add_generation_prompt:
@@ -117,12 +114,37 @@ def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> N
                                  "add_generation_prompt cannot both be true")
 
 
+def _check_scoring(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """400 for ``max_tokens`` 0 with nothing to return, and for ``prompt_logprobs`` with
+    ``stream`` (as vLLM answers both)."""
+    echo = isinstance(request, CompletionRequest) and request.echo
+    for name in ("max_tokens", "max_completion_tokens"):
+        if getattr(request, name) == 0 and request.prompt_logprobs is None and not echo:
+            raise InvalidRequest(name, f"{name} must be at least 1: 0 generates nothing, "
+                                 "which is only useful to score the prompt (with prompt_logprobs"
+                                 ", or with echo on /v1/completions)")
+    if request.prompt_logprobs is not None and request.stream:
+        raise InvalidRequest("prompt_logprobs", "prompt_logprobs is not available with stream: "
+                             "true (on /v1/completions, echo with logprobs streams the "
+                             "prompt's logprobs)")
+
+
+def engine_prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The alternatives per prompt position the engine computes: ``prompt_logprobs``, and on
+    completions with ``echo`` the ``logprobs`` of the echoed prompt tokens (the larger)."""
+    wanted = [request.prompt_logprobs]
+    if isinstance(request, CompletionRequest) and request.echo:
+        wanted.append(request.logprobs)
+    return max((n for n in wanted if n is not None), default=None)
+
+
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: dict[str, Any],
                     plugins: PluginManager, model: ModelInfo) -> SamplingParams:
     """Validated ``SamplingParams``; undeclared fields go to the plugins (or a 400).
     ``extra`` is ``parse_body``'s, without ``messages`` (``render_chat`` reads that)."""
     _refuse_unsupported(request)
-    max_tokens = request.max_completion_tokens or request.max_tokens
+    max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
+                  else request.max_tokens)
     if isinstance(request, CompletionRequest):
         logprobs = request.logprobs
     else:
@@ -138,7 +160,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: d
         ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens, logprobs=logprobs,
-        cache_salt=request.cache_salt, **extra)
+        prompt_logprobs=engine_prompt_logprobs(request), cache_salt=request.cache_salt, **extra)
     params.verify(model)
     plugins.validate(params, model,
                      "completions" if isinstance(request, CompletionRequest) else "chat")
