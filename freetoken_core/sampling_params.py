@@ -145,6 +145,11 @@ class SamplingParams:
         return SamplingParams(**{name: getattr(self, name) for name in given},
                               **self.extra, **applied)
 
+    def core_fields(self) -> dict[str, Any]:
+        """The core fields (no plugin field) as plain values, for ``trusted``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("extra", "fields")}
+
     def __getattr__(self, name: str) -> Any:
         # Only reached for names that are not core fields: plugin fields.
         extra = self.__dict__.get("extra")
