@@ -201,16 +201,12 @@ def _add_restart_options(parser: argparse.ArgumentParser) -> None:
                         help="the longest wait between engine restarts (default: 30)")
 
 
-def _log_to_stderr(level: str) -> None:
-    """FreeToken's own start-up lines (the generation defaults, warnings) on stderr at the
-    ``--log-level`` chosen; uvicorn configures its own loggers."""
+def _set_log_level(level: str) -> None:
+    """FreeToken's own log lines (the generation defaults, warnings) at the ``--log-level``
+    chosen; Litestar's root handler prints them."""
     import logging
 
-    logger = logging.getLogger("freetoken")
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("freetoken: %(levelname)s: %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(level.upper())
+    logging.getLogger("freetoken").setLevel(level.upper())
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -224,7 +220,7 @@ def _serve(args: argparse.Namespace) -> int:
     from freetoken_core.server.app import ServerConfig, create_app
     from freetoken_core.server.limits import RequestLimits
 
-    _log_to_stderr(args.log_level)
+    _set_log_level(args.log_level)
     engine_config = EngineConfig(model=args.model, **_engine_options(args))
     # A bad --plugins, or an option a plugin refuses, fails here.
     PluginManager(engine_config.plugins, engine_config.plugin_options).enabled  # noqa: B018
