@@ -1,6 +1,10 @@
 """The ``freetoken`` command line.
 
     freetoken generate PROMPT [--plugins LIST] [--param FIELD=VALUE ...] [engine options]
+
+Engine options include ``--generation-config auto|none|PATH`` and
+``--override-generation-config JSON``: defaults for the sampling fields a request leaves
+unset (docs/operations.md, "Generation defaults").
     freetoken serve [--host 127.0.0.1] [--port 8000] [--served-model-name NAME]
                     [--api-key KEY] [CORS options] [request limits] [engine options]
     freetoken plugins [--json] [--plugins LIST]
@@ -27,6 +31,9 @@ from freetoken_core.errors import FreeTokenError, InvalidRequest
 if TYPE_CHECKING:
     from freetoken_core.server.cors import CorsSettings
 
+GENERATE_DEFAULTS = {"temperature": 0.0, "max_tokens": 256}
+"""What ``freetoken generate`` uses for an option given neither on its command line nor by
+the generation defaults: greedy, 256 tokens."""
 PLUGINS_HELP = ("plugins to enable: all (default), none, or a comma-separated list of "
                 "installed plugin names; default: $FREETOKEN_PLUGINS, else all")
 
@@ -43,6 +50,15 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--kv-cache-tokens", type=int, default=32768)
     parser.add_argument("--plugins", default=None, metavar="LIST", help=PLUGINS_HELP)
+    parser.add_argument("--generation-config", default="auto", metavar="auto|none|PATH",
+                        help="defaults for the sampling fields a request leaves unset: auto "
+                             "(the model directory's generation_config.json, if any), none, "
+                             "or a directory holding generation_config.json, or the file "
+                             "(default: auto)")
+    parser.add_argument("--override-generation-config", default=None, type=_json_object,
+                        metavar="JSON",
+                        help="a JSON object of generation-config keys that win over the "
+                             "file's, key by key, e.g. '{\"temperature\": 0.5}'")
     from freetoken_core.plugins import PluginManager
 
     # Every installed plugin's own options (freetoken_add_cli_options), one group each.
@@ -87,7 +103,20 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "kv_cache_tokens": args.kv_cache_tokens,
         "plugins": args.plugins,
         "plugin_options": {k: v for k, v in vars(args).items() if not callable(v)},
+        "generation_config": args.generation_config,
+        "override_generation_config": args.override_generation_config or {},
     }
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object given on the command line (``--override-generation-config``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"temperature\": 0.5}'")
+    return value
 
 
 def _parse_param(text: str) -> tuple[str, Any]:
@@ -108,13 +137,15 @@ def _generate(args: argparse.Namespace) -> int:
     from freetoken_core.tokenizer import apply_chat_template
 
     core = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-            "max_tokens": args.max_tokens, "seed": args.seed, "stop": args.stop or []}
+            "max_tokens": args.max_tokens, "seed": args.seed, "stop": args.stop}
     extra = dict(args.param or [])
     clash = sorted(extra.keys() & core.keys())
     if clash:
         raise InvalidRequest(clash[0], f"--param {clash[0]}: use --{clash[0].replace('_', '-')}")
-    params = SamplingParams(**core, **extra)
+    # Options left out are unset: the generation defaults fill them, then this command's own.
+    params = SamplingParams(**{k: v for k, v in core.items() if v is not None}, **extra)
     engine = LLMEngine(EngineConfig(model=args.model, **_engine_options(args)))
+    params = engine.generation_defaults.apply(params, fallback=GENERATE_DEFAULTS)
     prompt = args.prompt
     if not args.raw and getattr(engine.tokenizer, "chat_template", None):
         prompt = apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
@@ -172,6 +203,14 @@ def _add_restart_options(parser: argparse.ArgumentParser) -> None:
                         help="the longest wait between engine restarts (default: 30)")
 
 
+def _set_log_level(level: str) -> None:
+    """FreeToken's own log lines (the generation defaults, warnings) at the ``--log-level``
+    chosen; Litestar's root handler prints them."""
+    import logging
+
+    logging.getLogger("freetoken").setLevel(level.upper())
+
+
 def _serve(args: argparse.Namespace) -> int:
     """Run the OpenAI-compatible server until SIGINT/SIGTERM; the engine process is
     stopped and joined before this returns. Exit status 2 when the model fails to load."""
@@ -183,6 +222,7 @@ def _serve(args: argparse.Namespace) -> int:
     from freetoken_core.server.app import ServerConfig, create_app
     from freetoken_core.server.limits import RequestLimits
 
+    _set_log_level(args.log_level)
     engine_config = EngineConfig(model=args.model, **_engine_options(args))
     # A bad --plugins, or an option a plugin refuses, fails here.
     PluginManager(engine_config.plugins, engine_config.plugin_options).enabled  # noqa: B018
@@ -253,10 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as is, without the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--max-tokens", type=int, default=None,
+                     help="default: the generation defaults', else 256")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="default: the generation defaults', else 0 (greedy)")
+    gen.add_argument("--top-p", type=float, default=None,
+                     help="default: the generation defaults', else 1")
+    gen.add_argument("--top-k", type=int, default=None,
+                     help="default: the generation defaults', else -1 (off)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--param", action="append", type=_parse_param, metavar="FIELD=VALUE",

@@ -58,6 +58,12 @@ class EngineConfig:
     """The parsed command-line options (``vars(args)``), plugins' own options included:
     they reach processors as ``ProcessorContext.options`` and plugins through
     ``freetoken_configure``, in every process."""
+    generation_config: str | os.PathLike[str] = "auto"
+    """Where request defaults come from: ``auto`` (the model directory's
+    ``generation_config.json``, when it has one), ``none``, or a path (a directory holding
+    ``generation_config.json``, or the file itself)."""
+    override_generation_config: dict[str, Any] | None = field(default_factory=dict)
+    """Generation-config keys that win over the file's, key by key."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -75,6 +81,15 @@ class EngineConfig:
         check(self.block_size >= 1, "block_size", "must be >= 1")
         check(self.kv_cache_tokens >= self.block_size, "kv_cache_tokens",
               "must hold at least one block")
+        if isinstance(self.generation_config, os.PathLike):
+            object.__setattr__(self, "generation_config", os.fspath(self.generation_config))
+        if self.override_generation_config is None:
+            object.__setattr__(self, "override_generation_config", {})
+        check(isinstance(self.generation_config, str) and bool(self.generation_config),
+              "generation_config", "must be auto, none or a path")
+        check(isinstance(self.override_generation_config, dict)
+              and all(isinstance(k, str) for k in self.override_generation_config),
+              "override_generation_config", "must be a JSON object (a dict with str keys)")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -29,7 +29,12 @@ class LLM:
 
     Engine options (``dtype``, ``max_model_len``, ``max_num_seqs``, ``kv_cache_tokens``,
     ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``, ``device``) are
-    those of ``EngineConfig``.
+    those of ``EngineConfig``. ``generation_config`` (``"auto"``, the default: the model
+    directory's ``generation_config.json``; ``"none"``; or a path) and
+    ``override_generation_config`` (a dict winning over the file key by key) give defaults
+    to the fields a ``SamplingParams`` leaves unset (``SamplingParams()`` sets none;
+    ``SamplingParams(temperature=1.0)`` sets the temperature); ``engine.generation_defaults``
+    shows them. A bad default raises ``GenerationConfigError`` here.
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,10 @@ GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy (``temperature`` becomes ``0.0``), as in vLLM:
 dividing logits by a smaller temperature could overflow float32 (and below float32's
 range the temperature would round to zero and be taken as ``1``)."""
+DEFAULTABLE_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop")
+"""The core fields a server-wide default may set for requests that leave them unset
+(``--generation-config``); the other core fields shape one request's answer (``n``,
+``logprobs``, ``cache_salt``, …) and have no default but their own."""
 
 
 def _require(ok: bool, param: str, message: str) -> None:
@@ -69,6 +74,13 @@ class SamplingParams:
     ``cache_salt`` (a non-empty string; the server bounds its length with
     ``--max-cache-salt-chars``) keys the prefix cache: requests share cached prompt blocks only when their salts are
     equal or both absent.
+
+    Set or unset: a core field is *set* when it is passed as a keyword, whatever its value
+    (``SamplingParams(temperature=1.0)`` sets the temperature; ``SamplingParams()`` leaves
+    it unset and reads the neutral class default, ``1.0``); a plugin field is set when it is
+    present in ``extra`` (a ``None`` value counts as absent). ``is_set(name)`` tells, and
+    ``with_defaults(defaults)`` fills what is unset (the server's generation defaults):
+    whatever the engine reads is always a concrete value.
     """
 
     n: int = 1
@@ -88,16 +100,19 @@ class SamplingParams:
     fields: dict[str, Any] = field(default_factory=dict)
 
     def __init__(self, **kwargs: Any) -> None:
+        given = []
         for f in fields(self):
             if f.name in ("extra", "fields"):
                 continue
             if f.name in kwargs:
                 value = kwargs.pop(f.name)
+                given.append(f.name)
             else:
                 value = f.default_factory() if f.default is MISSING else f.default
             setattr(self, f.name, value)
         self.extra = {k: v for k, v in kwargs.items() if v is not None}
         self.fields = {}
+        self._given = frozenset(given)
         self.__post_init__()
 
     @classmethod
@@ -109,7 +124,27 @@ class SamplingParams:
         params.__dict__.update(core)
         params.extra = {}
         params.fields = dict(plugin_fields)
+        params._given = frozenset(core)
         return params
+
+    def is_set(self, name: str) -> bool:
+        """Whether the request set field ``name`` (a core field passed as a keyword, or a
+        plugin field present in ``extra``); see the class docstring."""
+        if name in self.__dict__.get("_given", ()):
+            return True
+        return name not in _CORE_FIELDS and name in self.extra
+
+    def with_defaults(self, defaults: Mapping[str, Any]) -> SamplingParams:
+        """These parameters with each field of ``defaults`` (name → value: a core field or a
+        plugin field) that is unset here taking its value from there, validated as on
+        construction (``InvalidRequest`` naming the field). Returns ``self`` when nothing
+        applies, else a new object in which the defaults count as set."""
+        applied = {name: value for name, value in defaults.items() if not self.is_set(name)}
+        if not applied:
+            return self
+        given = self.__dict__.get("_given", frozenset())
+        return SamplingParams(**{name: getattr(self, name) for name in given},
+                              **self.extra, **applied)
 
     def core_fields(self) -> dict[str, Any]:
         """The core fields (no plugin field) as plain values, for ``trusted``."""
@@ -193,3 +228,6 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """Greedy (argmax) sampling: ``temperature`` below ``GREEDY_TEMPERATURE``."""
         return self.temperature < GREEDY_TEMPERATURE
+
+
+_CORE_FIELDS = frozenset(f.name for f in fields(SamplingParams)) - {"extra", "fields"}

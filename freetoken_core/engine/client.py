@@ -24,11 +24,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
 from freetoken_core.config import EngineConfig
+from freetoken_core.engine.generation_defaults import GenerationDefaults
 from freetoken_core.engine.process import (
     AbortRequest,
     FromEngine,
@@ -94,6 +95,7 @@ class EngineInfo:
     vocab_size: int
     eos_token_ids: frozenset[int]
     max_model_len: int
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 class EngineClient:
@@ -217,7 +219,8 @@ class EngineClient:
                     waiter.set_result(message)
         elif isinstance(message, Ready):
             self.info = EngineInfo(message.model_dir, message.vocab_size,
-                                   frozenset(message.eos_token_ids), message.max_model_len)
+                                   frozenset(message.eos_token_ids), message.max_model_len,
+                                   message.generation_defaults)
             if self.dead_message is not None:
                 log.warning("the engine process is ready again (restart %d)",
                             self.num_restarts)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from freetoken_core.config import EngineConfig, EngineLimits
+from freetoken_core.engine import generation_defaults
 from freetoken_core.engine.block_manager import BlockManager
 from freetoken_core.engine.core import EngineCore
+from freetoken_core.engine.generation_defaults import GenerationDefaults
 from freetoken_core.engine.model_runner import ModelRunner
 from freetoken_core.engine.output_processor import RequestState
 from freetoken_core.engine.pipeline import ProcessorPipeline
@@ -23,6 +26,8 @@ from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo, ProcessorContext, PromptView
 from freetoken_core.sampling_params import SamplingParams
 from freetoken_core.tokenizer import load_tokenizer
+
+log = logging.getLogger("freetoken.engine")
 
 
 def eos_token_ids(model_dir: Path, cfg: ModelConfig, tokenizer: Any) -> frozenset[int]:
@@ -61,13 +66,15 @@ class EngineParts:
     model_dir: Path
     model_config: ModelConfig
     limits: EngineLimits
+    generation_defaults: GenerationDefaults
+    """What requests that leave a field unset get (``--generation-config``)."""
 
 
 def build_engine(config: EngineConfig, progress: bool = True,
                  plugins: PluginManager | None = None) -> EngineParts:
     """Resolve and load the model named by ``config`` and wire the engine core to the
-    enabled plugins' processors and stop hooks. Raises ``ModelLoadError`` or
-    ``PluginSelectionError`` with a message for the operator."""
+    enabled plugins' processors and stop hooks. Raises ``ModelLoadError``,
+    ``PluginSelectionError`` or ``GenerationConfigError`` with a message for the operator."""
     plugins = (plugins if plugins is not None
                else PluginManager(config.plugins, config.plugin_options))
     plugins.enabled  # noqa: B018 (fail fast on an unknown plugin name)
@@ -76,9 +83,13 @@ def build_engine(config: EngineConfig, progress: bool = True,
     tokenizer = load_tokenizer(model_dir)
     device = config.torch_device()
     dtype = config.torch_dtype(device)
+    generation_config = generation_defaults.read(config, model_dir,
+                                                 gguf_source(config.model) is not None)
     limits = compute_limits(config, model_config,
-                            eos_token_ids(model_dir, model_config, tokenizer))
+                            eos_token_ids(model_dir, model_config, tokenizer)
+                            | generation_config.eos_token_ids())
     model_info = ModelInfo(limits.vocab_size, limits.eos_token_ids, limits.max_model_len)
+    defaults = generation_defaults.resolve(generation_config, plugins, model_info)
     pipeline = ProcessorPipeline(plugins.processor_classes(), ProcessorContext(
         config.max_num_seqs, model_info, device, tokenizer, plugins.options, plugins.hook))
     model = load_model(model_dir, dtype, device, limits.max_model_len,
@@ -93,7 +104,8 @@ def build_engine(config: EngineConfig, progress: bool = True,
         block_manager, config.max_num_seqs, config.max_num_batched_tokens,
         on_admit=lambda seq: core.admit(seq), on_release=lambda seq: core.release(seq))
     core = EngineCore(runner, scheduler, limits, pipeline, plugins.stop_hooks())
-    return EngineParts(core, tokenizer, model_info, plugins, model_dir, model_config, limits)
+    return EngineParts(core, tokenizer, model_info, plugins, model_dir, model_config, limits,
+                       defaults)
 
 
 class LLMEngine:
@@ -114,6 +126,8 @@ class LLMEngine:
         self.model_info = parts.model_info
         self.limits = parts.limits
         self.core = parts.core
+        self.generation_defaults = parts.generation_defaults
+        self.generation_defaults.log(log)
         self._requests: dict[str, RequestState] = {}
 
     def encode(self, prompt: str) -> list[int]:
@@ -121,8 +135,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams) -> None:
-        """Validate ``params`` (the plugins' fields too), let ``freetoken_rewrite_prompt``
-        lay out the prompt, tokenize it and queue the request."""
+        """Fill the fields ``params`` leaves unset from the generation defaults (into a new
+        object: ``params`` is the caller's), validate (the plugins' fields too), let
+        ``freetoken_rewrite_prompt`` lay out the prompt, tokenize it and queue the request."""
+        params = self.generation_defaults.apply(params)
         params.verify(self.model_info)
         self.plugins.validate(params, self.model_info)
         prompt = self.plugins.rewrite_prompt(PromptView(prompt, params, self.tokenizer))

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from freetoken_core.config import EngineConfig
+from freetoken_core.engine.generation_defaults import GenerationDefaults
 from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.faults import RequestError
 from freetoken_core.outputs import PromptLogprobs
@@ -74,12 +75,14 @@ class Shutdown(msgspec.Struct, tag=True):
 
 
 class Ready(msgspec.Struct, tag=True):
-    """The model is loaded; what the server needs to validate and tokenize requests."""
+    """The model is loaded; what the server needs to validate and tokenize requests
+    (``generation_defaults``: what it fills into requests before it validates them)."""
 
     model_dir: str
     vocab_size: int
     eos_token_ids: list[int]
     max_model_len: int
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
 
 class LoadFailed(msgspec.Struct, tag=True):
@@ -273,7 +276,8 @@ def run_engine_process(config: EngineConfig, conn_in: Connection, conn_out: Conn
     gc.collect()
     gc.freeze()
     engine.send(Ready(str(parts.model_dir), parts.limits.vocab_size,
-                      sorted(parts.limits.eos_token_ids), parts.limits.max_model_len))
+                      sorted(parts.limits.eos_token_ids), parts.limits.max_model_len,
+                      parts.generation_defaults))
     try:
         engine.loop()
     except (EOFError, BrokenPipeError, OSError):

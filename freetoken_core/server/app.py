@@ -128,19 +128,21 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
         serving.require_ready()
         return msgspec.structs.asdict(await serving.client.stats())
 
+    def model_card() -> p.ModelCard:
+        assert serving.model_info is not None
+        return p.ModelCard(config.model_name, serving.created,
+                           max_model_len=serving.model_info.max_model_len,
+                           generation_defaults=dict(serving.generation_defaults.values))
+
     @get("/v1/models", sync_to_thread=False)
     def models() -> p.ModelList:
         serving.require_ready()
-        assert serving.model_info is not None
-        return p.ModelList([p.ModelCard(config.model_name, serving.created,
-                                        max_model_len=serving.model_info.max_model_len)])
+        return p.ModelList([model_card()])
 
     @get("/v1/models/{model_id:path}", sync_to_thread=False)
     def model(model_id: str) -> p.ModelCard:
         serving.require_ready(model_id.lstrip("/"))
-        assert serving.model_info is not None
-        return p.ModelCard(config.model_name, serving.created,
-                           max_model_len=serving.model_info.max_model_len)
+        return model_card()
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Any:

@@ -135,7 +135,7 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
     limits, pool = serving.config.limits, serving.tokenizer_pool
     limits.check_stop(body.stop)
     limits.check_cache_salt(body.cache_salt)
-    params = sampling_params(body, extra, plugins, model_info)
+    params = sampling_params(body, extra, plugins, model_info, serving.generation_defaults)
     # Templates, tokenization and the rewrite hook run in worker threads (``pool``), so a
     # long prompt never stalls the streams this event loop serves.
     if isinstance(body, p.ChatCompletionRequest):

@@ -267,6 +267,8 @@ class ModelCard(msgspec.Struct):
     created: int
     owned_by: str = "freetoken"
     max_model_len: int | None = None
+    generation_defaults: dict[str, Any] = {}
+    """The values requests that leave a field unset get (``--generation-config``)."""
     object: Literal["model"] = "model"
 
 

@@ -15,6 +15,7 @@ import jinja2
 import msgspec
 
 from freetoken_core.engine.core import effective_max_tokens
+from freetoken_core.engine.generation_defaults import GenerationDefaults
 from freetoken_core.errors import InvalidRequest, param_of
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ChatView, ModelInfo
@@ -139,9 +140,12 @@ def engine_prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -
 
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: dict[str, Any],
-                    plugins: PluginManager, model: ModelInfo) -> SamplingParams:
+                    plugins: PluginManager, model: ModelInfo,
+                    defaults: GenerationDefaults | None = None) -> SamplingParams:
     """Validated ``SamplingParams``; undeclared fields go to the plugins (or a 400).
-    ``extra`` is ``parse_body``'s, without ``messages`` (``render_chat`` reads that)."""
+    ``extra`` is ``parse_body``'s, without ``messages`` (``render_chat`` reads that). The
+    sampling fields the request leaves unset (``None``, or absent) take the generation
+    ``defaults`` first, then the route's own default (``max_tokens``)."""
     _refuse_unsupported(request)
     max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
                   else request.max_tokens)
@@ -149,21 +153,21 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: d
         logprobs = request.logprobs
     else:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    if max_tokens is None and isinstance(request, CompletionRequest):
-        max_tokens = 16  # OpenAI's completions default; chat runs to the end of the context
+    route = "completions" if isinstance(request, CompletionRequest) else "chat"
+    sampling = {"temperature": request.temperature, "top_p": request.top_p,
+                "top_k": request.top_k, "max_tokens": max_tokens, "seed": request.seed,
+                "stop": request.stop}
     params = SamplingParams(
-        n=request.n,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=-1 if request.top_k is None else request.top_k,
-        max_tokens=max_tokens, seed=request.seed, stop=request.stop or [],
-        ignore_eos=request.ignore_eos,
+        n=request.n, ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens, logprobs=logprobs,
-        prompt_logprobs=engine_prompt_logprobs(request), cache_salt=request.cache_salt, **extra)
+        prompt_logprobs=engine_prompt_logprobs(request), cache_salt=request.cache_salt,
+        **{name: value for name, value in sampling.items() if value is not None}, **extra)
+    # OpenAI's completions default; chat runs to the end of the context.
+    fallback = {"max_tokens": 16 if route == "completions" else None}
+    params = (defaults or GenerationDefaults()).apply(params, route, fallback)
     params.verify(model)
-    plugins.validate(params, model,
-                     "completions" if isinstance(request, CompletionRequest) else "chat")
+    plugins.validate(params, model, route)
     return params
 
 

@@ -4,6 +4,7 @@ tokenizer and plugins once loaded, the metrics, and the error type with an HTTP 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from typing import Any
 
 from freetoken_core.config import EngineConfig
 from freetoken_core.engine.client import EngineClient, EngineDeadError, RestartPolicy
+from freetoken_core.engine.generation_defaults import GenerationDefaults
 from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.faults import RequestError
 from freetoken_core.models.resolve import DEFAULT_MODEL_NAME
@@ -85,6 +87,9 @@ class Serving:
     response_types: ResponseTypes = field(default_factory=ResponseTypes)
     """Message, delta and usage Structs with the enabled plugins' response fields."""
     model_info: ModelInfo | None = None
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    """What requests that leave a field unset get (the engine process read and checked
+    them); applied here, before validation."""
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     tokenizer_pool: TokenizerPool = field(init=False)
     """Where the routes tokenize and render templates: worker threads, off the loop."""
@@ -125,6 +130,8 @@ class Serving:
                                                                            error.plugin)
             self.response_types = ResponseTypes.build(plugins.plugin_classes())
             self.plugins = plugins
+            self.generation_defaults = info.generation_defaults
+            info.generation_defaults.log(logging.getLogger("freetoken.server"))
             self.model_info = ModelInfo(info.vocab_size, info.eos_token_ids, info.max_model_len)
         except FreeTokenError as exc:
             on_fatal(str(exc))
