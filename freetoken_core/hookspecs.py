@@ -57,9 +57,8 @@ def freetoken_rewrite_prompt(prompt: PromptView) -> str | list[int] | None:
 @hookspec
 def freetoken_chat_template(chat: ChatView) -> None:
     """Adapt a chat request's messages and template variables before the model's chat
-    template renders them, in place: give the template a variable it reads (definitions
-    of callable functions), or spell out for a template that lacks one what it cannot
-    render.
+    template renders them, in place: give the template a variable it reads, or spell out
+    for a template that lacks one what it cannot render.
 
     When: per chat request (and ``/tokenize`` with ``messages``, where ``chat.params`` is
     ``None``), in the server process (offline: never, as ``LLM`` takes prompts), in a

@@ -66,7 +66,8 @@ def test_signature_format() -> None:
 
 def test_hookspecs_found() -> None:
     assert set(_hookspecs()) == {
-        "freetoken_rewrite_prompt", "freetoken_check_stop", "freetoken_answer_start",
+        "freetoken_rewrite_prompt", "freetoken_chat_template", "freetoken_check_stop",
+        "freetoken_answer_start",
         "freetoken_decorate_response", "freetoken_add_cli_options", "freetoken_configure"}
 
 

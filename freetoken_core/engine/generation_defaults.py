@@ -271,7 +271,12 @@ def _why_not(name: str, plugins: PluginManager) -> str:
 
 def _check(values: dict[str, Any], origin: dict[str, str], plugins: PluginManager,
            model: ModelInfo) -> None:
-    """Validate ``values`` as a request carrying them would be."""
+    """Validate ``values`` as a request carrying them would be; a default ``max_tokens``
+    must also be at least 1 (0, which only scores a prompt, is a request's choice)."""
+    if values.get("max_tokens") == 0:
+        raise GenerationConfigError(
+            f"invalid generation default max_tokens=0 from {origin['max_tokens']}: every "
+            f"request would generate nothing; give at least 1")
     try:
         params = SamplingParams(**values)
         params.verify(model)

@@ -62,7 +62,7 @@ def _arguments_object(text: str, param: str) -> dict[str, Any]:
 
 def check_history(messages: list[dict[str, Any]]) -> None:
     """400s for tool history that no template can render: ``tool_calls`` on a message that
-    is not the assistant's, arguments that are not a JSON object, a ``tool`` message
+    is not the assistant's or empty (as OpenAI answers), arguments that are not a JSON object, a ``tool`` message
     without its ``tool_call_id`` or the id on another role."""
     for i, message in enumerate(messages):
         role = message["role"]
@@ -70,6 +70,9 @@ def check_history(messages: list[dict[str, Any]]) -> None:
         if calls is not None and role != "assistant":
             raise InvalidRequest(f"messages[{i}].tool_calls",
                                  "only assistant messages carry tool_calls")
+        if calls == []:
+            raise InvalidRequest(f"messages[{i}].tool_calls",
+                                 "tool_calls must not be empty (leave it out)")
         for j, call in enumerate(calls or []):
             _arguments_object(call["function"]["arguments"],
                               f"messages[{i}].tool_calls[{j}].function.arguments")
