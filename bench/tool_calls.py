@@ -2,19 +2,21 @@
 valid, streams reassemble to the same calls, and a follow-up with the result answers.
 
     python bench/tool_calls.py [--url http://127.0.0.1:8000] [--seeds 3] [--max-tokens 384]
-                               [--concurrency 8] [--serve-args "..."]
+                               [--temperature T] [--top-p P] [--concurrency 8]
+                               [--serve-args "..."]
 
 Without ``--url`` it starts ``freetoken serve`` on the embedded default model (SmolLM2,
 whose ChatML template has no tool support: the generic tool prompt) and stops it after.
-For each of the 20 tools of ``tool_schemas.py`` and each seed (temperature 1), with that
-tool and three others in ``tools``:
+For each of the 20 tools of ``tool_schemas.py`` and each seed, with that tool and three
+others in ``tools`` (``--temperature`` / ``--top-p`` are sent when given; otherwise the
+server's defaults apply, e.g. ``--serve-args "--override-generation-config '{...}'"``):
 
 * ``tool_choice`` naming the tool, and ``tool_choice: "required"``, each non-streamed and
   streamed: every call's ``function.arguments`` must parse and validate against its tool's
   schema (``jsonschema``, formats checked), ``finish_reason`` must be ``tool_calls``, and
   the streamed deltas (first delta: ``id``, ``type``, ``function.name``; then argument
   pieces) must reassemble to the non-streamed calls of the same seed;
-* a follow-up (seed 0 only): the conversation with the assistant's call and a ``tool``
+* a follow-up (seed 0): the conversation with the assistant's call and a ``tool``
   message carrying a made-up result must render and answer.
 
 Prints one line per failure and a summary; exits non-zero when anything failed.
@@ -77,6 +79,10 @@ def check_calls(calls: list[tuple[str, str]], allowed: dict[str, ToolCase]) -> l
     return errors
 
 
+SAMPLING: dict[str, float] = {}
+"""The sampling fields every request sends (``--temperature``, ``--top-p``)."""
+
+
 def run_one(client: openai.OpenAI, model: str, i: int, mode: str, seed: int,
             stream: bool, max_tokens: int) -> Outcome:
     case = TOOLS[i]
@@ -136,7 +142,8 @@ def follow_up(client: openai.OpenAI, model: str, i: int, max_tokens: int) -> lis
     case = TOOLS[i]
     messages: list[dict[str, Any]] = [{"role": "user", "content": case.ask}]
     first = client.chat.completions.create(
-        model=model, messages=messages, tools=tools_for(i), temperature=0, max_tokens=max_tokens,
+        model=model, messages=messages, tools=tools_for(i), seed=0, max_tokens=max_tokens,
+        **SAMPLING,
         tool_choice={"type": "function", "function": {"name": case.name}})
     message = first.choices[0].message
     if first.choices[0].finish_reason != "tool_calls":
@@ -145,7 +152,7 @@ def follow_up(client: openai.OpenAI, model: str, i: int, max_tokens: int) -> lis
     messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id,
                      "content": json.dumps({"status": "ok", "result": 42})})
     answer = client.chat.completions.create(model=model, messages=messages, tools=tools_for(i),
-                                            temperature=0, max_tokens=48)
+                                            seed=0, max_tokens=48, **SAMPLING)
     choice = answer.choices[0]
     if not (choice.message.content or choice.message.tool_calls):
         return ["follow-up: an empty answer"]
@@ -177,16 +184,24 @@ def main() -> None:
     parser.add_argument("--url", default=None)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=384)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--serve-args", default="", help="extra freetoken serve arguments")
     args = parser.parse_args()
+    for name in ("temperature", "top_p"):
+        if getattr(args, name) is not None:
+            SAMPLING[name] = getattr(args, name)
     proc = None
     url = args.url
     if url is None:
         proc, url = start_server(shlex.split(args.serve_args))
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=600)
-        model = client.models.list().data[0].id
+        card = client.models.list().data[0]
+        model = card.id
+        print(f"sampling sent: {SAMPLING or 'none'}; server defaults: "
+              f"{(card.model_extra or {}).get('generation_defaults')}")
         jobs = [(i, mode, seed, stream) for i in range(len(TOOLS))
                 for mode in ("named", "required") for seed in range(args.seeds)
                 for stream in (False, True)]

@@ -25,7 +25,10 @@ class ToolCase:
 
     @property
     def schema(self) -> dict[str, Any]:
-        return self.parameters or {"type": "object"}
+        """What valid arguments match: a tool without parameters takes none (OpenAI)."""
+        if self.parameters is None:
+            return {"type": "object", "properties": {}, "additionalProperties": False}
+        return self.parameters
 
 
 def _obj(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:

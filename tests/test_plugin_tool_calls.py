@@ -133,6 +133,13 @@ def test_forced_choices_imply_the_grammar(plugins: PluginManager) -> None:
     auto = validated(plugins, tools=TOOLS)
     assert "structured_outputs" not in auto.fields and "tool_calls" in auto.fields
     assert forced_schema(fields(tools=TOOLS, tool_choice="none")) is None
+    # A function without parameters takes none: its forced arguments are {}.
+    bare = [{"type": "function", "function": {"name": "now"}}]
+    schema = forced_schema(fields(tools=bare, tool_choice={"type": "function",
+                                                           "function": {"name": "now"}}))
+    jsonschema.validate({}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"a": 1}, schema)
     # A text format is no constraint: it combines with a forced call.
     validated(plugins, tools=TOOLS, tool_choice="required", response_format={"type": "text"})
 

@@ -72,7 +72,7 @@ class Function(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_de
     name: Annotated[str, Meta(pattern=_NAME)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    """A JSON schema of the arguments object (none: any object)."""
+    """A JSON schema of the arguments object (none: the function takes no arguments)."""
     strict: bool | None = None
     """Accepted: under ``required`` or a named choice the grammar makes every call match
     its schema anyway; under ``auto`` calls are parsed from free text, unchecked."""
@@ -151,18 +151,28 @@ def choice_of(fields: ToolCalls.Fields) -> str:
     return choice
 
 
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
+                                 "additionalProperties": False}
+"""The arguments of a function without ``parameters``: none (OpenAI: "omitting parameters
+defines a function with an empty parameter list"), so a forced call's arguments are ``{}``."""
+
+
+def parameters_schema(function: Function) -> dict[str, Any]:
+    return NO_PARAMETERS if function.parameters is None else function.parameters
+
+
 def forced_schema(fields: ToolCalls.Fields) -> dict[str, Any] | None:
     """The JSON schema the answer must match (``required`` / named), else ``None``."""
     choice = choice_of(fields)
     tools = {t.function.name: t.function for t in fields.tools or []}
     if choice == "named":
         assert isinstance(fields.tool_choice, NamedChoice)
-        return tools[fields.tool_choice.function.name].parameters or {"type": "object"}
+        return parameters_schema(tools[fields.tool_choice.function.name])
     if choice != "required":
         return None
     items = [{"type": "object",
               "properties": {"name": {"type": "string", "enum": [name]},
-                             "parameters": function.parameters or {"type": "object"}},
+                             "parameters": parameters_schema(function)},
               "required": ["name", "parameters"], "additionalProperties": False}
              for name, function in tools.items()]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
