@@ -3,7 +3,7 @@ valid, streams reassemble to the same calls, and a follow-up with the result ans
 
     python bench/tool_calls.py [--url http://127.0.0.1:8000] [--seeds 3] [--max-tokens 384]
                                [--temperature T] [--top-p P] [--concurrency 8]
-                               [--serve-args "..."]
+                               [--unbounded] [--serve-args "..."]
 
 Without ``--url`` it starts ``freetoken serve`` on the embedded default model (SmolLM2,
 whose ChatML template has no tool support: the generic tool prompt) and stops it after.
@@ -41,9 +41,11 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tool_schemas import TOOLS, ToolCase
+from tool_schemas import TOOLS, UNBOUNDED, ToolCase
 
 CHECKER = jsonschema.FormatChecker()
+CASES: list[ToolCase] = list(TOOLS)
+"""The tools in use: ``TOOLS``, or ``UNBOUNDED`` with ``--unbounded``."""
 
 
 @dataclass
@@ -60,7 +62,7 @@ class Outcome:
 def tools_for(i: int) -> list[dict[str, Any]]:
     """The case's tool and three others (a fixed choice per case)."""
     picks = [i, (i + 5) % 20, (i + 11) % 20, (i + 17) % 20]
-    return [TOOLS[j].tool for j in picks]
+    return [CASES[j].tool for j in picks]
 
 
 def check_calls(calls: list[tuple[str, str]], allowed: dict[str, ToolCase]) -> list[str]:
@@ -85,7 +87,7 @@ SAMPLING: dict[str, float] = {}
 
 def run_one(client: openai.OpenAI, model: str, i: int, mode: str, seed: int,
             stream: bool, max_tokens: int) -> Outcome:
-    case = TOOLS[i]
+    case = CASES[i]
     tools = tools_for(i)
     choice: Any = ("required" if mode == "required"
                    else {"type": "function", "function": {"name": case.name}})
@@ -113,7 +115,7 @@ def run_one(client: openai.OpenAI, model: str, i: int, mode: str, seed: int,
         message = response.choices[0].message
         content, finish = message.content, response.choices[0].finish_reason
         calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
-    allowed = {t["function"]["name"]: next(c for c in TOOLS if c.name == t["function"]["name"])
+    allowed = {t["function"]["name"]: next(c for c in CASES if c.name == t["function"]["name"])
                for t in tools}
     if mode == "named":
         allowed = {case.name: case}
@@ -134,12 +136,12 @@ def guarded(fn: Any, *args: Any) -> Any:
         if fn is follow_up:
             return [f"follow-up: {type(exc).__name__}: {exc}"]
         i, mode, seed, stream = args[2:6]
-        return Outcome(TOOLS[i].name, mode + (" stream" if stream else ""), seed, [], None,
+        return Outcome(CASES[i].name, mode + (" stream" if stream else ""), seed, [], None,
                        None, [f"{type(exc).__name__}: {exc}"])
 
 
 def follow_up(client: openai.OpenAI, model: str, i: int, max_tokens: int) -> list[str]:
-    case = TOOLS[i]
+    case = CASES[i]
     messages: list[dict[str, Any]] = [{"role": "user", "content": case.ask}]
     first = client.chat.completions.create(
         model=model, messages=messages, tools=tools_for(i), seed=0, max_tokens=max_tokens,
@@ -187,8 +189,12 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--unbounded", action="store_true",
+                        help="the tools without maxLength/maxProperties (tool_schemas.py)")
     parser.add_argument("--serve-args", default="", help="extra freetoken serve arguments")
     args = parser.parse_args()
+    if args.unbounded:
+        CASES[:] = UNBOUNDED
     for name in ("temperature", "top_p"):
         if getattr(args, name) is not None:
             SAMPLING[name] = getattr(args, name)
@@ -202,7 +208,7 @@ def main() -> None:
         model = card.id
         print(f"sampling sent: {SAMPLING or 'none'}; server defaults: "
               f"{(card.model_extra or {}).get('generation_defaults')}")
-        jobs = [(i, mode, seed, stream) for i in range(len(TOOLS))
+        jobs = [(i, mode, seed, stream) for i in range(len(CASES))
                 for mode in ("named", "required") for seed in range(args.seeds)
                 for stream in (False, True)]
         started = time.monotonic()
@@ -211,7 +217,7 @@ def main() -> None:
                 lambda job: guarded(run_one, client, model, *job, args.max_tokens), jobs))
             follow = list(pool.map(
                 lambda i: guarded(follow_up, client, model, i, args.max_tokens),
-                range(len(TOOLS))))
+                range(len(CASES))))
         elapsed = time.monotonic() - started
     finally:
         if proc is not None:
@@ -232,7 +238,7 @@ def main() -> None:
     for i, errors in enumerate(follow):
         for error in errors:
             failures += 1
-            print(f"FAIL {TOOLS[i].name}: {error}")
+            print(f"FAIL {CASES[i].name}: {error}")
     for mode in ("named", "named stream", "required", "required stream"):
         mine = [o for o in outcomes if o.mode == mode]
         good = sum(not o.errors for o in mine)

@@ -400,6 +400,10 @@ class ToolCalls(Plugin):
             if final:
                 rest = choice.parser.finish()
                 parsed = Parsed(parsed.content + rest.content, parsed.calls + rest.calls)
+            if state.mode == "required":
+                # The grammar allows nothing but the array of calls: text the parser did not
+                # take is the start of a call that max_tokens cut, not an answer.
+                parsed.content = ""
             calls = _merged(choice, parsed.calls, response.is_chunk)
             if calls:
                 view.message.tool_calls = calls
