@@ -151,6 +151,24 @@ def test_a_forced_call_needs_the_grammar_plugin() -> None:
     validated(PluginManager("tool_calls"), tools=TOOLS)  # auto needs no grammar
 
 
+def test_parser_option_picks_the_family(tiny_model_dir: Path) -> None:
+    from freetoken_plugins.tool_calls import plugin
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    with pytest.raises(ValueError, match="no such family"):
+        ToolCalls.freetoken_configure({"tool_calls_parser": "nope"})
+    try:
+        ToolCalls.freetoken_configure({"tool_calls_parser": "llama3_json"})
+        assert plugin._parser_class(tokenizer, "auto").name == "llama3_json"
+        assert plugin._parser_class(tokenizer, "required").name == "json"
+        with pytest.raises(ValueError, match="at least 1"):
+            ToolCalls.freetoken_configure({"tool_calls_max_tools": 0})
+    finally:
+        ToolCalls.freetoken_configure({})
+    # auto: the template's markers; ChatML without tool support reads as hermes.
+    assert plugin._parser_class(tokenizer, "auto").name == "hermes"
+
+
 def test_required_schema_accepts_exactly_the_tools_calls() -> None:
     schema = forced_schema(fields(tools=TOOLS, tool_choice="required"))
     jsonschema.validate([{"name": "search", "parameters": {"query": "a", "limit": 2}},

@@ -436,7 +436,8 @@ class ToolCalls(Plugin):
             raise ValueError(f"--tool-calls-parser {name}: no such family; installed: "
                              f"{', '.join(sorted(families))}")
         _options.families = families
-        max_tools = int(options.get("tool_calls_max_tools") or DEFAULT_MAX_TOOLS)
+        max_tools = options.get("tool_calls_max_tools")
+        max_tools = DEFAULT_MAX_TOOLS if max_tools is None else int(max_tools)
         if max_tools < 1:
             raise ValueError("--tool-calls-max-tools must be at least 1")
         _options.parser, _options.max_tools = name, max_tools
