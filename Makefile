@@ -9,11 +9,14 @@ PROMPT ?= What is the capital of France? Answer in one sentence.
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+# make gpu-wheels: where the wheels for bench/gpu_check.sh go, and pip's options for them
+WHEELS ?= wheels
+GPU_WHEELS_ARGS ?=
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.freetoken-installed
 
-.PHONY: setup serve generate test bench clean
+.PHONY: setup serve generate test bench gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +39,16 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py
+
+# The GPU readiness check (docs/operations.md): on a CUDA machine, or here with the CUDA
+# parts skipped.
+gpu-check:
+	bash bench/gpu_check.sh
+
+# On a machine with network: the wheels a CUDA machine without network needs for gpu-check,
+# e.g. make gpu-wheels GPU_WHEELS_ARGS="--python 3.12 --without-default-model"
+gpu-wheels:
+	PYTHON=$(PYTHON) bash bench/gpu_check.sh --download-wheels $(WHEELS) $(GPU_WHEELS_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
