@@ -484,6 +484,7 @@ def test_follow_up_with_the_call_and_its_result_answers(server: Server,
 
 @pytest.mark.parametrize(("route", "body", "param"), [
     ("/v1/completions", {"prompt": "x", "tools": TOOLS}, "tools"),
+    ("/v1/completions", {"prompt": "x", "messages": USER}, "messages"),
     ("/v1/chat/completions", {"messages": USER, "tools": "x"}, "tools"),
     ("/v1/chat/completions", {"messages": USER, "tools": TOOLS,
                               "tool_choice": {"type": "function", "function": {"name": "z"}}},
