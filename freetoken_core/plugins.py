@@ -340,12 +340,8 @@ class PluginManager:
         self.pm  # noqa: B018 (loads)
         by_owner: dict[str, dict[str, Any]] = {}
         for key, value in sent.items():
-            owner = self._message_field_owner.get(key)
-            if owner is None or owner not in self._enabled:
-                hint = "" if owner is None else (f": the plugin {owner!r} handles it; start "
-                                                 f"FreeToken with --plugins including {owner}")
-                raise InvalidRequest(f"messages[{index}].{key}",
-                                     f"unknown message field {key!r}{hint}")
+            owner = self._require_owner(self._message_field_owner, key,
+                                        f"messages[{index}].{key}", "message field")
             by_owner.setdefault(owner, {})[key] = value
         out: dict[str, Any] = {}
         for owner, values in sorted(by_owner.items()):
@@ -367,13 +363,20 @@ class PluginManager:
         """``InvalidRequest`` naming ``name`` unless an enabled plugin owns that field (the
         message names the plugin to enable when an installed one owns it)."""
         self.pm  # noqa: B018 (loads)
-        owner = self._field_owner.get(name)
+        self._require_owner(self._field_owner, name, name, "field")
+
+    def _require_owner(self, owners: dict[str, str], key: str, param: str, what: str) -> str:
+        """The enabled plugin that owns ``key`` in ``owners``; else ``InvalidRequest`` naming
+        ``param``, and the plugin to enable when an installed one owns it."""
+        owner = owners.get(key)
         if owner is None:
-            raise InvalidRequest(name, f"unknown field {name!r}: no installed plugin handles it")
+            raise InvalidRequest(param, f"unknown {what} {key!r}: no installed plugin handles "
+                                        f"it")
         if owner not in self._enabled:
             raise InvalidRequest(
-                name, f"{name!r} is handled by the plugin {owner!r}, which is not enabled; "
+                param, f"{key!r} is handled by the plugin {owner!r}, which is not enabled; "
                 f"start FreeToken with --plugins including {owner}")
+        return owner
 
     def rewrite_prompt(self, view: PromptView) -> str | list[int]:
         """The prompt after ``freetoken_rewrite_prompt`` (unchanged when no plugin answers)."""

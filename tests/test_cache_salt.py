@@ -23,7 +23,7 @@ MODEL = ModelInfo(vocab_size=1000, eos_token_ids=frozenset({0}), max_model_len=5
 
 
 def http_params(body: bytes, cls: type = CompletionRequest) -> SamplingParams:
-    request, extra = parse_body(body, cls)
+    request, extra, _ = parse_body(body, cls)
     return sampling_params(request, extra, PluginManager("none"), MODEL)
 
 

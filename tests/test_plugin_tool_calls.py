@@ -214,8 +214,7 @@ HISTORY: list[dict[str, Any]] = [
 def render(plugins: PluginManager, tokenizer: Any, messages: list[dict[str, Any]],
            **extra: Any) -> str:
     body = msgspec.json.encode({"messages": messages, **extra})
-    request, rest = parse_body(body, p.ChatCompletionRequest)
-    extras = rest.pop("messages", None)
+    request, rest, extras = parse_body(body, p.ChatCompletionRequest)
     params = validated(plugins, **rest)
     return render_chat(tokenizer, request.messages, add_generation_prompt=True,
                        plugins=plugins, params=params, extras=extras)

@@ -154,7 +154,7 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
 
     @post(["/tokenize", "/v1/tokenize"], status_code=200)
     async def tokenize(request: Request) -> p.TokenizeResponse:
-        body, extra = parse_body(await request.body(), p.TokenizeRequest)
+        body, _, message_extras = parse_body(await request.body(), p.TokenizeRequest)
         tokenizer, plugins, model_info = serving.require_ready(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("prompt", "give exactly one of prompt and messages")
@@ -170,7 +170,7 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
                                    add_generation_prompt=body.add_generation_prompt,
                                    continue_final_message=body.continue_final_message,
                                    chat_template_kwargs=body.chat_template_kwargs,
-                                   plugins=plugins, extras=extra.get("messages"))
+                                   plugins=plugins, extras=message_extras)
                 limits.check_prompt_chars(len(text), "messages")
                 return pool.encode(tokenizer, text)
         else:
@@ -183,7 +183,7 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
 
     @post(["/detokenize", "/v1/detokenize"], status_code=200)
     async def detokenize(request: Request) -> p.DetokenizeResponse:
-        body, _ = parse_body(await request.body(), p.DetokenizeRequest)
+        body, _, _ = parse_body(await request.body(), p.DetokenizeRequest)
         tokenizer, _, model_info = serving.require_ready(body.model)
 
         def work() -> str:

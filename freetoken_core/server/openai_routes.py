@@ -129,10 +129,7 @@ def _prompt_texts(tokenizer: Any, prompt: str | list[Any],
 async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
     """Serve one generation request; the response object or an ``ServerSentEvent``."""
     cls = p.ChatCompletionRequest if chat else p.CompletionRequest
-    body, extra = parse_body(await request.body(), cls)
-    # A chat request's plugin message keys (``parse_body``); on completions ``messages`` is
-    # an unknown field like any other.
-    message_extras = extra.pop("messages", None) if chat else None
+    body, extra, message_extras = parse_body(await request.body(), cls)
     tokenizer, plugins, model_info = serving.require_ready(body.model)
     limits, pool = serving.config.limits, serving.tokenizer_pool
     limits.check_stop(body.stop)

@@ -58,13 +58,14 @@ def message_extras(request: Any, raw: dict[str, Any]) -> list[dict[str, Any]]:
             for m in raw["messages"]]
 
 
-def parse_body(body: bytes, cls: type[T]) -> tuple[T, dict[str, Any]]:
-    """Decode ``body`` as ``cls``; return it and the fields ``cls`` does not declare (minus
-    ``IGNORED_FIELDS``). Raises ``InvalidRequest`` for bad JSON, types or constraints,
+def parse_body(body: bytes, cls: type[T]
+               ) -> tuple[T, dict[str, Any], list[dict[str, Any]] | None]:
+    """Decode ``body`` as ``cls``; return it, the fields ``cls`` does not declare (minus
+    ``IGNORED_FIELDS``), and the messages' own extra keys. Raises ``InvalidRequest`` for bad JSON, types or constraints,
     including a number no float64 (or a 4,300-digit integer) holds, named by its field, and
-    nesting deeper than the decoder recurses (about 1,000 levels). The keys of each chat
-    message beyond ``ChatMessage``'s are kept in ``extra["messages"]`` (one dict per
-    message; ``messages`` is never a plugin field), for ``render_chat``."""
+    nesting deeper than the decoder recurses (about 1,000 levels). The third value holds,
+    per chat message, its keys beyond ``ChatMessage``'s (plugin message fields, for
+    ``render_chat``); ``None`` when no message has any, or ``cls`` has no messages."""
     try:
         raw = msgspec.json.decode(body)
     except msgspec.ValidationError:  # well-formed JSON, but a number out of range
@@ -86,9 +87,7 @@ def parse_body(body: bytes, cls: type[T]) -> tuple[T, dict[str, Any]]:
     declared = set(cls.__struct_fields__)
     extra = {k: v for k, v in raw.items() if k not in declared and k not in IGNORED_FIELDS}
     extras = message_extras(request, raw)
-    if any(extras):
-        extra["messages"] = extras
-    return request, extra
+    return request, extra, extras if any(extras) else None
 
 
 def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
@@ -143,8 +142,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: d
                     plugins: PluginManager, model: ModelInfo,
                     defaults: GenerationDefaults | None = None) -> SamplingParams:
     """Validated ``SamplingParams``; undeclared fields go to the plugins (or a 400).
-    ``extra`` is ``parse_body``'s, without ``messages`` (``render_chat`` reads that). The
-    sampling fields the request leaves unset (``None``, or absent) take the generation
+    The sampling fields the request leaves unset (``None``, or absent) take the generation
     ``defaults`` first, then the route's own default (``max_tokens``)."""
     _refuse_unsupported(request)
     max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
@@ -251,7 +249,7 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_p
     template variables; a key that would change how the template is applied (rather than
     what it renders), or that is a request field of an enabled plugin, is a 400, as is a
     template that fails on these messages. ``extras`` are the messages' plugin keys
-    (``parse_body``'s ``extra["messages"]``), checked here by ``plugins``, whose
+    (``parse_body``'s third value), checked here by ``plugins``, whose
     ``freetoken_chat_template`` hooks then adapt messages and variables for the template
     (``params``: the validated request; ``None`` on ``/tokenize``)."""
     kwargs = dict(chat_template_kwargs or {})
