@@ -1,11 +1,13 @@
-"""Decode-step time of the default model with and without the GGUF-block linears.
+"""Decode-step time of the default model: linears from the GGUF blocks against float32 GEMMs.
 
-For each batch size, that many sequences decode in one engine; the two paths (float32 oneDNN
-GEMMs, or the Q4_1/Q8_0 blocks through the native kernel) alternate every 10 steps, four
-times, in the same process, so that the machine's drift hits both alike. This is where
-``GGUF_MAX_ROWS`` in freetoken_core/models/layers.py comes from.
+For each batch size, that many sequences decode in each of two engines built in this
+process: one whose linears compute from the file's Q4_1/Q8_0 blocks through the native
+kernel (the default), one whose linears are float32 oneDNN GEMMs of the same weights
+(``layers.USE_GGUF_BLOCKS = False`` while it is built). They alternate every 10 steps, four
+times, so that the machine's drift hits both alike. The GGUF column is the engine step the
+served inter-token latency is held to.
 
-    python bench/decode_step.py [--sizes 1,8,16,24,32]
+    python bench/decode_step.py [--sizes 1,8,16,24,32,64]
 """
 
 from __future__ import annotations
@@ -28,26 +30,38 @@ def main() -> None:
     from freetoken_core import LLM, SamplingParams
     from freetoken_core.models import layers
 
-    print(f"{'sequences':>9}{'float32 GEMM':>16}{'GGUF blocks':>15}")
+    print(f"{'sequences':>9}{'float32 GEMM':>16}{'GGUF blocks':>15}{'tok/s':>9}")
     for size in map(int, args.sizes.split(",")):
-        llm = LLM(None, kv_cache_tokens=16384, max_num_seqs=size, progress=False)
-        engine = llm.engine
-        for i, prompt in enumerate(chat_prompt_ids(llm.tokenizer)[:size]):
-            engine.add_request(f"r{i}", prompt,
-                               SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-        for _ in range(5):  # prefill, then a few decode steps
-            engine.step()
-        times: dict[int, list[float]] = {0: [], size: []}
+        engines = {}
+        for use_blocks in (False, True):
+            layers.USE_GGUF_BLOCKS = use_blocks
+            try:
+                llm = LLM(None, kv_cache_tokens=16384, max_num_seqs=size, progress=False)
+            finally:
+                layers.USE_GGUF_BLOCKS = True
+            prompts = chat_prompt_ids(llm.tokenizer)
+            for i in range(size):
+                llm.engine.add_request(f"r{i}", prompts[i % len(prompts)],
+                                       SamplingParams(temperature=0, max_tokens=200,
+                                                      ignore_eos=True))
+            while any(s.num_computed_tokens < s.num_prompt_tokens
+                      for s in llm.engine.core.scheduler.running) or \
+                    llm.engine.core.scheduler.waiting:
+                llm.engine.step()  # prefill
+            for _ in range(3):
+                llm.engine.step()
+            engines[use_blocks] = llm.engine
+        times: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(4):
-            for limit, samples in times.items():
-                layers.GGUF_MAX_ROWS = limit
+            for use_blocks, samples in times.items():
                 start = time.perf_counter()
                 for _ in range(10):
-                    engine.step()
+                    engines[use_blocks].step()
                 samples.append((time.perf_counter() - start) / 10 * 1000)
-        print(f"{size:>9}{statistics.median(times[0]):>13.1f} ms"
-              f"{statistics.median(times[size]):>12.1f} ms", flush=True)
-
+        gemm, gguf = statistics.median(times[False]), statistics.median(times[True])
+        print(f"{size:>9}{gemm:>13.1f} ms{gguf:>12.1f} ms{size / gguf * 1000:>9.1f}",
+              flush=True)
+        del engines
 
 if __name__ == "__main__":
     main()

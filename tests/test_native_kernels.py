@@ -70,7 +70,8 @@ def test_decode_matches_the_torch_path(dtype: torch.dtype, num_heads: int, num_k
 
 
 def test_decode_and_prefill_in_one_step() -> None:
-    """Decodes go native, the chunk after them through the torch path; one output."""
+    """Decodes and a prefill chunk in one step: natively every token is one query of the
+    kernel; the torch path gathers the chunk's context for SDPA. Same output."""
     rng = random.Random(1)
     block_size, lens, chunk = 16, [20, 45], 7
     cache, _, tables = paged_case(rng, lens + [30], 9, 3, 64, block_size, torch.float32)
@@ -97,6 +98,35 @@ def test_engine_tokens_are_the_same_on_both_paths(tiny_model_dir: Path,
     assert not llm.engine.core.runner.model.native
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert native == plain
+
+
+def test_native_attention_of_a_token_does_not_depend_on_its_step() -> None:
+    """Batch invariance: each token of a 50-token prompt gets bit-identical attention whether
+    the prompt is one chunk, chunks of 7, or one token a step, and whatever other sequences
+    share the step."""
+    rng = random.Random(3)
+    block_size, length = 16, 50
+    cache, _, tables = paged_case(rng, [length, 33, 70], 9, 3, 64, block_size, torch.float32)
+    q = torch.randn(length, 9, 64)
+    kv = torch.randn(length, 2, 3, 64)
+    others_q, others_kv = torch.randn(2, 9, 64), torch.randn(2, 2, 3, 64)
+
+    def attend(start: int, end: int, with_others: bool) -> torch.Tensor:
+        """Tokens start:end of the prompt as one chunk, after two decoding sequences."""
+        lead_tables, lead_lens = (tables[1:], [33, 70]) if with_others else ([], [])
+        meta = AttentionMetadata.build(lead_tables + tables[:1], lead_lens + [end],
+                                       [1] * len(lead_lens) + [end - start], block_size,
+                                       torch.device("cpu"), native=True)
+        lead = len(lead_lens)
+        step_q = torch.cat([others_q[:lead], q[start:end]])
+        step_kv = torch.cat([others_kv[:lead], kv[start:end]])
+        return paged_attention(step_q, step_kv, cache, meta)[lead:]
+
+    whole = attend(0, length, False)
+    for size, with_others in ((7, True), (1, False), (16, True)):
+        parts = [attend(i, min(i + size, length), with_others)
+                 for i in range(0, length, size)]
+        assert torch.equal(torch.cat(parts), whole), size
 
 
 DTYPE_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -176,3 +206,28 @@ def test_gguf_linear_matches_the_dequantized_weights(qtype: int, rows: int, n: i
     out = torch.empty(rows, n)
     torch.ops.freetoken.gguf_linear(x, torch.from_numpy(blocks), qtype, out)
     torch.testing.assert_close(out, x @ dequantized.T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", [3, 8])  # Q4_1, Q8_0
+def test_gguf_linear_sums_each_row_the_same_way_whatever_the_row_count(qtype: int) -> None:
+    """Batch invariance: a row's output is bit-identical alone and among 1 to 69 others,
+    across the kernel's register path (few rows) and its panel path (many), for a feature
+    count that leaves partial panels and tiles."""
+    from gguf import quants
+    from gguf.constants import GGMLQuantizationType
+
+    gen = torch.Generator().manual_seed(qtype)
+    n, k = 101, 320
+    blocks = torch.from_numpy(quants.quantize(torch.randn(n, k, generator=gen).numpy(),
+                                              GGMLQuantizationType(qtype)))
+    x = torch.randn(70, k, generator=gen)
+
+    def linear(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], n)
+        torch.ops.freetoken.gguf_linear(rows.contiguous(), blocks, qtype, out)
+        return out
+
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(len(x))])
+    for rows in (2, 3, 4, 5, 8, 9, 16, 17, 33, 70):
+        assert torch.equal(linear(x[:rows]), alone[:rows]), rows
+    assert linear(x[:0]).shape == (0, n)

@@ -4,10 +4,12 @@ A step's tokens are laid out flat: first the decoding sequences (one query token
 then each prefilling sequence's chunk. ``AttentionMetadata`` is built once per step by the
 model runner and shared by every layer.
 
-Decoding has two paths with the same result: on CPU, the native kernel
-(``freetoken_core/kernels``) reads each sequence's keys and values in place, block by block;
-elsewhere, or where the kernel cannot be built, the keys and values are gathered into a
-padded batch for ``scaled_dot_product_attention``.
+Two paths with the same result: on CPU, the native kernel (``freetoken_core/kernels``)
+computes every token, decoding or in a prefill chunk, as one query that reads its keys and
+values in place, block by block, up to its own position; so a token's attention does not
+depend on the rest of its step (batch-invariant). Elsewhere, or where the kernel cannot be
+built, decoding gathers the keys and values into a padded batch and each prefill chunk is
+one ``scaled_dot_product_attention`` call.
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None
     """torch path: [D, 1, 1, L] True where the key exists (the rest is padding)."""
     decode_block_tables: torch.Tensor | None
-    """native path: [D, W] int32 cache blocks of each decoding sequence, padded."""
+    """native path: [T, W] int32 cache blocks of each token's sequence, padded."""
     decode_context_lens: torch.Tensor | None
-    """native path: [D] int32 keys of each decoding sequence, its new token included."""
+    """native path: [T] int32 keys each token attends to, its own included."""
     block_size: int
     prefills: list[PrefillSpan]
 
@@ -55,26 +57,22 @@ class AttentionMetadata:
               native: bool = False) -> AttentionMetadata:
         """Metadata for sequences given in step order: all decodes (query 1) come first.
 
-        ``native``: decode through the native CPU kernel (the model decides: it knows the
-        device, the dtype and whether the kernels could be built).
+        ``native``: every token through the native CPU kernel (the model decides: it knows
+        the device, the dtype and whether the kernels could be built).
         """
         slots: list[int] = []
         for table, ctx, q in zip(block_tables, context_lens, query_lens):
             for pos in range(ctx - q, ctx):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        if native:
+            return cls._native(block_tables, context_lens, query_lens, block_size,
+                               slot_mapping, device)
         num_decode = 0
         while num_decode < len(query_lens) and query_lens[num_decode] == 1:
             num_decode += 1
-        decode_slots = decode_mask = decode_tables = decode_lens = None
-        if num_decode and native:
-            width = max(len(t) for t in block_tables[:num_decode])
-            decode_tables = torch.tensor([t + [0] * (width - len(t))
-                                          for t in block_tables[:num_decode]],
-                                         dtype=torch.int32, device=device)
-            decode_lens = torch.tensor(context_lens[:num_decode], dtype=torch.int32,
-                                       device=device)
-        elif num_decode:
+        decode_slots = decode_mask = None
+        if num_decode:
             decode_slots, decode_mask = _decode_slots(
                 block_tables[:num_decode], context_lens[:num_decode], block_size, device)
         prefills = []
@@ -89,8 +87,28 @@ class AttentionMetadata:
                 mask = k_pos[None, :] <= q_pos[:, None]
             prefills.append(PrefillSpan(start, start + q, ctx, ctx_slots, mask))
             start += q
-        return cls(slot_mapping, num_decode, decode_slots, decode_mask, decode_tables,
-                   decode_lens, block_size, prefills)
+        return cls(slot_mapping, num_decode, decode_slots, decode_mask, None, None,
+                   block_size, prefills)
+
+    @classmethod
+    def _native(cls, block_tables: list[list[int]], context_lens: list[int],
+                query_lens: list[int], block_size: int, slot_mapping: torch.Tensor,
+                device: torch.device) -> AttentionMetadata:
+        """Every token of the step, prefill chunks included, as one query of the native
+        kernel: its sequence's blocks and the keys up to its own position. A token's
+        attention is then computed the same way whatever step it is in (alone, among other
+        sequences, in a prefill chunk of any size, after a prefix-cache hit)."""
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
+                              dtype=torch.int32, device=device)
+        if any(q != 1 for q in query_lens):
+            tables = tables.repeat_interleave(
+                torch.tensor(query_lens, device=device), dim=0)
+            lens = torch.cat([torch.arange(ctx - q + 1, ctx + 1, dtype=torch.int32)
+                              for ctx, q in zip(context_lens, query_lens)]).to(device)
+        else:
+            lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+        return cls(slot_mapping, len(lens), None, None, tables, lens, block_size, [])
 
 
 def _slots_of(table: list[int], length: int, block_size: int, device: torch.device

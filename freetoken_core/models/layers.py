@@ -19,12 +19,11 @@ def _can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-# Up to this many rows, a Linear that has its GGUF blocks computes from them: a step of a
-# few sequences is bound by reading weights, and Q4_1 blocks are 6.4x smaller than float32.
-# Decode steps of the default model on the reference CPU (bench/decode_step.py, both ways
-# alternating in one process), float32 GEMM against blocks: 1 sequence 28.9 / 15.4 ms,
-# 8: 40.9 / 28.0 ms, 16: 61.2 / 54.1 ms, 24: 83.4 / 82.2 ms, 32: 98.5 / 101.1 ms.
-GGUF_MAX_ROWS = 16
+# Linears built while this is True compute from their GGUF blocks where they have them, at
+# every row count (the native kernel's panels reuse each dequantized block across rows), so
+# a row's output never depends on how many rows share its step. False: the float32 oneDNN
+# GEMM instead (bench/decode_step.py builds a model each way and compares them).
+USE_GGUF_BLOCKS = True
 
 
 class Linear:
@@ -33,23 +32,28 @@ class Linear:
     On CPU in float32 the weight is reordered once into oneDNN's blocked layout, which
     runs the small-batch GEMMs of decoding about twice as fast as the plain layout
     (``bench/`` has the figures); elsewhere it is ``F.linear``. ``blocks`` (ggml type id,
-    uint8 rows) are the same weight as a GGUF file stores it (Q4_1 or Q8_0), used for
-    steps of at most ``GGUF_MAX_ROWS`` rows by the native kernel.
+    uint8 rows) are the same weight as a GGUF file stores it (Q4_1 or Q8_0); where given,
+    the native kernel computes from them for any number of rows, each row summed in one
+    order whatever the others (batch-invariant).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  pack: bool = True, blocks: tuple[int, torch.Tensor] | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.blocks = blocks
-        self.packed = pack and _can_pack(weight)
-        if self.packed:
+        self.blocks = blocks if USE_GGUF_BLOCKS else None
+        self.packed = False
+        if self.blocks is not None:
+            # The blocks are the weight: no float32 copy is kept (6.4x the memory for Q4_1).
+            self.weight = None
+        elif pack and _can_pack(weight):
+            self.packed = True
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16)
         else:
             self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocks is not None and x.shape[0] <= GGUF_MAX_ROWS:
+        if self.blocks is not None:
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
             torch.ops.freetoken.gguf_linear(x.contiguous(), self.blocks[1], self.blocks[0], out)
             return out if self.bias is None else out.add_(self.bias)

@@ -1,11 +1,24 @@
 // y[M, N] = x[M, K] @ W[N, K]^T with W kept as the GGUF file's blocks (Q4_1 or Q8_0), on
-// the CPU, for a few rows of x: decoding one or a handful of sequences is bound by reading
-// the weights, and these blocks are 5 (Q4_1) or 8.5 (Q8_0) bits per weight instead of 32.
+// the CPU, for any number of rows: decoding is bound by reading the weights, and these blocks
+// are 5 (Q4_1) or 8.5 (Q8_0) bits per weight instead of 32; prefill chunks and large decode
+// batches reuse each dequantized weight across rows.
 //
 // Each weight is dequantized exactly as gguf-py does it (Q4_1: d * q + m, Q8_0: d * q, in
 // float32, two roundings, no fused multiply-add), so the weights are the very values of the
 // float32 checkpoint FreeToken converts the file into; only the order of the sums differs
 // from a float32 GEMM.
+//
+// Batch invariance: every output y[m, n] is summed in one order whatever M is and whichever
+// path computes it: eight float32 lanes accumulate x[m, 8i:8i+8] * W[n, 8i:8i+8] by FMA for
+// i = 0, 1, ... in turn, then the lanes are added (hsum). So a row's result never depends
+// on the other rows of its step (how many sequences decode together, how a prompt is cut
+// into chunks, how much of it came from the prefix cache), and a seeded draw gives the same
+// token in every batch.
+//
+// Two paths with that one order: up to kDirectRows rows, the blocks are dequantized into
+// registers and used at once (one pass over the weights, the memory-bound decode case);
+// above, each thread dequantizes a panel of kPanel output features into a float32 scratch
+// once and runs a register-tiled kernel of kTileRows rows x kTileCols features over it.
 //
 // blocks: [N, K / 32 * block_bytes] uint8, each row the blocks of one output feature.
 
@@ -14,9 +27,15 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "vec.h"
+
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -26,7 +45,11 @@ constexpr int64_t kBlock = 32;
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(bits);  // one instruction; the same IEEE value as the portable path
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // The 32 weights of one block, as float32, into w.
@@ -71,26 +94,121 @@ inline void dequant8x4(const uint8_t* block, __m256 w[4]) {
   }
 }
 
-// Rows x[0:R] against output features [n0, n1): R accumulators in registers per feature.
-template <int64_t QT, int R>
+// Rows x[0:R] against F output features at a time from [n0, n1): R x F accumulators in
+// registers, so that R x F independent FMA chains hide the FMA latency even for one row.
+template <int64_t QT, int R, int F>
 void rows_avx2(const float* x, int64_t x_stride, const uint8_t* blocks, int64_t row_bytes,
                int64_t num_blocks, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
+  int64_t n = n0;
+  for (; n + F <= n1; n += F) {
     const uint8_t* row = blocks + n * row_bytes;
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc[R][F];
+    for (int r = 0; r < R; ++r)
+      for (int f = 0; f < F; ++f) acc[r][f] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      for (int f = 0; f < F; ++f) {
+        __m256 w[4];
+        dequant8x4<QT>(row + f * row_bytes + b * block_bytes(QT), w);
+        for (int r = 0; r < R; ++r) {
+          const float* xb = x + r * x_stride + b * kBlock;
+          acc[r][f] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[r][f]);
+          acc[r][f] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), acc[r][f]);
+          acc[r][f] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), acc[r][f]);
+          acc[r][f] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), acc[r][f]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int f = 0; f < F; ++f) out[r * out_stride + n + f] = freetoken::vec::hsum(acc[r][f]);
+  }
+  if constexpr (F > 1) {
+    if (n < n1) rows_avx2<QT, R, 1>(x, x_stride, blocks, row_bytes, num_blocks, out, out_stride, n, n1);
+  }
+}
+
+// R rows: features per pass so that R x F is about 8 chains.
+template <int64_t QT, int R>
+inline void rows_direct(const float* x, int64_t x_stride, const uint8_t* blocks,
+                        int64_t row_bytes, int64_t num_blocks, float* out, int64_t out_stride,
+                        int64_t n0, int64_t n1) {
+  constexpr int F = R >= 8 ? 1 : 8 / R;
+  rows_avx2<QT, R, F>(x, x_stride, blocks, row_bytes, num_blocks, out, out_stride, n0, n1);
+}
+
+// The float32 weights of features [n0, n0 + count) into panel [count, K], each block as
+// dequant8x4 makes it (the same values the direct path uses).
+template <int64_t QT>
+void dequant_panel(const uint8_t* blocks, int64_t row_bytes, int64_t num_blocks, int64_t n0,
+                   int64_t count, float* panel) {
+  const int64_t k = num_blocks * kBlock;
+  for (int64_t f = 0; f < count; ++f) {
+    const uint8_t* row = blocks + (n0 + f) * row_bytes;
+    float* dst = panel + f * k;
     for (int64_t b = 0; b < num_blocks; ++b) {
       __m256 w[4];
       dequant8x4<QT>(row + b * block_bytes(QT), w);
-      for (int r = 0; r < R; ++r) {
-        const float* xb = x + r * x_stride + b * kBlock;
-        acc[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[r]);
-        acc[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), acc[r]);
-        acc[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), acc[r]);
-        acc[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), acc[r]);
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(dst + b * kBlock + 8 * j, w[j]);
+    }
+  }
+}
+
+// out[r, f] = hsum over i of fma(x[r, 8i:], w[f, 8i:]) for RT rows and FT features: RT * FT
+// accumulators in registers, each weight vector loaded once for RT rows.
+template <int RT, int FT>
+inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k, float* out,
+                 int64_t out_stride) {
+  __m256 acc[RT][FT];
+  for (int r = 0; r < RT; ++r)
+    for (int f = 0; f < FT; ++f) acc[r][f] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 8) {
+    __m256 wv[FT];
+    for (int f = 0; f < FT; ++f) wv[f] = _mm256_loadu_ps(w + f * k + i);
+    for (int r = 0; r < RT; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * x_stride + i);
+      for (int f = 0; f < FT; ++f) acc[r][f] = _mm256_fmadd_ps(wv[f], xv, acc[r][f]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int f = 0; f < FT; ++f) out[r * out_stride + f] = freetoken::vec::hsum(acc[r][f]);
+}
+
+constexpr int kTileRows = 4, kTileCols = 3;
+constexpr int64_t kPanel = 24;  // features per panel: 24 x 1536 floats = 144 KiB, in L2
+
+template <int RT>
+inline void tile_cols(const float* x, int64_t x_stride, const float* w, int64_t k, float* out,
+                      int64_t out_stride, int64_t cols) {
+  switch (cols) {
+    case 1: tile<RT, 1>(x, x_stride, w, k, out, out_stride); break;
+    case 2: tile<RT, 2>(x, x_stride, w, k, out, out_stride); break;
+    default: tile<RT, kTileCols>(x, x_stride, w, k, out, out_stride); break;
+  }
+}
+
+// Rows [0, rows) against features [n0, n1), kPanel features at a time through `panel`.
+template <int64_t QT>
+void panels_avx2(const float* x, int64_t rows, const uint8_t* blocks, int64_t row_bytes,
+                 int64_t num_blocks, float* out, int64_t out_stride, int64_t n0, int64_t n1,
+                 float* panel) {
+  const int64_t k = num_blocks * kBlock;
+  for (int64_t p0 = n0; p0 < n1; p0 += kPanel) {
+    const int64_t count = std::min(kPanel, n1 - p0);
+    dequant_panel<QT>(blocks, row_bytes, num_blocks, p0, count, panel);
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+      const float* xr = x + r0 * k;
+      const int64_t rt = std::min<int64_t>(kTileRows, rows - r0);
+      for (int64_t f0 = 0; f0 < count; f0 += kTileCols) {
+        const int64_t ft = std::min<int64_t>(kTileCols, count - f0);
+        float* o = out + r0 * out_stride + p0 + f0;
+        const float* w = panel + f0 * k;
+        switch (rt) {
+          case 1: tile_cols<1>(xr, k, w, k, o, out_stride, ft); break;
+          case 2: tile_cols<2>(xr, k, w, k, o, out_stride, ft); break;
+          case 3: tile_cols<3>(xr, k, w, k, o, out_stride, ft); break;
+          default: tile_cols<kTileRows>(xr, k, w, k, o, out_stride, ft); break;
+        }
       }
     }
-    for (int r = 0; r < R; ++r) out[r * out_stride + n] = freetoken::vec::hsum(acc[r]);
   }
 }
 #endif
@@ -114,6 +232,10 @@ void rows_scalar(const float* x, int64_t x_stride, int64_t rows, const uint8_t* 
   }
 }
 
+// Up to this many rows the direct path (one pass over the blocks, dequantized in registers);
+// above, the panels (bench/gguf_linear.py measures both).
+constexpr int64_t kDirectRows = 4;
+
 template <int64_t QT>
 void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), n = blocks.size(0);
@@ -121,22 +243,29 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor&
   const float* xp = x.data_ptr<float>();
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  if (rows == 0) return;
+#ifdef FREETOKEN_AVX2
+  if (rows > kDirectRows) {
+    at::parallel_for(0, (n + kPanel - 1) / kPanel, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> panel(kPanel * k);
+      panels_avx2<QT>(xp, rows, bp, row_bytes, num_blocks, op, n, b0 * kPanel,
+                      std::min(n, b1 * kPanel), panel.data());
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
 #ifdef FREETOKEN_AVX2
-    // Up to 8 rows at a time: 8 accumulators + 4 weight vectors stay in registers.
-    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-      const float* xr = xp + r0 * k;
-      float* o = op + r0 * n;
-      switch (std::min<int64_t>(8, rows - r0)) {
-        case 1: rows_avx2<QT, 1>(xr, k, bp, row_bytes, num_blocks, o, n, n0, n1); break;
-        case 2: rows_avx2<QT, 2>(xr, k, bp, row_bytes, num_blocks, o, n, n0, n1); break;
-        case 3: rows_avx2<QT, 3>(xr, k, bp, row_bytes, num_blocks, o, n, n0, n1); break;
-        case 4: rows_avx2<QT, 4>(xr, k, bp, row_bytes, num_blocks, o, n, n0, n1); break;
-        case 5: rows_avx2<QT, 5>(xr, k, bp, row_bytes, num_blocks, o, n, n0, n1); break;
-        case 6: rows_avx2<QT, 6>(xr, k, bp, row_bytes, num_blocks, o, n, n0, n1); break;
-        case 7: rows_avx2<QT, 7>(xr, k, bp, row_bytes, num_blocks, o, n, n0, n1); break;
-        default: rows_avx2<QT, 8>(xr, k, bp, row_bytes, num_blocks, o, n, n0, n1); break;
-      }
+    const float* xr = xp;
+    switch (rows) {
+      case 1: rows_direct<QT, 1>(xr, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 2: rows_direct<QT, 2>(xr, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 3: rows_direct<QT, 3>(xr, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 4: rows_direct<QT, 4>(xr, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 5: rows_direct<QT, 5>(xr, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 6: rows_direct<QT, 6>(xr, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 7: rows_direct<QT, 7>(xr, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
+      default: rows_direct<QT, kDirectRows>(xr, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
     }
 #else
     rows_scalar<QT>(xp, k, rows, bp, row_bytes, num_blocks, op, n, n0, n1);

@@ -1,16 +1,19 @@
-// Decode attention over the paged KV cache, on the CPU.
+// Attention over the paged KV cache, on the CPU, one query token at a time.
 //
-// One query token per sequence reads its keys and values where they lie in the cache,
-// block by block, instead of gathering them into a contiguous copy first (the torch path
-// copies every key and value of every sequence, in every layer, at every step). Work is
-// split over sequences (or (sequence, KV head) pairs when there are few) with ATen's thread
-// pool; the query heads of one KV head (grouped-query attention) share each key load.
+// Each query token (a decoding sequence's new token, or one token of a prefill chunk) reads
+// its keys and values where they lie in the cache, block by block, up to its own position,
+// instead of gathering them into a contiguous copy first (the torch path copies every key
+// and value of every sequence, in every layer, at every step). A query's result depends only
+// on its own query, keys and values: not on the other queries of the call, nor on how work
+// is split (batch-invariant). Work is split over queries (or (query, KV head) pairs when
+// there are few) with ATen's thread pool, in an order that pairs long contexts with short
+// ones; the query heads of one KV head (grouped-query attention) share each key load.
 //
 // Layouts (see freetoken_core/engine/attention.py):
 //   q            [D, H, hd]             any stride between tokens, heads contiguous
 //   kv_cache     [slots, 2, KVH, hd]    keys and values of a slot side by side
-//   block_tables [D, W] int32           cache blocks of each sequence, padded
-//   context_lens [D] int32              keys of each sequence, its new token included
+//   block_tables [D, W] int32           cache blocks of each query's sequence, padded
+//   context_lens [D] int32              keys each query attends to, its own included
 //   out          [D, H, hd]             contiguous
 // float32 and bfloat16 are supported; sums are float32 either way.
 
@@ -198,10 +201,16 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   const int64_t items_per_seq = num_kv_heads / heads_per_item;
   const int64_t rows = heads_per_item * group;  // query heads of one item
 
-  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+  // Item j of the split is item zigzag(j): 0, last, 1, last - 1, ... The tokens of a prefill
+  // chunk come in position order (growing contexts), so each thread's contiguous range of
+  // the split gets short and long ones alike.
+  const int64_t num_items = num_seqs * items_per_seq;
+  auto zigzag = [num_items](int64_t j) { return j % 2 == 0 ? j / 2 : num_items - 1 - j / 2; };
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(rows * head_dim), acc(rows * head_dim), inv(rows), scores;
     std::vector<const T*> slots;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t item = zigzag(j);
       const int64_t seq = item / items_per_seq;
       const int64_t kv0 = (item % items_per_seq) * heads_per_item;
       const int64_t len = lens[seq];

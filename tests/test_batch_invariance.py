@@ -1,0 +1,92 @@
+"""Seeds hold at every batch size: on the default model, a seeded request draws the same
+tokens alone, among 8, 24 or 48 other sequences, with its prompt cut into prefill chunks,
+and with its prompt prefix served from the prefix cache.
+
+Sampling is per row by construction (counter-based draws, ``engine/sampler.py``); what this
+holds is the model's numerics: the GGUF-block linears sum every row in one order whatever
+the row count, and the native attention computes every token, decoding or prefilling, as
+one query over its own keys. A difference of one ulp in a logit can flip a draw near a tie,
+so the logprobs of the drawn tokens are compared exactly too.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from freetoken_core import LLM, SamplingParams
+from freetoken_core.tokenizer import apply_chat_template
+
+QUESTIONS = ["Tell me a story about a dragon who learns to cook.",
+             "Describe the ocean at night.", "What makes a good friend?",
+             "Write a short poem about autumn leaves.", "How do volcanoes form?",
+             "Give three tips for learning a new language.", "Why is the sky blue?",
+             "Explain how a bicycle works."]
+SEEDED = SamplingParams(seed=7, temperature=1.0, max_tokens=24, ignore_eos=True, logprobs=0)
+
+
+def chat(llm: LLM, text: str) -> list[int]:
+    prompt = apply_chat_template(llm.tokenizer, [{"role": "user", "content": text}])
+    return llm.tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def run(llm: LLM, prompt: list[int], others: int, join_after_steps: int = 0,
+        tag: str = "", cached: int = 0) -> tuple[list[int], list[float]]:
+    """The seeded request's tokens and their logprobs (its prompt had ``cached`` tokens
+    from the prefix cache), with ``others`` sequences (their own
+    prompts, seeds and lengths) added first and ``join_after_steps`` engine steps run before
+    the seeded request joins them."""
+    engine = llm.engine
+    for i in range(others):
+        text = f"{QUESTIONS[i % len(QUESTIONS)]} (variant {i})"
+        engine.add_request(f"{tag}o{i}", chat(llm, text),
+                           SamplingParams(seed=100 + i, temperature=0.9,
+                                          max_tokens=8 + 5 * (i % 7), ignore_eos=True))
+    for _ in range(join_after_steps):
+        engine.step()
+    engine.add_request(f"{tag}seeded", prompt, SEEDED)
+    result = None
+    while engine.has_unfinished_requests:
+        for output in engine.step():
+            if output.request_id == f"{tag}seeded" and output.finished:
+                assert output.num_cached_tokens == cached
+                result = output.outputs[0]
+    assert result is not None
+    return result.token_ids, [lp.logprob for lp in result.logprobs]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    llm = LLM(None, dtype="float32", kv_cache_tokens=16384, max_num_seqs=64,
+              max_num_batched_tokens=256, enable_prefix_caching=False, progress=False)
+    assert llm.engine.core.runner.model.uses_gguf_blocks
+    assert llm.engine.core.runner.model.native
+    return llm
+
+
+@pytest.fixture(scope="module")
+def alone(llm: LLM) -> tuple[list[int], list[float]]:
+    return run(llm, chat(llm, "Invent a name for a new colour and describe it."), 0,
+               tag="alone")
+
+
+@pytest.mark.parametrize(("others", "join_after_steps"), [(8, 0), (24, 2), (48, 1)])
+def test_seeded_request_draws_the_same_tokens_in_any_batch(
+        llm: LLM, alone: tuple[list[int], list[float]], others: int,
+        join_after_steps: int) -> None:
+    """With 256 batched tokens a step, 48 others fill the first steps: the seeded prompt
+    joins decoding rows and is cut into chunks; with 24 it joins two steps in."""
+    prompt = chat(llm, "Invent a name for a new colour and describe it.")
+    got = run(llm, prompt, others, join_after_steps, tag=f"b{others}")
+    assert got == alone
+
+
+def test_seeded_request_draws_the_same_tokens_after_a_prefix_cache_hit(
+        alone: tuple[list[int], list[float]]) -> None:
+    """The second run of a prompt prefills only its last block's tokens: fewer rows per
+    step, same tokens."""
+    llm = LLM(None, dtype="float32", kv_cache_tokens=4096, enable_prefix_caching=True,
+              progress=False)
+    prompt = chat(llm, "Invent a name for a new colour and describe it.")
+    assert run(llm, prompt, 0, tag="p1") == alone
+    block = llm.engine.core.scheduler.block_manager.block_size
+    assert run(llm, prompt, 3, tag="p2", cached=(len(prompt) - 1) // block * block) == alone
