@@ -9,8 +9,9 @@
 // from a float32 GEMM.
 //
 // Batch invariance: every output y[m, n] is summed in one order whatever M is and whichever
-// path computes it: eight float32 lanes accumulate x[m, 8i:8i+8] * W[n, 8i:8i+8] by FMA for
-// i = 0, 1, ... in turn, then the lanes are added (hsum). So a row's result never depends
+// path computes it: L float32 lanes accumulate x[m, Li:Li+L] * W[n, Li:Li+L] by FMA for
+// i = 0, 1, ... in turn, then the lanes are added (hsum). L is the vector width the kernel
+// is built for (16 with AVX-512, 8 with AVX2), fixed for a machine. So a row's result never depends
 // on the other rows of its step (how many sequences decode together, how a prompt is cut
 // into chunks, how much of it came from the prefix cache), and a seeded draw gives the same
 // token in every batch.
@@ -19,6 +20,7 @@
 // registers and used at once (one pass over the weights, the memory-bound decode case);
 // above, each thread dequantizes a panel of kPanel output features into a float32 scratch
 // once and runs a register-tiled kernel of kTileRows rows x kTileCols features over it.
+// Without AVX2 a scalar loop computes each row on its own (invariant too).
 //
 // blocks: [N, K / 32 * block_bytes] uint8, each row the blocks of one output feature.
 
@@ -33,14 +35,12 @@
 
 #include "vec.h"
 
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
-
 namespace {
 
 constexpr int64_t kQ4_1 = 3, kQ8_0 = 8;  // ggml type ids
 constexpr int64_t kBlock = 32;
+
+constexpr int64_t block_bytes(int64_t qt) { return qt == kQ4_1 ? 20 : 34; }
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
@@ -69,74 +69,108 @@ inline void dequant_scalar(const uint8_t* block, float* w) {
   }
 }
 
-constexpr int64_t block_bytes(int64_t qt) { return qt == kQ4_1 ? 20 : 34; }
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(FREETOKEN_AVX2)
+// 16 lanes: a block is two vectors.
+using vf = __m512;
+constexpr int kLanes = 16;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vf v) {
+  // Fixed order: halves, then the 8-lane reduction of vec.h.
+  const __m256 lo = _mm512_castps512_ps256(v);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return freetoken::vec::hsum(_mm256_add_ps(lo, hi));
+}
 
-#ifdef FREETOKEN_AVX2
 template <int64_t QT>
-inline void dequant8x4(const uint8_t* block, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(half_to_float(block));
+inline void dequant(const uint8_t* block, vf w[2]) {
+  const vf d = _mm512_set1_ps(half_to_float(block));
   if constexpr (QT == kQ4_1) {
-    const __m256 m = _mm256_set1_ps(half_to_float(block + 2));
+    const vf m = _mm512_set1_ps(half_to_float(block + 2));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i parts[2] = {_mm_and_si128(q, mask), _mm_and_si128(_mm_srli_epi16(q, 4), mask)};
+    for (int k = 0; k < 2; ++k)
+      w[k] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[k]))), m);
+  } else {
+    for (int k = 0; k < 2; ++k) {
+      const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * k));
+      w[k] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8)));
+    }
+  }
+}
+#elif defined(FREETOKEN_AVX2)
+// 8 lanes: a block is four vectors.
+using vf = __m256;
+constexpr int kLanes = 8;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vf v) { return freetoken::vec::hsum(v); }
+
+template <int64_t QT>
+inline void dequant(const uint8_t* block, vf w[4]) {
+  const vf d = _mm256_set1_ps(half_to_float(block));
+  if constexpr (QT == kQ4_1) {
+    const vf m = _mm256_set1_ps(half_to_float(block + 2));
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int k = 0; k < 4; ++k) {
-      const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k]));
-      w[k] = _mm256_add_ps(_mm256_mul_ps(d, qf), m);
-    }
+    for (int k = 0; k < 4; ++k)
+      w[k] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k]))), m);
   } else {
-    const uint8_t* qs = block + 2;
     for (int k = 0; k < 4; ++k) {
-      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * k));
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * k));
       w[k] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
     }
   }
 }
+#endif
+
+#ifdef FREETOKEN_AVX2
+constexpr int kVecs = kBlock / kLanes;  // vectors per block
+constexpr int64_t kPrefetch = 8;        // blocks ahead (see rows_direct)
 
 // Rows x[0:R] against F output features at a time from [n0, n1): R x F accumulators in
 // registers, so that R x F independent FMA chains hide the FMA latency even for one row.
+// The F features' rows are read side by side, which the hardware prefetcher does not follow
+// well: each is prefetched kPrefetch blocks ahead.
 template <int64_t QT, int R, int F>
-void rows_avx2(const float* x, int64_t x_stride, const uint8_t* blocks, int64_t row_bytes,
-               int64_t num_blocks, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+void rows_direct(const float* x, int64_t x_stride, const uint8_t* blocks, int64_t row_bytes,
+                 int64_t num_blocks, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
   int64_t n = n0;
   for (; n + F <= n1; n += F) {
     const uint8_t* row = blocks + n * row_bytes;
-    __m256 acc[R][F];
+    vf acc[R][F];
     for (int r = 0; r < R; ++r)
-      for (int f = 0; f < F; ++f) acc[r][f] = _mm256_setzero_ps();
+      for (int f = 0; f < F; ++f) acc[r][f] = vzero();
     for (int64_t b = 0; b < num_blocks; ++b) {
       for (int f = 0; f < F; ++f) {
-        __m256 w[4];
-        dequant8x4<QT>(row + f * row_bytes + b * block_bytes(QT), w);
+        const uint8_t* block = row + f * row_bytes + b * block_bytes(QT);
+        _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetch * block_bytes(QT)),
+                     _MM_HINT_T0);
+        vf w[kVecs];
+        dequant<QT>(block, w);
         for (int r = 0; r < R; ++r) {
           const float* xb = x + r * x_stride + b * kBlock;
-          acc[r][f] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[r][f]);
-          acc[r][f] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), acc[r][f]);
-          acc[r][f] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), acc[r][f]);
-          acc[r][f] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), acc[r][f]);
+          for (int j = 0; j < kVecs; ++j) acc[r][f] = vfma(w[j], vload(xb + j * kLanes), acc[r][f]);
         }
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int f = 0; f < F; ++f) out[r * out_stride + n + f] = freetoken::vec::hsum(acc[r][f]);
+      for (int f = 0; f < F; ++f) out[r * out_stride + n + f] = vsum(acc[r][f]);
   }
   if constexpr (F > 1) {
-    if (n < n1) rows_avx2<QT, R, 1>(x, x_stride, blocks, row_bytes, num_blocks, out, out_stride, n, n1);
+    if (n < n1) rows_direct<QT, R, 1>(x, x_stride, blocks, row_bytes, num_blocks, out, out_stride, n, n1);
   }
-}
-
-// R rows: features per pass so that R x F is about 8 chains.
-template <int64_t QT, int R>
-inline void rows_direct(const float* x, int64_t x_stride, const uint8_t* blocks,
-                        int64_t row_bytes, int64_t num_blocks, float* out, int64_t out_stride,
-                        int64_t n0, int64_t n1) {
-  constexpr int F = R >= 8 ? 1 : 8 / R;
-  rows_avx2<QT, R, F>(x, x_stride, blocks, row_bytes, num_blocks, out, out_stride, n0, n1);
 }
 
 // The float32 weights of features [n0, n0 + count) into panel [count, K], each block as
-// dequant8x4 makes it (the same values the direct path uses).
+// dequant makes it (the same values the direct path uses).
 template <int64_t QT>
 void dequant_panel(const uint8_t* blocks, int64_t row_bytes, int64_t num_blocks, int64_t n0,
                    int64_t count, float* panel) {
@@ -145,35 +179,40 @@ void dequant_panel(const uint8_t* blocks, int64_t row_bytes, int64_t num_blocks,
     const uint8_t* row = blocks + (n0 + f) * row_bytes;
     float* dst = panel + f * k;
     for (int64_t b = 0; b < num_blocks; ++b) {
-      __m256 w[4];
-      dequant8x4<QT>(row + b * block_bytes(QT), w);
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(dst + b * kBlock + 8 * j, w[j]);
+      vf w[kVecs];
+      dequant<QT>(row + b * block_bytes(QT), w);
+      for (int j = 0; j < kVecs; ++j) vstore(dst + b * kBlock + j * kLanes, w[j]);
     }
   }
 }
 
-// out[r, f] = hsum over i of fma(x[r, 8i:], w[f, 8i:]) for RT rows and FT features: RT * FT
+// out[r, f] = vsum over i of fma(w[f, Li:], x[r, Li:]) for RT rows and FT features: RT x FT
 // accumulators in registers, each weight vector loaded once for RT rows.
 template <int RT, int FT>
 inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k, float* out,
                  int64_t out_stride) {
-  __m256 acc[RT][FT];
+  vf acc[RT][FT];
   for (int r = 0; r < RT; ++r)
-    for (int f = 0; f < FT; ++f) acc[r][f] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < k; i += 8) {
-    __m256 wv[FT];
-    for (int f = 0; f < FT; ++f) wv[f] = _mm256_loadu_ps(w + f * k + i);
+    for (int f = 0; f < FT; ++f) acc[r][f] = vzero();
+  for (int64_t i = 0; i < k; i += kLanes) {
+    vf wv[FT];
+    for (int f = 0; f < FT; ++f) wv[f] = vload(w + f * k + i);
     for (int r = 0; r < RT; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * x_stride + i);
-      for (int f = 0; f < FT; ++f) acc[r][f] = _mm256_fmadd_ps(wv[f], xv, acc[r][f]);
+      const vf xv = vload(x + r * x_stride + i);
+      for (int f = 0; f < FT; ++f) acc[r][f] = vfma(wv[f], xv, acc[r][f]);
     }
   }
   for (int r = 0; r < RT; ++r)
-    for (int f = 0; f < FT; ++f) out[r * out_stride + f] = freetoken::vec::hsum(acc[r][f]);
+    for (int f = 0; f < FT; ++f) out[r * out_stride + f] = vsum(acc[r][f]);
 }
 
+// The register tile: 4 x 3 accumulators of 16 registers with AVX2; 32 with AVX-512 fit 6 x 4.
+#if defined(__AVX512F__)
+constexpr int kTileRows = 6, kTileCols = 4;
+#else
 constexpr int kTileRows = 4, kTileCols = 3;
-constexpr int64_t kPanel = 24;  // features per panel: 24 x 1536 floats = 144 KiB, in L2
+#endif
+constexpr int64_t kPanel = 2 * kTileCols;  // features per panel: its float32 weights stay in L1
 
 template <int RT>
 inline void tile_cols(const float* x, int64_t x_stride, const float* w, int64_t k, float* out,
@@ -181,15 +220,18 @@ inline void tile_cols(const float* x, int64_t x_stride, const float* w, int64_t 
   switch (cols) {
     case 1: tile<RT, 1>(x, x_stride, w, k, out, out_stride); break;
     case 2: tile<RT, 2>(x, x_stride, w, k, out, out_stride); break;
+#if defined(__AVX512F__)
+    case 3: tile<RT, 3>(x, x_stride, w, k, out, out_stride); break;
+#endif
     default: tile<RT, kTileCols>(x, x_stride, w, k, out, out_stride); break;
   }
 }
 
 // Rows [0, rows) against features [n0, n1), kPanel features at a time through `panel`.
 template <int64_t QT>
-void panels_avx2(const float* x, int64_t rows, const uint8_t* blocks, int64_t row_bytes,
-                 int64_t num_blocks, float* out, int64_t out_stride, int64_t n0, int64_t n1,
-                 float* panel) {
+void panels(const float* x, int64_t rows, const uint8_t* blocks, int64_t row_bytes,
+            int64_t num_blocks, float* out, int64_t out_stride, int64_t n0, int64_t n1,
+            float* panel) {
   const int64_t k = num_blocks * kBlock;
   for (int64_t p0 = n0; p0 < n1; p0 += kPanel) {
     const int64_t count = std::min(kPanel, n1 - p0);
@@ -205,6 +247,10 @@ void panels_avx2(const float* x, int64_t rows, const uint8_t* blocks, int64_t ro
           case 1: tile_cols<1>(xr, k, w, k, o, out_stride, ft); break;
           case 2: tile_cols<2>(xr, k, w, k, o, out_stride, ft); break;
           case 3: tile_cols<3>(xr, k, w, k, o, out_stride, ft); break;
+#if defined(__AVX512F__)
+          case 4: tile_cols<4>(xr, k, w, k, o, out_stride, ft); break;
+          case 5: tile_cols<5>(xr, k, w, k, o, out_stride, ft); break;
+#endif
           default: tile_cols<kTileRows>(xr, k, w, k, o, out_stride, ft); break;
         }
       }
@@ -248,29 +294,25 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor&
   if (rows > kDirectRows) {
     at::parallel_for(0, (n + kPanel - 1) / kPanel, 1, [&](int64_t b0, int64_t b1) {
       std::vector<float> panel(kPanel * k);
-      panels_avx2<QT>(xp, rows, bp, row_bytes, num_blocks, op, n, b0 * kPanel,
-                      std::min(n, b1 * kPanel), panel.data());
+      panels<QT>(xp, rows, bp, row_bytes, num_blocks, op, n, b0 * kPanel,
+                 std::min(n, b1 * kPanel), panel.data());
     });
     return;
   }
-#endif
+  // Features per pass so that rows x features is 8 FMA chains.
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
-#ifdef FREETOKEN_AVX2
-    const float* xr = xp;
     switch (rows) {
-      case 1: rows_direct<QT, 1>(xr, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
-      case 2: rows_direct<QT, 2>(xr, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
-      case 3: rows_direct<QT, 3>(xr, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
-      case 4: rows_direct<QT, 4>(xr, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
-      case 5: rows_direct<QT, 5>(xr, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
-      case 6: rows_direct<QT, 6>(xr, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
-      case 7: rows_direct<QT, 7>(xr, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
-      default: rows_direct<QT, kDirectRows>(xr, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 1: rows_direct<QT, 1, 8>(xp, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 2: rows_direct<QT, 2, 4>(xp, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 3: rows_direct<QT, 3, 2>(xp, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
+      default: rows_direct<QT, 4, 2>(xp, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
     }
-#else
-    rows_scalar<QT>(xp, k, rows, bp, row_bytes, num_blocks, op, n, n0, n1);
-#endif
   });
+#else
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    rows_scalar<QT>(xp, k, rows, bp, row_bytes, num_blocks, op, n, n0, n1);
+  });
+#endif
 }
 
 void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, at::Tensor out) {
