@@ -25,7 +25,8 @@ defaults apply; ``--extra-body`` adds fields to every request). For each client 
 N concurrent clients, each sending ``--rounds`` requests back to back. After a warm-up
 (one request, then one 2-token request per client of the largest count), per client count:
 
-* output tok/s: the generated tokens of all requests / the wall time of that client count.
+* output tok/s: the generated tokens of all requests / the wall time of that client count
+  (ratio: FreeToken's / llama.cpp's).
   A request's tokens are its ``usage.completion_tokens`` (both servers send usage on the
   last chunk), else its number of chunks that carried text;
 * TTFT: request start to the first chunk with text; ITL: the gaps between successive chunks
