@@ -6,11 +6,12 @@ that peak RSS is its own. Two workloads:
 
 * ``fixed``: every sequence generates exactly ``--max-tokens`` tokens (EOS suppressed:
   ``min_tokens`` here, ``min_new_tokens`` in transformers).
-  At 16 sequences, one batch of 16 in both systems: this isolates the per-step cost.
+  At 16 (32) sequences, one batch of 16 (32) in both systems: this isolates the per-step
+  cost.
 * ``chat``: the 64 requests of ``bench/chat_prompts.py``; each answer ends where the model
-  ends its turn (EOS), at most ``--chat-max-tokens`` tokens. At 16 concurrent sequences,
-  transformers runs them as static batches of 16 in arrival order (a batch lasts as long
-  as its longest answer), FreeToken keeps 16 in flight (continuous batching). This is how
+  ends its turn (EOS), at most ``--chat-max-tokens`` tokens. At N concurrent sequences,
+  transformers runs them as static batches of N in arrival order (a batch lasts as long
+  as its longest answer), FreeToken keeps N in flight (continuous batching). This is how
   vLLM's ``benchmark_throughput`` compares against transformers. At 1 sequence, the first
   4 requests one after the other.
 
@@ -18,6 +19,7 @@ Output tokens/s counts only generated tokens (up to and including EOS), the same
 for both systems: the script checks that both produced the same tokens for every request.
 
     python bench/engine.py [--max-tokens 64] [--chat-max-tokens 256] [--dtype auto]
+                           [--sizes 1,16,32]
 
 Prints tokens/s for both systems, their ratio, FreeToken's peak RSS, and the peak RSS of
 serving in bf16 with a 32,768-token KV cache.
@@ -138,6 +140,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-tokens", type=int, default=16384)
     parser.add_argument("--workloads", default="fixed,chat")
+    parser.add_argument("--sizes", default="1,16,32",
+                        help="concurrent sequences, each run of each workload")
     parser.add_argument("--worker", choices=["freetoken", "transformers"])
     parser.add_argument("--workload", choices=["fixed", "chat"], default="fixed")
     parser.add_argument("--concurrency", type=int, default=1)
@@ -153,7 +157,7 @@ def main() -> None:
     for name in args.workloads.split(","):
         label = (f"fixed: {args.max_tokens} tokens each" if name == "fixed" else
                  f"chat: 64 requests, EOS, <= {args.chat_max_tokens}")
-        for concurrency in (1, 16):
+        for concurrency in map(int, args.sizes.split(",")):
             hf = spawn("transformers", name, concurrency, args)
             ft = spawn("freetoken", name, concurrency, args)
             peak = max(peak, ft["peak_rss_mb"])
