@@ -90,3 +90,15 @@ def test_seeded_request_draws_the_same_tokens_after_a_prefix_cache_hit(
     assert run(llm, prompt, 0, tag="p1") == alone
     block = llm.engine.core.scheduler.block_manager.block_size
     assert run(llm, prompt, 3, tag="p2", cached=(len(prompt) - 1) // block * block) == alone
+
+
+def test_the_block_in_one_native_call_computes_what_the_python_path_computes(
+        llm: LLM, alone: tuple[list[int], list[float]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``llama_layer`` runs a block's kernels from C++ in the order DecoderLayer.__call__
+    runs them from Python: the same tokens and logprobs, to the bit."""
+    layers = llm.engine.core.runner.model.layers
+    assert all(layer.one_call is not None for layer in layers)
+    for layer in layers:
+        monkeypatch.setattr(layer, "one_call", None)
+    prompt = chat(llm, "Invent a name for a new colour and describe it.")
+    assert run(llm, prompt, 8, tag="python") == alone

@@ -1,7 +1,7 @@
 """Native CPU kernels (C++ in ``csrc/``), built on first use and loaded as ``torch.ops.freetoken``.
 
-Decode attention over the paged KV cache, the fused element-wise layers of a block, and
-linears computed from a GGUF file's Q4_1/Q8_0 blocks. They are compiled once per machine,
+Attention over the paged KV cache, the fused element-wise layers of a block, linears
+computed from a GGUF file's Q4_1/Q8_0 blocks, and a whole block in one call. They are compiled once per machine,
 torch version, CPU and source into ``$FREETOKEN_CACHE/kernels/`` (about 15 s) with the
 system C++ compiler and ninja, for the CPU at hand (``-march=native``), and run on ATen's
 own thread pool. Everything they do has a torch path too: where they cannot be built (no
@@ -24,7 +24,7 @@ import torch
 
 log = logging.getLogger("freetoken.kernels")
 
-_SOURCES = ("paged_attention.cpp", "layers.cpp", "gguf_linear.cpp")
+_SOURCES = ("paged_attention.cpp", "layers.cpp", "gguf_linear.cpp", "llama_layer.cpp")
 _ENV = "FREETOKEN_NATIVE_KERNELS"
 _NAME = "freetoken_cpu"
 
@@ -64,7 +64,7 @@ def cpu_kernels_available() -> bool:
     """Build (first time) and load the CPU kernels; ``False`` where they cannot be had."""
     if os.environ.get(_ENV, "1").lower() in ("0", "false", "no", "off"):
         return False
-    if hasattr(torch.ops.freetoken, "gguf_linear"):
+    if hasattr(torch.ops.freetoken, "llama_layer"):
         return True
     sources = [Path(__file__).parent / "csrc" / name for name in _SOURCES]
     try:

@@ -72,6 +72,14 @@ class DecoderLayer:
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.native = native
+        # The whole block in one native call (the same kernels in the same order, so the
+        # same results) where it covers the layer: every linear from GGUF blocks, no bias,
+        # no q/k norm.
+        linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        self.one_call = None
+        if native and bias is None and self.q_norm is None and all(
+                lin.blocks is not None for lin in linears):
+            self.one_call = [x for lin in linears for x in (lin.blocks[1], lin.blocks[0])]
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                  sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -79,6 +87,11 @@ class DecoderLayer:
         """``(output, residual)``: the hidden state is their sum. The first block gets
         ``residual=None`` and the embeddings as ``x``."""
         n, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.one_call is not None and meta.decode_block_tables is not None:
+            return torch.ops.freetoken.llama_layer(
+                x, residual, self.input_norm, self.post_attn_norm, self.eps, *self.one_call,
+                cos, sin, kv_cache, meta.slot_mapping, meta.decode_block_tables,
+                meta.decode_context_lens, meta.block_size, d ** -0.5, h, kvh, d)
         if residual is None:
             residual = x
             x = rms_norm(x, self.input_norm, self.eps, self.native)

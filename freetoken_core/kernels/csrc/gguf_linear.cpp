@@ -33,6 +33,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -165,7 +166,8 @@ void rows_direct(const float* x, int64_t x_stride, const uint8_t* blocks, int64_
       for (int f = 0; f < F; ++f) out[r * out_stride + n + f] = vsum(acc[r][f]);
   }
   if constexpr (F > 1) {
-    if (n < n1) rows_direct<QT, R, 1>(x, x_stride, blocks, row_bytes, num_blocks, out, out_stride, n, n1);
+    if (n < n1)
+      rows_direct<QT, R, 1>(x, x_stride, blocks, row_bytes, num_blocks, out, out_stride, n, n1);
   }
 }
 
@@ -315,6 +317,10 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor&
 #endif
 }
 
+}  // namespace
+
+namespace freetoken {
+
 void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, at::Tensor out) {
   TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "gguf_linear: Q4_1 (3) or Q8_0 (8) blocks only");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
@@ -332,8 +338,9 @@ void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, a
   }
 }
 
-}  // namespace
+}  // namespace freetoken
 
 TORCH_LIBRARY_FRAGMENT(freetoken, m) {
-  m.def("gguf_linear(Tensor x, Tensor blocks, int qtype, Tensor(a!) out) -> ()", &gguf_linear);
+  m.def("gguf_linear(Tensor x, Tensor blocks, int qtype, Tensor(a!) out) -> ()",
+        &freetoken::gguf_linear);
 }

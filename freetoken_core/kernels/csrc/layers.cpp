@@ -13,6 +13,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -143,6 +144,10 @@ void check_rows(const at::Tensor& t, const char* name) {
     TORCH_CHECK(false, "float32 or bfloat16 only");                                 \
   }
 
+}  // namespace
+
+namespace freetoken {
+
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, double eps) {
   check_rows(out, "out");
   check_rows(x, "x");
@@ -181,12 +186,13 @@ void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
   FREETOKEN_DISPATCH(x.scalar_type(), rotary_impl<scalar_t>(x, cos, sin));
 }
 
-}  // namespace
+}  // namespace freetoken
 
 TORCH_LIBRARY_FRAGMENT(freetoken, m) {
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()", &rms_norm);
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()", &freetoken::rms_norm);
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
-        &fused_add_rms_norm);
-  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()", &silu_and_mul);
-  m.def("rotary_embedding(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &rotary_embedding);
+        &freetoken::fused_add_rms_norm);
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()", &freetoken::silu_and_mul);
+  m.def("rotary_embedding(Tensor(a!) x, Tensor cos, Tensor sin) -> ()",
+        &freetoken::rotary_embedding);
 }

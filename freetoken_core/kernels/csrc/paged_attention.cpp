@@ -26,6 +26,7 @@
 #include <cmath>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -246,6 +247,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   });
 }
 
+}  // namespace
+
+namespace freetoken {
+
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
                             int64_t block_size, double scale, at::Tensor out) {
@@ -269,10 +274,10 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   }
 }
 
-}  // namespace
+}  // namespace freetoken
 
 TORCH_LIBRARY(freetoken, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
         "Tensor context_lens, int block_size, float scale, Tensor(a!) out) -> ()",
-        &paged_decode_attention);
+        &freetoken::paged_decode_attention);
 }

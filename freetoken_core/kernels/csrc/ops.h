@@ -1,0 +1,18 @@
+// The kernels' entry points, as registered in TORCH_LIBRARY(freetoken) and as other kernels
+// of this library call them directly (llama_layer.cpp), without the dispatcher.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace freetoken {
+
+void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, at::Tensor out);
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, double eps);
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& w, double eps);
+void silu_and_mul(at::Tensor out, const at::Tensor& x);
+void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            int64_t block_size, double scale, at::Tensor out);
+
+}  // namespace freetoken
