@@ -5,9 +5,10 @@ process: one whose linears compute from the file's Q4_1/Q8_0 blocks through the 
 kernel (the default), one whose linears are float32 oneDNN GEMMs of the same weights
 (``layers.USE_GGUF_BLOCKS = False`` while it is built). They alternate every 10 steps, four
 times, so that the machine's drift hits both alike. The GGUF column is the engine step the
-served inter-token latency is held to.
+served inter-token latency is held to; the sequences sample as bench/vs_llamacpp.py's
+requests do (temperature 0.8, ``--temperature``), each with its own seed.
 
-    python bench/decode_step.py [--sizes 1,8,16,24,32,64]
+    python bench/decode_step.py [--sizes 1,8,16,24,32,64] [--temperature 0.8]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1,8,16,24,32")
+    parser.add_argument("--temperature", type=float, default=0.8)
     args = parser.parse_args()
     from freetoken_core import LLM, SamplingParams
     from freetoken_core.models import layers
@@ -42,8 +44,8 @@ def main() -> None:
             prompts = chat_prompt_ids(llm.tokenizer)
             for i in range(size):
                 llm.engine.add_request(f"r{i}", prompts[i % len(prompts)],
-                                       SamplingParams(temperature=0, max_tokens=200,
-                                                      ignore_eos=True))
+                                       SamplingParams(temperature=args.temperature, seed=i,
+                                                      max_tokens=200, ignore_eos=True))
             while any(s.num_computed_tokens < s.num_prompt_tokens
                       for s in llm.engine.core.scheduler.running) or \
                     llm.engine.core.scheduler.waiting:
