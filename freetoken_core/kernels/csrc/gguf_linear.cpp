@@ -86,10 +86,10 @@ inline float vsum(vf v) {
 }
 
 template <int64_t QT>
-inline void dequant(const uint8_t* block, vf w[2]) {
-  const vf d = _mm512_set1_ps(half_to_float(block));
+inline void dequant(const uint8_t* block, float d_, float m_, vf w[2]) {
+  const vf d = _mm512_set1_ps(d_);
   if constexpr (QT == kQ4_1) {
-    const vf m = _mm512_set1_ps(half_to_float(block + 2));
+    const vf m = _mm512_set1_ps(m_);
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i parts[2] = {_mm_and_si128(q, mask), _mm_and_si128(_mm_srli_epi16(q, 4), mask)};
@@ -113,10 +113,10 @@ inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline float vsum(vf v) { return freetoken::vec::hsum(v); }
 
 template <int64_t QT>
-inline void dequant(const uint8_t* block, vf w[4]) {
-  const vf d = _mm256_set1_ps(half_to_float(block));
+inline void dequant(const uint8_t* block, float d_, float m_, vf w[4]) {
+  const vf d = _mm256_set1_ps(d_);
   if constexpr (QT == kQ4_1) {
-    const vf m = _mm256_set1_ps(half_to_float(block + 2));
+    const vf m = _mm256_set1_ps(m_);
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
@@ -135,6 +135,37 @@ inline void dequant(const uint8_t* block, vf w[4]) {
 #ifdef FREETOKEN_AVX2
 constexpr int kVecs = kBlock / kLanes;  // vectors per block
 constexpr int64_t kPrefetch = 8;        // blocks ahead (see rows_direct)
+constexpr int64_t kScaleChunk = 32;     // blocks whose scales are converted at once
+
+// The float32 scales (d, and m for Q4_1) of blocks [b0, b0 + count) of one feature's row,
+// eight blocks per gather and conversion instead of a scalar conversion per block (which
+// costs a third of a row's time). The same IEEE values as half_to_float.
+template <int64_t QT>
+inline void block_scales(const uint8_t* row, int64_t b0, int64_t count, float* d, float* m) {
+  const __m256i offsets =
+      _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                         _mm256_set1_epi32(static_cast<int>(block_bytes(QT))));
+  const __m256i low = _mm256_set1_epi32(0xFFFF);
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    // 4 bytes at the start of each block: d, then m (Q4_1) or the first quants (Q8_0).
+    const __m256i head = _mm256_i32gather_epi32(
+        reinterpret_cast<const int*>(row + (b0 + i) * block_bytes(QT)), offsets, 1);
+    const __m256i ds = _mm256_and_si256(head, low);
+    _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_packus_epi32(
+        _mm256_castsi256_si128(ds), _mm256_extracti128_si256(ds, 1))));
+    if constexpr (QT == kQ4_1) {
+      const __m256i ms = _mm256_srli_epi32(head, 16);
+      _mm256_storeu_ps(m + i, _mm256_cvtph_ps(_mm_packus_epi32(
+          _mm256_castsi256_si128(ms), _mm256_extracti128_si256(ms, 1))));
+    }
+  }
+  for (; i < count; ++i) {
+    const uint8_t* block = row + (b0 + i) * block_bytes(QT);
+    d[i] = half_to_float(block);
+    if constexpr (QT == kQ4_1) m[i] = half_to_float(block + 2);
+  }
+}
 
 // Rows x[0:R] against F output features at a time from [n0, n1): R x F accumulators in
 // registers, so that R x F independent FMA chains hide the FMA latency even for one row.
@@ -149,16 +180,23 @@ void rows_direct(const float* x, int64_t x_stride, const uint8_t* blocks, int64_
     vf acc[R][F];
     for (int r = 0; r < R; ++r)
       for (int f = 0; f < F; ++f) acc[r][f] = vzero();
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      for (int f = 0; f < F; ++f) {
-        const uint8_t* block = row + f * row_bytes + b * block_bytes(QT);
-        _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetch * block_bytes(QT)),
-                     _MM_HINT_T0);
-        vf w[kVecs];
-        dequant<QT>(block, w);
-        for (int r = 0; r < R; ++r) {
-          const float* xb = x + r * x_stride + b * kBlock;
-          for (int j = 0; j < kVecs; ++j) acc[r][f] = vfma(w[j], vload(xb + j * kLanes), acc[r][f]);
+    float d[F][kScaleChunk], m[F][kScaleChunk];
+    for (int64_t b0 = 0; b0 < num_blocks; b0 += kScaleChunk) {
+      const int64_t count = std::min(kScaleChunk, num_blocks - b0);
+      for (int f = 0; f < F; ++f) block_scales<QT>(row + f * row_bytes, b0, count, d[f], m[f]);
+      for (int64_t c = 0; c < count; ++c) {
+        const int64_t b = b0 + c;
+        for (int f = 0; f < F; ++f) {
+          const uint8_t* block = row + f * row_bytes + b * block_bytes(QT);
+          _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetch * block_bytes(QT)),
+                       _MM_HINT_T0);
+          vf w[kVecs];
+          dequant<QT>(block, d[f][c], m[f][c], w);
+          for (int r = 0; r < R; ++r) {
+            const float* xb = x + r * x_stride + b * kBlock;
+            for (int j = 0; j < kVecs; ++j)
+              acc[r][f] = vfma(w[j], vload(xb + j * kLanes), acc[r][f]);
+          }
         }
       }
     }
@@ -180,10 +218,15 @@ void dequant_panel(const uint8_t* blocks, int64_t row_bytes, int64_t num_blocks,
   for (int64_t f = 0; f < count; ++f) {
     const uint8_t* row = blocks + (n0 + f) * row_bytes;
     float* dst = panel + f * k;
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      vf w[kVecs];
-      dequant<QT>(row + b * block_bytes(QT), w);
-      for (int j = 0; j < kVecs; ++j) vstore(dst + b * kBlock + j * kLanes, w[j]);
+    float d[kScaleChunk], m[kScaleChunk];
+    for (int64_t b0 = 0; b0 < num_blocks; b0 += kScaleChunk) {
+      const int64_t count = std::min(kScaleChunk, num_blocks - b0);
+      block_scales<QT>(row, b0, count, d, m);
+      for (int64_t c = 0; c < count; ++c) {
+        vf w[kVecs];
+        dequant<QT>(row + (b0 + c) * block_bytes(QT), d[c], m[c], w);
+        for (int j = 0; j < kVecs; ++j) vstore(dst + (b0 + c) * kBlock + j * kLanes, w[j]);
+      }
     }
   }
 }
