@@ -45,6 +45,11 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--activations", default="float32", choices=["float32", "q8"],
+                        help="CPU linears of a GGUF model: float32 (default, exact) or q8 "
+                             "(opt-in: 8-bit activations and integer dot products as "
+                             "llama.cpp computes them; faster at one to a few sequences, "
+                             "not exact; needs Q4_1/Q8_0 weights and the native kernels)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -97,6 +102,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     return {
         "dtype": args.dtype,
         "device": args.device,
+        "activations": args.activations,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,

@@ -26,6 +26,7 @@ def cache_dir() -> Path:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ACTIVATIONS = ("float32", "q8")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,12 @@ class EngineConfig:
     ``generation_config.json``, or the file itself)."""
     override_generation_config: dict[str, Any] | None = field(default_factory=dict)
     """Generation-config keys that win over the file's, key by key."""
+    activations: str = "float32"
+    """How the CPU linears of a GGUF model multiply: ``float32`` (default, exact: the file's
+    weights dequantized to float32, token-identical to transformers) or ``q8`` (opt-in,
+    llama.cpp's arithmetic: activations quantized to 8 bits per block of 32 and integer dot
+    products; faster for one to a few sequences, not exact; bench/q8_quality.py measures
+    it)."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -76,6 +83,8 @@ class EngineConfig:
               "must be auto, cpu or cuda[:N]")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
               "must be >= 1")
+        check(self.activations in ACTIVATIONS, "activations",
+              f"must be one of {', '.join(ACTIVATIONS)}")
         check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         check(self.block_size >= 1, "block_size", "must be >= 1")

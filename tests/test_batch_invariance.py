@@ -102,3 +102,31 @@ def test_the_block_in_one_native_call_computes_what_the_python_path_computes(
         monkeypatch.setattr(layer, "one_call", None)
     prompt = chat(llm, "Invent a name for a new colour and describe it.")
     assert run(llm, prompt, 8, tag="python") == alone
+
+
+def test_q8_activations_hold_seeds_too_and_differ_from_the_exact_path(
+        alone: tuple[list[int], list[float]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--activations q8`` (llama.cpp's arithmetic, opt-in): each row quantized on its own
+    and summed in one order, so a seeded request draws the same tokens alone and among 8
+    others (prompt chunked), in the one-call block and in the Python path; its logprobs are
+    not the exact path's."""
+    llm = LLM(None, dtype="float32", activations="q8", kv_cache_tokens=8192, max_num_seqs=16,
+              max_num_batched_tokens=64, enable_prefix_caching=False, progress=False)
+    model = llm.engine.core.runner.model
+    assert all(layer.one_call is not None for layer in model.layers)
+    prompt = chat(llm, "Invent a name for a new colour and describe it.")
+    q8_alone = run(llm, prompt, 0, tag="q8a")
+    assert q8_alone[1] != alone[1]
+    assert run(llm, prompt, 8, tag="q8b") == q8_alone
+    for layer in model.layers:
+        monkeypatch.setattr(layer, "one_call", None)
+    assert run(llm, prompt, 3, tag="q8c") == q8_alone
+
+
+def test_q8_activations_need_gguf_blocks_and_name_the_option() -> None:
+    from freetoken_core.errors import InvalidRequest, ModelLoadError
+
+    with pytest.raises(InvalidRequest, match="activations"):
+        LLM(None, activations="int4", progress=False)
+    with pytest.raises(ModelLoadError, match="--activations q8"):
+        LLM(None, dtype="bfloat16", activations="q8", progress=False)

@@ -7,8 +7,10 @@ import os
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from gguf.constants import GGMLQuantizationType
 
 from freetoken_core import LLM, SamplingParams
 from freetoken_core.kernels import cpu_kernels_available
@@ -231,3 +233,72 @@ def test_gguf_linear_sums_each_row_the_same_way_whatever_the_row_count(qtype: in
     for rows in (2, 3, 4, 5, 8, 9, 16, 17, 33, 70):
         assert torch.equal(linear(x[:rows]), alone[:rows]), rows
     assert linear(x[:0]).shape == (0, n)
+
+
+def _q8_reference(x: torch.Tensor, blocks: np.ndarray, qtype: int, n: int) -> torch.Tensor:
+    """llama.cpp's arithmetic in float64, from first principles: each block of 32
+    activations rounded to int8 with scale max|x| / 127, each weight block's integer dot
+    product scaled by both scales; Q4_1 adds m times the scaled sum of the activations."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    k = x.shape[1]
+    xb = x.double().view(x.shape[0], k // 32, 32)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    dx = amax / 127
+    qx = torch.where(amax > 0, torch.round(xb * (127 / amax)), torch.zeros_like(xb))
+    raw = torch.from_numpy(np.ascontiguousarray(blocks)).view(n, k // 32, GGML_QUANT_SIZES[
+        GGMLQuantizationType(qtype)][1])
+    d = raw[..., :2].contiguous().view(torch.float16).double()  # [n, nb, 1]
+    if qtype == 3:
+        m = raw[..., 2:4].contiguous().view(torch.float16).double()
+        nib = raw[..., 4:20].long()
+        q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).double()  # weights 0..15, 16..31
+    else:
+        q = raw[..., 2:34].contiguous().view(torch.int8).double()
+    dots = torch.einsum("rbj,nbj->rnb", qx, q)  # exact integers
+    out = (dots * (d[..., 0][None] * dx[..., 0][:, None])).sum(-1)
+    if qtype == 3:
+        out += (m[..., 0][None] * (dx * qx.sum(-1, keepdim=True))[..., 0][:, None]).sum(-1)
+    return out
+
+
+@pytest.mark.parametrize("qtype", [3, 8])  # Q4_1, Q8_0
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 13])  # 4-row groups and every remainder
+@pytest.mark.parametrize(("n", "k"), [(70, 96), (37, 1344)])  # 1344: 42 blocks, chunks 32 + 10
+def test_gguf_linear_q8_computes_llama_cpp_arithmetic(qtype: int, rows: int, n: int,
+                                                      k: int) -> None:
+    from gguf import quants
+
+    gen = torch.Generator().manual_seed(qtype * 100 + rows + k)
+    weight = torch.randn(n, k, generator=gen).numpy()
+    blocks = quants.quantize(weight, GGMLQuantizationType(qtype))
+    x = torch.randn(rows, k, generator=gen)
+    x[0, :32] = 0  # an all-zero block: scale 0, no division by zero
+    out = torch.empty(rows, n)
+    torch.ops.freetoken.gguf_linear_q8(x, torch.from_numpy(blocks), qtype, out)
+    want = _q8_reference(x, blocks, qtype, n)
+    torch.testing.assert_close(out.double(), want, atol=2e-4, rtol=1e-5)
+    # and it is the model's product up to the activations' rounding
+    exact = x.double() @ torch.from_numpy(
+        quants.dequantize(blocks, GGMLQuantizationType(qtype))).double().T
+    assert (out.double() - exact).norm() / exact.norm() < 0.02
+
+
+@pytest.mark.parametrize("qtype", [3, 8])
+def test_gguf_linear_q8_sums_each_row_the_same_way_whatever_the_row_count(qtype: int) -> None:
+    from gguf import quants
+
+    gen = torch.Generator().manual_seed(qtype + 7)
+    n, k = 101, 1344
+    blocks = torch.from_numpy(quants.quantize(torch.randn(n, k, generator=gen).numpy(),
+                                              GGMLQuantizationType(qtype)))
+    x = torch.randn(40, k, generator=gen)
+
+    def linear(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], n)
+        torch.ops.freetoken.gguf_linear_q8(rows.contiguous(), blocks, qtype, out)
+        return out
+
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(len(x))])
+    for rows in (2, 3, 4, 5, 7, 8, 9, 17, 40):
+        assert torch.equal(linear(x[:rows]), alone[:rows]), rows

@@ -94,6 +94,8 @@ def build_engine(config: EngineConfig, progress: bool = True,
         config.max_num_seqs, model_info, device, tokenizer, plugins.options, plugins.hook))
     model = load_model(model_dir, dtype, device, limits.max_model_len,
                        gguf_source(config.model))
+    if config.activations == "q8":
+        model.use_q8_activations()
     runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size, dtype, device,
                          pipeline)
     block_manager = BlockManager(limits.num_kv_blocks, limits.block_size,

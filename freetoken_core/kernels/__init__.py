@@ -24,7 +24,8 @@ import torch
 
 log = logging.getLogger("freetoken.kernels")
 
-_SOURCES = ("paged_attention.cpp", "layers.cpp", "gguf_linear.cpp", "llama_layer.cpp")
+_SOURCES = ("paged_attention.cpp", "layers.cpp", "gguf_linear.cpp", "q8_linear.cpp",
+            "llama_layer.cpp")
 _ENV = "FREETOKEN_NATIVE_KERNELS"
 _NAME = "freetoken_cpu"
 

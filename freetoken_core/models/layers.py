@@ -25,6 +25,10 @@ def _can_pack(weight: torch.Tensor) -> bool:
 # GEMM instead (bench/decode_step.py builds a model each way and compares them).
 USE_GGUF_BLOCKS = True
 
+# Set on a linear's ggml type id: the native kernel quantizes the activations to 8 bits per
+# block of 32 and multiplies in integers (gguf_linear_q8; opt-in, `--activations q8`).
+ACTIVATIONS_Q8 = 1 << 8
+
 
 class Linear:
     """``y = x @ W.T + b`` with the weight laid out for the fastest kernel of the device.
@@ -55,7 +59,12 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None:
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-            torch.ops.freetoken.gguf_linear(x.contiguous(), self.blocks[1], self.blocks[0], out)
+            qtype, blocks = self.blocks
+            if qtype & ACTIVATIONS_Q8:
+                torch.ops.freetoken.gguf_linear_q8(x.contiguous(), blocks,
+                                                   qtype & ~ACTIVATIONS_Q8, out)
+            else:
+                torch.ops.freetoken.gguf_linear(x.contiguous(), blocks, qtype, out)
             return out if self.bias is None else out.add_(self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")

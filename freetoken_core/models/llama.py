@@ -16,10 +16,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from freetoken_core.errors import ModelLoadError
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.layers import (
+    ACTIVATIONS_Q8,
     Linear,
     RotaryEmbedding,
     add_rms_norm,
@@ -145,6 +147,28 @@ class LlamaForCausalLM:
         leftover = [k for k in weights if "rotary_emb" not in k]
         if leftover:
             raise ValueError(f"unused weights in checkpoint: {leftover[:5]}")
+
+    def use_q8_activations(self) -> None:
+        """Switch every linear to 8-bit activations (``--activations q8``): llama.cpp's
+        arithmetic, not exact. Needs every linear and the head as GGUF blocks (a GGUF model
+        with Q4_1/Q8_0 weights, float32, on CPU with the native kernels)."""
+        linears = [lin for layer in self.layers for lin in (
+            layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        linears.append(self.lm_head)
+        if not all(lin.blocks is not None for lin in linears):
+            raise ModelLoadError(
+                "--activations q8 needs every linear as Q4_1/Q8_0 GGUF blocks: a GGUF model "
+                "of those types, dtype float32, on CPU with the native kernels "
+                f"(here: native={self.native}, dtype={self.embed_tokens.dtype}, GGUF blocks "
+                f"for {sum(lin.blocks is not None for lin in linears)} of {len(linears)} "
+                "linears)")
+        for lin in linears:
+            lin.blocks = (lin.blocks[0] | ACTIVATIONS_Q8, lin.blocks[1])
+        for layer in self.layers:
+            if layer.one_call is not None:
+                layer.one_call = [x for lin in (layer.qkv_proj, layer.o_proj,
+                                                layer.gate_up_proj, layer.down_proj)
+                                  for x in (lin.blocks[1], lin.blocks[0])]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

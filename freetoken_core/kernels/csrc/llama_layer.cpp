@@ -3,7 +3,8 @@
 // results are bit-identical), without the ~20 Python-level operator dispatches per layer
 // that otherwise cost a step of one sequence about a fifth of its time.
 //
-// For the common case only: float32, every linear from GGUF blocks (gguf_linear), no
+// For the common case only: float32, every linear from GGUF blocks (gguf_linear, or
+// gguf_linear_q8 where the type id carries kActivationsQ8), no
 // q/k/v bias, no q/k norm, attention of every token through paged_decode_attention. The
 // model checks this and uses the Python path otherwise.
 
@@ -19,7 +20,11 @@ namespace {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
   at::Tensor out = at::empty({x.size(0), blocks.size(0)}, x.options());
-  freetoken::gguf_linear(x, blocks, qtype, out);
+  if (qtype & freetoken::kActivationsQ8) {
+    freetoken::gguf_linear_q8(x, blocks, qtype & ~freetoken::kActivationsQ8, out);
+  } else {
+    freetoken::gguf_linear(x, blocks, qtype, out);
+  }
   return out;
 }
 

@@ -7,6 +7,10 @@
 namespace freetoken {
 
 void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, at::Tensor out);
+// The same product with 8-bit activations (q8_linear.cpp; opt-in, not exact).
+void gguf_linear_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, at::Tensor out);
+// llama_layer's linears take a ggml type id, plus this bit for gguf_linear_q8.
+constexpr int64_t kActivationsQ8 = 1 << 8;
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& w, double eps);
 void silu_and_mul(at::Tensor out, const at::Tensor& x);

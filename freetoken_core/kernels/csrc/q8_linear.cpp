@@ -1,0 +1,321 @@
+// y[M, N] = x[M, K] @ W[N, K]^T from GGUF blocks (Q4_1 or Q8_0) with 8-bit activations, the
+// arithmetic of llama.cpp's CPU backend: each row of x is cut into blocks of 32, each block
+// quantized to int8 with one float32 scale (dx = max|x| / 127, q = round(x / dx)), and every
+// product of a weight block and an activation block is one integer dot product, scaled once:
+//
+//   Q8_0:  d * dx * sum_j q_j qx_j
+//   Q4_1:  d * dx * sum_j q_j qx_j + m * dx * sum_j qx_j      (w_j = d q_j + m)
+//
+// Three to four times fewer instructions per weight than dequantizing to float32
+// (gguf_linear.cpp), so one sequence's decode step is bound by reading the weights rather
+// than by arithmetic. The price is the rounding of the activations to 8 bits (a relative
+// error of up to 1/254 of each block's largest value): an opt-in numeric mode
+// (`--activations q8`), measured against the exact path by bench/q8_quality.py.
+//
+// Batch invariance holds as in gguf_linear: each output y[m, n] is summed in one order
+// whatever M is (per block: the integer dot product, exact; then acc = fma(d * dx, sum, acc)
+// in 8 float lanes, block after block; the m terms in 8-block vectors; the two added last),
+// and a row's quantization depends on that row alone.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace {
+
+constexpr int64_t kQ4_1 = 3, kQ8_0 = 8;  // ggml type ids
+constexpr int64_t kBlock = 32;
+
+constexpr int64_t block_bytes(int64_t qt) { return qt == kQ4_1 ? 20 : 34; }
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// x quantized: per row, K int8 values and, per block of 32, the scale and the scaled sum.
+struct QuantRows {
+  std::vector<int8_t> q;  // [M, K]
+  std::vector<float> d;   // [M, K / 32]
+  std::vector<float> s;   // [M, K / 32]: d * sum of the block's q (the Q4_1 m term)
+  int64_t k = 0, nb = 0;
+};
+
+// One row's block of 32: its scale, its int8 values, their sum.
+inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+#ifdef FREETOKEN_AVX2
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(x + 8 * j);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float max_abs = _mm_cvtss_f32(m4);
+  const float dx = max_abs / 127.f;
+  const __m256 id = _mm256_set1_ps(max_abs != 0.f ? 127.f / max_abs : 0.f);
+  __m256i i[4];
+  for (int j = 0; j < 4; ++j)
+    i[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_hadd_epi32(t, t);
+  t = _mm_hadd_epi32(t, t);
+  // Pack 32-bit to 8-bit: the packs interleave the 128-bit lanes; a permute restores order.
+  const __m256i p16a = _mm256_packs_epi32(i[0], i[1]), p16b = _mm256_packs_epi32(i[2], i[3]);
+  const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  *d = dx;
+  *s = dx * static_cast<float>(_mm_cvtsi128_si32(t));
+#else
+  float max_abs = 0.f;
+  for (int j = 0; j < kBlock; ++j) max_abs = std::max(max_abs, std::fabs(x[j]));
+  const float dx = max_abs / 127.f, id = max_abs != 0.f ? 127.f / max_abs : 0.f;
+  int sum = 0;
+  for (int j = 0; j < kBlock; ++j) {
+    q[j] = static_cast<int8_t>(std::nearbyint(x[j] * id));
+    sum += q[j];
+  }
+  *d = dx;
+  *s = dx * static_cast<float>(sum);
+#endif
+}
+
+void quantize_rows(const float* x, int64_t rows, int64_t k, QuantRows& out) {
+  out.k = k;
+  out.nb = k / kBlock;
+  out.q.resize(rows * k);
+  out.d.resize(rows * out.nb);
+  out.s.resize(rows * out.nb);
+  at::parallel_for(0, rows * out.nb, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      quantize_block(x + b * kBlock, out.q.data() + b * kBlock, &out.d[b], &out.s[b]);
+  });
+}
+
+#ifdef FREETOKEN_AVX2
+constexpr int64_t kScaleChunk = 32;  // blocks whose scales are converted at once
+constexpr int64_t kPrefetch = 8;     // blocks ahead
+
+// The float32 d (and m for Q4_1) of blocks [b0, b0 + count) of one feature's row, eight
+// blocks per gather and conversion.
+template <int64_t QT>
+inline void block_scales(const uint8_t* row, int64_t b0, int64_t count, float* d, float* m) {
+  const __m256i offsets =
+      _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                         _mm256_set1_epi32(static_cast<int>(block_bytes(QT))));
+  const __m256i low = _mm256_set1_epi32(0xFFFF);
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256i head = _mm256_i32gather_epi32(
+        reinterpret_cast<const int*>(row + (b0 + i) * block_bytes(QT)), offsets, 1);
+    const __m256i ds = _mm256_and_si256(head, low);
+    _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_packus_epi32(
+        _mm256_castsi256_si128(ds), _mm256_extracti128_si256(ds, 1))));
+    if constexpr (QT == kQ4_1) {
+      const __m256i ms = _mm256_srli_epi32(head, 16);
+      _mm256_storeu_ps(m + i, _mm256_cvtph_ps(_mm_packus_epi32(
+          _mm256_castsi256_si128(ms), _mm256_extracti128_si256(ms, 1))));
+    }
+  }
+  for (; i < count; ++i) {
+    const uint8_t* block = row + (b0 + i) * block_bytes(QT);
+    d[i] = half_to_float(block);
+    if constexpr (QT == kQ4_1) m[i] = half_to_float(block + 2);
+  }
+}
+
+// The weight block's 32 quants in one register: Q4_1 as unsigned bytes 0..15 in weight order
+// (low nibbles are weights 0..15, high nibbles 16..31), Q8_0 as signed bytes.
+template <int64_t QT>
+inline __m256i block_quants(const uint8_t* block) {
+  if constexpr (QT == kQ4_1) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+  }
+}
+
+// sum_j w_j qx_j of one block as 8 int32 lanes (their total is the dot product). maddubs
+// multiplies unsigned by signed bytes: Q4_1 quants are unsigned already; for Q8_0 the signs
+// move onto the activations (|w| * sign(w) qx). No pair sum overflows int16: 2 * 128 * 127.
+template <int64_t QT>
+inline __m256i block_dot(__m256i w, __m256i wabs, __m256i qx) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (QT == kQ4_1) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, qx), ones);
+  } else {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(qx, w)), ones);
+  }
+}
+
+// Rows r0..r0+R of the quantized x against features [n0, n1), F at a time: R x F float
+// accumulators. acc[r][f] += (d_f,b * dx_r,b) * dot_b, block after block.
+template <int64_t QT, int R, int F>
+void rows_q8(const QuantRows& x, int64_t r0, const uint8_t* blocks, int64_t row_bytes,
+             float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  const int64_t nb = x.nb;
+  int64_t n = n0;
+  for (; n + F <= n1; n += F) {
+    const uint8_t* row = blocks + n * row_bytes;
+    __m256 acc[R][F];
+    __m256 macc[R][F];  // the Q4_1 m terms, 8 blocks per lane set
+    for (int r = 0; r < R; ++r)
+      for (int f = 0; f < F; ++f) acc[r][f] = macc[r][f] = _mm256_setzero_ps();
+    float mtail[R][F] = {};
+    float d[F][kScaleChunk], m[F][kScaleChunk];
+    alignas(32) float ds[R][F][kScaleChunk];
+    for (int64_t b0 = 0; b0 < nb; b0 += kScaleChunk) {
+      const int64_t count = std::min(kScaleChunk, nb - b0);
+      for (int f = 0; f < F; ++f) block_scales<QT>(row + f * row_bytes, b0, count, d[f], m[f]);
+      for (int r = 0; r < R; ++r) {
+        const float* xd = x.d.data() + (r0 + r) * nb + b0;
+        const float* xs = x.s.data() + (r0 + r) * nb + b0;
+        for (int f = 0; f < F; ++f) {
+          int64_t c = 0;
+          for (; c + 8 <= count; c += 8) {
+            _mm256_store_ps(&ds[r][f][c],
+                            _mm256_mul_ps(_mm256_loadu_ps(&d[f][c]), _mm256_loadu_ps(xd + c)));
+            if constexpr (QT == kQ4_1)
+              macc[r][f] = _mm256_fmadd_ps(_mm256_loadu_ps(&m[f][c]), _mm256_loadu_ps(xs + c),
+                                           macc[r][f]);
+          }
+          for (; c < count; ++c) {
+            ds[r][f][c] = d[f][c] * xd[c];
+            if constexpr (QT == kQ4_1) mtail[r][f] = std::fma(m[f][c], xs[c], mtail[r][f]);
+          }
+        }
+      }
+      for (int64_t c = 0; c < count; ++c) {
+        const int64_t b = b0 + c;
+        __m256i w[F], wabs[F];
+        for (int f = 0; f < F; ++f) {
+          const uint8_t* block = row + f * row_bytes + b * block_bytes(QT);
+          _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetch * block_bytes(QT)),
+                       _MM_HINT_T0);
+          w[f] = block_quants<QT>(block);
+          if constexpr (QT == kQ8_0) wabs[f] = _mm256_sign_epi8(w[f], w[f]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i qx = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(x.q.data() + (r0 + r) * x.k + b * kBlock));
+          for (int f = 0; f < F; ++f) {
+            const __m256 dot = _mm256_cvtepi32_ps(block_dot<QT>(w[f], wabs[f], qx));
+            acc[r][f] = _mm256_fmadd_ps(_mm256_broadcast_ss(&ds[r][f][c]), dot, acc[r][f]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int f = 0; f < F; ++f) {
+        float y = freetoken::vec::hsum(acc[r][f]);
+        if constexpr (QT == kQ4_1) y += freetoken::vec::hsum(macc[r][f]) + mtail[r][f];
+        out[(r0 + r) * out_stride + n + f] = y;
+      }
+  }
+  if constexpr (F > 1) {
+    if (n < n1) rows_q8<QT, R, 1>(x, r0, blocks, row_bytes, out, out_stride, n, n1);
+  }
+}
+
+// Features per chunk of work: their blocks (chunk x K / 32 x 20-34 bytes) stay in L1/L2
+// while every group of rows passes over them.
+constexpr int64_t kChunk = 32;
+
+template <int64_t QT>
+void q8_impl(const QuantRows& x, int64_t rows, const uint8_t* bp, int64_t row_bytes, float* op,
+             int64_t n) {
+  at::parallel_for(0, (n + kChunk - 1) / kChunk, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * kChunk, n1 = std::min(n, n0 + kChunk);
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4) rows_q8<QT, 4, 2>(x, r, bp, row_bytes, op, n, n0, n1);
+      switch (rows - r) {
+        case 1: rows_q8<QT, 1, 4>(x, r, bp, row_bytes, op, n, n0, n1); break;
+        case 2: rows_q8<QT, 2, 4>(x, r, bp, row_bytes, op, n, n0, n1); break;
+        case 3: rows_q8<QT, 3, 2>(x, r, bp, row_bytes, op, n, n0, n1); break;
+        default: break;
+      }
+    }
+  });
+}
+#else
+// Without AVX2: the same formula, one output at a time (invariant too).
+template <int64_t QT>
+void q8_impl(const QuantRows& x, int64_t rows, const uint8_t* bp, int64_t row_bytes, float* op,
+             int64_t n) {
+  const int64_t nb = x.nb;
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t f = n0; f < n1; ++f)
+      for (int64_t r = 0; r < rows; ++r) {
+        float y = 0.f;
+        const int8_t* qx = x.q.data() + r * x.k;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* block = bp + f * row_bytes + b * block_bytes(QT);
+          const float d = half_to_float(block);
+          int dot = 0;
+          if constexpr (QT == kQ4_1) {
+            for (int j = 0; j < 16; ++j)
+              dot += (block[4 + j] & 0x0F) * qx[b * kBlock + j] +
+                     (block[4 + j] >> 4) * qx[b * kBlock + 16 + j];
+            y += half_to_float(block + 2) * x.s[r * nb + b];
+          } else {
+            const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+            for (int j = 0; j < kBlock; ++j) dot += q[j] * qx[b * kBlock + j];
+          }
+          y += d * x.d[r * nb + b] * static_cast<float>(dot);
+        }
+        op[r * n + f] = y;
+      }
+  });
+}
+#endif
+
+}  // namespace
+
+namespace freetoken {
+
+void gguf_linear_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, at::Tensor out) {
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "gguf_linear_q8: Q4_1 (3) or Q8_0 (8) blocks only");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+              x.is_contiguous(), "gguf_linear_q8: x must be a contiguous float32 [M, K] CPU tensor");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "gguf_linear_q8: K must be a multiple of 32");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+              blocks.size(1) == x.size(1) / kBlock * block_bytes(qtype),
+              "gguf_linear_q8: blocks must be uint8 [N, K / 32 * block bytes]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
+              out.size(1) == blocks.size(0), "gguf_linear_q8: out must be float32 [M, N]");
+  const int64_t rows = x.size(0), n = blocks.size(0);
+  if (rows == 0) return;
+  QuantRows q;
+  quantize_rows(x.data_ptr<float>(), rows, x.size(1), q);
+  if (qtype == kQ4_1) {
+    q8_impl<kQ4_1>(q, rows, blocks.data_ptr<uint8_t>(), blocks.size(1), out.data_ptr<float>(), n);
+  } else {
+    q8_impl<kQ8_0>(q, rows, blocks.data_ptr<uint8_t>(), blocks.size(1), out.data_ptr<float>(), n);
+  }
+}
+
+}  // namespace freetoken
+
+TORCH_LIBRARY_FRAGMENT(freetoken, m) {
+  m.def("gguf_linear_q8(Tensor x, Tensor blocks, int qtype, Tensor(a!) out) -> ()",
+        &freetoken::gguf_linear_q8);
+}
