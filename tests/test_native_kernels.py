@@ -210,27 +210,30 @@ def test_gguf_linear_matches_the_dequantized_weights(qtype: int, rows: int, n: i
     torch.testing.assert_close(out, x @ dequantized.T, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("op", ["gguf_linear", "gguf_linear_q8"])
 @pytest.mark.parametrize("qtype", [3, 8])  # Q4_1, Q8_0
-def test_gguf_linear_sums_each_row_the_same_way_whatever_the_row_count(qtype: int) -> None:
+def test_gguf_linear_sums_each_row_the_same_way_whatever_the_row_count(op: str,
+                                                                       qtype: int) -> None:
     """Batch invariance: a row's output is bit-identical alone and among 1 to 69 others,
-    across the kernel's register path (few rows) and its panel path (many), for a feature
-    count that leaves partial panels and tiles."""
+    across the kernels' register paths (few rows) and their panels or row groups (many),
+    for a feature count that leaves partial panels and tiles and a K of 42 blocks (scale
+    chunks of 32 and 10). Both the exact kernel and the 8-bit-activation one."""
     from gguf import quants
-    from gguf.constants import GGMLQuantizationType
 
     gen = torch.Generator().manual_seed(qtype)
-    n, k = 101, 320
+    n, k = 101, 1344
     blocks = torch.from_numpy(quants.quantize(torch.randn(n, k, generator=gen).numpy(),
                                               GGMLQuantizationType(qtype)))
     x = torch.randn(70, k, generator=gen)
+    kernel = getattr(torch.ops.freetoken, op)
 
     def linear(rows: torch.Tensor) -> torch.Tensor:
         out = torch.empty(rows.shape[0], n)
-        torch.ops.freetoken.gguf_linear(rows.contiguous(), blocks, qtype, out)
+        kernel(rows.contiguous(), blocks, qtype, out)
         return out
 
     alone = torch.cat([linear(x[i:i + 1]) for i in range(len(x))])
-    for rows in (2, 3, 4, 5, 8, 9, 16, 17, 33, 70):
+    for rows in (2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 40, 70):
         assert torch.equal(linear(x[:rows]), alone[:rows]), rows
     assert linear(x[:0]).shape == (0, n)
 
@@ -283,22 +286,3 @@ def test_gguf_linear_q8_computes_llama_cpp_arithmetic(qtype: int, rows: int, n: 
         quants.dequantize(blocks, GGMLQuantizationType(qtype))).double().T
     assert (out.double() - exact).norm() / exact.norm() < 0.02
 
-
-@pytest.mark.parametrize("qtype", [3, 8])
-def test_gguf_linear_q8_sums_each_row_the_same_way_whatever_the_row_count(qtype: int) -> None:
-    from gguf import quants
-
-    gen = torch.Generator().manual_seed(qtype + 7)
-    n, k = 101, 1344
-    blocks = torch.from_numpy(quants.quantize(torch.randn(n, k, generator=gen).numpy(),
-                                              GGMLQuantizationType(qtype)))
-    x = torch.randn(40, k, generator=gen)
-
-    def linear(rows: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], n)
-        torch.ops.freetoken.gguf_linear_q8(rows.contiguous(), blocks, qtype, out)
-        return out
-
-    alone = torch.cat([linear(x[i:i + 1]) for i in range(len(x))])
-    for rows in (2, 3, 4, 5, 7, 8, 9, 17, 40):
-        assert torch.equal(linear(x[:rows]), alone[:rows]), rows

@@ -77,11 +77,15 @@ class DecoderLayer:
         # The whole block in one native call (the same kernels in the same order, so the
         # same results) where it covers the layer: every linear from GGUF blocks, no bias,
         # no q/k norm.
-        linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        self.linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         self.one_call = None
         if native and bias is None and self.q_norm is None and all(
-                lin.blocks is not None for lin in linears):
-            self.one_call = [x for lin in linears for x in (lin.blocks[1], lin.blocks[0])]
+                lin.blocks is not None for lin in self.linears):
+            self.set_one_call_blocks()
+
+    def set_one_call_blocks(self) -> None:
+        """llama_layer's arguments for the linears: (blocks, type id) of each, in order."""
+        self.one_call = [x for lin in self.linears for x in (lin.blocks[1], lin.blocks[0])]
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                  sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -152,9 +156,7 @@ class LlamaForCausalLM:
         """Switch every linear to 8-bit activations (``--activations q8``): llama.cpp's
         arithmetic, not exact. Needs every linear and the head as GGUF blocks (a GGUF model
         with Q4_1/Q8_0 weights, float32, on CPU with the native kernels)."""
-        linears = [lin for layer in self.layers for lin in (
-            layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-        linears.append(self.lm_head)
+        linears = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
         if not all(lin.blocks is not None for lin in linears):
             raise ModelLoadError(
                 "--activations q8 needs every linear as Q4_1/Q8_0 GGUF blocks: a GGUF model "
@@ -166,9 +168,7 @@ class LlamaForCausalLM:
             lin.blocks = (lin.blocks[0] | ACTIVATIONS_Q8, lin.blocks[1])
         for layer in self.layers:
             if layer.one_call is not None:
-                layer.one_call = [x for lin in (layer.qkv_proj, layer.o_proj,
-                                                layer.gate_up_proj, layer.down_proj)
-                                  for x in (lin.blocks[1], lin.blocks[0])]
+                layer.set_one_call_blocks()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
