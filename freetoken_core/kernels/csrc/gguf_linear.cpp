@@ -188,6 +188,10 @@ void dequant_panel(const uint8_t* blocks, int64_t row_bytes, int64_t num_blocks,
   }
 }
 
+// Keeps v in a register: GCC otherwise folds each use's load into its FMA (a memory operand),
+// so the tile loads every x vector FT times and the loads, not the FMAs, bound the loop.
+inline void in_register(vf& v) { asm("" : "+x"(v)); }
+
 // out[r, f] = vsum over i of fma(w[f, Li:], x[r, Li:]) for RT rows and FT features: RT x FT
 // accumulators in registers, each weight vector loaded once for RT rows.
 template <int RT, int FT>
@@ -198,9 +202,13 @@ inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k, fl
     for (int f = 0; f < FT; ++f) acc[r][f] = vzero();
   for (int64_t i = 0; i < k; i += kLanes) {
     vf wv[FT];
-    for (int f = 0; f < FT; ++f) wv[f] = vload(w + f * k + i);
+    for (int f = 0; f < FT; ++f) {
+      wv[f] = vload(w + f * k + i);
+      in_register(wv[f]);
+    }
     for (int r = 0; r < RT; ++r) {
-      const vf xv = vload(x + r * x_stride + i);
+      vf xv = vload(x + r * x_stride + i);
+      in_register(xv);
       for (int f = 0; f < FT; ++f) acc[r][f] = vfma(wv[f], xv, acc[r][f]);
     }
   }
