@@ -210,6 +210,32 @@ def test_gguf_linear_matches_the_dequantized_weights(qtype: int, rows: int, n: i
     torch.testing.assert_close(out, x @ dequantized.T, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", [3, 8])  # Q4_1, Q8_0
+def test_gguf_linear_uses_the_very_weights_gguf_py_dequantizes(qtype: int) -> None:
+    """Rows of the identity pick out single weights: the products are those weights times 1
+    plus zeros, so the output is the kernel's dequantized weight itself. It must equal
+    gguf-py's float32 dequantization bit for bit, on both paths (a few rows in registers,
+    many through panels), for random block bytes: float16 scales of every magnitude and
+    sign (Q4_1's d * q + m is one fused multiply-add in the kernel)."""
+    from gguf import quants
+
+    n, k = 37, 96
+    gen = torch.Generator().manual_seed(qtype)
+    size = 20 if qtype == 3 else 34
+    raw = torch.randint(0, 256, (n * k // 32, size), dtype=torch.uint8, generator=gen)
+    scales = (torch.randn(n * k // 32, 2, generator=gen)
+              * 10.0 ** torch.randint(-6, 4, (n * k // 32, 2), generator=gen)).half()
+    raw[:, :4 if qtype == 3 else 2] = scales.view(torch.uint8)[:, :4 if qtype == 3 else 2]
+    blocks = raw.view(n, -1).contiguous()
+    want = torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType(qtype)))
+    assert torch.isfinite(want).all()
+    eye = torch.eye(k)
+    for rows in (eye[:1], eye[:4], eye):
+        out = torch.empty(rows.shape[0], n)
+        torch.ops.freetoken.gguf_linear(rows.contiguous(), blocks, qtype, out)
+        assert torch.equal(out, want[:, :rows.shape[0]].T), rows.shape[0]
+
+
 @pytest.mark.parametrize("op", ["gguf_linear", "gguf_linear_q8"])
 @pytest.mark.parametrize("qtype", [3, 8])  # Q4_1, Q8_0
 def test_gguf_linear_sums_each_row_the_same_way_whatever_the_row_count(op: str,

@@ -4,9 +4,12 @@
 // batches reuse each dequantized weight across rows.
 //
 // Each weight is dequantized exactly as gguf-py does it (Q4_1: d * q + m, Q8_0: d * q, in
-// float32, two roundings, no fused multiply-add), so the weights are the very values of the
-// float32 checkpoint FreeToken converts the file into; only the order of the sums differs
-// from a float32 GEMM.
+// float32, two roundings), so the weights are the very values of the float32 checkpoint
+// FreeToken converts the file into; only the order of the sums differs from a float32 GEMM.
+// The vector paths compute Q4_1's d * q + m with one fused multiply-add, which gives the same
+// float: d is a float16 (11 significant bits) and q an integer of 4 bits, so d * q has at
+// most 15 significant bits and is exact in float32; the first rounding of the two never
+// rounds anything.
 //
 // Batch invariance: every output y[m, n] is summed in one order whatever M is and whichever
 // path computes it: L float32 lanes accumulate x[m, Li:Li+L] * W[n, Li:Li+L] by FMA for
@@ -30,6 +33,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -82,7 +86,7 @@ inline void dequant(const uint8_t* block, float d_, float m_, vf w[2]) {
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i parts[2] = {_mm_and_si128(q, mask), _mm_and_si128(_mm_srli_epi16(q, 4), mask)};
     for (int k = 0; k < 2; ++k)
-      w[k] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[k]))), m);
+      w[k] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[k])), m);
   } else {
     for (int k = 0; k < 2; ++k) {
       const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * k));
@@ -110,7 +114,7 @@ inline void dequant(const uint8_t* block, float d_, float m_, vf w[4]) {
     const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     for (int k = 0; k < 4; ++k)
-      w[k] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k]))), m);
+      w[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k])), m);
   } else {
     for (int k = 0; k < 4; ++k) {
       const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * k));
@@ -298,6 +302,9 @@ void rows_scalar(const float* x, int64_t x_stride, int64_t rows, const uint8_t* 
 // above, the panels (bench/gguf_linear.py measures both).
 constexpr int64_t kDirectRows = 4;
 
+// Chunks of panels per thread in the dynamic schedule of the panel path.
+constexpr int64_t kChunksPerThread = 8;
+
 template <int64_t QT>
 void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), n = blocks.size(0);
@@ -308,10 +315,19 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor&
   if (rows == 0) return;
 #ifdef FREETOKEN_AVX2
   if (rows > kDirectRows) {
-    at::parallel_for(0, (n + kPanel - 1) / kPanel, 1, [&](int64_t b0, int64_t b1) {
+    // Chunks of panels handed out in turn from a shared counter rather than one fixed share
+    // per thread: a thread that is slowed (the other process's work, an interrupt, the
+    // serial code it ran before) does less of the product instead of holding up the step.
+    // Which thread computes a feature changes nothing in its sums.
+    const int64_t num_panels = (n + kPanel - 1) / kPanel;
+    const int64_t threads = at::get_num_threads();
+    const int64_t chunk = std::max<int64_t>(1, num_panels / (threads * kChunksPerThread));
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       std::vector<float> panel(kPanel * k);
-      panels<QT>(xp, rows, bp, row_bytes, num_blocks, op, n, b0 * kPanel,
-                 std::min(n, b1 * kPanel), panel.data());
+      for (int64_t c = next.fetch_add(chunk); c < num_panels; c = next.fetch_add(chunk))
+        panels<QT>(xp, rows, bp, row_bytes, num_blocks, op, n, c * kPanel,
+                   std::min(n, (c + chunk) * kPanel), panel.data());
     });
     return;
   }
