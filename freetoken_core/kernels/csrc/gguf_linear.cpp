@@ -109,12 +109,23 @@ inline void dequant(const uint8_t* block, float d_, float m_, vf w[4]) {
   const vf d = _mm256_set1_ps(d_);
   if constexpr (QT == kQ4_1) {
     const vf m = _mm256_set1_ps(m_);
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int k = 0; k < 4; ++k)
-      w[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[k])), m);
+    // The 16 bytes in both halves; an in-lane byte shuffle then puts 8 nibbles into the 8
+    // dwords (the lane-crossing vpmovzxbd runs at one per cycle on Zen 3, this at two).
+    const __m256i q = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(q, mask);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+    // Bytes 0-3 to the low half's dwords and 4-7 to the high half's; then 8-11 and 12-15.
+    const __m256i first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1,
+                                           -1, -1, 4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1,
+                                           7, -1, -1, -1);
+    const __m256i second = _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11,
+                                            -1, -1, -1, 12, -1, -1, -1, 13, -1, -1, -1, 14, -1,
+                                            -1, -1, 15, -1, -1, -1);
+    const __m256i parts[4] = {_mm256_shuffle_epi8(lo, first), _mm256_shuffle_epi8(lo, second),
+                              _mm256_shuffle_epi8(hi, first), _mm256_shuffle_epi8(hi, second)};
+    for (int k = 0; k < 4; ++k) w[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(parts[k]), m);
   } else {
     for (int k = 0; k < 4; ++k) {
       const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * k));
