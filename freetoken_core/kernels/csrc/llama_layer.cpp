@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <optional>
 #include <tuple>
 
@@ -26,6 +27,29 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) 
     freetoken::gguf_linear(x, blocks, qtype, out);
   }
   return out;
+}
+
+// Each token's key and value into its cache slot. A row of the fused projection is
+// [q | k | v], and a slot is [key | value] with the same [KV heads, head_dim] layout, so
+// each token is one copy of the row's tail: what index_copy_ of the concatenated keys and
+// values stores, without the concatenation and two operator dispatches per layer.
+void write_kv(const at::Tensor& qkv_out, int64_t k_offset, at::Tensor& kv_cache,
+              const at::Tensor& slot_mapping) {
+  const int64_t n = qkv_out.size(0), row = qkv_out.stride(0);
+  const int64_t slot_size = kv_cache.stride(0), num_slots = kv_cache.size(0);
+  TORCH_CHECK(qkv_out.scalar_type() == kv_cache.scalar_type() && kv_cache.is_contiguous() &&
+              qkv_out.stride(1) == 1 && qkv_out.size(1) - k_offset == slot_size &&
+              slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == n,
+              "llama_layer: keys and values do not fit the cache");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t bytes = slot_size * kv_cache.element_size();
+  const char* src = static_cast<const char*>(qkv_out.data_ptr()) +
+                    k_offset * qkv_out.element_size();
+  char* dst = static_cast<char*>(kv_cache.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(0 <= slots[i] && slots[i] < num_slots, "llama_layer: slot out of range");
+    std::memcpy(dst + slots[i] * bytes, src + i * row * qkv_out.element_size(), bytes);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> llama_layer(
@@ -53,8 +77,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
   // their cache slots.
   const at::Tensor qk = qkv_out.narrow(1, 0, (h + kvh) * d).view({n, h + kvh, d});
   freetoken::rotary_embedding(qk, cos, sin);
-  const at::Tensor v = qkv_out.narrow(1, (h + kvh) * d, kvh * d).view({n, kvh, d});
-  kv_cache.index_copy_(0, slot_mapping, at::cat({qk.narrow(1, h, kvh), v}, 1).view({n, 2, kvh, d}));
+  write_kv(qkv_out, h * d, kv_cache, slot_mapping);
   at::Tensor attn = at::empty({n, h, d}, x.options());
   freetoken::paged_decode_attention(qk.narrow(1, 0, h), kv_cache, block_tables, context_lens,
                                     block_size, scale, attn);
