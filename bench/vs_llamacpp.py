@@ -1,10 +1,15 @@
 """FreeToken against llama.cpp's ``llama-server``: the same GGUF, the same streaming workload.
 
     python bench/vs_llamacpp.py [--gguf PATH] [--llama-server PATH] [--clients 1,8,16,32,64]
-                                [--max-tokens 128] [--rounds 1] [--only freetoken|llamacpp]
+                                [--max-tokens 128] [--rounds 1] [--passes 1]
+                                [--only freetoken|llamacpp]
                                 [--serve-args '...'] [--llama-args '...'] [--json OUT]
 
-Starts one server, measures it, stops it, then the other: never both at once. FreeToken is
+Starts one server, measures it, stops it, then the other: never both at once. With
+``--passes N`` they alternate N times (FreeToken, llama.cpp, FreeToken, ...), each pass a
+fresh server start, and the table pools the passes (tokens over summed wall time, TTFT and
+ITL over every request), with each pass's ratio in a note: a VM whose speed drifts by tens
+of percent over minutes then hits both servers alike. FreeToken is
 ``freetoken serve --model GGUF`` (plus ``--serve-args``); llama.cpp is ``llama-server -m GGUF
 -np N -c C -t T`` (plus ``--llama-args``, which win over these), N the largest client count,
 C enough for every slot (at least 16384), T ``--threads`` (default: the CPU count). The
@@ -230,9 +235,11 @@ def accounting_notes(results: dict[str, list[dict]], max_tokens: int) -> list[st
     return notes
 
 
-def measure_side(name: str, url: str, args: argparse.Namespace, figures: list[dict]) -> None:
-    """Warm-up, then every client count, each one's figures appended to ``figures`` as it
-    ends; the prompt indices are the same for both sides."""
+def measure_side(name: str, url: str, args: argparse.Namespace,
+                 samples: dict[int, tuple[list[Record], float]]) -> None:
+    """Warm-up, then every client count, each one's records and wall time added to
+    ``samples[count]`` (pooled over passes) as it ends; the prompt indices are the same for
+    both sides."""
     model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
 
     def run(num_clients: int, rounds: int, first: int, max_tokens: int
@@ -253,8 +260,9 @@ def measure_side(name: str, url: str, args: argparse.Namespace, figures: list[di
     for num_clients in args.client_counts:
         records, elapsed = run(num_clients, args.rounds, first, args.max_tokens)
         first += num_clients * args.rounds
-        figures.append(summarise(num_clients, records, elapsed))
-        f = figures[-1]
+        pooled, total = samples.get(num_clients, ([], 0.0))
+        samples[num_clients] = (pooled + records, total + elapsed)
+        f = summarise(num_clients, records, elapsed)
         print(f"{LABELS[name]:>9}, {num_clients:>3} clients: {f['tok_s']:8.1f} tok/s, "
               f"ITL p50 {f['itl_p50_ms']} ms, TTFT p50 {f['ttft_p50_ms']} ms", file=sys.stderr)
 
@@ -268,6 +276,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1,
                         help="requests each client sends back to back")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="passes per server, the servers alternating (FreeToken, "
+                             "llama.cpp, FreeToken, ...), each pass a fresh start of the "
+                             "server and every client count; the table pools the passes, so "
+                             "a machine whose speed drifts over minutes hits both alike")
     parser.add_argument("--only", choices=SIDES, default=None)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="llama-server -t (default: the CPU count)")
@@ -284,48 +297,76 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, metavar="OUT", help="write the raw figures")
     args = parser.parse_args(argv)
     args.client_counts = [int(c) for c in args.clients.split(",")]
-    if min(args.client_counts) < 1 or args.max_tokens < 1 or args.rounds < 1:
-        parser.error("client counts, --max-tokens and --rounds must be positive")
+    if min(args.client_counts) < 1 or args.max_tokens < 1 or args.rounds < 1 or args.passes < 1:
+        parser.error("client counts, --max-tokens, --rounds and --passes must be positive")
     return args
 
 
 @dataclass
 class SideRun:
-    """What one server's run left: its figures so far, why it stopped early (if it did), and
-    how many CPUs other processes kept busy when it started."""
-    figures: list[dict] = field(default_factory=list)
+    """What one server's passes left: the records and wall time of each client count,
+    pooled over the passes, each pass's figures, why it stopped early (if it did), and how
+    many CPUs other processes kept busy when it last started."""
+    samples: dict[int, tuple[list[Record], float]] = field(default_factory=dict)
+    passes: list[list[dict]] = field(default_factory=list)
     failure: str | None = None
     busy_cpus: float | None = None
 
+    @property
+    def figures(self) -> list[dict]:
+        """Per client count: tokens of every pass over their summed wall time, and TTFT and
+        ITL percentiles over every pass's requests."""
+        return [summarise(n, records, elapsed)
+                for n, (records, elapsed) in sorted(self.samples.items())]
 
-def run_side(side: str, args: argparse.Namespace, binary: str | None, logs: Path) -> SideRun:
-    """Start one server, measure it, stop it."""
+
+def run_side(side: str, args: argparse.Namespace, binary: str | None, logs: Path,
+             run: SideRun) -> None:
+    """Start one server, measure it (one pass: every client count), stop it."""
     port = free_port()
     if side == "freetoken":
         cmd = freetoken_command(args.gguf, port, shlex.split(args.serve_args))
     else:
         cmd = llama_command(binary, args.gguf, port, max(args.client_counts), args.max_tokens,
                             args.threads, shlex.split(args.llama_args))
-    run = SideRun(busy_cpus=busy_cpus())
+    run.busy_cpus = busy_cpus()
     if run.busy_cpus is not None and run.busy_cpus > BUSY_WARNING:
         print(f"warning: other processes keep {run.busy_cpus} CPUs busy before "
               f"{LABELS[side]} starts: its figures will be low and noisy", file=sys.stderr)
     print(f"{LABELS[side]}: {shlex.join(cmd)}", file=sys.stderr)
+    this_pass: dict[int, tuple[list[Record], float]] = {}
     try:
-        with running(LABELS[side], cmd, port, logs / f"{side}.log", args.start_timeout) as url:
-            measure_side(side, url, args, run.figures)
+        log = logs / f"{side}-{len(run.passes) + 1}.log"
+        with running(LABELS[side], cmd, port, log, args.start_timeout) as url:
+            measure_side(side, url, args, this_pass)
     except (BenchError, httpx.HTTPError) as exc:
         run.failure = str(exc)
         print(f"{LABELS[side]} failed: {exc}", file=sys.stderr)
-    return run
+    run.passes.append([summarise(n, records, elapsed)
+                       for n, (records, elapsed) in sorted(this_pass.items())])
+    for n, (records, elapsed) in this_pass.items():
+        pooled, total = run.samples.get(n, ([], 0.0))
+        run.samples[n] = (pooled + records, total + elapsed)
 
 
 def report(args: argparse.Namespace, binary: str | None, runs: dict[str, SideRun]) -> None:
     """The table and its notes on stdout; the raw figures to ``--json``."""
     results = {side: run.figures for side, run in runs.items()}
     print(f"{Path(args.gguf).name}, {args.max_tokens} tokens per request (ignore_eos, "
-          f"temperature 0.8), streaming /v1/completions, {args.rounds} round(s) per client")
+          f"temperature 0.8), streaming /v1/completions, {args.rounds} round(s) per client, "
+          f"{args.passes} pass(es) per server, alternating")
     print(format_table(results))
+    if args.passes > 1 and len(runs) == 2:
+        # Each pass's ratio, the first server's pass k against the other's pass k: how much
+        # the machine drifted between passes.
+        for n in args.client_counts:
+            ratios = []
+            for ft, lc in zip(runs["freetoken"].passes, runs["llamacpp"].passes):
+                a = next((f for f in ft if f["clients"] == n), None)
+                b = next((f for f in lc if f["clients"] == n), None)
+                if a and b and b["tok_s"]:
+                    ratios.append(f"{a['tok_s'] / b['tok_s']:.2f}")
+            print(f"note: {n} clients, ratio in each pass: {', '.join(ratios) or '-'}")
     for note in accounting_notes(results, args.max_tokens):
         print(f"note: {note}")
     for side, run in runs.items():
@@ -340,6 +381,8 @@ def report(args: argparse.Namespace, binary: str | None, runs: dict[str, SideRun
                 "llama_args": args.llama_args, "extra_body": args.extra_body,
                 "llama_server": binary,
                 "llama_server_version": version_of(binary) if binary else None,
+                "passes": args.passes,
+                "per_pass": {side: run.passes for side, run in runs.items()},
                 "busy_cpus_before": {side: run.busy_cpus for side, run in runs.items()},
                 "failures": {side: run.failure for side, run in runs.items() if run.failure}}
         Path(args.json).write_text(json.dumps({"meta": meta, **results}, indent=2) + "\n")
@@ -355,7 +398,11 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks
     logs = Path(tempfile.mkdtemp(prefix="vs_llamacpp-"))
     print(f"server logs: {logs}", file=sys.stderr)
-    runs = {side: run_side(side, args, binary, logs) for side in sides}  # one after the other
+    runs = {side: SideRun() for side in sides}
+    for _ in range(args.passes):  # one server at a time, alternating
+        for side in sides:
+            if runs[side].failure is None:
+                run_side(side, args, binary, logs, runs[side])
     report(args, binary, runs)
     if any(run.failure is not None for run in runs.values()):
         raise SystemExit(1)

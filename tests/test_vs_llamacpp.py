@@ -187,3 +187,43 @@ def test_a_side_that_fails_still_prints_the_table_and_exits_1(
     assert "no model here" in captured.err
     written = json.loads(out.read_text())
     assert written["llamacpp"] == [] and "exited (3)" in written["meta"]["failures"]["llamacpp"]
+
+
+def test_passes_alternate_the_servers_and_the_table_pools_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """``--passes 2``: FreeToken, llama.cpp, FreeToken, llama.cpp, each a fresh start; a
+    client count's tok/s is every pass's tokens over the summed wall time, and a note gives
+    each pass's ratio (here the machine halves its speed between the passes)."""
+    from contextlib import contextmanager
+
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    order: list[str] = []
+
+    @contextmanager
+    def running(name, cmd, port, log_path, start_timeout):
+        order.append(name)
+        yield "http://127.0.0.1:1"
+
+    def measure_side(name, url, args, samples) -> None:
+        speed = (2.0 if name == "freetoken" else 1.0) / order.count(vs.LABELS[name])
+        for n in args.client_counts:  # n requests of 10 tokens in n / (10 * speed) s
+            records = [vs.Record(0.0, first=0.1, gaps=[0.01], num_chunks=10, usage_tokens=10)
+                       for _ in range(n)]
+            samples[n] = (records, n / (10 * speed))
+
+    monkeypatch.setattr(vs, "running", running)
+    monkeypatch.setattr(vs, "measure_side", measure_side)
+    monkeypatch.setattr(vs, "busy_cpus", lambda: 0.0)
+    monkeypatch.setattr(vs.signal, "signal", lambda *_: None)
+    vs.main(["--llama-server", str(fake), "--gguf", "m.gguf", "--clients", "1,4",
+             "--passes", "2", "--max-tokens", "10"])
+    assert order == ["FreeToken", "llama.cpp", "FreeToken", "llama.cpp"]
+    out = capsys.readouterr().out
+    # FreeToken: 2 passes x 4 requests x 10 tokens in 4 / 20 + 4 / 10 s = 0.6 s -> 133.3
+    # tok/s; llama.cpp: the same tokens in 4 / 10 + 4 / 5 s = 1.2 s -> 66.7 tok/s.
+    assert "| 4 | 133.3 | 66.7 | 2.00 |" in out, out
+    assert "note: 4 clients, ratio in each pass: 2.00, 2.00" in out
+    assert "2 pass(es) per server, alternating" in out
