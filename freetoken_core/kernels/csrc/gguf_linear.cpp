@@ -232,10 +232,10 @@ inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k, fl
 }
 
 // The register tile: RT x FT accumulators, FT weight vectors and one x vector in registers
-// (AVX2 has 16, AVX-512 32). With AVX2, a 4 x 3 tile leaves no register for the weights:
-// the compiler then folds a weight load into every FMA and the loads, not the FMAs, bound the
-// loop; 4 x 2 runs the block's linears ~25% faster at 16 to 64 rows on the 2-core AMD EPYC
-// (Zen 3) reference (5 x 2 and 6 x 2 about the same). FREETOKEN_TILE_ROWS / _COLS override.
+// (AVX2 has 16, AVX-512 32). With AVX2, 4 x 2 (8 accumulators, 2 weights, 1 x: 11 pinned
+// registers); 4 x 3 and 6 x 2 need 15-16 and spill once the vectors are pinned (35 GFLOP/s
+// against 60 on one core of the 2-core AMD EPYC (Zen 3) reference, 16 rows).
+// FREETOKEN_TILE_ROWS / _COLS override.
 #if defined(FREETOKEN_TILE_ROWS)
 constexpr int kTileRows = FREETOKEN_TILE_ROWS, kTileCols = FREETOKEN_TILE_COLS;
 #elif defined(__AVX512F__)

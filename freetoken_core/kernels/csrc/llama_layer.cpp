@@ -39,7 +39,8 @@ void write_kv(const at::Tensor& qkv_out, int64_t k_offset, at::Tensor& kv_cache,
   const int64_t slot_size = kv_cache.stride(0), num_slots = kv_cache.size(0);
   TORCH_CHECK(qkv_out.scalar_type() == kv_cache.scalar_type() && kv_cache.is_contiguous() &&
               qkv_out.stride(1) == 1 && qkv_out.size(1) - k_offset == slot_size &&
-              slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == n,
+              slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == n,
               "llama_layer: keys and values do not fit the cache");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t bytes = slot_size * kv_cache.element_size();
