@@ -237,9 +237,8 @@ def accounting_notes(results: dict[str, list[dict]], max_tokens: int) -> list[st
 
 def measure_side(name: str, url: str, args: argparse.Namespace,
                  samples: dict[int, tuple[list[Record], float]]) -> None:
-    """Warm-up, then every client count, each one's records and wall time added to
-    ``samples[count]`` (pooled over passes) as it ends; the prompt indices are the same for
-    both sides."""
+    """Warm-up, then every client count, each one's records and wall time into
+    ``samples[count]`` as it ends; the prompt indices are the same for both sides."""
     model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
 
     def run(num_clients: int, rounds: int, first: int, max_tokens: int
@@ -260,8 +259,7 @@ def measure_side(name: str, url: str, args: argparse.Namespace,
     for num_clients in args.client_counts:
         records, elapsed = run(num_clients, args.rounds, first, args.max_tokens)
         first += num_clients * args.rounds
-        pooled, total = samples.get(num_clients, ([], 0.0))
-        samples[num_clients] = (pooled + records, total + elapsed)
+        samples[num_clients] = (records, elapsed)
         f = summarise(num_clients, records, elapsed)
         print(f"{LABELS[name]:>9}, {num_clients:>3} clients: {f['tok_s']:8.1f} tok/s, "
               f"ITL p50 {f['itl_p50_ms']} ms, TTFT p50 {f['ttft_p50_ms']} ms", file=sys.stderr)
@@ -302,13 +300,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+Samples = dict[int, tuple[list[Record], float]]
+"""Per client count: the records of its requests and its wall time."""
+
+
+def figures_of(samples: Samples) -> list[dict]:
+    return [summarise(n, records, elapsed) for n, (records, elapsed) in sorted(samples.items())]
+
+
 @dataclass
 class SideRun:
-    """What one server's passes left: the records and wall time of each client count,
-    pooled over the passes, each pass's figures, why it stopped early (if it did), and how
-    many CPUs other processes kept busy when it last started."""
-    samples: dict[int, tuple[list[Record], float]] = field(default_factory=dict)
-    passes: list[list[dict]] = field(default_factory=list)
+    """What one server's passes left: each pass's samples, why it stopped early (if it
+    did), and how many CPUs other processes kept busy when it last started."""
+    passes: list[Samples] = field(default_factory=list)
     failure: str | None = None
     busy_cpus: float | None = None
 
@@ -316,8 +320,12 @@ class SideRun:
     def figures(self) -> list[dict]:
         """Per client count: tokens of every pass over their summed wall time, and TTFT and
         ITL percentiles over every pass's requests."""
-        return [summarise(n, records, elapsed)
-                for n, (records, elapsed) in sorted(self.samples.items())]
+        pooled: Samples = {}
+        for samples in self.passes:
+            for n, (records, elapsed) in samples.items():
+                before, total = pooled.get(n, ([], 0.0))
+                pooled[n] = (before + records, total + elapsed)
+        return figures_of(pooled)
 
 
 def run_side(side: str, args: argparse.Namespace, binary: str | None, logs: Path,
@@ -334,19 +342,14 @@ def run_side(side: str, args: argparse.Namespace, binary: str | None, logs: Path
         print(f"warning: other processes keep {run.busy_cpus} CPUs busy before "
               f"{LABELS[side]} starts: its figures will be low and noisy", file=sys.stderr)
     print(f"{LABELS[side]}: {shlex.join(cmd)}", file=sys.stderr)
-    this_pass: dict[int, tuple[list[Record], float]] = {}
+    log = logs / f"{side}-{len(run.passes) + 1}.log"
+    run.passes.append({})  # filled as each client count ends: a failure keeps what ran
     try:
-        log = logs / f"{side}-{len(run.passes) + 1}.log"
         with running(LABELS[side], cmd, port, log, args.start_timeout) as url:
-            measure_side(side, url, args, this_pass)
+            measure_side(side, url, args, run.passes[-1])
     except (BenchError, httpx.HTTPError) as exc:
         run.failure = str(exc)
         print(f"{LABELS[side]} failed: {exc}", file=sys.stderr)
-    run.passes.append([summarise(n, records, elapsed)
-                       for n, (records, elapsed) in sorted(this_pass.items())])
-    for n, (records, elapsed) in this_pass.items():
-        pooled, total = run.samples.get(n, ([], 0.0))
-        run.samples[n] = (pooled + records, total + elapsed)
 
 
 def report(args: argparse.Namespace, binary: str | None, runs: dict[str, SideRun]) -> None:
@@ -362,10 +365,10 @@ def report(args: argparse.Namespace, binary: str | None, runs: dict[str, SideRun
         for n in args.client_counts:
             ratios = []
             for ft, lc in zip(runs["freetoken"].passes, runs["llamacpp"].passes):
-                a = next((f for f in ft if f["clients"] == n), None)
-                b = next((f for f in lc if f["clients"] == n), None)
-                if a and b and b["tok_s"]:
-                    ratios.append(f"{a['tok_s'] / b['tok_s']:.2f}")
+                if n in ft and n in lc:
+                    a, b = summarise(n, *ft[n]), summarise(n, *lc[n])
+                    if b["tok_s"]:
+                        ratios.append(f"{a['tok_s'] / b['tok_s']:.2f}")
             print(f"note: {n} clients, ratio in each pass: {', '.join(ratios) or '-'}")
     for note in accounting_notes(results, args.max_tokens):
         print(f"note: {note}")
@@ -382,7 +385,8 @@ def report(args: argparse.Namespace, binary: str | None, runs: dict[str, SideRun
                 "llama_server": binary,
                 "llama_server_version": version_of(binary) if binary else None,
                 "passes": args.passes,
-                "per_pass": {side: run.passes for side, run in runs.items()},
+                "per_pass": {side: [figures_of(p) for p in run.passes]
+                             for side, run in runs.items()},
                 "busy_cpus_before": {side: run.busy_cpus for side, run in runs.items()},
                 "failures": {side: run.failure for side, run in runs.items() if run.failure}}
         Path(args.json).write_text(json.dumps({"meta": meta, **results}, indent=2) + "\n")
