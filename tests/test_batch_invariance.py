@@ -12,6 +12,7 @@ so the logprobs of the drawn tokens are compared exactly too.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from freetoken_core import LLM, SamplingParams
 from freetoken_core.tokenizer import apply_chat_template
@@ -102,6 +103,21 @@ def test_the_block_in_one_native_call_computes_what_the_python_path_computes(
         monkeypatch.setattr(layer, "one_call", None)
     prompt = chat(llm, "Invent a name for a new colour and describe it.")
     assert run(llm, prompt, 8, tag="python") == alone
+
+
+def test_the_blocks_one_call_at_a_time_compute_what_all_in_one_call_computes(
+        llm: LLM, alone: tuple[list[int], list[float]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step runs every block in one ``llama_layers`` call; with one block on the
+    Python path the others run one ``llama_layer`` call each: the same tokens and logprobs."""
+    layers = llm.engine.core.runner.model.layers
+    calls = []
+    real = torch.ops.freetoken.llama_layer
+    monkeypatch.setattr(layers[-1], "one_call", None)
+    monkeypatch.setattr(torch.ops.freetoken, "llama_layer",
+                        lambda *args: calls.append(1) or real(*args), raising=False)
+    prompt = chat(llm, "Invent a name for a new colour and describe it.")
+    assert run(llm, prompt, 8, tag="per-block") == alone
+    assert calls, "the per-block native call did not run"
 
 
 def test_q8_activations_hold_seeds_too_and_differ_from_the_exact_path(

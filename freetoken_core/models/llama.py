@@ -175,6 +175,20 @@ class LlamaForCausalLM:
         """Hidden states [T, hidden] of a flat step; writes the step's KV into the cache."""
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.tables(positions)
+        if meta.decode_block_tables is not None and all(
+                layer.one_call is not None for layer in self.layers):
+            # Every block in one native call: what the loop below runs, block by block.
+            first = self.layers[0]
+            x, residual = torch.ops.freetoken.llama_layers(
+                x, [layer.input_norm for layer in self.layers],
+                [layer.post_attn_norm for layer in self.layers], first.eps,
+                [b for layer in self.layers for b in layer.one_call[0::2]],
+                [t for layer in self.layers for t in layer.one_call[1::2]],
+                cos, sin, kv_caches, meta.slot_mapping, meta.decode_block_tables,
+                meta.decode_context_lens, meta.block_size, first.head_dim ** -0.5,
+                first.num_heads, first.num_kv_heads, first.head_dim)
+            return add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps,
+                                self.native)[0]
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, cache, meta)
