@@ -13,6 +13,7 @@ from freetoken_core.engine import generation_defaults
 from freetoken_core.engine.block_manager import BlockManager
 from freetoken_core.engine.core import EngineCore
 from freetoken_core.engine.generation_defaults import GenerationDefaults
+from freetoken_core.engine.memory import keep_freed_memory
 from freetoken_core.engine.model_runner import ModelRunner
 from freetoken_core.engine.output_processor import RequestState
 from freetoken_core.engine.pipeline import ProcessorPipeline
@@ -78,6 +79,7 @@ def build_engine(config: EngineConfig, progress: bool = True,
     plugins = (plugins if plugins is not None
                else PluginManager(config.plugins, config.plugin_options))
     plugins.enabled  # noqa: B018 (fail fast on an unknown plugin name)
+    keep_freed_memory()
     model_dir = resolve_model(config.model, progress=progress)
     model_config = ModelConfig.from_dir(model_dir)
     tokenizer = load_tokenizer(model_dir)
