@@ -46,6 +46,8 @@ def test_large_temporaries_reuse_freed_memory() -> None:
 
 
 def test_the_flag_leaves_the_allocator_alone() -> None:
-    applied, count = faults("0")
+    # Untouched, glibc's own thresholds decide (the same loop faulted in 3,000 to 12,000
+    # pages in runs on the reference machine, depending on the heap's state): only that the
+    # flag skips the tuning is checked here.
+    applied, _ = faults("0")
     assert applied == "False"
-    assert count > 5000

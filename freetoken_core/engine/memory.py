@@ -6,8 +6,8 @@ the sampler's temporaries of the same size. glibc serves blocks above its mmap t
 (128 KiB, rising to at most 32 MiB as such blocks are freed) with fresh mmap'd pages and
 gives them back on free, and heap memory above the trim threshold goes back to the kernel
 too, so each step touched new pages: a page fault and a zeroed page per 4 KiB. At 64
-sequences on the 2-core reference that was ~16 ms of a ~250 ms step (the sampler took 26 ms
-instead of 10). Raising the mmap threshold to 64 MiB and the trim threshold to 1 GiB keeps
+sequences on the 2-core reference that was ~20 ms of a ~270 ms step (the sampler took 26.6 ms
+instead of 9.7). Raising the mmap threshold to 64 MiB and the trim threshold to 1 GiB keeps
 such blocks in the heap for reuse. Peak memory is unchanged (freed memory is kept, not
 added); what the process holds after a peak stays held.
 

@@ -130,8 +130,9 @@ TORCH_LIBRARY_FRAGMENT(freetoken, m) {
         "Tensor(c!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
         "int block_size, float scale, int num_heads, int num_kv_heads, int head_dim) "
         "-> (Tensor, Tensor)", &llama_layer);
-  m.def("llama_layers(Tensor x, Tensor[] input_norms, Tensor[] post_norms, float eps, "
-        "Tensor[] linears, int[] linear_types, Tensor cos, Tensor sin, Tensor(a!) kv_caches, "
+  // x (the embeddings) becomes the residual stream, which the blocks update in place.
+  m.def("llama_layers(Tensor(a!) x, Tensor[] input_norms, Tensor[] post_norms, float eps, "
+        "Tensor[] linears, int[] linear_types, Tensor cos, Tensor sin, Tensor(b!) kv_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int block_size, "
         "float scale, int num_heads, int num_kv_heads, int head_dim) -> (Tensor, Tensor)",
         &llama_layers);
