@@ -151,6 +151,21 @@ class LlamaForCausalLM:
         leftover = [k for k in weights if "rotary_emb" not in k]
         if leftover:
             raise ValueError(f"unused weights in checkpoint: {leftover[:5]}")
+        self.set_all_layers_args()
+
+    def set_all_layers_args(self) -> None:
+        """llama_layers' per-layer arguments (norms, linears' blocks and type ids) and
+        shapes, built once: a decode step passes them as they are."""
+        self.all_layers_args = None
+        if all(layer.one_call is not None for layer in self.layers):
+            first = self.layers[0]
+            self.all_layers_args = (
+                [layer.input_norm for layer in self.layers],
+                [layer.post_attn_norm for layer in self.layers], first.eps,
+                [b for layer in self.layers for b in layer.one_call[0::2]],
+                [t for layer in self.layers for t in layer.one_call[1::2]])
+            self.all_layers_shape = (first.head_dim ** -0.5, first.num_heads,
+                                     first.num_kv_heads, first.head_dim)
 
     def use_q8_activations(self) -> None:
         """Switch every linear to 8-bit activations (``--activations q8``): llama.cpp's
@@ -169,24 +184,21 @@ class LlamaForCausalLM:
         for layer in self.layers:
             if layer.one_call is not None:
                 layer.set_one_call_blocks()
+        self.set_all_layers_args()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat step; writes the step's KV into the cache."""
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.tables(positions)
-        if meta.decode_block_tables is not None and all(
-                layer.one_call is not None for layer in self.layers):
-            # Every block in one native call: what the loop below runs, block by block.
-            first = self.layers[0]
+        # Every block in one native call (what the loop below runs, block by block), unless
+        # a block has left the one-call path (tests switch blocks to the Python path).
+        if (meta.decode_block_tables is not None and self.all_layers_args is not None
+                and all(layer.one_call is not None for layer in self.layers)):
             x, residual = torch.ops.freetoken.llama_layers(
-                x, [layer.input_norm for layer in self.layers],
-                [layer.post_attn_norm for layer in self.layers], first.eps,
-                [b for layer in self.layers for b in layer.one_call[0::2]],
-                [t for layer in self.layers for t in layer.one_call[1::2]],
-                cos, sin, kv_caches, meta.slot_mapping, meta.decode_block_tables,
-                meta.decode_context_lens, meta.block_size, first.head_dim ** -0.5,
-                first.num_heads, first.num_kv_heads, first.head_dim)
+                x, *self.all_layers_args, cos, sin, kv_caches, meta.slot_mapping,
+                meta.decode_block_tables, meta.decode_context_lens, meta.block_size,
+                *self.all_layers_shape)
             return add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps,
                                 self.native)[0]
         residual = None
