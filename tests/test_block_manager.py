@@ -222,3 +222,35 @@ def test_a_salt_that_is_not_valid_utf8_still_keys() -> None:
     b = make_seq([1, 2, 3], 1, salt="\ud800")
     bm.allocate(b, 100)
     assert b.num_computed_tokens == 2
+
+
+def test_a_prefix_in_flight_is_known_until_it_is_keyed_or_freed() -> None:
+    bm = BlockManager(num_blocks=32, block_size=4)
+    a = make_seq(list(range(14)), 0)
+    assert bm.allocate(a, 6) == 6  # chunked: blocks 0-1 of 3 full ones computed this step
+    sharing = make_seq(list(range(10)) + [70, 71], 1)  # shares blocks 0 and 1, not 2
+    late = make_seq(list(range(8)) + [80] * 6, 2)  # shares blocks 0 and 1 only
+    other = make_seq([90] + list(range(1, 14)), 3)
+    salted = make_seq(list(range(14)), 4, salt="s")
+    assert bm.waits_for_prefix(sharing) and bm.waits_for_prefix(late)
+    assert not bm.waits_for_prefix(other) and not bm.waits_for_prefix(salted)
+    a.num_computed_tokens = 6
+    bm.cache_full_blocks(a)  # block 0 keyed, block 1 (tokens 4-7) still in flight
+    assert bm.waits_for_prefix(sharing) and bm.waits_for_prefix(late)
+    bm.append(a, 8)
+    a.num_computed_tokens = 14
+    bm.cache_full_blocks(a)  # blocks 0-2 keyed: nothing in flight
+    assert not bm.waits_for_prefix(sharing) and not bm.waits_for_prefix(late)
+    assert bm.allocate(sharing, 100) == 4 and sharing.num_computed_tokens == 8
+    # Freed before its blocks were keyed: nothing is in flight any more.
+    b = make_seq([5] * 9, 5)
+    bm.allocate(b, 100)
+    assert bm.waits_for_prefix(make_seq([5] * 6, 6))
+    bm.free(b)
+    assert not bm.waits_for_prefix(make_seq([5] * 6, 6))
+
+
+def test_nothing_is_in_flight_without_the_prefix_cache() -> None:
+    bm = BlockManager(num_blocks=32, block_size=4, enable_prefix_caching=False)
+    bm.allocate(make_seq(list(range(9)), 0), 100)
+    assert not bm.waits_for_prefix(make_seq(list(range(9)), 1))

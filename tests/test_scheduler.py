@@ -104,3 +104,23 @@ def test_a_sequence_that_fills_the_whole_cache_finishes() -> None:
             break
     assert seq.is_finished and bm.num_used_blocks == 0 and sched.num_free_slots == 2
     assert sched.num_preemptions == 0
+
+
+def test_a_shared_prompt_prefix_is_computed_once_for_sequences_that_arrive_together() -> None:
+    """Two prompts with the same 8 leading tokens (2 blocks) arrive in one step: the second
+    waits one step and takes both blocks from the prefix cache, while an unrelated sequence
+    behind it starts at once."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    shared = list(range(500, 508))
+    a = make_seq(0, 11)
+    a.token_ids[:8] = shared
+    b = make_seq(1, 10)
+    b.token_ids[:8] = shared
+    c = make_seq(2, 5)
+    for seq in (a, b, c):
+        sched.add(seq)
+    assert run_step(sched) == {0: 11, 2: 5}
+    assert list(sched.waiting) == [b]
+    assert run_step(sched) == {0: 1, 2: 1, 1: 2}
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]

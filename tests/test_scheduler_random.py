@@ -182,6 +182,8 @@ def run_case(seed: int) -> None:
             assert seq.finish_reason in ("stop", "abort")
     assert engine.bm.num_used_blocks == 0 and engine.bm.num_free_blocks == limits.num_kv_blocks
     assert engine.scheduler.num_free_slots == config.max_num_seqs
+    # Nothing is left in flight for a later request to wait on.
+    assert engine.bm.num_blocks_in_flight == 0
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 

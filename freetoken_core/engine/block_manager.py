@@ -18,6 +18,13 @@ never share blocks; requests without a salt share among themselves.
 A later sequence whose leading blocks match shares them (reference count +1). A block whose
 count drops to 0 goes to the back of the free queue but keeps its key until it is handed
 out again, so recently freed prefixes stay reusable (LRU eviction).
+
+Blocks in flight: from ``allocate`` until they are keyed (or the sequence is freed), the
+digests of the full blocks a sequence is about to compute are known too, so the scheduler
+can hold back a waiting sequence that shares one of them (``waits_for_prefix``) and serve
+it from the cache a step or two later instead of computing the same prefix twice in
+parallel (SGLang's in-batch prefix caching): 32 chat requests with one system prompt
+arriving together compute it once.
 """
 
 from __future__ import annotations
@@ -83,6 +90,10 @@ class BlockManager:
         self._cached: dict[bytes, BlockKey] = {}
         self._serials = itertools.count()
         self._pack = struct.Struct(f"<{block_size}q").pack
+        # Blocks in flight: digest -> how many sequences compute it now, and for each such
+        # sequence (by seq_id) its (block index, digest) pairs not yet keyed, in order.
+        self._computing: dict[bytes, int] = {}
+        self._in_flight: dict[int, list[tuple[int, bytes]]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,6 +102,11 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_blocks_in_flight(self) -> int:
+        """Distinct blocks that running sequences are computing and have not keyed yet."""
+        return len(self._computing)
 
     @property
     def num_slots(self) -> int:
@@ -130,6 +146,55 @@ class BlockManager:
             parent, parent_digest = key, key.digest
         return keys
 
+    def waits_for_prefix(self, seq: Sequence) -> bool:
+        """Whether a block of ``seq``'s cacheable prefix is being computed by a running
+        sequence right now: once that is done the cache serves it. Walks the cached blocks
+        and stops at the first block that is neither cached nor in flight (no later block
+        can be: a digest names its whole prefix)."""
+        if not self._computing:
+            return False
+        parent_digest = self._root(seq.params.cache_salt)
+        for i in range(seq.num_cacheable_tokens // self.block_size):
+            digest = _digest(parent_digest, self._packed(seq, i))
+            if digest in self._computing:
+                return True
+            if digest not in self._cached:
+                return False
+            parent_digest = digest
+        return False
+
+    def _track_in_flight(self, seq: Sequence) -> None:
+        """Note the digests of the full blocks ``seq`` now computes (after its cached
+        prefix, up to its last full block)."""
+        if not self.enable_prefix_caching:
+            return
+        start = len(seq.block_keys)
+        parent_digest = (seq.block_keys[-1].digest if start
+                         else self._root(seq.params.cache_salt))
+        pending = []
+        for i in range(start, seq.num_tokens // self.block_size):
+            digest = _digest(parent_digest, self._packed(seq, i))
+            pending.append((i, digest))
+            self._computing[digest] = self._computing.get(digest, 0) + 1
+            parent_digest = digest
+        if pending:
+            self._in_flight[seq.seq_id] = pending
+
+    def _drop_in_flight(self, seq: Sequence, below: int | None = None) -> None:
+        """Forget ``seq``'s blocks in flight with index < ``below`` (all when ``None``)."""
+        pending = self._in_flight.pop(seq.seq_id, None)
+        if pending is None:
+            return
+        done = len(pending) if below is None else sum(1 for i, _ in pending if i < below)
+        for _, digest in pending[:done]:
+            count = self._computing[digest] - 1
+            if count:
+                self._computing[digest] = count
+            else:
+                del self._computing[digest]
+        if done < len(pending):
+            self._in_flight[seq.seq_id] = pending[done:]
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Key every block of ``seq`` that is now full of computed tokens. A block whose
         content is already cached elsewhere takes that key; a digest held by other content
@@ -157,6 +222,7 @@ class BlockManager:
                 self._block_key[block] = key
             seq.block_keys.append(key)
             parent, parent_digest = key, digest
+        self._drop_in_flight(seq, below=num_full)
 
     def _forget(self, block: int) -> None:
         """Drop ``block``'s key: the block is about to hold other tokens."""
@@ -209,10 +275,12 @@ class BlockManager:
         seq.block_keys = prefix
         seq.num_computed_tokens = num_cached
         self.append(seq, num_new)
+        self._track_in_flight(seq)
         return num_new
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; tail blocks go first so they are evicted first."""
+        self._drop_in_flight(seq)
         for block in reversed(seq.block_table):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:

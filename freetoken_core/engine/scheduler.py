@@ -118,27 +118,37 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.index > 0 and self._prompt_in_progress(seq.request_id):
-                # A later choice of a request waits until the first one has computed the
-                # shared prompt, so it is served from the prefix cache instead of recomputed
-                # (and the first choice's first update, which carries the prompt's logprobs,
-                # comes before any other choice's).
-                return
-            num = self.block_manager.allocate(seq, budget)
-            if num is None:
-                return
-            self.waiting.popleft()
-            if seq.num_output_tokens == 0:
-                seq.num_cached_tokens = seq.num_computed_tokens
-            seq.status = SequenceStatus.RUNNING
-            seq.slot = self._free_slots.pop()
-            if self._on_admit is not None:
-                self._on_admit(seq)
-            self.running.append(seq)
-            batch.add(seq, num)
-            budget -= num
+        held: list[Sequence] = []
+        try:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                if seq.index > 0 and self._prompt_in_progress(seq.request_id):
+                    # A later choice of a request waits until the first one has computed the
+                    # shared prompt, so it is served from the prefix cache instead of
+                    # recomputed (and the first choice's first update, which carries the
+                    # prompt's logprobs, comes before any other choice's).
+                    return
+                if self.block_manager.waits_for_prefix(seq):
+                    # A running sequence is computing a block of this one's prompt: it waits
+                    # (keeping its place) and gets the block from the cache once it is done,
+                    # while the sequences behind it may start.
+                    held.append(self.waiting.popleft())
+                    continue
+                num = self.block_manager.allocate(seq, budget)
+                if num is None:
+                    return
+                self.waiting.popleft()
+                if seq.num_output_tokens == 0:
+                    seq.num_cached_tokens = seq.num_computed_tokens
+                seq.status = SequenceStatus.RUNNING
+                seq.slot = self._free_slots.pop()
+                if self._on_admit is not None:
+                    self._on_admit(seq)
+                self.running.append(seq)
+                batch.add(seq, num)
+                budget -= num
+        finally:
+            self.waiting.extendleft(reversed(held))
 
     def _prompt_in_progress(self, request_id: str) -> bool:
         return any(s.request_id == request_id and s.num_computed_tokens < s.num_prompt_tokens
