@@ -13,6 +13,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from freetoken_core import LLM, SamplingParams
+from freetoken_core.engine.sampler import counter_uniform
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models import llama
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
@@ -312,3 +313,79 @@ def test_gguf_linear_q8_computes_llama_cpp_arithmetic(qtype: int, rows: int, n: 
         quants.dequantize(blocks, GGMLQuantizationType(qtype))).double().T
     assert (out.double() - exact).norm() / exact.norm() < 0.02
 
+
+
+# --------------------------------------------------------------------------- sample_rows
+
+def native_draw(logits: torch.Tensor, temperature: list[float], seeds: list[int],
+                counters: list[int] | None = None) -> tuple[list[int], list[bool]]:
+    rows = logits.shape[0]
+    tokens = torch.empty(rows, dtype=torch.long)
+    finite = torch.empty(rows, dtype=torch.bool)
+    torch.ops.freetoken.sample_rows(logits.contiguous(), torch.tensor(temperature),
+                                    torch.tensor(seeds),
+                                    torch.tensor(counters or [0] * rows), tokens, finite)
+    return tokens.tolist(), finite.tolist()
+
+
+def seed_with_draw(target: float) -> tuple[int, float]:
+    """A seed whose draw at counter 0 is the closest to ``target`` among the first 20,000."""
+    seeds = torch.arange(20_000)
+    u = counter_uniform(seeds, torch.zeros_like(seeds))
+    best = int((u - target).abs().argmin())
+    return best, float(u[best])
+
+
+def torch_draw(logits: torch.Tensor, temperature: float, u: float) -> int:
+    """The torch path's inverse CDF (freetoken_core.engine.sampler)."""
+    cdf = (logits / temperature).softmax(dim=-1).cumsum(dim=-1)
+    total = cdf[-1:]
+    target = torch.minimum(torch.tensor([u], dtype=cdf.dtype) * total,
+                           torch.nextafter(total, torch.zeros_like(total)))
+    return int(torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[0] - 1))
+
+
+def test_sample_rows_draws_what_the_torch_path_draws() -> None:
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000 + 3  # not a multiple of the vector width nor of the CDF's chunks
+    logits = torch.randn(64, vocab, generator=gen) * 3
+    temps = [0.3, 0.8, 1.0, 1.7] * 16
+    seeds = list(range(1000, 1064))
+    counters = list(range(64))
+    us = counter_uniform(torch.tensor(seeds), torch.tensor(counters)).tolist()
+    tokens, finite = native_draw(logits, temps, seeds, counters)
+    assert all(finite)
+    same = sum(tok == torch_draw(row, t, u) for tok, row, t, u in zip(tokens, logits, temps, us))
+    assert same == 64
+
+
+def test_sample_rows_greedy_rows_take_the_first_maximum_and_rows_are_independent() -> None:
+    logits = torch.zeros(3, 50)
+    logits[0, [7, 30]] = 5.0  # a tie: the first index, as torch.argmax
+    logits[1, 49] = 2.0
+    logits[2] = torch.linspace(-1, 1, 50)
+    tokens, finite = native_draw(logits, [0.0, 0.0, 1.0], [1, 2, 3], [0, 0, 5])
+    assert tokens[:2] == [7, 49] and all(finite)
+    alone, _ = native_draw(logits[2:], [1.0], [3], [5])
+    assert alone == tokens[2:]
+
+
+def test_sample_rows_never_draws_a_masked_token() -> None:
+    logits = torch.full((4, 300), float("-inf"))
+    logits[:, 10:20] = 0.0  # only tokens 10..19 allowed, each with 1/10
+    low, u_low = seed_with_draw(0.0)
+    high, u_high = seed_with_draw(1.0)
+    assert u_low < 1e-3 and u_high > 1 - 1e-3
+    tokens, finite = native_draw(logits, [1.0, 1.0, 0.5, 2.0], [low, high, 5, 6])
+    assert all(finite)
+    assert tokens[0] == 10 and tokens[1] == 19 and all(10 <= t < 20 for t in tokens)
+
+
+def test_sample_rows_flags_rows_without_a_finite_maximum() -> None:
+    logits = torch.randn(5, 43)
+    logits[0] = float("-inf")
+    logits[1, 3] = float("nan")
+    logits[2, 5] = float("inf")
+    logits[3, 42] = float("nan")  # in the scalar tail, past the vector loop
+    _, finite = native_draw(logits, [1.0, 1.0, 0.7, 0.0, 1.0], [3] * 5)
+    assert finite == [False, False, False, False, True]

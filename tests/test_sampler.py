@@ -9,10 +9,21 @@ import torch
 
 from freetoken_core.engine.sampler import Sampler, SamplingBatch, counter_uniform
 from freetoken_core.engine.sequence import Sequence
+from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 _M64 = (1 << 64) - 1
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def draw_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on both draws: the native kernel (CPU float32) and the torch operators."""
+    if request.param == "torch":
+        monkeypatch.setattr(Sampler, "_native_draw", lambda self, logits: False)
+    elif not cpu_kernels_available():
+        pytest.skip("native CPU kernels unavailable")
+    return request.param
 
 
 def make_seq(params: SamplingParams, seed: int = 0, counter: int = 0, seq_id: int = 0

@@ -122,6 +122,11 @@ class ProcessorPipeline:
     def active(self) -> list[LogitsProcessor]:
         return [p for p, slots in zip(self.processors, self._slots) if slots]
 
+    def any_post_temperature(self) -> bool:
+        """Whether a processor that runs after temperature has rows now."""
+        return any(slots and proc.stage >= Stage.POST_TEMPERATURE
+                   for proc, slots in zip(self.processors, self._slots))
+
     def _fail(self, proc: LogitsProcessor, slots: set[int], stage: str,
               exc: Exception) -> None:
         error = plugin_failure(proc.name, stage, exc)

@@ -153,8 +153,12 @@ class Sampler:
     processors fold the sampled tokens into their state.
     """
 
-    def __init__(self, pipeline: ProcessorPipeline | None = None) -> None:
+    def __init__(self, pipeline: ProcessorPipeline | None = None,
+                 native: bool | None = None) -> None:
+        """``native``: draw with the native CPU kernel (``sample_rows``) where the logits
+        are float32 on CPU; ``None`` means wherever the native kernels are available."""
         self.pipeline = pipeline
+        self.native = native
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         wants_logprobs = any(n is not None for n in batch.num_logprobs)
@@ -182,6 +186,11 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch,
                 pipeline: ProcessorPipeline | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The drawn tokens and, per row, whether its final logits were finite."""
+        between = batch.filter_rows is not None or (pipeline is not None
+                                                    and pipeline.any_post_temperature())
+        if not between and self._native_draw(logits):
+            # Nothing between temperature and the draw: the kernel does both.
+            return self._native_sample(logits, batch)
         greedy = batch.temperature == 0
         argmax = logits.argmax(dim=-1) if batch.any_greedy else None
         temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
@@ -192,6 +201,11 @@ class Sampler:
             rows = batch.filter_rows
             logits[rows] = _top_k_top_p(logits[rows], batch.top_k[rows], batch.top_p[rows],
                                         batch.max_top_k)
+        if self._native_draw(logits):
+            # Tempered and filtered already: the kernel draws at temperature 1 (0 for the
+            # greedy rows, which take the argmax of what they had before temperature).
+            tokens, finite = self._native_sample(logits, batch, tempered=True)
+            return (tokens if argmax is None else torch.where(greedy, argmax, tokens)), finite
         finite = _finite_rows(logits)
         # Inverse CDF in vocabulary order: a row's draw depends on nothing but that row.
         cdf = logits.softmax(dim=-1).cumsum(dim=-1)
@@ -201,6 +215,29 @@ class Sampler:
         choice = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[1] - 1)
         choice = choice.squeeze(1)
         return (choice if argmax is None else torch.where(greedy, argmax, choice)), finite
+
+    def _native_draw(self, logits: torch.Tensor) -> bool:
+        if self.native is False or not logits.is_cpu or logits.dtype != torch.float32:
+            return False
+        from freetoken_core.kernels import cpu_kernels_available
+
+        return cpu_kernels_available()
+
+    @staticmethod
+    def _native_sample(logits: torch.Tensor, batch: SamplingBatch, tempered: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draw of the torch path below in one native pass per row (sampler.cpp):
+        softmax of logits / temperature, inverse CDF in vocabulary order with the row's
+        counter-based uniform number; temperature 0 takes the argmax."""
+        rows = logits.shape[0]
+        temperature = batch.temperature
+        if tempered:
+            temperature = torch.where(temperature == 0, 0.0, 1.0).to(torch.float32)
+        tokens = torch.empty(rows, dtype=torch.long)
+        finite = torch.empty(rows, dtype=torch.bool)
+        torch.ops.freetoken.sample_rows(logits.contiguous(), temperature.contiguous(),
+                                        batch.seeds, batch.counters, tokens, finite)
+        return tokens, finite
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
                   ) -> list[TokenLogprobs | None]:

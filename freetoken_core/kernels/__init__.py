@@ -1,7 +1,8 @@
 """Native CPU kernels (C++ in ``csrc/``), built on first use and loaded as ``torch.ops.freetoken``.
 
 Attention over the paged KV cache, the fused element-wise layers of a block, linears
-computed from a GGUF file's Q4_1/Q8_0 blocks, and a whole block in one call. They are compiled once per machine,
+computed from a GGUF file's Q4_1/Q8_0 blocks, a whole block in one call, and the sampler's
+draw. They are compiled once per machine,
 torch version, CPU and source into ``$FREETOKEN_CACHE/kernels/`` (about 15 s) with the
 system C++ compiler and ninja, for the CPU at hand (``-march=native``), and run on ATen's
 own thread pool. Everything they do has a torch path too: where they cannot be built (no
@@ -25,7 +26,7 @@ import torch
 log = logging.getLogger("freetoken.kernels")
 
 _SOURCES = ("paged_attention.cpp", "layers.cpp", "gguf_linear.cpp", "q8_linear.cpp",
-            "llama_layer.cpp")
+            "llama_layer.cpp", "sampler.cpp")
 _ENV = "FREETOKEN_NATIVE_KERNELS"
 _NAME = "freetoken_cpu"
 
