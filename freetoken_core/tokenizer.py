@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,18 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *,
         continue_final_message=continue_final_message, **template_kwargs)
 
 
+def direct_decoder(tokenizer: Any) -> Callable[..., str]:
+    """``tokenizer.decode``, or the decode of its Rust backend (``tokenizers.Tokenizer``)
+    when that gives the same text: a fast tokenizer that does not clean up tokenization
+    spaces adds nothing to it but argument conversion, which costs more than the decode
+    of a few tokens (the detokenizer of every stream runs it twice per token)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    fast = getattr(tokenizer, "is_fast", False) and callable(getattr(backend, "decode", None))
+    if fast and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return backend.decode
+    return tokenizer.decode
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, never splitting a character.
 
@@ -45,13 +58,14 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int],
                  skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self._decode_ids = direct_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)

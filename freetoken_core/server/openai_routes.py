@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request
-from litestar.response import ServerSentEvent
+from litestar.response import Stream
 
 from freetoken_core.engine.output_processor import StopMatcher
 from freetoken_core.errors import FreeTokenError
@@ -39,14 +39,20 @@ log = logging.getLogger("freetoken.server")
 T = TypeVar("T")
 
 
-def _sse(data: msgspec.Struct | str) -> str:
-    return data if isinstance(data, str) else msgspec.json.encode(data).decode()
+_SSE_HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive",
+                "X-Accel-Buffering": "no"}
+_DONE = b"data: [DONE]\n\n"
+
+
+def _sse(data: msgspec.Struct) -> bytes:
+    """One server-sent event: JSON has no raw line break, so one ``data:`` line."""
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
 
 async def _stream(gen: Generation, first: Any, deltas: AsyncIterator[Any],
                   chunk: Callable[[list[Any], p.Usage | None], msgspec.Struct],
                   choice: Callable[[Any], Any], include_usage: bool,
-                  opening: list[Any], usage_cls: type[p.Usage]) -> AsyncIterator[str]:
+                  opening: list[Any], usage_cls: type[p.Usage]) -> AsyncIterator[bytes]:
     """The SSE body; ``deltas`` is closed (and the engine request aborted) on disconnect."""
     try:
         if opening:
@@ -65,7 +71,7 @@ async def _stream(gen: Generation, first: Any, deltas: AsyncIterator[Any],
                                                "internal_error")))
     finally:
         await deltas.aclose()
-    yield "[DONE]"
+    yield _DONE
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -127,7 +133,7 @@ def _prompt_texts(tokenizer: Any, prompt: str | list[Any],
 
 
 async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
-    """Serve one generation request; the response object or an ``ServerSentEvent``."""
+    """Serve one generation request; the response object or a ``Stream`` of events."""
     cls = p.ChatCompletionRequest if chat else p.CompletionRequest
     body, extra, message_extras = parse_body(await request.body(), cls)
     tokenizer, plugins, model_info = serving.require_ready(body.model)
@@ -242,8 +248,12 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
             opening = [p.CompletionChoice(i, text) for i, text in enumerate(echoes)
                        if echo_num_top is None]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return ServerSentEvent(_stream(gen, first, deltas, chunk, choice,
-                                       include_usage, opening, types.usage))
+        # Events framed here, as bytes: Litestar's ServerSentEvent frames each one through
+        # a dataclass, a StringIO and a regex (with the direct detokenizer, this took the
+        # server process's CPU per streamed token from ~0.40 to ~0.32 ms at 32 clients).
+        return Stream(_stream(gen, first, deltas, chunk, choice, include_usage, opening,
+                              types.usage),
+                      media_type="text/event-stream", headers=_SSE_HEADERS)
     async def drain() -> None:
         async for _ in deltas:
             pass
