@@ -124,3 +124,18 @@ def test_a_shared_prompt_prefix_is_computed_once_for_sequences_that_arrive_toget
     assert list(sched.waiting) == [b]
     assert run_step(sched) == {0: 1, 2: 1, 1: 2}
     assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+
+
+def test_sequences_held_for_a_shared_prefix_are_looked_at_at_most_max_num_seqs_a_step() -> None:
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=100)
+    shared = list(range(500, 508))
+    seqs = [make_seq(i, 10) for i in range(4)]
+    for seq in seqs:
+        seq.token_ids[:8] = shared
+    late = make_seq(9, 5)  # shares nothing, but queued behind three held sequences
+    for seq in [*seqs, late]:
+        sched.add(seq)
+    assert run_step(sched) == {0: 10}
+    assert list(sched.waiting) == [*seqs[1:], late]
+    assert run_step(sched) == {0: 1, 1: 2, 2: 2}  # two seats left: both from the cache

@@ -131,8 +131,11 @@ class Scheduler:
                 if self.block_manager.waits_for_prefix(seq):
                     # A running sequence is computing a block of this one's prompt: it waits
                     # (keeping its place) and gets the block from the cache once it is done,
-                    # while the sequences behind it may start.
+                    # while the sequences behind it may start. At most max_num_seqs are
+                    # looked at a step (each look hashes the prompt's shared blocks).
                     held.append(self.waiting.popleft())
+                    if len(held) >= self.max_num_seqs:
+                        return
                     continue
                 num = self.block_manager.allocate(seq, budget)
                 if num is None:
