@@ -20,7 +20,7 @@ _M64 = (1 << 64) - 1
 def draw_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test on both draws: the native kernel (CPU float32) and the torch operators."""
     if request.param == "torch":
-        monkeypatch.setattr(Sampler, "_native_draw", lambda self, logits: False)
+        monkeypatch.setattr(Sampler, "_native_draw", staticmethod(lambda logits: False))
     elif not cpu_kernels_available():
         pytest.skip("native CPU kernels unavailable")
     return request.param

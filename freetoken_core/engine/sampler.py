@@ -153,12 +153,8 @@ class Sampler:
     processors fold the sampled tokens into their state.
     """
 
-    def __init__(self, pipeline: ProcessorPipeline | None = None,
-                 native: bool | None = None) -> None:
-        """``native``: draw with the native CPU kernel (``sample_rows``) where the logits
-        are float32 on CPU; ``None`` means wherever the native kernels are available."""
+    def __init__(self, pipeline: ProcessorPipeline | None = None) -> None:
         self.pipeline = pipeline
-        self.native = native
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         wants_logprobs = any(n is not None for n in batch.num_logprobs)
@@ -216,8 +212,11 @@ class Sampler:
         choice = choice.squeeze(1)
         return (choice if argmax is None else torch.where(greedy, argmax, choice)), finite
 
-    def _native_draw(self, logits: torch.Tensor) -> bool:
-        if self.native is False or not logits.is_cpu or logits.dtype != torch.float32:
+    @staticmethod
+    def _native_draw(logits: torch.Tensor) -> bool:
+        """Whether the draw runs in the native CPU kernel: float32 logits on CPU, where the
+        kernels could be built."""
+        if not logits.is_cpu or logits.dtype != torch.float32:
             return False
         from freetoken_core.kernels import cpu_kernels_available
 
