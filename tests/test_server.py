@@ -65,6 +65,19 @@ def test_completion_streamed_equals_non_streamed(server: Server) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
 
 
+def test_a_stream_is_server_sent_events_one_data_line_each(server: Server) -> None:
+    r = _post(server, "/v1/completions", {"model": server.model, "prompt": "Hi\nthere",
+                                          "max_tokens": 4, "stream": True})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
+    events = r.text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    for event in events[:-2]:
+        assert event.startswith("data: {") and "\n" not in event
+        json.loads(event[len("data: "):])
+
+
 def test_chat_streamed_equals_non_streamed_with_usage(server: Server) -> None:
     messages = [{"role": "user", "content": "Tell me a story"}]
     full = server.client.chat.completions.create(
