@@ -60,11 +60,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serving import free_port, pct
+from sse_client import HTTPStreamError, SSEConnection
 from vs_servers import (
     BenchError,
     busy_cpus,
@@ -139,35 +141,43 @@ def add_chunk(record: Record, chunk: dict, now: float) -> None:
     record.last = now
 
 
-async def one_request(client: httpx.AsyncClient, body: dict) -> Record:
+async def one_request(conn: SSEConnection, body: dict) -> Record:
     record = Record(time.perf_counter())
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            raise BenchError(f"HTTP {response.status_code}: {response.text[:300]}")
-        async for line in response.aiter_lines():
-            chunk = parse_event(line)
-            if chunk is not None:
-                add_chunk(record, chunk, time.perf_counter())
+
+    def on_line(line: bytes, now: float) -> None:
+        chunk = parse_event(line.decode())
+        if chunk is not None:
+            add_chunk(record, chunk, now)
+
+    response = await conn.post_stream("/v1/completions", body, on_line)
+    if response.status != 200:
+        raise BenchError(f"HTTP {response.status}: {response.text[:300]}")
     return record
 
 
 async def run_clients(url: str, model: str, num_clients: int, rounds: int, first_index: int,
                       max_tokens: int, extra: dict, request_timeout: float
                       ) -> tuple[list[Record], float]:
-    """``num_clients`` concurrent clients, each sending ``rounds`` requests back to back;
-    request ``first_index + round * num_clients + client`` gets that prompt index."""
-    limits = httpx.Limits(max_connections=num_clients, max_keepalive_connections=num_clients)
-    timeout = httpx.Timeout(request_timeout, connect=10.0)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
-        async def one_client(c: int) -> list[Record]:
-            return [await one_request(client, request_body(
-                model, first_index + r * num_clients + c, max_tokens, extra))
-                for r in range(rounds)]
+    """``num_clients`` concurrent clients, each sending ``rounds`` requests back to back
+    over its own keep-alive connection (bench/sse_client.py: a lighter client than httpx,
+    which took ~10 % of a core from the servers at 16 clients); request
+    ``first_index + round * num_clients + client`` gets that prompt index."""
+    address = urlsplit(url)
+    conns = [SSEConnection(address.hostname, address.port, request_timeout)
+             for _ in range(num_clients)]
 
+    async def one_client(c: int) -> list[Record]:
+        return [await one_request(conns[c], request_body(
+            model, first_index + r * num_clients + c, max_tokens, extra))
+            for r in range(rounds)]
+
+    try:
         start = time.perf_counter()
         per_client = await asyncio.gather(*(one_client(c) for c in range(num_clients)))
         return [r for records in per_client for r in records], time.perf_counter() - start
+    finally:
+        for conn in conns:
+            await conn.close()
 
 
 def summarise(num_clients: int, records: list[Record], elapsed: float) -> dict:
@@ -249,7 +259,7 @@ def measure_side(name: str, url: str, args: argparse.Namespace,
                 args.request_timeout), args.timeout))
         except (TimeoutError, asyncio.TimeoutError) as exc:
             raise BenchError(f"{num_clients} clients took over {args.timeout:.0f} s") from exc
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, HTTPStreamError, OSError) as exc:
             raise BenchError(f"{num_clients} clients: {type(exc).__name__}: {exc}") from exc
 
     warm_up = -10_000  # prompt indices no measured request uses
