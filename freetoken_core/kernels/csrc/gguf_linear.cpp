@@ -33,12 +33,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <vector>
 
 #include "gguf_blocks.h"
 #include "ops.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace {
@@ -319,9 +319,6 @@ void rows_scalar(const float* x, int64_t x_stride, int64_t rows, const uint8_t* 
 // above, the panels (bench/gguf_linear.py measures both).
 constexpr int64_t kDirectRows = 4;
 
-// Chunks of panels per thread in the dynamic schedule of the panel path.
-constexpr int64_t kChunksPerThread = 8;
-
 template <int64_t QT>
 void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), n = blocks.size(0);
@@ -332,24 +329,22 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor&
   if (rows == 0) return;
 #ifdef FREETOKEN_AVX2
   if (rows > kDirectRows) {
-    // Chunks of panels handed out in turn from a shared counter rather than one fixed share
-    // per thread: a thread that is slowed (the other process's work, an interrupt, the
-    // serial code it ran before) does less of the product instead of holding up the step.
-    // Which thread computes a feature changes nothing in its sums.
+    // Panels handed out from a shared counter in shrinking pieces (parallel.h) rather than
+    // one fixed share per thread: a thread that is slowed (the other process's work, an
+    // interrupt, the serial code it ran before) does less of the product instead of holding
+    // up the step. Which thread computes a feature changes nothing in its sums.
     const int64_t num_panels = (n + kPanel - 1) / kPanel;
-    const int64_t threads = at::get_num_threads();
-    const int64_t chunk = std::max<int64_t>(1, num_panels / (threads * kChunksPerThread));
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      std::vector<float> panel(kPanel * k);
-      for (int64_t c = next.fetch_add(chunk); c < num_panels; c = next.fetch_add(chunk))
-        panels<QT>(xp, rows, bp, row_bytes, num_blocks, op, n, c * kPanel,
-                   std::min(n, (c + chunk) * kPanel), panel.data());
+    freetoken::guided_for(num_panels, 1, 1, [&](int64_t p0, int64_t p1) {
+      thread_local std::vector<float> panel;
+      panel.resize(std::max<size_t>(panel.size(), kPanel * k));
+      panels<QT>(xp, rows, bp, row_bytes, num_blocks, op, n, p0 * kPanel,
+                 std::min(n, p1 * kPanel), panel.data());
     });
     return;
   }
-  // Features per pass so that rows x features is 8 FMA chains.
-  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+  // Features per pass so that rows x features is 8 FMA chains; the features in shrinking
+  // pieces of whole passes, as the panels.
+  freetoken::guided_for(n, 32, 8, [&](int64_t n0, int64_t n1) {
     switch (rows) {
       case 1: rows_direct<QT, 1, 8>(xp, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
       case 2: rows_direct<QT, 2, 4>(xp, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;

@@ -6,8 +6,8 @@
 // and value of every sequence, in every layer, at every step). A query's result depends only
 // on its own query, keys and values: not on the other queries of the call, nor on how work
 // is split (batch-invariant). Work is split over queries (or (query, KV head) pairs when
-// there are few) with ATen's thread pool, in an order that pairs long contexts with short
-// ones; the query heads of one KV head (grouped-query attention) share each key load.
+// there are few) on ATen's thread pool, longest context first, in shrinking pieces
+// (parallel.h); the query heads of one KV head (grouped-query attention) share each key load.
 //
 // Layouts (see freetoken_core/engine/attention.py):
 //   q            [D, H, hd]             any stride between tokens, heads contiguous
@@ -24,9 +24,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <vector>
 
 #include "ops.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace {
@@ -202,16 +204,21 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   const int64_t items_per_seq = num_kv_heads / heads_per_item;
   const int64_t rows = heads_per_item * group;  // query heads of one item
 
-  // Item j of the split is item zigzag(j): 0, last, 1, last - 1, ... The tokens of a prefill
-  // chunk come in position order (growing contexts), so each thread's contiguous range of
-  // the split gets short and long ones alike.
+  // Items longest context first, handed out to the threads in shrinking pieces
+  // (guided_for): the long ones start early and the short ones fill the end, so both threads
+  // finish together whatever the mix of lengths (a prefill chunk's tokens have growing
+  // contexts; decoding sequences are at different points of their answers).
   const int64_t num_items = num_seqs * items_per_seq;
-  auto zigzag = [num_items](int64_t j) { return j % 2 == 0 ? j / 2 : num_items - 1 - j / 2; };
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+  std::vector<int64_t> order(num_items);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return lens[a / items_per_seq] > lens[b / items_per_seq];
+  });
+  freetoken::guided_for(num_items, 1, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(rows * head_dim), acc(rows * head_dim), inv(rows), scores;
     std::vector<const T*> slots;
     for (int64_t j = begin; j < end; ++j) {
-      const int64_t item = zigzag(j);
+      const int64_t item = order[j];
       const int64_t seq = item / items_per_seq;
       const int64_t kv0 = (item % items_per_seq) * heads_per_item;
       const int64_t len = lens[seq];
