@@ -106,6 +106,7 @@ class SSEConnection:
         length = int(headers["content-length"]) if "content-length" in headers else None
         keep = headers.get("connection", "").lower() != "close"
         body = bytearray()   # the decoded body not yet split into lines (or all of it)
+        received = 0         # bytes of a Content-Length body so far
         stream = status == 200
         now = time.perf_counter()
         done = False
@@ -116,7 +117,11 @@ class SSEConnection:
                     eol = buf.find(b"\r\n")
                     if eol < 0:
                         break
-                    size = int(buf[:eol].split(b";", 1)[0], 16)
+                    try:
+                        size = int(buf[:eol].split(b";", 1)[0], 16)
+                    except ValueError as exc:
+                        raise HTTPStreamError(f"bad chunk size {bytes(buf[:eol][:20])!r}") \
+                            from exc
                     if size == 0:
                         # Trailers end with an empty line; none are sent here in practice.
                         if buf.find(b"\r\n", eol + 2) < 0:
@@ -130,8 +135,9 @@ class SSEConnection:
                     buf = buf[eol + 4 + size:]
             else:
                 body += buf
+                received += len(buf)
                 buf = b""
-                done = length is not None and len(body) >= length
+                done = length is not None and received >= length
             if stream:
                 start = 0
                 while (nl := body.find(b"\n", start)) >= 0:

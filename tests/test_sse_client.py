@@ -88,10 +88,18 @@ def test_chunked_stream_cut_anywhere_gives_every_line(piece):
 def test_content_length_and_close_delimited_bodies():
     error = b'{"error":{"message":"bad","param":"max_tokens"}}'
     answers = [b"HTTP/1.1 400 Bad Request\r\ncontent-length: %d\r\n\r\n" % len(error) + error,
+               OK_HEAD + b"content-length: %d\r\n\r\n" % len(SSE) + SSE,
                OK_HEAD + b"connection: close\r\n\r\n" + SSE]
-    results, _ = run(answers, 3)
+    results, seen = run(answers, 3)
+    assert len(seen) == 3
     assert results[0][0] == 400 and results[0][1] == [] and "max_tokens" in results[0][2]
-    assert results[1][0] == 200 and [x for x in results[1][1] if x] == EVENTS
+    for status, lines, _ in results[1:]:
+        assert status == 200 and [x for x in lines if x] == EVENTS
+
+
+def test_a_bad_chunk_size_is_an_error():
+    with pytest.raises(HTTPStreamError, match="bad chunk size"):
+        run([OK_HEAD + b"transfer-encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n"])
 
 
 def test_records_from_the_lean_client_count_tokens():
