@@ -345,9 +345,9 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor&
   // Features per pass: rows x features is 8 FMA chains from two rows up. One row reads 4
   // features side by side rather than 8: fewer streams and no accumulator spilled to the
   // stack; the 30 layers' linears plus the head at one row measured 5-10 % faster in each
-  // of four alternations (11.4 vs 12.1 ms on the reference), a decode step of one sequence
-  // 0.8-1.6 ms faster (median of 30-40 paired alternations in one process). The features in shrinking
-  // pieces of whole passes, as the panels.
+  // of four alternations (11.4 vs 12.1 ms on the reference), a decode step of one
+  // sequence 0.8-1.6 ms faster (median of 30-40 paired alternations in one process).
+  // The features in shrinking pieces of whole passes, as the panels.
   freetoken::guided_for(n, 32, 8, [&](int64_t n0, int64_t n1) {
     switch (rows) {
       case 1: rows_direct<QT, 1, 4>(xp, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
