@@ -207,6 +207,10 @@ def _add_restart_options(parser: argparse.ArgumentParser) -> None:
                              "doubles per consecutive crash (default: 0.5)")
     parser.add_argument("--engine-restart-max-delay", type=float, default=30.0, metavar="S",
                         help="the longest wait between engine restarts (default: 30)")
+    parser.add_argument("--pin-threads", action=argparse.BooleanOptionalAction, default=True,
+                        help="the engine's main thread on a CPU of its own, its OpenMP workers "
+                             "and the HTTP process on the others (needs 2+ CPUs; Linux; "
+                             "default: on)")
 
 
 def _set_log_level(level: str) -> None:
@@ -243,7 +247,8 @@ def _serve(args: argparse.Namespace) -> int:
     limits = RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)})
     restart = RestartPolicy(args.engine_restart_delay, args.engine_restart_max_delay)
     config = ServerConfig(engine_config, args.served_model_name, api_key=args.api_key,
-                          limits=limits, cors=_cors_settings(args), restart=restart)
+                          limits=limits, cors=_cors_settings(args), restart=restart,
+                          pin_threads=args.pin_threads)
     app = create_app(config, on_fatal=on_fatal)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,

@@ -4,14 +4,18 @@ nothing, and ``usage.prompt_tokens`` is what ``/tokenize`` counts for the same m
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from server_fixtures import START_TIMEOUT_S, Server, free_port, stop_server
+
+from freetoken_core.affinity import plan_cpus
 
 MODEL_NAME = "default"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -80,3 +84,25 @@ def test_prompt_tokens_equal_tokenize_count(server: Server) -> None:
     body = r.json()
     assert body["count"] == len(body["tokens"]) == full.usage.prompt_tokens
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+
+def _cpus_of_threads(pid: int) -> dict[int, set[int]]:
+    return {int(tid): os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pinning needs Linux and at least two CPUs")
+def test_serve_pins_the_engine_main_thread_alone(server: Server) -> None:
+    """``--pin-threads`` (the default): the engine's main thread on the lowest CPU, its other
+    threads and every thread of the HTTP process on the rest."""
+    plan = plan_cpus()
+    assert plan is not None
+    server_pid = server.proc.pid
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    engines = [int(p) for p in children
+               if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(engines) == 1, children
+    engine = _cpus_of_threads(engines[0])
+    assert engine.pop(engines[0]) == {plan.main}
+    assert engine and all(cpus == plan.shared for cpus in engine.values()), engine
+    assert all(cpus == plan.shared for cpus in _cpus_of_threads(server_pid).values())

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from freetoken_core.affinity import CpuPlan, pin_process
 from freetoken_core.config import EngineConfig
 from freetoken_core.engine.generation_defaults import GenerationDefaults
 from freetoken_core.engine.process import (
@@ -111,10 +112,14 @@ class EngineClient:
     def __init__(self, config: EngineConfig,
                  on_dead: Callable[[str], None] | None = None,
                  restart: RestartPolicy | None = None,
-                 on_failure: Callable[[RequestFailed], None] | None = None) -> None:
+                 on_failure: Callable[[RequestFailed], None] | None = None,
+                 cpu_plan: CpuPlan | None = None) -> None:
         """``on_failure(message)`` runs on the loop for every request the engine failed
-        (``status`` 500), for the metrics."""
+        (``status`` 500), for the metrics. ``cpu_plan``: pin the engine's threads and, once
+        the engine process is started, this process's threads to it (freetoken_core.affinity);
+        ``None``: pin nothing."""
         self.config = config
+        self.cpu_plan = cpu_plan
         self.restart_policy = restart or RestartPolicy()
         self.info: EngineInfo | None = None
         self.dead_message: str | None = None
@@ -163,9 +168,13 @@ class EngineClient:
         to_engine_r, self._to_engine = ctx.Pipe(duplex=False)
         self._from_engine, from_engine_w = ctx.Pipe(duplex=False)
         self._process = ctx.Process(target=run_engine_process, name="freetoken-engine",
-                                    args=(self.config, to_engine_r, from_engine_w),
+                                    args=(self.config, to_engine_r, from_engine_w,
+                                          self.cpu_plan),
                                     daemon=True)
         self._process.start()
+        if self.cpu_plan is not None:
+            # After the start: the child pins itself from the plan, not from what it inherits.
+            pin_process(self.cpu_plan.shared)
         # The child holds its own copies; closing ours lets EOF reach each side.
         to_engine_r.close()
         from_engine_w.close()

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from freetoken_core.affinity import CpuPlan, pin_engine_threads
 from freetoken_core.config import EngineConfig
 from freetoken_core.engine.generation_defaults import GenerationDefaults
 from freetoken_core.errors import FreeTokenError, InvalidRequest
@@ -254,8 +255,10 @@ def _wire_update(u: SeqUpdate) -> Update:
                   None if lp is None else lp.top, u.prompt_logprobs)
 
 
-def run_engine_process(config: EngineConfig, conn_in: Connection, conn_out: Connection) -> None:
-    """Child entry point: build the engine, report ``Ready`` or ``LoadFailed``, then loop.
+def run_engine_process(config: EngineConfig, conn_in: Connection, conn_out: Connection,
+                       cpu_plan: CpuPlan | None = None) -> None:
+    """Child entry point: build the engine, pin its threads to ``cpu_plan`` (if any), report
+    ``Ready`` or ``LoadFailed``, then loop.
 
     SIGINT is ignored so that a Ctrl-C in the terminal reaches only the server, which
     then shuts the engine down in order.
@@ -275,6 +278,11 @@ def run_engine_process(config: EngineConfig, conn_in: Connection, conn_out: Conn
     # collector's way, a full collection no longer stalls a step for a few hundred ms.
     gc.collect()
     gc.freeze()
+    if cpu_plan is not None:
+        try:
+            pin_engine_threads(cpu_plan)
+        except OSError as exc:  # e.g. a CPU taken away meanwhile: serve unpinned
+            log.warning("could not pin the engine's threads (%s); running unpinned", exc)
     engine.send(Ready(str(parts.model_dir), parts.limits.vocab_size,
                       sorted(parts.limits.eos_token_ids), parts.limits.max_model_len,
                       parts.generation_defaults))

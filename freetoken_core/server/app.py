@@ -24,6 +24,7 @@ import msgspec
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 
+from freetoken_core.affinity import plan_cpus
 from freetoken_core.engine.client import EngineClient
 from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.plugins import PluginManager
@@ -83,7 +84,8 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
     metrics = ServerMetrics()
     client = client or EngineClient(
         config.engine, on_dead=fatal, restart=config.restart,
-        on_failure=lambda failed: metrics.record_failure(failed.stage, failed.plugin))
+        on_failure=lambda failed: metrics.record_failure(failed.stage, failed.plugin),
+        cpu_plan=plan_cpus() if config.pin_threads else None)
     serving = Serving(config, client, metrics=metrics)
     tasks: set[asyncio.Task[None]] = set()
 

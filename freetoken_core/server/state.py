@@ -41,6 +41,10 @@ class ServerConfig:
     """When to start a new engine process after one died (``--engine-restart-*``)."""
     cors: CorsSettings | None = None
     """Browser origins allowed (``--allowed-origins``); ``None``: no CORS headers at all."""
+    pin_threads: bool = False
+    """The engine's main thread on a CPU of its own, everything else on the other CPUs
+    (freetoken_core.affinity). ``freetoken serve`` turns it on (``--no-pin-threads``: off);
+    off here so that an app built in another program leaves that program's CPUs alone."""
 
     @property
     def model_name(self) -> str:

@@ -21,6 +21,7 @@ import concurrent.futures
 import threading
 from collections import OrderedDict
 
+from freetoken_core.affinity import release_thread
 from freetoken_core.errors import InvalidRequest
 from freetoken_plugins.structured_outputs.backends import CompiledGrammar, GrammarBackend
 from freetoken_plugins.structured_outputs.constraints import Constraint
@@ -53,8 +54,9 @@ class GrammarCompiler:
         self.backend = backend
         self.timeout_s = timeout_s
         self.cache_entries = cache_entries
+        # Started from the engine's main thread: off its CPU (freetoken_core.affinity).
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            num_threads, thread_name_prefix="grammar-compile")
+            num_threads, thread_name_prefix="grammar-compile", initializer=release_thread)
         self._cache: OrderedDict[_Key, concurrent.futures.Future[CompiledGrammar]] = (
             OrderedDict())
         self._lock = threading.Lock()
