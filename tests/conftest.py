@@ -57,6 +57,20 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def plain_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One ``freetoken serve`` of the tiny model with no extra flags, shared by the modules
+    whose tests need nothing else and leave nothing behind (a server start costs ~13 s).
+    A module whose tests stop the server, count its aborts or watch its start keeps its
+    own. Its output goes to a file: a pipe nobody reads would fill and stall it."""
+    from server_fixtures import start_server, stop_server
+
+    srv = start_server(tiny_model_dir,
+                       log_file=tmp_path_factory.mktemp("plain-server") / "serve.log")
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="session")
 def tiny_llm(tiny_model_dir: Path):
     from freetoken_core import LLM
 

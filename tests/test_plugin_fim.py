@@ -4,7 +4,6 @@ on a real ``freetoken serve`` (tiny model, which has ``<fim_prefix>`` etc.)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,10 +27,8 @@ def tokenizer(tiny_model_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[Server]:
-    srv = start_server(tiny_model_dir)
-    yield srv
-    stop_server(srv)
+def server(plain_server: Server) -> Server:
+    return plain_server  # conftest.py: one server for the modules that need no flags
 
 
 def _ok(server: Server, body: dict) -> dict:

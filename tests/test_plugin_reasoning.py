@@ -5,11 +5,10 @@ an answer starts (``freetoken_answer_start``), and chat end to end on a real ``f
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_fixtures import Server, start_server, stop_server
+from server_fixtures import Server
 from server_fixtures import events as _events
 from server_fixtures import ok as _ok
 
@@ -30,10 +29,8 @@ OPEN, CLOSE = 640, 641
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[Server]:
-    srv = start_server(tiny_model_dir)
-    yield srv
-    stop_server(srv)
+def server(plain_server: Server) -> Server:
+    return plain_server  # conftest.py: one server for the modules that need no flags
 
 
 # -- the splitter and the counter ------------------------------------------------------

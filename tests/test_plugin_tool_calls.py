@@ -15,14 +15,13 @@ function) bound every string of their schemas and push whitespace down with
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import openai
 import pytest
-from server_fixtures import Server, ok, post, start_server, stop_server
+from server_fixtures import Server, ok, post
 
 from freetoken_core import InvalidRequest, SamplingParams
 from freetoken_core.plugins import PluginManager
@@ -335,10 +334,8 @@ def test_free_answer_with_reasoning_then_calls(plugins: PluginManager) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[Server]:
-    srv = start_server(tiny_model_dir)
-    yield srv
-    stop_server(srv)
+def server(plain_server: Server) -> Server:
+    return plain_server  # conftest.py: one server for the modules that need no flags
 
 
 @pytest.fixture(scope="module")

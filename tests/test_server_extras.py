@@ -5,11 +5,10 @@ the chat template controls, ``request_id`` and ``max_completion_tokens``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_fixtures import Server, start_server, stop_server
+from server_fixtures import Server
 from server_fixtures import events as _events
 from server_fixtures import ok as _ok
 from server_fixtures import post as _post
@@ -20,10 +19,8 @@ from freetoken_core.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[Server]:
-    srv = start_server(tiny_model_dir)
-    yield srv
-    stop_server(srv)
+def server(plain_server: Server) -> Server:
+    return plain_server  # conftest.py: one server for the modules that need no flags
 
 
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}

@@ -5,12 +5,11 @@ ends of every accepted range generate normally."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import Server, ok, post, start_server, stop_server
+from server_fixtures import Server, ok, post
 
 from freetoken_core.sampling_params import GREEDY_TEMPERATURE, INT64_MAX, INT64_MIN
 from freetoken_plugins.logit_bias import MAX_ENTRIES
@@ -19,10 +18,8 @@ from freetoken_plugins.stop_tokens import MAX_STOP_TOKEN_IDS
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[Server]:
-    srv = start_server(tiny_model_dir)
-    yield srv
-    stop_server(srv)
+def server(plain_server: Server) -> Server:
+    return plain_server  # conftest.py: one server for the modules that need no flags
 
 
 @pytest.fixture(scope="module")
