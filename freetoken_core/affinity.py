@@ -7,9 +7,11 @@ for it. It gets a CPU of its own: ``CpuPlan.main``. Its OpenMP workers, the HTTP
 runs share the other CPUs (``CpuPlan.shared``). The HTTP work of a token then lands on a
 worker's CPU, where it delays one worker's share of a parallel region (which the main
 thread's guided scheduling takes over) instead of the main thread's Python, which nothing
-else can run. Measured on the 2-core reference at one streaming client: served
-inter-token latency 1.0-1.6 ms lower (9 of 10 and 9 of 12 paired alternations), neutral at
-16 clients (docs/operations.md).
+else can run. Measured on the 2-core reference (docs/operations.md): unpinned, an engine
+step started 0.6 ms after the previous one ended (the HTTP process's reader, woken by the
+engine's write, ran on the main thread's CPU first), pinned 0.17 ms; one streaming
+client's inter-token latency 0.39 ms lower in the median of 30 paired alternations, no
+worse at 16 clients.
 
 Linux only (``os.sched_setaffinity``); with fewer than two CPUs there is nothing to split
 and nothing is pinned. A thread inherits the CPUs of the thread that starts it, so a thread
