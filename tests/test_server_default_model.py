@@ -90,8 +90,7 @@ def _cpus_of_threads(pid: int) -> dict[int, set[int]]:
     return {int(tid): os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="pinning needs Linux and at least two CPUs")
+@pytest.mark.skipif(plan_cpus() is None, reason="pinning needs Linux and at least two CPUs")
 def test_serve_pins_the_engine_main_thread_alone(server: Server) -> None:
     """``--pin-threads`` (the default): the engine's main thread on the lowest CPU, its other
     threads and every thread of the HTTP process on the rest."""

@@ -158,6 +158,10 @@ class EngineClient:
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
         self._spawn()
+        if self.cpu_plan is not None:
+            # Once, after the first start: every engine process pins itself from the plan,
+            # not from the CPUs it inherits from this one.
+            pin_process(self.cpu_plan.shared)
 
     def _spawn(self) -> None:
         for var in SHAPE_CACHE_VARS:  # read by the child's torch at its first GEMM
@@ -172,9 +176,6 @@ class EngineClient:
                                           self.cpu_plan),
                                     daemon=True)
         self._process.start()
-        if self.cpu_plan is not None:
-            # After the start: the child pins itself from the plan, not from what it inherits.
-            pin_process(self.cpu_plan.shared)
         # The child holds its own copies; closing ours lets EOF reach each side.
         to_engine_r.close()
         from_engine_w.close()
