@@ -267,15 +267,19 @@ def test_gguf_linear_sums_each_row_the_same_way_whatever_the_row_count(op: str,
 
 def _q8_reference(x: torch.Tensor, blocks: np.ndarray, qtype: int, n: int) -> torch.Tensor:
     """llama.cpp's arithmetic in float64, from first principles: each block of 32
-    activations rounded to int8 with scale max|x| / 127, each weight block's integer dot
-    product scaled by both scales; Q4_1 adds m times the scaled sum of the activations."""
+    activations rounded to int8 with scale max|x| / 127 (float32, as the kernel computes
+    it), each weight block's integer dot product scaled by both scales; Q4_1 adds m times
+    the scaled sum of the activations."""
     from gguf.constants import GGML_QUANT_SIZES
 
     k = x.shape[1]
-    xb = x.double().view(x.shape[0], k // 32, 32)
-    amax = xb.abs().amax(dim=-1, keepdim=True)
-    dx = amax / 127
-    qx = torch.where(amax > 0, torch.round(xb * (127 / amax)), torch.zeros_like(xb))
+    xb32 = x.view(x.shape[0], k // 32, 32)
+    amax = xb32.abs().amax(dim=-1, keepdim=True)
+    dx32 = amax / 127  # float32, as the kernel (and ggml) computes it
+    qx = torch.where(amax > 0, torch.round(xb32 * (127 / amax)),
+                     torch.zeros_like(xb32)).double()
+    dx = dx32.double()
+    xs = dx * qx.sum(-1, keepdim=True)
     raw = torch.from_numpy(np.ascontiguousarray(blocks)).view(n, k // 32, GGML_QUANT_SIZES[
         GGMLQuantizationType(qtype)][1])
     d = raw[..., :2].contiguous().view(torch.float16).double()  # [n, nb, 1]
@@ -288,7 +292,7 @@ def _q8_reference(x: torch.Tensor, blocks: np.ndarray, qtype: int, n: int) -> to
     dots = torch.einsum("rbj,nbj->rnb", qx, q)  # exact integers
     out = (dots * (d[..., 0][None] * dx[..., 0][:, None])).sum(-1)
     if qtype == 3:
-        out += (m[..., 0][None] * (dx * qx.sum(-1, keepdim=True))[..., 0][:, None]).sum(-1)
+        out += (m[..., 0][None] * xs[..., 0][:, None]).sum(-1)
     return out
 
 
