@@ -370,3 +370,103 @@ def test_gguf_blocks_dequantize_to_the_converted_weights(gguf_path: Path,
         qtype, rows = blocks[name]
         values = quants.dequantize(rows, GGMLQuantizationType(qtype))
         assert torch.equal(torch.from_numpy(values), weights[name]), name
+
+
+def _assert_reads_like_gguf_reader(path: Path) -> None:
+    """HeaderReader's fields and tensors are GGUFReader's, but for the array elements."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from freetoken_core.models.gguf_metadata import HeaderReader
+
+    fast, full = HeaderReader(path), GGUFReader(path, "r")
+    assert list(fast.fields) == [k for k in full.fields if not k.startswith("GGUF.")]
+    for key, got in fast.fields.items():
+        want = full.fields[key]
+        assert got.types == want.types, key
+        assert len(got.data) == len(want.data), key  # an array: its length
+        if got.parts:  # a scalar or a string: its bytes
+            assert bytes(got.parts[0]) == bytes(want.parts[want.data[0]]), key
+    assert [t.name for t in fast.tensors] == [t.name for t in full.tensors]
+    for got, want in zip(fast.tensors, full.tensors):
+        assert got.tensor_type == want.tensor_type, got.name
+        assert got.shape.tolist() == want.shape.tolist(), got.name
+        assert got.data.dtype == want.data.dtype and got.data.shape == want.data.shape
+        assert np.array_equal(got.data, want.data), got.name
+
+
+def test_header_reader_reads_the_default_model_like_gguf_reader(gguf_path: Path) -> None:
+    """Every engine start reads the blocks through HeaderReader (it skips the vocabulary's
+    ~100,000 strings that GGUFReader maps one by one): same config, same tensors."""
+    from gguf import GGUFReader
+
+    from freetoken_core.models.gguf_metadata import HeaderReader, build_config
+
+    _assert_reads_like_gguf_reader(gguf_path)
+    assert build_config(HeaderReader(gguf_path)) == build_config(GGUFReader(gguf_path, "r"))
+
+
+def test_header_reader_handles_every_value_type_and_the_alignment(tmp_path: Path) -> None:
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
+
+    path = tmp_path / "types.gguf"
+    writer = GGUFWriter(path, "llama")
+    writer.add_custom_alignment(64)
+    writer.add_string("a.string", "grüße")
+    writer.add_array("a.strings", ["x", "", "longer string"])
+    writer.add_array("a.ints", [1, -2, 3])
+    writer.add_array("a.floats", [0.5, 1.5])
+    writer.add_bool("a.bool", True)
+    writer.add_float64("a.f64", 2.25)
+    writer.add_int64("a.i64", -7)
+    writer.add_key_value("a.u8", 200, GGUFValueType.UINT8)
+    writer.add_tensor("f32", np.arange(12, dtype=np.float32).reshape(3, 4))
+    blocks = quants.quantize(np.linspace(-1, 1, 64 * 2, dtype=np.float32).reshape(2, 64),
+                             GGMLQuantizationType.Q4_1)
+    writer.add_tensor("q41", blocks, raw_dtype=GGMLQuantizationType.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _assert_reads_like_gguf_reader(path)
+
+
+def test_open_header_falls_back_to_gguf_reader_and_names_a_bad_file(tmp_path: Path) -> None:
+    from freetoken_core.models.gguf_metadata import open_header
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        open_header(bad)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        open_header(tmp_path / "missing.gguf")
+
+
+def test_a_conversion_s_tokenizer_loads_directly_as_what_autotokenizer_gives(
+        tmp_path: Path) -> None:
+    """FreeToken's conversions load their tokenizer as the generic fast class, without
+    AutoTokenizer's import of the model's config (seconds of every start): the same class,
+    encodings, decodings, special tokens and chat template as AutoTokenizer's. A directory
+    outside the cache goes through AutoTokenizer."""
+    from freetoken_core.tokenizer import _is_generic_conversion, load_tokenizer
+
+    model_dir = resolve_model(None, progress=False)
+    assert _is_generic_conversion(model_dir)
+    direct, auto = load_tokenizer(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
+    assert type(direct) is type(auto)
+    for text in TEXTS:
+        for special in (True, False):
+            ids = direct.encode(text, add_special_tokens=special)
+            assert ids == auto.encode(text, add_special_tokens=special), text
+            assert direct.decode(ids) == auto.decode(ids)
+    assert direct.all_special_ids == auto.all_special_ids
+    assert (direct.eos_token_id, direct.bos_token_id, direct.pad_token_id) == \
+        (auto.eos_token_id, auto.bos_token_id, auto.pad_token_id)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert direct.apply_chat_template(messages, tokenize=False) == \
+        auto.apply_chat_template(messages, tokenize=False)
+    elsewhere = tmp_path / "copy"
+    shutil.copytree(model_dir, elsewhere, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert not _is_generic_conversion(elsewhere)
+    assert load_tokenizer(elsewhere).encode(TEXTS[0]) == auto.encode(TEXTS[0])

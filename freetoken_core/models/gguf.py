@@ -38,6 +38,7 @@ from freetoken_core.models.gguf_metadata import (
     build_config,
     field,
     generation_config,
+    open_header,
     open_reader,
 )
 
@@ -131,7 +132,7 @@ def read_gguf_blocks(gguf_path: Path) -> dict[str, tuple[int, np.ndarray]]:
     ``n`` dequantizes to row ``n`` of the converted weight. Memory-mapped; nothing is copied
     until the caller copies it.
     """
-    reader = open_reader(Path(gguf_path))
+    reader = open_header(Path(gguf_path))
     config = build_config(reader)
     heads = {"q_proj.weight": config["num_attention_heads"],
              "k_proj.weight": config["num_key_value_heads"]}

@@ -101,6 +101,20 @@ def resolve_model(model: str | os.PathLike[str] | None, *, progress: bool = True
     )
 
 
+def resolved_without_converting(model: str | os.PathLike[str] | None) -> Path | None:
+    """The directory :func:`resolve_model` returns for ``model`` when that takes no
+    conversion (a model directory, or a GGUF whose conversion is in the cache); ``None``
+    when it would convert, or fail (``resolve_model`` then says why)."""
+    try:
+        gguf = gguf_source(model)
+        if gguf is None:
+            return _check_model_dir(Path(os.fspath(model)).expanduser()) if model else None
+        target = converted_dir(gguf)
+        return target if (target / "config.json").is_file() else None
+    except ModelLoadError:
+        return None
+
+
 def gguf_source(model: str | os.PathLike[str] | None) -> Path | None:
     """The GGUF file behind ``model`` (the default model's included), else ``None``."""
     if model is None:

@@ -16,7 +16,7 @@ from freetoken_core.engine.client import EngineClient, EngineDeadError, RestartP
 from freetoken_core.engine.generation_defaults import GenerationDefaults
 from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.faults import RequestError
-from freetoken_core.models.resolve import DEFAULT_MODEL_NAME
+from freetoken_core.models.resolve import DEFAULT_MODEL_NAME, resolved_without_converting
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo
 from freetoken_core.server.cors import CorsSettings
@@ -118,14 +118,34 @@ class Serving:
         assert self.plugins is not None and self.model_info is not None
         return self.tokenizer, self.plugins, self.model_info
 
+    def _early_tokenizer(self) -> tuple[Path, Any] | None:
+        """(model directory, its tokenizer) when the directory is known before the engine is
+        ready; ``None`` otherwise, or on any error (the engine's load then reports it)."""
+        model_dir = resolved_without_converting(self.config.engine.model)
+        if model_dir is None:
+            return None
+        try:
+            return model_dir, load_tokenizer(model_dir)
+        except FreeTokenError:
+            return None
+
     async def load(self, on_fatal: Callable[[str], None]) -> None:
-        """Wait for the engine, then load the tokenizer and the plugins for validation."""
+        """Wait for the engine, then load the tokenizer and the plugins for validation.
+
+        Where the model's directory is known without converting anything (a directory, or a
+        GGUF converted on an earlier start), its tokenizer loads while the engine starts
+        (~3 s here, most of it importing transformers), instead of after it."""
+        early = asyncio.create_task(asyncio.to_thread(self._early_tokenizer))
         try:
             info = await self.client.wait_ready()
         except EngineDeadError:
             return  # already reported through the client's on_dead
         try:
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, Path(info.model_dir))
+            preloaded = await early
+            if preloaded is not None and preloaded[0] == Path(info.model_dir):
+                self.tokenizer = preloaded[1]
+            else:
+                self.tokenizer = await asyncio.to_thread(load_tokenizer, Path(info.model_dir))
             self.tokenizer_pool.attach(self.tokenizer)
             plugins = PluginManager(self.config.engine.plugins,
                                     self.config.engine.plugin_options)
