@@ -126,7 +126,7 @@ class Serving:
             return None
         try:
             return model_dir, load_tokenizer(model_dir)
-        except FreeTokenError:
+        except Exception:  # noqa: BLE001 - the load after the engine's reports any error
             return None
 
     async def load(self, on_fatal: Callable[[str], None]) -> None:
