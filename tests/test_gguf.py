@@ -470,3 +470,19 @@ def test_a_conversion_s_tokenizer_loads_directly_as_what_autotokenizer_gives(
     shutil.copytree(model_dir, elsewhere, ignore=shutil.ignore_patterns("*.safetensors"))
     assert not _is_generic_conversion(elsewhere)
     assert load_tokenizer(elsewhere).encode(TEXTS[0]) == auto.encode(TEXTS[0])
+
+
+def test_resolved_without_converting_knows_a_directory_and_a_cached_conversion_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the HTTP process loads the tokenizer from while the engine starts: the model
+    directory when knowing it takes no conversion, else None (the engine then says)."""
+    from freetoken_core.models.resolve import resolved_without_converting
+
+    converted_default = resolve_model(None, progress=False)
+    assert resolved_without_converting(None) == converted_default
+    assert resolved_without_converting(str(converted_default)) == converted_default
+    assert resolved_without_converting(tmp_path / "missing") is None
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF")
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "empty-cache"))
+    assert resolved_without_converting(tmp_path / "bad.gguf") is None  # not converted yet
+    assert resolved_without_converting(None) is None
