@@ -181,7 +181,7 @@ void rows_q8(const QuantRows& x, int64_t r0, const uint8_t* blocks, int64_t row_
   int64_t n = n0;
   if constexpr (F > 1) prefetch_range(blocks + n0 * row_bytes, kPrefetchBytes);
   const int8_t* qx_rows = x.q.data() + r0 * x.k;
-  const double* dxs_rows = reinterpret_cast<const double*>(x.ds.data()) + r0 * nb;
+  const float* dxs_rows = x.ds.data() + r0 * nb * 2;
   for (; n + F <= n1; n += F) {
     const uint8_t* row = blocks + n * row_bytes;
     __m256 acc[R][F];
@@ -202,9 +202,10 @@ void rows_q8(const QuantRows& x, int64_t r0, const uint8_t* blocks, int64_t row_
       for (int r = 0; r < R; ++r) {
         const __m256i qx = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(qx_rows + r * x.k + b * kBlock));
-        // (d_f * dx, m_f * xs) for every feature f
-        const __m256 scaled =
-            _mm256_mul_ps(dm, _mm256_castpd_ps(_mm256_broadcast_sd(dxs_rows + r * nb + b)));
+        // (d_f * dx, m_f * xs) for every feature f: the row's (dx, xs) pair in every two lanes
+        double pair;
+        std::memcpy(&pair, dxs_rows + (r * nb + b) * 2, sizeof pair);
+        const __m256 scaled = _mm256_mul_ps(dm, _mm256_castpd_ps(_mm256_set1_pd(pair)));
         if constexpr (QT == kQ4_1) mt[r] = _mm256_add_ps(mt[r], scaled);
         __m256 ds[F];
         broadcast_even_lanes<F>(scaled, ds);
