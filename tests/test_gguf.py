@@ -422,6 +422,8 @@ def test_header_reader_handles_every_value_type_and_the_alignment(tmp_path: Path
     writer.add_int64("a.i64", -7)
     writer.add_key_value("a.u8", 200, GGUFValueType.UINT8)
     writer.add_tensor("f32", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.add_tensor("i32", np.arange(6, dtype=np.int32).reshape(2, 3))
+    writer.add_tensor("f16", np.ones((2, 5), dtype=np.float16))
     blocks = quants.quantize(np.linspace(-1, 1, 64 * 2, dtype=np.float32).reshape(2, 64),
                              GGMLQuantizationType.Q4_1)
     writer.add_tensor("q41", blocks, raw_dtype=GGMLQuantizationType.Q4_1)

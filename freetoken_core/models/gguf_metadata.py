@@ -130,7 +130,11 @@ class HeaderReader:
             alignment = int(self.fields["general.alignment"].parts[0][0])
         start = (pos + alignment - 1) // alignment * alignment
         self.tensors: list[_Tensor] = []
-        items = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+        # the types GGUFReader maps as numbers; the others (quantized, bf16) as bytes
+        items = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+                 GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+                 GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+                 GGMLQuantizationType.I64: np.int64}
         for name, dims, raw_type, offset in infos:
             ggml_type = GGMLQuantizationType(raw_type)
             shape = tuple(int(d) for d in reversed(dims.tolist()))
