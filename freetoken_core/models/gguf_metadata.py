@@ -30,12 +30,6 @@ def open_reader(gguf_path: Path) -> Any:
         ) from exc
 
 
-# GGUF value types (gguf.GGUFValueType) of fixed size, as numpy dtypes of a little-endian file
-_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
-            10: "<u8", 11: "<i8", 12: "<f8"}
-_STRING, _ARRAY = 8, 9
-
-
 @dataclass
 class _Field:
     """The attributes of ``gguf.ReaderField`` that :func:`field` and :func:`token_count` read.
@@ -64,13 +58,16 @@ class HeaderReader:
     """A GGUF file's metadata and tensor table, read the way :class:`gguf.GGUFReader` reads
     them but without materializing array fields: the tokenizer's vocabulary and merges
     (~100,000 strings for SmolLM2) are skipped over, where GGUFReader builds a numpy view of
-    every element (5.7 s of every engine start on the reference machine, against ~0.1 s
-    here). For the block reader (``read_gguf_blocks``), which needs the config fields and the
+    every element (3.7-5.7 s of every engine start on the reference machine, against 0.2 s
+    here). Little-endian files only, as the host (GGUFReader reads the others). For the block reader (``read_gguf_blocks``), which needs the config fields and the
     tensors; the converter, which writes the tokenizer, uses GGUFReader."""
 
     def __init__(self, path: Path) -> None:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+        from gguf.gguf_reader import GGUFReader
         from gguf.quants import quant_shape_to_byte_shape
+
+        scalars = GGUFReader.gguf_scalar_to_np  # fixed-size value types, as numpy types
 
         self.data = np.memmap(path, mode="r")
         buf = memoryview(self.data)
@@ -97,29 +94,28 @@ class HeaderReader:
         self.fields: dict[str, _Field] = {}
         for _ in range(kv_count):
             key = string().decode("utf-8")
-            kind = take("<I")
-            if kind == _STRING:
+            kind = GGUFValueType(take("<I"))
+            if kind == GGUFValueType.STRING:
                 n = take("<Q")
                 part = np.frombuffer(buf, np.uint8, count=n, offset=pos)
                 pos += n
-                self.fields[key] = _Field([GGUFValueType.STRING], [part], [0])
-            elif kind in _SCALARS:
-                part = np.frombuffer(buf, _SCALARS[kind], count=1, offset=pos)
+                self.fields[key] = _Field([kind], [part], [0])
+            elif kind in scalars:
+                part = np.frombuffer(buf, scalars[kind], count=1, offset=pos)
                 pos += part.nbytes
-                self.fields[key] = _Field([GGUFValueType(kind)], [part], [0])
-            elif kind == _ARRAY:
-                item, count = take("<I"), take("<Q")
-                if item == _STRING:
+                self.fields[key] = _Field([kind], [part], [0])
+            elif kind == GGUFValueType.ARRAY:
+                item, count = GGUFValueType(take("<I")), take("<Q")
+                if item == GGUFValueType.STRING:
                     for _ in range(count):
                         pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
-                elif item in _SCALARS:
-                    pos += count * np.dtype(_SCALARS[item]).itemsize
+                elif item in scalars:
+                    pos += count * np.dtype(scalars[item]).itemsize
                 else:
-                    raise _Unsupported(f"array of type {item} in {key}")
-                self.fields[key] = _Field([GGUFValueType.ARRAY, GGUFValueType(item)], [],
-                                          range(count))
+                    raise _Unsupported(f"array of {item.name} in {key}")
+                self.fields[key] = _Field([kind, item], [], range(count))
             else:
-                raise _Unsupported(f"value type {kind} in {key}")
+                raise _Unsupported(f"value type {kind.name} in {key}")
         infos = []
         for _ in range(tensor_count):
             name = string().decode("utf-8")
@@ -152,13 +148,12 @@ class HeaderReader:
 
 def open_header(gguf_path: Path) -> Any:
     """The metadata and tensors of ``gguf_path`` without its array fields' elements
-    (:class:`HeaderReader`); files it does not handle are read with :func:`open_reader`."""
-    if not gguf_path.is_file():
-        raise ModelLoadError(f"GGUF file {gguf_path} does not exist; pass the path of a .gguf file")
+    (:class:`HeaderReader`); files it does not handle, or cannot open, go to
+    :func:`open_reader`, which reads them all or says why it cannot."""
     try:
         return HeaderReader(gguf_path)
-    except (_Unsupported, ValueError, KeyError, IndexError, struct.error):
-        return open_reader(gguf_path)  # reads it all, or says why it cannot
+    except (_Unsupported, OSError, ValueError, KeyError, IndexError, struct.error):
+        return open_reader(gguf_path)
 
 
 def field(reader: Any, key: str, default: Any = None) -> Any:
