@@ -17,7 +17,14 @@ from freetoken_core.engine.sampler import counter_uniform
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models import llama
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
-from freetoken_core.models.layers import add_rms_norm, apply_rope, rms_norm, silu_and_mul
+from freetoken_core.models.layers import (
+    KERNEL_GROUP,
+    add_rms_norm,
+    apply_rope,
+    interleave_blocks,
+    rms_norm,
+    silu_and_mul,
+)
 
 DISABLED = os.environ.get("FREETOKEN_NATIVE_KERNELS", "1").lower() in ("0", "false", "no", "off")
 pytestmark = pytest.mark.skipif(DISABLED, reason="FREETOKEN_NATIVE_KERNELS=0")
@@ -194,6 +201,27 @@ def test_bfloat16_model_is_as_accurate_natively_as_with_torch(
 
 
 @pytest.mark.parametrize("qtype", [3, 8])  # Q4_1, Q8_0
+@pytest.mark.parametrize("n", [1, 3, 4, 9, 70])  # whole groups and every remainder
+def test_interleave_blocks_puts_each_block_where_the_kernels_read_it(qtype: int,
+                                                                     n: int) -> None:
+    """Block b of feature f lies at its group's start (f's group's first feature times the
+    row bytes) + (b * group size + f's place in the group) * block bytes; the last group
+    holds what is left."""
+    size = 20 if qtype == 3 else 34
+    num_blocks = 3
+    rows = torch.randint(0, 256, (n, num_blocks * size), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(n))
+    flat = interleave_blocks(rows, qtype).view(-1)
+    assert flat.numel() == rows.numel()
+    for f in range(n):
+        g0 = f - f % KERNEL_GROUP
+        group = min(KERNEL_GROUP, n - g0)
+        for b in range(num_blocks):
+            at = g0 * num_blocks * size + (b * group + f - g0) * size
+            assert torch.equal(flat[at:at + size], rows[f, b * size:(b + 1) * size]), (f, b)
+
+
+@pytest.mark.parametrize("qtype", [3, 8])  # Q4_1, Q8_0
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 33])  # > 8: passes of at most 8 rows
 @pytest.mark.parametrize(("n", "k"), [(70, 96), (33, 640)])  # 640: chunks of 8, 8, 4 blocks
 def test_gguf_linear_matches_the_dequantized_weights(qtype: int, rows: int, n: int,
@@ -207,7 +235,8 @@ def test_gguf_linear_matches_the_dequantized_weights(qtype: int, rows: int, n: i
     dequantized = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType(qtype)))
     x = torch.randn(rows, k, generator=gen)
     out = torch.empty(rows, n)
-    torch.ops.freetoken.gguf_linear(x, torch.from_numpy(blocks), qtype, out)
+    torch.ops.freetoken.gguf_linear(x, interleave_blocks(torch.from_numpy(blocks), qtype),
+                                    qtype, out)
     torch.testing.assert_close(out, x @ dequantized.T, atol=1e-4, rtol=1e-5)
 
 
@@ -231,9 +260,10 @@ def test_gguf_linear_uses_the_very_weights_gguf_py_dequantizes(qtype: int) -> No
     want = torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType(qtype)))
     assert torch.isfinite(want).all()
     eye = torch.eye(k)
+    kernel_blocks = interleave_blocks(blocks, qtype)
     for rows in (eye[:1], eye[:4], eye):
         out = torch.empty(rows.shape[0], n)
-        torch.ops.freetoken.gguf_linear(rows.contiguous(), blocks, qtype, out)
+        torch.ops.freetoken.gguf_linear(rows.contiguous(), kernel_blocks, qtype, out)
         assert torch.equal(out, want[:, :rows.shape[0]].T), rows.shape[0]
 
 
@@ -249,8 +279,8 @@ def test_gguf_linear_sums_each_row_the_same_way_whatever_the_row_count(op: str,
 
     gen = torch.Generator().manual_seed(qtype)
     n, k = 101, 1344
-    blocks = torch.from_numpy(quants.quantize(torch.randn(n, k, generator=gen).numpy(),
-                                              GGMLQuantizationType(qtype)))
+    blocks = interleave_blocks(torch.from_numpy(quants.quantize(
+        torch.randn(n, k, generator=gen).numpy(), GGMLQuantizationType(qtype))), qtype)
     x = torch.randn(70, k, generator=gen)
     kernel = getattr(torch.ops.freetoken, op)
 
@@ -309,7 +339,8 @@ def test_gguf_linear_q8_computes_llama_cpp_arithmetic(qtype: int, rows: int, n: 
     x = torch.randn(rows, k, generator=gen)
     x[0, :32] = 0  # an all-zero block: scale 0, no division by zero
     out = torch.empty(rows, n)
-    torch.ops.freetoken.gguf_linear_q8(x, torch.from_numpy(blocks), qtype, out)
+    torch.ops.freetoken.gguf_linear_q8(x, interleave_blocks(torch.from_numpy(blocks), qtype),
+                                       qtype, out)
     want = _q8_reference(x, blocks, qtype, n)
     torch.testing.assert_close(out.double(), want, atol=2e-4, rtol=1e-5)
     # and it is the model's product up to the activations' rounding

@@ -30,6 +30,37 @@ USE_GGUF_BLOCKS = True
 ACTIVATIONS_Q8 = 1 << 8
 
 
+# Bytes per block of 32 weights of the GGUF types the native kernels compute from (ggml type
+# ids: Q4_1, Q8_0), and the features per group of their blocks' layout (gguf_blocks.h kGroup).
+_BLOCK_BYTES = {3: 20, 8: 34}
+KERNEL_GROUP = 4
+
+
+def interleave_blocks(rows: torch.Tensor, qtype: int) -> torch.Tensor:
+    """A weight's GGUF blocks in the native kernels' layout (a copy).
+
+    ``rows``: uint8 ``[out, in / 32 * block bytes]``, one row of blocks per output feature,
+    as the file stores them. The result has the same shape and bytes, with the features in
+    groups of ``KERNEL_GROUP`` (the last group what is left) and each group's blocks
+    interleaved by block index: block ``b`` of the group's feature ``i`` at
+    ``(b * group size + i) * block bytes`` from the group's start. The kernels read a group's
+    features side by side, so they read its bytes in address order (gguf_blocks.h).
+    """
+    n, row_bytes = rows.shape
+    block_bytes = _BLOCK_BYTES[qtype]
+    num_blocks = row_bytes // block_bytes
+    out = torch.empty((n, row_bytes), dtype=torch.uint8)
+    full = n - n % KERNEL_GROUP
+    for start, stop in ((0, full), (full, n)):
+        size = min(KERNEL_GROUP, stop - start)
+        if size == 0:
+            continue
+        groups = (stop - start) // size
+        out[start:stop].view(groups, num_blocks, size, block_bytes).copy_(
+            rows[start:stop].reshape(groups, size, num_blocks, block_bytes).transpose(1, 2))
+    return out
+
+
 class Linear:
     """``y = x @ W.T + b`` with the weight laid out for the fastest kernel of the device.
 
@@ -38,14 +69,17 @@ class Linear:
     (``bench/`` has the figures); elsewhere it is ``F.linear``. ``blocks`` (ggml type id,
     uint8 rows) are the same weight as a GGUF file stores it (Q4_1 or Q8_0); where given,
     the native kernel computes from them for any number of rows, each row summed in one
-    order whatever the others (batch-invariant).
+    order whatever the others (batch-invariant); they are kept in the kernels' layout
+    (``interleave_blocks``).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  pack: bool = True, blocks: tuple[int, torch.Tensor] | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.blocks = blocks if USE_GGUF_BLOCKS else None
+        self.blocks = None
+        if blocks is not None and USE_GGUF_BLOCKS:
+            self.blocks = (blocks[0], interleave_blocks(blocks[1], blocks[0]))
         self.packed = False
         if self.blocks is not None:
             # The blocks are the weight: no float32 copy is kept (6.4x the memory for Q4_1).

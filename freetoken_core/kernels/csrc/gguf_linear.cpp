@@ -25,7 +25,8 @@
 // once and runs a register-tiled kernel of kTileRows rows x kTileCols features over it.
 // Without AVX2 a scalar loop computes each row on its own (invariant too).
 //
-// blocks: [N, K / 32 * block_bytes] uint8, each row the blocks of one output feature.
+// blocks: [N, K / 32 * block_bytes] uint8, the blocks of N output features (K / 32 each) in the
+// kernels' layout: groups of four features with their blocks interleaved (gguf_blocks.h).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -154,11 +155,14 @@ constexpr int kVecs = kBlock / kLanes;  // vectors per block
 
 // Rows x[0:R] against F output features at a time from [n0, n1): R x F accumulators in
 // registers, so that R x F independent FMA chains hide the FMA latency even for one row.
-// The F features' rows are read side by side, which the hardware prefetcher does not follow
-// well: each is prefetched kPrefetchBytes or F rows ahead, whichever is further.
+// A pass's F features lie in one group of the blocks' layout (n is a multiple of F, which
+// divides kGroup), so their blocks are read in address order; each is prefetched
+// kPrefetchBytes or F rows ahead, whichever is further.
 template <int64_t QT, int R, int F>
-void rows_direct(const float* x, int64_t x_stride, const uint8_t* blocks, int64_t row_bytes,
-                 int64_t num_blocks, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+void rows_direct(const float* x, int64_t x_stride, const uint8_t* blocks, int64_t features,
+                 int64_t row_bytes, int64_t num_blocks, float* out, int64_t out_stride,
+                 int64_t n0, int64_t n1) {
+  static_assert(kGroup % F == 0, "a pass's features must lie in one group");
   int64_t n = n0;
   // At least the next pass's features: with long rows (down_proj's 960 bytes) a fixed
   // distance would reach only part of them (one row, the 30 layers' down_proj on two
@@ -166,13 +170,13 @@ void rows_direct(const float* x, int64_t x_stride, const uint8_t* blocks, int64_
   const int64_t ahead = std::max<int64_t>(kPrefetchBytes, F * row_bytes);
   if constexpr (F > 1) prefetch_range(blocks + n0 * row_bytes, kPrefetchBytes);
   for (; n + F <= n1; n += F) {
-    const uint8_t* row = blocks + n * row_bytes;
+    const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, block_bytes(QT), n);
     vf acc[R][F];
     for (int r = 0; r < R; ++r)
       for (int f = 0; f < F; ++f) acc[r][f] = vzero();
     for (int64_t b = 0; b < num_blocks; ++b) {
       for (int f = 0; f < F; ++f) {
-        const uint8_t* block = row + f * row_bytes + b * block_bytes(QT);
+        const uint8_t* block = fb.first + b * fb.stride + f * block_bytes(QT);
         _mm_prefetch(reinterpret_cast<const char*>(block + ahead), _MM_HINT_T0);
         vf w[kVecs];
         dequant<QT>(block, w);
@@ -188,22 +192,23 @@ void rows_direct(const float* x, int64_t x_stride, const uint8_t* blocks, int64_
   }
   if constexpr (F > 1) {
     if (n < n1)
-      rows_direct<QT, R, 1>(x, x_stride, blocks, row_bytes, num_blocks, out, out_stride, n, n1);
+      rows_direct<QT, R, 1>(x, x_stride, blocks, features, row_bytes, num_blocks, out,
+                            out_stride, n, n1);
   }
 }
 
 // The float32 weights of features [n0, n0 + count) into panel [count, K], each block as
 // dequant makes it (the same values the direct path uses).
 template <int64_t QT>
-void dequant_panel(const uint8_t* blocks, int64_t row_bytes, int64_t num_blocks, int64_t n0,
-                   int64_t count, float* panel) {
+void dequant_panel(const uint8_t* blocks, int64_t features, int64_t row_bytes,
+                   int64_t num_blocks, int64_t n0, int64_t count, float* panel) {
   const int64_t k = num_blocks * kBlock;
   for (int64_t f = 0; f < count; ++f) {
-    const uint8_t* row = blocks + (n0 + f) * row_bytes;
+    const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, block_bytes(QT), n0 + f);
     float* dst = panel + f * k;
     for (int64_t b = 0; b < num_blocks; ++b) {
       vf w[kVecs];
-      dequant<QT>(row + b * block_bytes(QT), w);
+      dequant<QT>(fb.first + b * fb.stride, w);
       for (int j = 0; j < kVecs; ++j) vstore(dst + b * kBlock + j * kLanes, w[j]);
     }
   }
@@ -271,14 +276,15 @@ inline void tile_rows(const float* x, int64_t x_stride, const float* w, int64_t 
 
 // Rows [0, rows) against features [n0, n1), kPanel features at a time through `panel`.
 template <int64_t QT>
-void panels(const float* x, int64_t rows, const uint8_t* blocks, int64_t row_bytes,
-            int64_t num_blocks, float* out, int64_t out_stride, int64_t n0, int64_t n1,
-            float* panel) {
+void panels(const float* x, int64_t rows, const uint8_t* blocks, int64_t features,
+            int64_t row_bytes, int64_t num_blocks, float* out, int64_t out_stride, int64_t n0,
+            int64_t n1, float* panel) {
   const int64_t k = num_blocks * kBlock;
   for (int64_t p0 = n0; p0 < n1; p0 += kPanel) {
     const int64_t count = std::min(kPanel, n1 - p0);
-    dequant_panel<QT>(blocks, row_bytes, num_blocks, p0, count, panel);
-    // The next panel's blocks into L2 while the tiles work on this one.
+    dequant_panel<QT>(blocks, features, row_bytes, num_blocks, p0, count, panel);
+    // The next panel's blocks into L2 while the tiles work on this one (whole groups: they
+    // span the same bytes as the panel's rows did in the file's layout).
     if (p0 + kPanel < n1)
       prefetch_range<_MM_HINT_T1>(blocks + (p0 + kPanel) * row_bytes,
                                   std::min(kPanel, n1 - p0 - kPanel) * row_bytes);
@@ -298,13 +304,14 @@ void panels(const float* x, int64_t rows, const uint8_t* blocks, int64_t row_byt
 
 template <int64_t QT>
 void rows_scalar(const float* x, int64_t x_stride, int64_t rows, const uint8_t* blocks,
-                 int64_t row_bytes, int64_t num_blocks, float* out, int64_t out_stride,
-                 int64_t n0, int64_t n1) {
+                 int64_t features, int64_t row_bytes, int64_t num_blocks, float* out,
+                 int64_t out_stride, int64_t n0, int64_t n1) {
   float w[kBlock];
   for (int64_t n = n0; n < n1; ++n) {
+    const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, block_bytes(QT), n);
     for (int64_t r = 0; r < rows; ++r) out[r * out_stride + n] = 0.f;
     for (int64_t b = 0; b < num_blocks; ++b) {
-      dequant_scalar<QT>(blocks + n * row_bytes + b * block_bytes(QT), w);
+      dequant_scalar<QT>(fb.first + b * fb.stride, w);
       for (int64_t r = 0; r < rows; ++r) {
         const float* xb = x + r * x_stride + b * kBlock;
         float s = 0.f;
@@ -337,7 +344,7 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor&
     freetoken::guided_for(num_panels, 1, 1, [&](int64_t p0, int64_t p1) {
       thread_local std::vector<float> panel;
       panel.resize(std::max<size_t>(panel.size(), kPanel * k));
-      panels<QT>(xp, rows, bp, row_bytes, num_blocks, op, n, p0 * kPanel,
+      panels<QT>(xp, rows, bp, n, row_bytes, num_blocks, op, n, p0 * kPanel,
                  std::min(n, p1 * kPanel), panel.data());
     });
     return;
@@ -350,15 +357,15 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor&
   // The features in shrinking pieces of whole passes, as the panels.
   freetoken::guided_for(n, 32, 8, [&](int64_t n0, int64_t n1) {
     switch (rows) {
-      case 1: rows_direct<QT, 1, 4>(xp, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
-      case 2: rows_direct<QT, 2, 4>(xp, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
-      case 3: rows_direct<QT, 3, 2>(xp, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
-      default: rows_direct<QT, 4, 2>(xp, k, bp, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 1: rows_direct<QT, 1, 4>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 2: rows_direct<QT, 2, 4>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 3: rows_direct<QT, 3, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
+      default: rows_direct<QT, 4, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
     }
   });
 #else
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
-    rows_scalar<QT>(xp, k, rows, bp, row_bytes, num_blocks, op, n, n0, n1);
+    rows_scalar<QT>(xp, k, rows, bp, n, row_bytes, num_blocks, op, n, n0, n1);
   });
 #endif
 }
