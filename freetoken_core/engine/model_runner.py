@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from freetoken_core import hugepages
 from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from freetoken_core.engine.scheduler import ScheduledBatch
@@ -72,8 +73,12 @@ class ModelRunner:
         # zeros, not empty: padded decode rows read stale slots under a mask, and NaN
         # garbage would poison the masked softmax.
         # [layer, slot, key/value, kv head, head dim]: a slot's key and value are adjacent.
-        self.kv_caches = torch.zeros(cfg.num_layers, num_slots, 2, cfg.num_kv_heads,
-                                     cfg.head_dim, dtype=dtype, device=device)
+        shape = (cfg.num_layers, num_slots, 2, cfg.num_kv_heads, cfg.head_dim)
+        if device.type == "cpu":
+            # In huge pages: attention reads each sequence's cache blocks wherever they lie.
+            self.kv_caches = hugepages.zeros(shape, dtype)
+        else:
+            self.kv_caches = torch.zeros(shape, dtype=dtype, device=device)
         self.sampler = Sampler(pipeline)
 
     @torch.inference_mode()

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from freetoken_core import hugepages
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
@@ -151,7 +152,29 @@ class LlamaForCausalLM:
         leftover = [k for k in weights if "rotary_emb" not in k]
         if leftover:
             raise ValueError(f"unused weights in checkpoint: {leftover[:5]}")
+        self.pack_blocks()
         self.set_all_layers_args()
+
+    def pack_blocks(self) -> None:
+        """Every linear's GGUF blocks moved into one buffer in huge pages (``hugepages``):
+        a decode step reads all of them, and in 4 KiB pages each page was a TLB miss."""
+        linears = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
+        linears = [lin for lin in linears if lin.blocks is not None]
+        if not linears:
+            return
+        align = 64  # each linear's blocks start on a cache line
+        sizes = [(lin.blocks[1].numel() + align - 1) // align * align for lin in linears]
+        arena = hugepages.zeros((sum(sizes),), torch.uint8)
+        offset = 0
+        for lin, size in zip(linears, sizes):
+            qtype, blocks = lin.blocks
+            packed = arena[offset:offset + blocks.numel()].view(blocks.shape)
+            packed.copy_(blocks)
+            lin.blocks = (qtype, packed)
+            offset += size
+        for layer in self.layers:
+            if layer.one_call is not None:
+                layer.set_one_call_blocks()
 
     def set_all_layers_args(self) -> None:
         """llama_layers' per-layer arguments (norms, linears' blocks and type ids) and

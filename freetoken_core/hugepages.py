@@ -1,0 +1,50 @@
+"""CPU tensors in transparent huge pages (2 MiB), for the memory every decode step streams.
+
+A decode step of the default model reads all ~96 MB of its weight blocks, and at 16
+sequences of ~100 tokens ~70 MB of KV cache spread over their cache blocks. In 4 KiB pages
+that is tens of thousands of pages a step, each one a TLB miss and a page walk that the
+kernels wait on; in 2 MiB pages it is a few dozen. Measured on the 2-core reference (paired
+in one process): the 30 layers' linears at one row 7.68 -> 7.32 ms and the tied head 1.91
+-> 1.56 ms with the blocks in huge pages; decode attention over 16 sequences 10.9 -> 9.9 ms
+(contexts ~100) and 37.9 -> 35.3 ms (~400) with the KV cache in them.
+
+The memory is anonymous and private, aligned to 2 MiB and advised ``MADV_HUGEPAGE`` before
+it is first touched, which the kernel backs with huge pages where
+``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise`` (the default of
+most distributions), and with 4 KiB pages otherwise: nothing fails either way. Pages are
+zero until written and are allocated as they are first touched, so a KV cache that a run
+never fills is not all resident. ``FREETOKEN_HUGE_PAGES=0`` turns it off (plain
+``torch.zeros``); so does a platform without ``madvise`` or below one huge page of size.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+
+import numpy as np
+import torch
+
+HUGE_PAGE = 2 << 20
+_ENV = "FREETOKEN_HUGE_PAGES"
+
+
+def enabled() -> bool:
+    """Whether ``zeros`` maps huge pages here (``FREETOKEN_HUGE_PAGES`` not ``0``, and the
+    platform has ``madvise(MADV_HUGEPAGE)``)."""
+    return os.environ.get(_ENV, "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous zero CPU tensor of ``shape`` and ``dtype`` in memory advised for huge
+    pages (``torch.zeros`` where that is off or the tensor is smaller than one huge page).
+    The tensor keeps its mapping alive; the mapping goes when the last view of it does."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE or not enabled():
+        return torch.zeros(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    raw = np.frombuffer(mapping, dtype=np.uint8)  # holds the mapping open
+    start = -raw.ctypes.data % HUGE_PAGE
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)

@@ -1,0 +1,70 @@
+"""freetoken_core.hugepages: zero tensors in memory advised for transparent huge pages."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken_core import hugepages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _huge_kib_at(address: int) -> int | None:
+    """AnonHugePages (KiB) of the mapping of this process that holds ``address``."""
+    current = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        span = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if span:
+            start, end = (int(x, 16) for x in span.groups())
+            current = start <= address < end
+        elif current and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_zeros_is_a_writable_zero_tensor_of_the_shape(dtype: torch.dtype) -> None:
+    shape = (3, 1 << 19, 2)  # 3 MiB and more: one huge page at least
+    t = hugepages.zeros(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    assert not t.any()
+    t[1, 7, 1] = 5
+    assert t.sum().item() == 5
+    if hugepages.enabled():
+        assert t.data_ptr() % hugepages.HUGE_PAGE == 0
+
+
+def test_small_tensors_and_the_switch_give_plain_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    small = hugepages.zeros((16, 16), torch.float32)
+    assert small.shape == (16, 16) and not small.any()
+    monkeypatch.setenv("FREETOKEN_HUGE_PAGES", "0")
+    assert not hugepages.enabled()
+    big = hugepages.zeros((1 << 20,), torch.float32)
+    assert big.shape == (1 << 20,) and not big.any()
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
+                    reason="no transparent huge pages on this host")
+def test_the_kernel_backs_the_tensor_with_huge_pages() -> None:
+    t = hugepages.zeros((8 << 20,), torch.uint8)  # 8 MiB
+    t.fill_(1)  # first touch: the faults map huge pages
+    assert _huge_kib_at(t.data_ptr()) >= 2048
+
+
+def test_the_model_keeps_its_blocks_and_kv_cache_in_huge_page_memory() -> None:
+    from freetoken_core import LLM
+
+    llm = LLM(None, progress=False, kv_cache_tokens=4096)
+    runner = llm.engine.core.runner
+    model = runner.model
+    blocks = [lin.blocks[1] for layer in model.layers for lin in layer.linears]
+    blocks.append(model.lm_head.blocks[1])
+    # one buffer: every linear's blocks inside the first one's huge-page-aligned arena
+    base = min(b.data_ptr() for b in blocks)
+    assert base % hugepages.HUGE_PAGE == 0
+    assert len({b.untyped_storage().data_ptr() for b in blocks}) == 1
+    assert runner.kv_caches.data_ptr() % hugepages.HUGE_PAGE == 0
