@@ -6,7 +6,8 @@ that is tens of thousands of pages a step, each one a TLB miss and a page walk t
 kernels wait on; in 2 MiB pages it is a few dozen. Measured on the 2-core reference (paired
 in one process): the 30 layers' linears at one row 7.68 -> 7.32 ms and the tied head 1.91
 -> 1.56 ms with the blocks in huge pages; decode attention over 16 sequences 10.9 -> 9.9 ms
-(contexts ~100) and 37.9 -> 35.3 ms (~400) with the KV cache in them.
+(contexts ~100) and 37.9 -> 35.3 ms (~400) with the KV cache in them. Whole decode steps
+moved by ~1 %, inside this VM's noise.
 
 The memory is anonymous and private, aligned to 2 MiB and advised ``MADV_HUGEPAGE`` before
 it is first touched, which the kernel backs with huge pages where

@@ -32,7 +32,9 @@ constexpr int64_t block_bytes(int64_t qt) { return qt == kQ4_1 ? 20 : 34; }
 // address order, one stream. On the Zen 3 reference, exact kernel, one row, two threads,
 // paired in one process (two runs; the same results bit for bit): the 49,152 x 576 Q8_0
 // head 2.7 -> 1.7 and 4.7 -> 2.5 ms, the 30 layers' Q4_1 linears 9.2 -> 7.9 and 12.1 -> 11.5
-// ms; at 16 and 64 rows (the panels) the same within the noise.
+// ms; at 16 and 64 rows (the panels) the same within the noise. Whole decode steps, paired
+// against the previous layout and kernels in one process: one sequence 12.1 -> 9.7 ms, 16
+// sequences 4-9 % slower (the panels' tile loop; docs/operations.md).
 constexpr int64_t kGroup = 4;
 
 // Feature f's blocks in the kernels' layout: block b at first + b * stride; feature f + 1 of
