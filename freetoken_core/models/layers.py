@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.gguf import GGUF_BLOCK_TYPES
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -30,9 +31,7 @@ USE_GGUF_BLOCKS = True
 ACTIVATIONS_Q8 = 1 << 8
 
 
-# Bytes per block of 32 weights of the GGUF types the native kernels compute from (ggml type
-# ids: Q4_1, Q8_0), and the features per group of their blocks' layout (gguf_blocks.h kGroup).
-_BLOCK_BYTES = {3: 20, 8: 34}
+# Features per group of the native kernels' block layout (gguf_blocks.h kGroup).
 KERNEL_GROUP = 4
 
 
@@ -47,7 +46,7 @@ def interleave_blocks(rows: torch.Tensor, qtype: int) -> torch.Tensor:
     features side by side, so they read its bytes in address order (gguf_blocks.h).
     """
     n, row_bytes = rows.shape
-    block_bytes = _BLOCK_BYTES[qtype]
+    block_bytes = GGUF_BLOCK_TYPES[qtype]
     num_blocks = row_bytes // block_bytes
     out = torch.empty((n, row_bytes), dtype=torch.uint8)
     full = n - n % KERNEL_GROUP
