@@ -15,6 +15,9 @@ pytestmark = pytest.mark.skipif(
 
 # Three logits-sized tensors alive at once, written and freed, as a 64-sequence step does
 # with its logits and the sampler's temporaries; prints the page faults of 20 such steps.
+# The warm-up is ten steps: freed chunks coalesce so that the third tensor alternates between
+# two places, one of them first reached by growing the heap (one 3,072-page fault, once) as
+# late as the fourth step in some runs.
 STEPS = """
 import resource, sys, torch
 from freetoken_core.engine.memory import keep_freed_memory
@@ -23,7 +26,7 @@ def step():
     ts = [torch.empty(64, 49152) for _ in range(3)]
     for t in ts:
         t.fill_(1.0)
-for _ in range(3):
+for _ in range(10):
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(20):
