@@ -424,3 +424,46 @@ def test_sample_rows_flags_rows_without_a_finite_maximum() -> None:
     logits[3, 42] = float("nan")  # in the scalar tail, past the vector loop
     _, finite = native_draw(logits, [1.0, 1.0, 0.7, 0.0, 1.0], [3] * 5)
     assert finite == [False, False, False, False, True]
+
+
+def test_llama_layers_team_reports_a_failing_kernel_and_runs_again() -> None:
+    """``llama_layers`` keeps its threads in one team for the whole step (parallel.h): a
+    kernel that fails inside it (here write_kv, given a slot past the cache) fails the call
+    with that kernel's message on every thread count, instead of leaving the other members
+    waiting at a barrier, and the next call runs normally and matches the per-block path."""
+    llm = LLM(None, dtype="float32", kv_cache_tokens=256, progress=False)
+    runner = llm.engine.core.runner
+    model = runner.model
+    assert model.all_layers_args is not None
+    caches = runner.kv_caches
+    n = 3
+    ids = torch.tensor([1, 2, 3])
+    positions = torch.arange(n)
+    cos, sin = model.rotary.tables(positions)
+    tables = torch.zeros(n, 1, dtype=torch.int32)
+    lens = positions.to(torch.int32) + 1
+    block_size = runner.block_size
+
+    def call(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.nn.functional.embedding(ids, model.embed_tokens)
+        return torch.ops.freetoken.llama_layers(
+            x, *model.all_layers_args, cos, sin, caches, slots, tables, lens, block_size,
+            *model.all_layers_shape)
+
+    threads = torch.get_num_threads()
+    try:
+        for t in sorted({1, 2, threads}):
+            torch.set_num_threads(t)
+            with pytest.raises(RuntimeError, match="slot out of range"):
+                call(torch.tensor([0, 1, caches.shape[1]]))
+            got, residual = call(torch.arange(n))
+            x = torch.nn.functional.embedding(ids, model.embed_tokens)
+            want, want_residual = None, None
+            for layer, cache in zip(model.layers, caches):
+                want, want_residual = torch.ops.freetoken.llama_layer(
+                    x if want is None else want, want_residual, layer.input_norm,
+                    layer.post_attn_norm, layer.eps, *layer.one_call, cos, sin, cache,
+                    torch.arange(n), tables, lens, block_size, *model.all_layers_shape)
+            assert torch.equal(got, want) and torch.equal(residual, want_residual)
+    finally:
+        torch.set_num_threads(threads)

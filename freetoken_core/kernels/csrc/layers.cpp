@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "ops.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace {
@@ -22,7 +23,8 @@ inline float f32(float x) { return x; }
 inline float f32(c10::BFloat16 x) { return static_cast<float>(x); }
 template <typename T> inline T cast(float x) { return static_cast<T>(x); }
 
-// Rows per parallel task: small batches (decoding) stay on the calling thread.
+// Rows per parallel task: small batches (decoding) stay on the calling thread (in a team,
+// parallel_rows gives each member an equal share instead).
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / row_elems); }
 
 // Hugging Face's LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)).to(dtype).
@@ -53,7 +55,7 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, do
   const int64_t rows = x.size(0), n = x.size(1);
   const T *xp = x.data_ptr<T>(), *wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
+  freetoken::parallel_rows(rows, grain(n), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) norm_row(xp + r * n, wp, op + r * n, n, static_cast<float>(eps));
   });
 }
@@ -64,7 +66,7 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
   const int64_t rows = x.size(0), n = x.size(1);
   T *xp = x.data_ptr<T>(), *rp = residual.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
-  at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
+  freetoken::parallel_rows(rows, grain(n), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       T *xr = xp + r * n, *rr = rp + r * n;
       for (int64_t i = 0; i < n; ++i) rr[i] = cast<T>(f32(xr[i]) + f32(rr[i]));
@@ -79,7 +81,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const int64_t rows = x.size(0), d = x.size(1) / 2;
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, grain(d), [&](int64_t b, int64_t e) {
+  freetoken::parallel_rows(rows, grain(d), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const T *gate = xp + r * 2 * d, *up = gate + d;
       T* o = op + r * d;
@@ -111,7 +113,7 @@ void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t stride = x.stride(0);
   T* xp = x.data_ptr<T>();
   const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
-  at::parallel_for(0, tokens, grain(heads * hd), [&](int64_t b, int64_t e) {
+  freetoken::parallel_rows(tokens, grain(heads * hd), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const T *c = cp + t * hd, *s = sp + t * hd;
       for (int64_t h = 0; h < heads; ++h) {

@@ -15,19 +15,19 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "ops.h"
+#include "parallel.h"
 
 namespace {
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
-  at::Tensor out = at::empty({x.size(0), blocks.size(0)}, x.options());
+void linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, const at::Tensor& out) {
   if (qtype & freetoken::kActivationsQ8) {
     freetoken::gguf_linear_q8(x, blocks, qtype & ~freetoken::kActivationsQ8, out);
   } else {
     freetoken::gguf_linear(x, blocks, qtype, out);
   }
-  return out;
 }
 
 // Each token's key and value into its cache slot. A row of the fused projection is
@@ -48,10 +48,63 @@ void write_kv(const at::Tensor& qkv_out, int64_t k_offset, at::Tensor& kv_cache,
   const char* src = static_cast<const char*>(qkv_out.data_ptr()) +
                     k_offset * qkv_out.element_size();
   char* dst = static_cast<char*>(kv_cache.data_ptr());
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(0 <= slots[i] && slots[i] < num_slots, "llama_layer: slot out of range");
-    std::memcpy(dst + slots[i] * bytes, src + i * row * qkv_out.element_size(), bytes);
+  freetoken::parallel_rows(n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      std::memcpy(dst + slots[i] * bytes, src + i * row * qkv_out.element_size(), bytes);
+  });
+}
+
+// The activations of a step's blocks, allocated once and reused by every block.
+struct Scratch {
+  at::Tensor x, qkv, attn, y, gate_up, act;
+};
+
+Scratch scratch(const at::Tensor& x, const at::Tensor& qkv, const at::Tensor& gate_up,
+                int64_t num_heads, int64_t head_dim) {
+  const int64_t n = x.size(0);
+  const auto options = x.options();
+  return {at::empty_like(x), at::empty({n, qkv.size(0)}, options),
+          at::empty({n, num_heads, head_dim}, options), at::empty_like(x),
+          at::empty({n, gate_up.size(0)}, options),
+          at::empty({n, gate_up.size(0) / 2}, options)};
+}
+
+// One block on the scratch tensors: `residual` (updated in place) carries the hidden state
+// and s.x the previous block's output, or, with `first`, residual holds the embeddings and
+// s.x is ignored. Leaves the block's output in s.x.
+void block(bool first, at::Tensor& residual, Scratch& s, const at::Tensor& input_norm,
+           const at::Tensor& post_norm, double eps, const at::Tensor& qkv, int64_t qkv_type,
+           const at::Tensor& o, int64_t o_type, const at::Tensor& gate_up, int64_t gate_up_type,
+           const at::Tensor& down, int64_t down_type, const at::Tensor& cos,
+           const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
+           const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+           double scale, int64_t h, int64_t kvh, int64_t d) {
+  const int64_t n = residual.size(0);
+  if (first) {
+    freetoken::rms_norm(s.x, residual, input_norm, eps);
+  } else {
+    freetoken::fused_add_rms_norm(s.x, residual, input_norm, eps);
   }
+  linear(s.x, qkv, qkv_type, s.qkv);
+  // Queries and keys rotated together, in place, then keys and values side by side into
+  // their cache slots.
+  const at::Tensor qk = s.qkv.narrow(1, 0, (h + kvh) * d).view({n, h + kvh, d});
+  freetoken::rotary_embedding(qk, cos, sin);
+  write_kv(s.qkv, h * d, kv_cache, slot_mapping);
+  freetoken::paged_decode_attention(qk.narrow(1, 0, h), kv_cache, block_tables, context_lens,
+                                    block_size, scale, s.attn);
+  linear(s.attn.view({n, h * d}), o, o_type, s.y);
+  freetoken::fused_add_rms_norm(s.y, residual, post_norm, eps);
+  linear(s.y, gate_up, gate_up_type, s.gate_up);
+  freetoken::silu_and_mul(s.act, s.gate_up);
+  linear(s.act, down, down_type, s.x);
+}
+
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "llama_layer: x must be a contiguous float32 [T, hidden] tensor");
 }
 
 std::tuple<at::Tensor, at::Tensor> llama_layer(
@@ -62,39 +115,22 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
     at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& context_lens, int64_t block_size, double scale, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim) {
-  const int64_t n = x.size(0), h = num_heads, kvh = num_kv_heads, d = head_dim;
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-              "llama_layer: x must be a contiguous float32 [T, hidden] tensor");
-  at::Tensor residual;
-  if (residual_in.has_value()) {
-    residual = *residual_in;
-    freetoken::fused_add_rms_norm(x, residual, input_norm, eps);
-  } else {  // the first block: its input is the embeddings, and the residual stream
-    residual = x;
-    x = at::empty_like(residual);
-    freetoken::rms_norm(x, residual, input_norm, eps);
-  }
-  const at::Tensor qkv_out = linear(x, qkv, qkv_type);
-  // Queries and keys rotated together, in place, then keys and values side by side into
-  // their cache slots.
-  const at::Tensor qk = qkv_out.narrow(1, 0, (h + kvh) * d).view({n, h + kvh, d});
-  freetoken::rotary_embedding(qk, cos, sin);
-  write_kv(qkv_out, h * d, kv_cache, slot_mapping);
-  at::Tensor attn = at::empty({n, h, d}, x.options());
-  freetoken::paged_decode_attention(qk.narrow(1, 0, h), kv_cache, block_tables, context_lens,
-                                    block_size, scale, attn);
-  at::Tensor y = linear(attn.view({n, h * d}), o, o_type);
-  freetoken::fused_add_rms_norm(y, residual, post_norm, eps);
-  const at::Tensor gu = linear(y, gate_up, gate_up_type);
-  at::Tensor act = at::empty({n, gu.size(1) / 2}, x.options());
-  freetoken::silu_and_mul(act, gu);
-  return {linear(act, down, down_type), residual};
+  check_x(x);
+  // The first block: its input is the embeddings, and the residual stream.
+  at::Tensor residual = residual_in.has_value() ? *residual_in : x;
+  Scratch s = scratch(x, qkv, gate_up, num_heads, head_dim);
+  if (residual_in.has_value()) s.x = x;  // normed in place, as the Python path does
+  block(!residual_in.has_value(), residual, s, input_norm, post_norm, eps, qkv, qkv_type, o,
+        o_type, gate_up, gate_up_type, down, down_type, cos, sin, kv_cache, slot_mapping,
+        block_tables, context_lens, block_size, scale, num_heads, num_kv_heads, head_dim);
+  return {s.x, residual};
 }
 
 // Every block of a decode step in one call: llama_layer for each, the cache of layer l being
 // kv_caches[l], the linears' blocks and type ids flat, four per layer (qkv, o, gate_up,
-// down). The same calls as the Python loop over the blocks makes, without its ~15 us of
-// dispatch per block on the main thread (while the other threads wait).
+// down). The same kernels on the same tensors as the Python loop over the blocks, run by one
+// team of threads (parallel.h) from the first block to the last: each kernel ends at a
+// barrier instead of opening and closing a parallel region of its own (~270 of them a step).
 std::tuple<at::Tensor, at::Tensor> llama_layers(
     at::Tensor x, at::TensorList input_norms, at::TensorList post_norms, double eps,
     at::TensorList linears, at::IntArrayRef linear_types, const at::Tensor& cos,
@@ -107,18 +143,25 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
               static_cast<int64_t>(linear_types.size()) == 4 * layers &&
               kv_caches.size(0) == layers,
               "llama_layers: one input norm, post norm, cache and four linears per layer");
-  std::optional<at::Tensor> residual;
-  for (int64_t l = 0; l < layers; ++l) {
-    const int64_t i = 4 * l;
-    auto [y, r] = llama_layer(
-        x, residual, input_norms[l], post_norms[l], eps, linears[i], linear_types[i],
-        linears[i + 1], linear_types[i + 1], linears[i + 2], linear_types[i + 2], linears[i + 3],
-        linear_types[i + 3], cos, sin, kv_caches.select(0, l), slot_mapping, block_tables,
-        context_lens, block_size, scale, num_heads, num_kv_heads, head_dim);
-    x = y;
-    residual = r;
-  }
-  return {x, *residual};
+  check_x(x);
+  for (int64_t i = 4; i < 4 * layers; ++i)
+    TORCH_CHECK(linears[i].size(0) == linears[i % 4].size(0),
+                "llama_layers: every layer's linears must have the first layer's outputs");
+  at::Tensor residual = x;
+  Scratch s = scratch(x, linears[0], linears[2], num_heads, head_dim);
+  std::vector<at::Tensor> caches;
+  for (int64_t l = 0; l < layers; ++l) caches.push_back(kv_caches.select(0, l));
+  freetoken::run_team([&] {
+    for (int64_t l = 0; l < layers; ++l) {
+      const int64_t i = 4 * l;
+      block(l == 0, residual, s, input_norms[l], post_norms[l], eps, linears[i],
+            linear_types[i], linears[i + 1], linear_types[i + 1], linears[i + 2],
+            linear_types[i + 2], linears[i + 3], linear_types[i + 3], cos, sin, caches[l],
+            slot_mapping, block_tables, context_lens, block_size, scale, num_heads,
+            num_kv_heads, head_dim);
+    }
+  });
+  return {s.x, residual};
 }
 
 }  // namespace

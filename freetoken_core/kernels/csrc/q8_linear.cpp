@@ -102,11 +102,18 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, QuantRows& out) {
   out.nb = k / kBlock;
   out.q.resize(rows * k);
   out.ds.resize(rows * out.nb * 2);
-  at::parallel_for(0, rows * out.nb, 256, [&](int64_t b0, int64_t b1) {
+  auto quantize = [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       quantize_block(x + b * kBlock, out.q.data() + b * kBlock, &out.ds[2 * b],
                      &out.ds[2 * b + 1]);
-  });
+  };
+  // In a team every member quantizes all rows into its own copy (`out` is thread-local):
+  // rows x K values, a few microseconds, instead of a barrier and a shared buffer.
+  if (freetoken::in_team()) {
+    quantize(0, rows * out.nb);
+  } else {
+    at::parallel_for(0, rows * out.nb, 256, quantize);
+  }
 }
 
 #ifdef FREETOKEN_AVX2
@@ -317,7 +324,8 @@ void gguf_linear_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype
               out.size(1) == blocks.size(0), "gguf_linear_q8: out must be float32 [M, N]");
   const int64_t rows = x.size(0), n = blocks.size(0);
   if (rows == 0) return;
-  // Reused across calls (one thread calls the kernels; 120 linears a decode step).
+  // Reused across calls (120 linears a decode step); one per thread, as a team's members each
+  // quantize the rows for themselves.
   thread_local QuantRows q;
   quantize_rows(x.data_ptr<float>(), rows, x.size(1), q);
   if (qtype == kQ4_1) {
