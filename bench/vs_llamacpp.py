@@ -37,7 +37,11 @@ N concurrent clients, each sending ``--rounds`` requests back to back. After a w
 * TTFT: request start to the first chunk with text; ITL: the gaps between successive chunks
   with text. Both servers hold back the text of a token that ends inside a UTF-8 character
   and send no chunk for it, so a chunk can carry several tokens (a gap then spans them);
-  ``text_chunks`` next to ``tokens`` in ``--json`` and a note under the table say how often.
+  ``text_chunks`` next to ``tokens`` in ``--json`` and a note under the table say how often;
+* FreeToken's engine decode step in the same runs: the growth of its /metrics
+  ``freetoken_engine_decode_step_seconds`` sum over its count while that client count ran
+  (a note under the table sets the ITL p50 against it: what serving adds to the step,
+  without the minutes between two commands in which the machine drifts).
 
 Every request, every client count and every server start is bounded in time; the servers are
 stopped on the way out, Ctrl-C and SIGTERM included. A side that fails (a server that does
@@ -245,10 +249,41 @@ def accounting_notes(results: dict[str, list[dict]], max_tokens: int) -> list[st
     return notes
 
 
+DECODE_STEP_METRIC = "freetoken_engine_decode_step_seconds"
+
+
+def decode_steps(url: str) -> tuple[float, int]:
+    """FreeToken's decode steps so far, from ``GET /metrics``: (seconds, count)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values = dict(line.split(" ", 1) for line in text.splitlines()
+                  if line.startswith(DECODE_STEP_METRIC + "_"))
+    return (float(values[DECODE_STEP_METRIC + "_sum"]),
+            int(float(values[DECODE_STEP_METRIC + "_count"])))
+
+
+def step_notes(run: SideRun | None, figures: list[dict]) -> list[str]:
+    """FreeToken's served ITL p50 against its engine's mean decode step in the same runs."""
+    if run is None:
+        return []
+    lines = []
+    for f in figures:
+        seconds, count = run.decode_steps.get(f["clients"], (0.0, 0))
+        if count and f["itl_p50_ms"] is not None:
+            step = seconds / count * 1000
+            lines.append(f"FreeToken, {f['clients']} clients: ITL p50 {f['itl_p50_ms']:.2f} ms, "
+                         f"engine decode step {step:.2f} ms in the same runs (mean of "
+                         f"{int(count)}): {(f['itl_p50_ms'] / step - 1) * 100:+.1f} %")
+    return lines
+
+
 def measure_side(name: str, url: str, args: argparse.Namespace,
-                 samples: dict[int, tuple[list[Record], float]]) -> None:
+                 samples: dict[int, tuple[list[Record], float]],
+                 steps: dict[int, list[float]] | None = None) -> None:
     """Warm-up, then every client count, each one's records and wall time into
-    ``samples[count]`` as it ends; the prompt indices are the same for both sides."""
+    ``samples[count]`` as it ends; the prompt indices are the same for both sides. For
+    FreeToken, ``steps[count]`` adds up the seconds and the number of the engine's decode
+    steps while that count ran (its own /metrics): the step the inter-token latency stood
+    on, measured in the same minutes."""
     model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
 
     def run(num_clients: int, rounds: int, first: int, max_tokens: int
@@ -267,12 +302,23 @@ def measure_side(name: str, url: str, args: argparse.Namespace,
     run(max(args.client_counts), 1, warm_up + 1, 2)
     first = 0
     for num_clients in args.client_counts:
+        before = decode_steps(url) if steps is not None else None
         records, elapsed = run(num_clients, args.rounds, first, args.max_tokens)
         first += num_clients * args.rounds
         samples[num_clients] = (records, elapsed)
         f = summarise(num_clients, records, elapsed)
+        step = ""
+        if steps is not None and before is not None:
+            after = decode_steps(url)
+            total = steps.setdefault(num_clients, [0.0, 0])
+            total[0] += after[0] - before[0]
+            total[1] += after[1] - before[1]
+            if after[1] > before[1]:
+                step = (f", engine decode step "
+                        f"{(after[0] - before[0]) / (after[1] - before[1]) * 1000:.2f} ms")
         print(f"{LABELS[name]:>9}, {num_clients:>3} clients: {f['tok_s']:8.1f} tok/s, "
-              f"ITL p50 {f['itl_p50_ms']} ms, TTFT p50 {f['ttft_p50_ms']} ms", file=sys.stderr)
+              f"ITL p50 {f['itl_p50_ms']} ms, TTFT p50 {f['ttft_p50_ms']} ms{step}",
+              file=sys.stderr)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -325,6 +371,9 @@ class SideRun:
     passes: list[Samples] = field(default_factory=list)
     failure: str | None = None
     busy_cpus: float | None = None
+    decode_steps: dict[int, list[float]] = field(default_factory=dict)
+    """FreeToken only: per client count, [seconds, count] of its engine's decode steps
+    while that count ran, over every pass."""
 
     @property
     def figures(self) -> list[dict]:
@@ -356,7 +405,8 @@ def run_side(side: str, args: argparse.Namespace, binary: str | None, logs: Path
     run.passes.append({})  # filled as each client count ends: a failure keeps what ran
     try:
         with running(LABELS[side], cmd, port, log, args.start_timeout) as url:
-            measure_side(side, url, args, run.passes[-1])
+            measure_side(side, url, args, run.passes[-1],
+                         run.decode_steps if side == "freetoken" else None)
     except (BenchError, httpx.HTTPError) as exc:
         run.failure = str(exc)
         print(f"{LABELS[side]} failed: {exc}", file=sys.stderr)
@@ -380,6 +430,8 @@ def report(args: argparse.Namespace, binary: str | None, runs: dict[str, SideRun
                     if b["tok_s"]:
                         ratios.append(f"{a['tok_s'] / b['tok_s']:.2f}")
             print(f"note: {n} clients, ratio in each pass: {', '.join(ratios) or '-'}")
+    for line in step_notes(runs.get("freetoken"), results.get("freetoken", [])):
+        print(f"note: {line}")
     for note in accounting_notes(results, args.max_tokens):
         print(f"note: {note}")
     for side, run in runs.items():
@@ -398,6 +450,10 @@ def report(args: argparse.Namespace, binary: str | None, runs: dict[str, SideRun
                 "per_pass": {side: [figures_of(p) for p in run.passes]
                              for side, run in runs.items()},
                 "busy_cpus_before": {side: run.busy_cpus for side, run in runs.items()},
+                "freetoken_decode_steps": {
+                    n: {"seconds": v[0], "count": v[1]}
+                    for n, v in runs["freetoken"].decode_steps.items()}
+                if "freetoken" in runs else None,
                 "failures": {side: run.failure for side, run in runs.items() if run.failure}}
         Path(args.json).write_text(json.dumps({"meta": meta, **results}, indent=2) + "\n")
 

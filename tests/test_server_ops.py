@@ -77,6 +77,13 @@ def test_metrics_count_what_was_served(locked: Server) -> None:
     assert grew("freetoken_e2e_request_latency_seconds_count") == 2
     assert grew('freetoken_e2e_request_latency_seconds_bucket{le="+Inf"}') == 2
     assert grew("freetoken_e2e_request_latency_seconds_sum") > 0
+    # The engine's steps: the n=2 request's 8 tokens are 7 decode steps after its prefill
+    # (both choices in each), the 1-token request only a prefill.
+    steps = grew("freetoken_engine_step_seconds_count")
+    assert grew("freetoken_engine_decode_step_seconds_count") == 7 and steps >= 9
+    assert grew('freetoken_engine_step_seconds_bucket{le="+Inf"}') == steps
+    assert 0 < grew("freetoken_engine_decode_step_seconds_sum") < grew(
+        "freetoken_engine_step_seconds_sum")
     assert after["freetoken_num_seqs_running"] == after["freetoken_kv_blocks_used"] == 0
     assert 0 <= after["freetoken_kv_cache_usage_ratio"] <= 1
 

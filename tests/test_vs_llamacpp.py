@@ -207,12 +207,17 @@ def test_passes_alternate_the_servers_and_the_table_pools_them(
         order.append(name)
         yield "http://127.0.0.1:1"
 
-    def measure_side(name, url, args, samples) -> None:
+    def measure_side(name, url, args, samples, steps) -> None:
         speed = (2.0 if name == "freetoken" else 1.0) / order.count(vs.LABELS[name])
+        assert (steps is not None) == (name == "freetoken")
         for n in args.client_counts:  # n requests of 10 tokens in n / (10 * speed) s
             records = [vs.Record(0.0, first=0.1, gaps=[0.01], num_chunks=10, usage_tokens=10)
                        for _ in range(n)]
             samples[n] = (records, n / (10 * speed))
+            if steps is not None:  # 9 decode steps of 8 ms a pass
+                total = steps.setdefault(n, [0.0, 0])
+                total[0] += 9 * 0.008
+                total[1] += 9
 
     monkeypatch.setattr(vs, "running", running)
     monkeypatch.setattr(vs, "measure_side", measure_side)
@@ -227,3 +232,25 @@ def test_passes_alternate_the_servers_and_the_table_pools_them(
     assert "| 4 | 133.3 | 66.7 | 2.00 |" in out, out
     assert "note: 4 clients, ratio in each pass: 2.00, 2.00" in out
     assert "2 pass(es) per server, alternating" in out
+    # The served ITL (10 ms gaps) against the engine's decode step in the same runs (8 ms).
+    assert ("note: FreeToken, 4 clients: ITL p50 10.00 ms, engine decode step 8.00 ms in the "
+            "same runs (mean of 18): +25.0 %") in out, out
+
+
+def test_decode_steps_reads_the_sum_and_count_from_metrics(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    text = ("# HELP freetoken_engine_decode_step_seconds x\n"
+            "# TYPE freetoken_engine_decode_step_seconds summary\n"
+            "freetoken_engine_decode_step_seconds_sum 1.25\n"
+            "freetoken_engine_decode_step_seconds_count 100\n"
+            "freetoken_engine_step_seconds_sum 9.0\n")
+    urls = []
+
+    class Response:
+        def __init__(self, url: str) -> None:
+            urls.append(url)
+            self.text = text
+
+    monkeypatch.setattr(vs.httpx, "get", lambda url, timeout: Response(url))
+    assert vs.decode_steps("http://127.0.0.1:9") == (1.25, 100)
+    assert urls == ["http://127.0.0.1:9/metrics"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+import time
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.sampler import INVALID_TOKEN
 from freetoken_core.engine.scheduler import ScheduledBatch, Scheduler
 from freetoken_core.engine.sequence import Sequence
+from freetoken_core.engine.step_times import StepTimes
 from freetoken_core.errors import CONTEXT_LENGTH_EXCEEDED, FreeTokenError, InvalidRequest
 from freetoken_core.faults import RequestError, plugin_failure
 from freetoken_core.outputs import PromptLogprobs, TokenLogprobs
@@ -118,6 +120,7 @@ class EngineCore:
         self._admission_failures: list[tuple[Sequence, FreeTokenError]] = []
         self._failures: list[tuple[str, FreeTokenError]] = []
         self._preparing: dict[str, tuple[list[Sequence], dict[str, Future]]] = {}
+        self.step_times = StepTimes()
 
     @property
     def has_unfinished(self) -> bool:
@@ -254,10 +257,19 @@ class EngineCore:
             self._seqs.pop(request_id, None)
 
     def step(self) -> list[SeqUpdate]:
+        start = time.perf_counter()
         self._admit_prepared()
         batch = self._live(self.scheduler.schedule())
         if not batch:
             return []
+        decode = all(n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+                     for seq, n in zip(batch.seqs, batch.num_new_tokens))
+        try:
+            return self._run(batch)
+        finally:
+            self.step_times.record(time.perf_counter() - start, decode)
+
+    def _run(self, batch: ScheduledBatch) -> list[SeqUpdate]:
         try:
             result = self.runner.execute(batch)
         except Exception as exc:  # fails this step's requests, not the engine

@@ -137,7 +137,9 @@ class RequestFailed(msgspec.Struct, tag=True):
 
 class Stats(msgspec.Struct, tag=True):
     """Engine load: sequences running and waiting, live requests, KV blocks in use, and
-    how many live requests were aborted since start."""
+    how many live requests were aborted since start; and the engine steps' wall time since
+    start (``EngineCore.step_times``: every step's as histogram bucket counts, the decode
+    steps' as a sum and a count)."""
 
     num_running: int
     num_waiting: int
@@ -145,6 +147,11 @@ class Stats(msgspec.Struct, tag=True):
     num_used_kv_blocks: int
     num_kv_blocks: int
     num_aborted_requests: int
+    num_steps: int = 0
+    step_seconds: float = 0.0
+    step_bucket_counts: list[int] = []
+    num_decode_steps: int = 0
+    decode_step_seconds: float = 0.0
 
 
 ToEngine = AddRequest | AbortRequest | StopSequence | StatsQuery | Shutdown
@@ -221,9 +228,12 @@ class _Engine:
             self.core.stop_sequence(message.request_id, message.index, message.stop_reason)
         elif isinstance(message, StatsQuery):
             scheduler = self.core.scheduler
+            times = self.core.step_times
             self.send(Stats(len(scheduler.running), len(scheduler.waiting),
                             self.core.num_requests, scheduler.block_manager.num_used_blocks,
-                            scheduler.block_manager.num_blocks, self.num_aborted))
+                            scheduler.block_manager.num_blocks, self.num_aborted,
+                            times.count, times.seconds, list(times.bucket_counts),
+                            times.decode_count, times.decode_seconds))
         elif isinstance(message, Shutdown):
             self.running = False
 

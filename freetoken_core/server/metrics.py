@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from freetoken_core.engine.step_times import STEP_BUCKETS_S
 from freetoken_core.engine.process import Stats
 
 if TYPE_CHECKING:
@@ -122,3 +123,16 @@ class ServerMetrics:
         metric("engine_requests_aborted", "counter",
                "Engine requests aborted while live (since the engine process started).",
                [("engine_requests_aborted_total", stats.num_aborted_requests)])
+        if len(stats.step_bucket_counts) == len(STEP_BUCKETS_S):
+            steps = [(f'engine_step_seconds_bucket{{le="{_number(bound)}"}}', count)
+                     for bound, count in zip(STEP_BUCKETS_S, stats.step_bucket_counts)]
+            metric("engine_step_seconds", "histogram",
+                   "Wall time of the engine steps that ran the model (since the engine "
+                   "process started).",
+                   [*steps, ("engine_step_seconds_sum", stats.step_seconds),
+                    ("engine_step_seconds_count", stats.num_steps)])
+        metric("engine_decode_step_seconds", "summary",
+               "Wall time of the decode steps (every sequence of the step computed one "
+               "token of its answer): what the inter-token latency stands on.",
+               [("engine_decode_step_seconds_sum", stats.decode_step_seconds),
+                ("engine_decode_step_seconds_count", stats.num_decode_steps)])
