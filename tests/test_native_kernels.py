@@ -17,11 +17,14 @@ from freetoken_core.engine.sampler import counter_uniform
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models import llama
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
+from freetoken_core.models.gguf import GGUF_BLOCK_TYPES
 from freetoken_core.models.layers import (
     KERNEL_GROUP,
     add_rms_norm,
     apply_rope,
     interleave_blocks,
+    kernel_blocks,
+    narrow_scales,
     rms_norm,
     silu_and_mul,
 )
@@ -211,7 +214,7 @@ def test_interleave_blocks_puts_each_block_where_the_kernels_read_it(qtype: int,
     num_blocks = 3
     rows = torch.randint(0, 256, (n, num_blocks * size), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(n))
-    flat = interleave_blocks(rows, qtype).view(-1)
+    flat = interleave_blocks(rows, size).view(-1)
     assert flat.numel() == rows.numel()
     for f in range(n):
         g0 = f - f % KERNEL_GROUP
@@ -219,6 +222,31 @@ def test_interleave_blocks_puts_each_block_where_the_kernels_read_it(qtype: int,
         for b in range(num_blocks):
             at = g0 * num_blocks * size + (b * group + f - g0) * size
             assert torch.equal(flat[at:at + size], rows[f, b * size:(b + 1) * size]), (f, b)
+
+
+@pytest.mark.parametrize("qtype", [3, 8])  # Q4_1, Q8_0
+def test_kernel_blocks_widen_q4_1_scales_to_float32_and_narrow_scales_undoes_it(
+        qtype: int) -> None:
+    """The exact kernel's Q4_1 block: d and m as float32 (the file's float16 values), then
+    the 16 nibble bytes; Q8_0 blocks as in the file. Interleaved as interleave_blocks does
+    for that block size; narrow_scales gives back the file's blocks in the same order."""
+    from gguf import quants
+
+    n, k = 9, 96
+    raw = torch.from_numpy(quants.quantize(torch.randn(n, k).numpy(),
+                                           GGMLQuantizationType(qtype)))
+    laid_out = kernel_blocks(raw, qtype)
+    wide = 24 if qtype == 3 else 34
+    assert laid_out.shape == (n, k // 32 * wide)
+    if qtype == 3:
+        file_blocks = raw.reshape(-1, 20)
+        expect = torch.cat([file_blocks[:, :4].contiguous().view(torch.float16).float()
+                            .view(torch.uint8), file_blocks[:, 4:]], dim=1).reshape(n, -1)
+    else:
+        expect = raw
+    assert torch.equal(laid_out, interleave_blocks(expect, wide))
+    assert torch.equal(narrow_scales(laid_out, qtype), interleave_blocks(raw, 20 if qtype == 3
+                                                                          else 34))
 
 
 @pytest.mark.parametrize("qtype", [3, 8])  # Q4_1, Q8_0
@@ -235,7 +263,7 @@ def test_gguf_linear_matches_the_dequantized_weights(qtype: int, rows: int, n: i
     dequantized = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType(qtype)))
     x = torch.randn(rows, k, generator=gen)
     out = torch.empty(rows, n)
-    torch.ops.freetoken.gguf_linear(x, interleave_blocks(torch.from_numpy(blocks), qtype),
+    torch.ops.freetoken.gguf_linear(x, kernel_blocks(torch.from_numpy(blocks), qtype),
                                     qtype, out)
     torch.testing.assert_close(out, x @ dequantized.T, atol=1e-4, rtol=1e-5)
 
@@ -260,10 +288,10 @@ def test_gguf_linear_uses_the_very_weights_gguf_py_dequantizes(qtype: int) -> No
     want = torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType(qtype)))
     assert torch.isfinite(want).all()
     eye = torch.eye(k)
-    kernel_blocks = interleave_blocks(blocks, qtype)
+    laid_out = kernel_blocks(blocks, qtype)
     for rows in (eye[:1], eye[:4], eye):
         out = torch.empty(rows.shape[0], n)
-        torch.ops.freetoken.gguf_linear(rows.contiguous(), kernel_blocks, qtype, out)
+        torch.ops.freetoken.gguf_linear(rows.contiguous(), laid_out, qtype, out)
         assert torch.equal(out, want[:, :rows.shape[0]].T), rows.shape[0]
 
 
@@ -279,8 +307,11 @@ def test_gguf_linear_sums_each_row_the_same_way_whatever_the_row_count(op: str,
 
     gen = torch.Generator().manual_seed(qtype)
     n, k = 101, 1344
-    blocks = interleave_blocks(torch.from_numpy(quants.quantize(
-        torch.randn(n, k, generator=gen).numpy(), GGMLQuantizationType(qtype))), qtype)
+    raw = torch.from_numpy(quants.quantize(
+        torch.randn(n, k, generator=gen).numpy(), GGMLQuantizationType(qtype)))
+    # The exact kernel reads the kernels' blocks, the 8-bit one the file's (interleaved).
+    blocks = (kernel_blocks(raw, qtype) if op == "gguf_linear"
+              else interleave_blocks(raw, GGUF_BLOCK_TYPES[qtype]))
     x = torch.randn(70, k, generator=gen)
     kernel = getattr(torch.ops.freetoken, op)
 
@@ -339,8 +370,8 @@ def test_gguf_linear_q8_computes_llama_cpp_arithmetic(qtype: int, rows: int, n: 
     x = torch.randn(rows, k, generator=gen)
     x[0, :32] = 0  # an all-zero block: scale 0, no division by zero
     out = torch.empty(rows, n)
-    torch.ops.freetoken.gguf_linear_q8(x, interleave_blocks(torch.from_numpy(blocks), qtype),
-                                       qtype, out)
+    torch.ops.freetoken.gguf_linear_q8(
+        x, interleave_blocks(torch.from_numpy(blocks), GGUF_BLOCK_TYPES[qtype]), qtype, out)
     want = _q8_reference(x, blocks, qtype, n)
     torch.testing.assert_close(out.double(), want, atol=2e-4, rtol=1e-5)
     # and it is the model's product up to the activations' rounding

@@ -109,14 +109,16 @@ class ModelRunner:
             [s.block_table for s in seqs],
             [s.num_computed_tokens + n for s, n in zip(seqs, counts)],
             counts, self.block_size, self.device, native=self.model.native)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        ids, pos = torch.tensor([input_ids, positions], dtype=torch.long, device=self.device)
         hidden = self.model.forward(ids, pos, self.kv_caches, meta)
         prompt_logprobs = self._score_prompts(hidden, scoring) if scoring.seqs else []
         if not sampling:
             return StepResult([], SamplerOutput([], []), prefilled, prompt_logprobs)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        if len(sample_rows) == len(input_ids):  # every row samples (decoding): all of hidden
+            logits = self.model.compute_logits(hidden)
+        else:
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
         output = self.sampler(logits, SamplingBatch.from_seqs(sampling, self.device))
         return StepResult(sampling, output, prefilled, prompt_logprobs)
 

@@ -29,6 +29,7 @@ from freetoken_core.models.layers import (
     apply_rope,
     rms_norm,
     silu_and_mul,
+    narrow_scales,
 )
 
 GgufBlocks = dict[str, tuple[int, np.ndarray]]
@@ -203,10 +204,9 @@ class LlamaForCausalLM:
                 f"for {sum(lin.blocks is not None for lin in linears)} of {len(linears)} "
                 "linears)")
         for lin in linears:
-            lin.blocks = (lin.blocks[0] | ACTIVATIONS_Q8, lin.blocks[1])
-        for layer in self.layers:
-            if layer.one_call is not None:
-                layer.set_one_call_blocks()
+            qtype, blocks = lin.blocks
+            lin.blocks = (qtype | ACTIVATIONS_Q8, narrow_scales(blocks, qtype))
+        self.pack_blocks()  # the narrowed blocks into a new huge-page buffer (and one_call)
         self.set_all_layers_args()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

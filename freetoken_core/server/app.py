@@ -125,8 +125,9 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
         return Response(content=b"", status_code=200)
 
     @get("/internal/stats")
-    async def stats() -> dict[str, int]:
-        """The engine's load between two steps (the engine process's ``Stats`` message)."""
+    async def stats() -> dict[str, float | list[int]]:  # counts, seconds, histogram
+        """The engine's load between two steps and its step times (the engine process's
+        ``Stats`` message)."""
         serving.require_ready()
         return msgspec.structs.asdict(await serving.client.stats())
 

@@ -7,7 +7,8 @@
 // float32, two roundings), so the weights are the very values of the float32 checkpoint
 // FreeToken converts the file into; only the order of the sums differs from a float32 GEMM.
 // The vector paths compute Q4_1's d * q + m with one fused multiply-add, which gives the same
-// float: d is a float16 (11 significant bits) and q an integer of 4 bits, so d * q has at
+// float: d is a float16 value (11 significant bits; the kernels' Q4_1 blocks hold it as a
+// float32) and q an integer of 4 bits, so d * q has at
 // most 15 significant bits and is exact in float32; the first rounding of the two never
 // rounds anything.
 //
@@ -49,25 +50,25 @@ using namespace freetoken::gguf;
 // The 32 weights of one block, as float32, into w.
 template <int64_t QT>
 inline void dequant_scalar(const uint8_t* block, float* w) {
-  const float d = half_to_float(block);
   if constexpr (QT == kQ4_1) {
-    const float m = half_to_float(block + 2);
-    const uint8_t* qs = block + 4;
+    const float d = load_float(block), m = load_float(block + 4);
+    const uint8_t* qs = block + 8;
     for (int j = 0; j < 16; ++j) {
       w[j] = d * static_cast<float>(qs[j] & 0x0F) + m;
       w[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
     }
   } else {
+    const float d = half_to_float(block);
     const int8_t* qs = reinterpret_cast<const int8_t*>(block + 2);
     for (int j = 0; j < 32; ++j) w[j] = d * static_cast<float>(qs[j]);
   }
 }
 
 #ifdef FREETOKEN_AVX2
-// A block's scales as float32: d in lane 0, and m (Q4_1) in lane 1. One conversion of the
-// block's first four bytes, the same IEEE values as half_to_float; read with the block
-// rather than gathered ahead for many blocks (the gathers and their stores cost more than
-// the conversion: a step's linears at one row ran ~10 % faster without them).
+// A Q8_0 block's scale as float32 in lane 0: one conversion of the block's first bytes, the
+// same IEEE value as half_to_float; read with the block rather than gathered ahead for many
+// blocks (the gathers and their stores cost more than the conversion: a step's linears at
+// one row ran ~10 % faster without them). (Q4_1 blocks carry float32 scales: gguf_blocks.h.)
 inline __m128 block_dm(const uint8_t* block) {
   int32_t head;
   std::memcpy(&head, block, 4);
@@ -90,18 +91,17 @@ inline float vsum(vf v) {
   return freetoken::vec::hsum(_mm256_add_ps(lo, hi));
 }
 
-template <int64_t QT>
+template <int64_t QT, bool kBroadcastLoads = false>  // (as below; here a set1 either way)
 inline void dequant(const uint8_t* block, vf w[2]) {
-  const __m128 dm = block_dm(block);
-  const vf d = _mm512_broadcastss_ps(dm);
   if constexpr (QT == kQ4_1) {
-    const vf m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+    const vf d = _mm512_set1_ps(load_float(block)), m = _mm512_set1_ps(load_float(block + 4));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i parts[2] = {_mm_and_si128(q, mask), _mm_and_si128(_mm_srli_epi16(q, 4), mask)};
     for (int k = 0; k < 2; ++k)
       w[k] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[k])), m);
   } else {
+    const vf d = _mm512_broadcastss_ps(block_dm(block));
     for (int k = 0; k < 2; ++k) {
       const __m128i q8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * k));
       w[k] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8)));
@@ -118,25 +118,37 @@ inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline float vsum(vf v) { return freetoken::vec::hsum(v); }
 
-template <int64_t QT>
+// kBroadcastLoads: Q4_1's d and m as one broadcast load each (the float32 scales of the
+// kernels' blocks), which spares the vector pipes two shuffles; one row is bound by those
+// pipes. Several rows load four x vectors a row for each block and are bound by the loads
+// instead: they read both scales with one load and broadcast them in registers (one row of
+// the 30 layers' linears 8 % faster with broadcast loads, four rows 5 % slower).
+template <int64_t QT, bool kBroadcastLoads = false>
 inline void dequant(const uint8_t* block, vf w[4]) {
-  const __m128 dm = block_dm(block);
-  const vf d = _mm256_broadcastss_ps(dm);
   if constexpr (QT == kQ4_1) {
-    const vf m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+    vf d, m;
+    if constexpr (kBroadcastLoads) {
+      d = _mm256_broadcast_ss(reinterpret_cast<const float*>(block));
+      m = _mm256_broadcast_ss(reinterpret_cast<const float*>(block + 4));
+    } else {
+      const __m128 dm = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(block)));
+      d = _mm256_broadcastss_ps(dm);
+      m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+    }
     // Bytes 0-7 and 8-15 zero-extended to dwords, each q_j | q_{j+16} << 4: a mask gives
     // weights 0-15, a shift 16-31. Two zero-extensions a block instead of a broadcast and four
     // in-lane byte shuffles (fewer shuffle-port operations): one row of the 30 layers'
     // linears 6.84 -> 6.48 ms, four rows 11.4 -> 10.7 (paired, Zen 3 reference).
     const __m256i b0 =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4)));
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8)));
     const __m256i b1 =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 12)));
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 16)));
     const __m256i mask = _mm256_set1_epi32(0x0F);
     const __m256i parts[4] = {_mm256_and_si256(b0, mask), _mm256_and_si256(b1, mask),
                               _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
     for (int k = 0; k < 4; ++k) w[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(parts[k]), m);
   } else {
+    const vf d = _mm256_broadcastss_ps(block_dm(block));
     for (int k = 0; k < 4; ++k) {
       const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * k));
       w[k] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
@@ -174,7 +186,7 @@ void rows_direct(const float* x, int64_t x_stride, const uint8_t* blocks, int64_
         const uint8_t* block = fb.first + b * fb.stride + f * block_bytes(QT);
         _mm_prefetch(reinterpret_cast<const char*>(block + ahead), _MM_HINT_T0);
         vf w[kVecs];
-        dequant<QT>(block, w);
+        dequant<QT, R == 1>(block, w);
         for (int r = 0; r < R; ++r) {
           const float* xb = x + r * x_stride + b * kBlock;
           for (int j = 0; j < kVecs; ++j)

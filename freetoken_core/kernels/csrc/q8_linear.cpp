@@ -153,7 +153,7 @@ template <int64_t QT, int F>
 inline __m256 block_scales_of(const uint8_t* first) {
   static_assert(F >= 1 && F <= 4, "one conversion holds four blocks' scales");
   int32_t head[F];
-  for (int f = 0; f < F; ++f) std::memcpy(&head[f], first + f * block_bytes(QT), 4);
+  for (int f = 0; f < F; ++f) std::memcpy(&head[f], first + f * file_block_bytes(QT), 4);
   __m128i h = _mm_cvtsi32_si128(head[0]);
   if constexpr (F > 1) h = _mm_insert_epi32(h, head[1], 1);
   if constexpr (F > 2) h = _mm_insert_epi32(h, head[2], 2);
@@ -195,7 +195,7 @@ void rows_q8(const QuantRows& x, int64_t r0, const uint8_t* blocks, int64_t feat
   const int8_t* qx_rows = x.q.data() + r0 * x.k;
   const float* dxs_rows = x.ds.data() + r0 * nb * 2;
   for (; n + F <= n1; n += F) {
-    const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, block_bytes(QT), n);
+    const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, file_block_bytes(QT), n);
     __m256 acc[R][F];
     __m256 mt[R];  // lane 2f + 1: feature f's m term (the even lanes are not used)
     for (int r = 0; r < R; ++r) {
@@ -206,7 +206,7 @@ void rows_q8(const QuantRows& x, int64_t r0, const uint8_t* blocks, int64_t feat
       __m256i w[F], wabs[F];
       const uint8_t* first = fb.first + b * fb.stride;
       for (int f = 0; f < F; ++f) {
-        const uint8_t* block = first + f * block_bytes(QT);
+        const uint8_t* block = first + f * file_block_bytes(QT);
         _mm_prefetch(reinterpret_cast<const char*>(block + ahead), _MM_HINT_T0);
         w[f] = block_quants<QT>(block);
         if constexpr (QT == kQ8_0) wabs[f] = _mm256_sign_epi8(w[f], w[f]);
@@ -282,7 +282,7 @@ void q8_impl(const QuantRows& x, int64_t rows, const uint8_t* bp, int64_t row_by
   const int64_t nb = x.nb;
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t f = n0; f < n1; ++f) {
-      const FeatureBlocks fb = feature_blocks(bp, n, row_bytes, block_bytes(QT), f);
+      const FeatureBlocks fb = feature_blocks(bp, n, row_bytes, file_block_bytes(QT), f);
       for (int64_t r = 0; r < rows; ++r) {
         float y = 0.f, mt = 0.f;
         const int8_t* qx = x.q.data() + r * x.k;
@@ -318,7 +318,7 @@ void gguf_linear_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype
               x.is_contiguous(), "gguf_linear_q8: x must be a contiguous float32 [M, K] CPU tensor");
   TORCH_CHECK(x.size(1) % kBlock == 0, "gguf_linear_q8: K must be a multiple of 32");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-              blocks.size(1) == x.size(1) / kBlock * block_bytes(qtype),
+              blocks.size(1) == x.size(1) / kBlock * file_block_bytes(qtype),
               "gguf_linear_q8: blocks must be uint8 [N, K / 32 * block bytes]");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
               out.size(1) == blocks.size(0), "gguf_linear_q8: out must be float32 [M, N]");
