@@ -252,13 +252,17 @@ def accounting_notes(results: dict[str, list[dict]], max_tokens: int) -> list[st
 DECODE_STEP_METRIC = "freetoken_engine_decode_step_seconds"
 
 
-def decode_steps(url: str) -> tuple[float, int]:
-    """FreeToken's decode steps so far, from ``GET /metrics``: (seconds, count)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    values = dict(line.split(" ", 1) for line in text.splitlines()
+def decode_steps(url: str) -> tuple[float, int] | None:
+    """FreeToken's decode steps so far, from ``GET /metrics``: (seconds, count); ``None``
+    where the server does not give them (an API key in ``--serve-args``, an older server)."""
+    response = httpx.get(f"{url}/metrics", timeout=10)
+    values = dict(line.split(" ", 1) for line in response.text.splitlines()
                   if line.startswith(DECODE_STEP_METRIC + "_"))
-    return (float(values[DECODE_STEP_METRIC + "_sum"]),
-            int(float(values[DECODE_STEP_METRIC + "_count"])))
+    try:
+        return (float(values[DECODE_STEP_METRIC + "_sum"]),
+                int(float(values[DECODE_STEP_METRIC + "_count"])))
+    except (KeyError, ValueError):
+        return None
 
 
 def step_notes(run: SideRun | None, figures: list[dict]) -> list[str]:
@@ -308,8 +312,8 @@ def measure_side(name: str, url: str, args: argparse.Namespace,
         samples[num_clients] = (records, elapsed)
         f = summarise(num_clients, records, elapsed)
         step = ""
-        if steps is not None and before is not None:
-            after = decode_steps(url)
+        after = decode_steps(url) if before is not None else None
+        if steps is not None and before is not None and after is not None:
             total = steps.setdefault(num_clients, [0.0, 0])
             total[0] += after[0] - before[0]
             total[1] += after[1] - before[1]

@@ -254,3 +254,5 @@ def test_decode_steps_reads_the_sum_and_count_from_metrics(
     monkeypatch.setattr(vs.httpx, "get", lambda url, timeout: Response(url))
     assert vs.decode_steps("http://127.0.0.1:9") == (1.25, 100)
     assert urls == ["http://127.0.0.1:9/metrics"]
+    text = '{"error": {"message": "invalid API key"}}'  # a server started with --api-key
+    assert vs.decode_steps("http://127.0.0.1:9") is None

@@ -72,9 +72,11 @@ Scratch scratch(const at::Tensor& x, const at::Tensor& qkv, const at::Tensor& ga
 }
 
 // One block on the scratch tensors: `residual` (updated in place) carries the hidden state
-// and s.x the previous block's output, or, with `first`, residual holds the embeddings and
-// s.x is ignored. Leaves the block's output in s.x.
-void block(bool first, at::Tensor& residual, Scratch& s, const at::Tensor& input_norm,
+// and s.x the previous block's output (normed in place), or, with `first`, residual holds
+// the embeddings and s.x receives their norm. Writes the block's output into `out` (s.x
+// itself when the caller no longer needs it).
+void block(bool first, at::Tensor& residual, Scratch& s, const at::Tensor& out,
+           const at::Tensor& input_norm,
            const at::Tensor& post_norm, double eps, const at::Tensor& qkv, int64_t qkv_type,
            const at::Tensor& o, int64_t o_type, const at::Tensor& gate_up, int64_t gate_up_type,
            const at::Tensor& down, int64_t down_type, const at::Tensor& cos,
@@ -99,7 +101,7 @@ void block(bool first, at::Tensor& residual, Scratch& s, const at::Tensor& input
   freetoken::fused_add_rms_norm(s.y, residual, post_norm, eps);
   linear(s.y, gate_up, gate_up_type, s.gate_up);
   freetoken::silu_and_mul(s.act, s.gate_up);
-  linear(s.act, down, down_type, s.x);
+  linear(s.act, down, down_type, out);
 }
 
 void check_x(const at::Tensor& x) {
@@ -120,10 +122,11 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
   at::Tensor residual = residual_in.has_value() ? *residual_in : x;
   Scratch s = scratch(x, qkv, gate_up, num_heads, head_dim);
   if (residual_in.has_value()) s.x = x;  // normed in place, as the Python path does
-  block(!residual_in.has_value(), residual, s, input_norm, post_norm, eps, qkv, qkv_type, o,
-        o_type, gate_up, gate_up_type, down, down_type, cos, sin, kv_cache, slot_mapping,
+  at::Tensor out = at::empty_like(residual);
+  block(!residual_in.has_value(), residual, s, out, input_norm, post_norm, eps, qkv, qkv_type,
+        o, o_type, gate_up, gate_up_type, down, down_type, cos, sin, kv_cache, slot_mapping,
         block_tables, context_lens, block_size, scale, num_heads, num_kv_heads, head_dim);
-  return {s.x, residual};
+  return {out, residual};
 }
 
 // Every block of a decode step in one call: llama_layer for each, the cache of layer l being
@@ -154,7 +157,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
   freetoken::run_team([&] {
     for (int64_t l = 0; l < layers; ++l) {
       const int64_t i = 4 * l;
-      block(l == 0, residual, s, input_norms[l], post_norms[l], eps, linears[i],
+      block(l == 0, residual, s, s.x, input_norms[l], post_norms[l], eps, linears[i],
             linear_types[i], linears[i + 1], linear_types[i + 1], linears[i + 2],
             linear_types[i + 2], linears[i + 3], linear_types[i + 3], cos, sin, caches[l],
             slot_mapping, block_tables, context_lens, block_size, scale, num_heads,
