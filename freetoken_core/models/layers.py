@@ -40,6 +40,17 @@ KERNEL_GROUP = 4
 KERNEL_BLOCK_BYTES = {3: 24, 8: 34}
 
 
+def _recast_scales(blocks: torch.Tensor, block_bytes: int, scale_bytes: int,
+                   source: torch.dtype, target: torch.dtype) -> torch.Tensor:
+    """Each ``block_bytes``-byte block's leading ``scale_bytes`` (its scales, of ``source``)
+    rewritten as ``target``, block by block in place of each: the rest of the block as it
+    was, the blocks in the order they were (interleaved or not)."""
+    n = blocks.shape[0]
+    split = blocks.reshape(n, -1, block_bytes)
+    scales = split[:, :, :scale_bytes].contiguous().view(source).to(target)
+    return torch.cat([scales.view(torch.uint8), split[:, :, scale_bytes:]], dim=2).reshape(n, -1)
+
+
 def widen_scales(rows: torch.Tensor, qtype: int) -> torch.Tensor:
     """Q4_1 blocks with d and m as float32 (the same values: every float16 is a float32),
     ``[out, in / 32 * 24]``; Q8_0 rows as they are. The kernels then broadcast each scale
@@ -48,22 +59,16 @@ def widen_scales(rows: torch.Tensor, qtype: int) -> torch.Tensor:
     bytes of weights (gguf_blocks.h)."""
     if qtype != 3:
         return rows
-    n = rows.shape[0]
-    blocks = rows.reshape(n, -1, GGUF_BLOCK_TYPES[qtype])
-    scales = blocks[:, :, :4].contiguous().view(torch.float16).to(torch.float32)
-    return torch.cat([scales.view(torch.uint8), blocks[:, :, 4:]], dim=2).reshape(n, -1)
+    return _recast_scales(rows, GGUF_BLOCK_TYPES[qtype], 4, torch.float16, torch.float32)
 
 
 def narrow_scales(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """``widen_scales`` undone (Q4_1 scales back to float16, exactly: they were float16
-    values), block by block in place of each, so in either layout (interleaved or not). The
-    8-bit-activation kernel reads the file's 20-byte Q4_1 blocks."""
+    values), in either layout. The 8-bit-activation kernel reads the file's 20-byte Q4_1
+    blocks."""
     if qtype != 3:
         return blocks
-    n = blocks.shape[0]
-    wide = blocks.reshape(n, -1, KERNEL_BLOCK_BYTES[qtype])
-    scales = wide[:, :, :8].contiguous().view(torch.float32).to(torch.float16)
-    return torch.cat([scales.view(torch.uint8), wide[:, :, 8:]], dim=2).reshape(n, -1)
+    return _recast_scales(blocks, KERNEL_BLOCK_BYTES[qtype], 8, torch.float32, torch.float16)
 
 
 def interleave_blocks(rows: torch.Tensor, block_bytes: int) -> torch.Tensor:

@@ -18,8 +18,8 @@
 // block; the two added last),
 // and a row's quantization depends on that row alone.
 //
-// The blocks are in the kernels' layout (gguf_blocks.h): groups of four features, their
-// blocks interleaved.
+// The blocks are the file's (20-byte Q4_1, file_block_bytes) in the kernels' interleaved
+// layout (gguf_blocks.h): groups of four features, their blocks interleaved.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
