@@ -349,10 +349,13 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor&
     // up the step. Which thread computes a feature changes nothing in its sums.
     const int64_t num_panels = (n + kPanel - 1) / kPanel;
     freetoken::guided_for(num_panels, 1, 1, [&](int64_t p0, int64_t p1) {
+      // On a cache line: a vector load that straddles two lines costs two.
       thread_local std::vector<float> panel;
-      panel.resize(std::max<size_t>(panel.size(), kPanel * k));
+      panel.resize(std::max<size_t>(panel.size(), kPanel * k + 16));
+      float* aligned = reinterpret_cast<float*>(
+          (reinterpret_cast<uintptr_t>(panel.data()) + 63) & ~uintptr_t{63});
       panels<QT>(xp, rows, bp, n, row_bytes, num_blocks, op, n, p0 * kPanel,
-                 std::min(n, p1 * kPanel), panel.data());
+                 std::min(n, p1 * kPanel), aligned);
     });
     return;
   }
