@@ -131,6 +131,61 @@ void row_scores(const float* q, const T* const* slots, int64_t offset, int64_t l
 }
 
 #ifdef FREETOKEN_AVX2
+// row_scores for the G query heads of one KV head at once: each key vector is loaded once
+// for the G heads (4 keys x G heads of FMA chains per pass) instead of once per head. Each
+// score is summed in row_scores' very order (the same FMA chain over the 8-lane pieces, then
+// the same reduction of its lanes), so the scores are the same floats.
+template <typename T, int G>
+void group_scores(const float* q, const T* const* slots, int64_t offset, int64_t len,
+                  int64_t n, float* out) {
+  int64_t t = 0;
+  for (; t + 4 <= len; t += 4) {
+    const T* k[4] = {slots[t] + offset, slots[t + 1] + offset, slots[t + 2] + offset,
+                     slots[t + 3] + offset};
+    __m256 a[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+      __m256 kv[4];
+      for (int j = 0; j < 4; ++j) kv[j] = load8(k[j] + i);
+      for (int g = 0; g < G; ++g) {
+        const __m256 qv = _mm256_loadu_ps(q + g * n + i);
+        for (int j = 0; j < 4; ++j) a[g][j] = _mm256_fmadd_ps(qv, kv[j], a[g][j]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]),
+                                      _mm256_hadd_ps(a[g][2], a[g][3]));
+      _mm_storeu_ps(out + g * len + t,
+                    _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+    }
+  }
+  for (; t < len; ++t)
+    for (int g = 0; g < G; ++g) out[g * len + t] = dot(q + g * n, slots[t] + offset, n);
+}
+#endif
+
+// Scores of `group` query heads q[g * n : (g + 1) * n] that share one KV head against its
+// keys, into out[g * len + t].
+template <typename T>
+void head_group_scores(const float* q, int64_t group, const T* const* slots, int64_t offset,
+                       int64_t len, int64_t n, float* out) {
+#ifdef FREETOKEN_AVX2
+  if (n % 8 == 0) {
+    switch (group) {
+      case 1: return group_scores<T, 1>(q, slots, offset, len, n, out);
+      case 2: return group_scores<T, 2>(q, slots, offset, len, n, out);
+      case 3: return group_scores<T, 3>(q, slots, offset, len, n, out);
+      case 4: return group_scores<T, 4>(q, slots, offset, len, n, out);
+      default: break;
+    }
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g)
+    row_scores(q + g * n, slots, offset, len, n, out + g * len);
+}
+
+#ifdef FREETOKEN_AVX2
 // acc[r][0:32] = sum_t p[r * len + t] * (slots[t] + offset)[0:32], for R rows at once,
 // the 4 x R accumulators held in registers.
 template <typename T, int R>
@@ -232,10 +287,12 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
         for (int64_t i = 0; i < block_size && t + i < len; ++i) slots[t + i] = block + i * slot_stride;
       }
       scores.resize(rows * len);
-      // Pass 1: scores of every query head of the item against every key.
-      for (int64_t r = 0; r < rows; ++r)
-        row_scores(qf.data() + r * head_dim, slots.data(), (kv0 + r / group) * head_dim, len,
-                   head_dim, scores.data() + r * len);
+      // Pass 1: scores of every query head of the item against every key, the heads of a
+      // KV head together.
+      for (int64_t h = 0; h < heads_per_item; ++h)
+        head_group_scores(qf.data() + h * group * head_dim, group, slots.data(),
+                          (kv0 + h) * head_dim, len, head_dim,
+                          scores.data() + h * group * len);
       for (int64_t r = 0; r < rows; ++r) {
         float* s = scores.data() + r * len;
         const float max = *std::max_element(s, s + len);
