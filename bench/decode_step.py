@@ -3,8 +3,8 @@
 For each batch size, that many sequences decode in each of two engines built in this
 process: one whose linears compute from the file's Q4_1/Q8_0 blocks through the native
 kernel (the default), one whose linears are float32 oneDNN GEMMs of the same weights
-(``layers.USE_GGUF_BLOCKS = False`` while it is built). They alternate every 10 steps, four
-times, so that the machine's drift hits both alike. The GGUF column is the engine step the
+(``layers.USE_GGUF_BLOCKS = False`` while it is built). They alternate every 10 timed steps
+(after 3 untimed ones), four times, so that the machine's drift hits both alike. The GGUF column is the engine step the
 served inter-token latency is held to; the sequences sample as bench/vs_llamacpp.py's
 requests do (temperature 0.8, ``--temperature``), each with its own seed.
 
@@ -21,6 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from chat_prompts import chat_prompt_ids
+
+WARM_STEPS = 3
 
 
 def main() -> None:
@@ -56,6 +58,12 @@ def main() -> None:
         times: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(4):
             for use_blocks, samples in times.items():
+                # Untimed steps first: the other engine's run has just filled the caches
+                # with its own weights (on a CPU whose L3 holds the ~110 MB of GGUF blocks,
+                # the first steps after a switch are ~20 % slower than the served steady
+                # state).
+                for _ in range(WARM_STEPS):
+                    engines[use_blocks].step()
                 start = time.perf_counter()
                 for _ in range(10):
                     engines[use_blocks].step()
