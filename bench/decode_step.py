@@ -3,12 +3,20 @@
 For each batch size, that many sequences decode in each of two engines built in this
 process: one whose linears compute from the file's Q4_1/Q8_0 blocks through the native
 kernel (the default), one whose linears are float32 oneDNN GEMMs of the same weights
-(``layers.USE_GGUF_BLOCKS = False`` while it is built). They alternate every 10 timed steps
-(after 3 untimed ones), four times, so that the machine's drift hits both alike. The GGUF column is the engine step the
-served inter-token latency is held to; the sequences sample as bench/vs_llamacpp.py's
+(``layers.USE_GGUF_BLOCKS = False`` while it is built). Each sequence generates
+``--tokens`` tokens (default 128, as bench/vs_llamacpp.py's requests do) in 8 windows; the
+engines alternate window by window, so that the machine's drift hits both alike, and each
+window times its steps after 3 untimed ones (the other engine's turn has just filled the
+caches with its own weights). The figure is the median of the windows' mean steps: the
+step at the middle of the answers' contexts. A step grows with its sequences' contexts
+(every step reads all their keys and values: at 16 sequences of chat prompts ~25 ms at
+~50 tokens of context, ~41 ms at ~320 on the Intel Xeon), and with what their prompts share
+(a shared prefix is one set of cache blocks that all of them read), so the served ITL
+compares with this figure for the same prompts and token count only. The GGUF column is the engine step the served inter-token
+latency is held to; the sequences have bench/vs_llamacpp.py's prompts and sample as its
 requests do (temperature 0.8, ``--temperature``), each with its own seed.
 
-    python bench/decode_step.py [--sizes 1,8,16,24,32,64] [--temperature 0.8]
+    python bench/decode_step.py [--sizes 1,8,16,24,32,64] [--tokens 128] [--temperature 0.8]
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from chat_prompts import chat_prompt_ids
+from vs_llamacpp import prompt
 
 WARM_STEPS = 3
+WINDOWS = 8
 
 
 def main() -> None:
@@ -30,7 +39,11 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1,8,16,24,32")
     parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
+    window = args.tokens // WINDOWS
+    if window <= WARM_STEPS:
+        parser.error(f"--tokens must be at least {WINDOWS * (WARM_STEPS + 1)}")
     from freetoken_core import LLM, SamplingParams
     from freetoken_core.models import layers
 
@@ -43,31 +56,26 @@ def main() -> None:
                 llm = LLM(None, kv_cache_tokens=16384, max_num_seqs=size, progress=False)
             finally:
                 layers.USE_GGUF_BLOCKS = True
-            prompts = chat_prompt_ids(llm.tokenizer)
             for i in range(size):
-                llm.engine.add_request(f"r{i}", prompts[i % len(prompts)],
+                # bench/vs_llamacpp.py's prompts (~15 tokens): the same contexts.
+                llm.engine.add_request(f"r{i}", llm.tokenizer.encode(prompt(i)),
                                        SamplingParams(temperature=args.temperature, seed=i,
-                                                      max_tokens=200, ignore_eos=True))
+                                                      max_tokens=args.tokens + window,
+                                                      ignore_eos=True))
             while any(s.num_computed_tokens < s.num_prompt_tokens
                       for s in llm.engine.core.scheduler.running) or \
                     llm.engine.core.scheduler.waiting:
                 llm.engine.step()  # prefill
-            for _ in range(3):
-                llm.engine.step()
             engines[use_blocks] = llm.engine
         times: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(4):
+        for _ in range(WINDOWS):
             for use_blocks, samples in times.items():
-                # Untimed steps first: the other engine's run has just filled the caches
-                # with its own weights (on a CPU whose L3 holds the ~110 MB of GGUF blocks,
-                # the first steps after a switch are ~20 % slower than the served steady
-                # state).
                 for _ in range(WARM_STEPS):
                     engines[use_blocks].step()
                 start = time.perf_counter()
-                for _ in range(10):
+                for _ in range(window - WARM_STEPS):
                     engines[use_blocks].step()
-                samples.append((time.perf_counter() - start) / 10 * 1000)
+                samples.append((time.perf_counter() - start) / (window - WARM_STEPS) * 1000)
         gemm, gguf = statistics.median(times[False]), statistics.median(times[True])
         print(f"{size:>9}{gemm:>13.1f} ms{gguf:>12.1f} ms{size / gguf * 1000:>9.1f}",
               flush=True)
