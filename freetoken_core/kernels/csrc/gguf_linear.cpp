@@ -94,12 +94,15 @@ inline float vsum(vf v) {
 template <int64_t QT, bool kBroadcastLoads = false>  // (as below; here a set1 either way)
 inline void dequant(const uint8_t* block, vf w[2]) {
   if constexpr (QT == kQ4_1) {
+    // The block's 16 possible weights d * i + m (one FMA, as for each weight before), then
+    // each weight looked up by its nibble: a permute reads only the low 4 bits of each index
+    // lane, so the bytes need no mask, and no integer-to-float conversion is left.
     const vf d = _mm512_set1_ps(load_float(block)), m = _mm512_set1_ps(load_float(block + 4));
+    const vf values = _mm512_fmadd_ps(
+        d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), m);
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 8));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i parts[2] = {_mm_and_si128(q, mask), _mm_and_si128(_mm_srli_epi16(q, 4), mask)};
-    for (int k = 0; k < 2; ++k)
-      w[k] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[k])), m);
+    w[0] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(q), values);
+    w[1] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(q, 4)), values);
   } else {
     const vf d = _mm512_broadcastss_ps(block_dm(block));
     for (int k = 0; k < 2; ++k) {
