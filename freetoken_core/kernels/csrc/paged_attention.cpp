@@ -131,6 +131,20 @@ void row_scores(const float* q, const T* const* slots, int64_t offset, int64_t l
 }
 
 #ifdef FREETOKEN_AVX2
+// Slots ahead of the one being read whose bytes are requested early: a sequence's slots lie
+// in blocks scattered over the cache, one key or value of a head 256 bytes within each
+// 1,536-byte slot, a stride the hardware prefetchers do not follow across 4 KiB.
+constexpr int64_t kAheadSlots = 8;
+
+template <typename T>
+inline void prefetch_keys(const T* const* slots, int64_t first, int64_t len, int64_t offset,
+                          int64_t bytes) {
+  for (int64_t t = first; t < std::min(first + 4, len); ++t) {
+    const char* p = reinterpret_cast<const char*>(slots[t] + offset);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  }
+}
+
 // row_scores for the G query heads of one KV head at once: each key vector is loaded once
 // for the G heads (4 keys x G heads of FMA chains per pass) instead of once per head. Each
 // score is summed in row_scores' very order (the same FMA chain over the 8-lane pieces, then
@@ -142,6 +156,7 @@ void group_scores(const float* q, const T* const* slots, int64_t offset, int64_t
   for (; t + 4 <= len; t += 4) {
     const T* k[4] = {slots[t] + offset, slots[t + 1] + offset, slots[t + 2] + offset,
                      slots[t + 3] + offset};
+    prefetch_keys(slots, t + kAheadSlots, len, offset, n * sizeof(T));
     __m256 a[G][4];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
@@ -196,6 +211,11 @@ void weighted_values_32(const float* p, int64_t len, const T* const* slots, int6
     for (int k = 0; k < 4; ++k) a[r][k] = _mm256_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
     const T* v = slots[t] + offset;
+    if (t + kAheadSlots < len) {
+      const char* p = reinterpret_cast<const char*>(slots[t + kAheadSlots] + offset);
+      _mm_prefetch(p, _MM_HINT_T0);
+      _mm_prefetch(p + 32 * sizeof(T) - 1, _MM_HINT_T0);
+    }
     const __m256 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
     for (int r = 0; r < R; ++r) {
       const __m256 pr = _mm256_broadcast_ss(p + r * len + t);
