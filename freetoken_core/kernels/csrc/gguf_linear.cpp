@@ -334,7 +334,14 @@ void rows_scalar(const float* x, int64_t x_stride, int64_t rows, const uint8_t* 
 
 // Up to this many rows the direct path (one pass over the blocks, dequantized in registers);
 // above, the panels (bench/gguf_linear.py measures both).
+// With AVX-512's 32 registers, up to 10 rows (20 accumulators): 5-8 rows 9-23 % faster than
+// the panels, 9-10 rows 5-13 %, 12 rows (24 accumulators, spilled) 6-29 % slower; F = 1
+// from 9 to 16 rows was slower than the panels too (paired, the Xeon).
+#if defined(__AVX512F__)
+constexpr int64_t kDirectRows = 10;
+#else
 constexpr int64_t kDirectRows = 4;
+#endif
 
 template <int64_t QT>
 void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
@@ -373,7 +380,17 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor&
       case 1: rows_direct<QT, 1, 4>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
       case 2: rows_direct<QT, 2, 4>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
       case 3: rows_direct<QT, 3, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 4: rows_direct<QT, 4, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
+#if defined(__AVX512F__)
+      case 5: rows_direct<QT, 5, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 6: rows_direct<QT, 6, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 7: rows_direct<QT, 7, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 8: rows_direct<QT, 8, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 9: rows_direct<QT, 9, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
+      default: rows_direct<QT, 10, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
+#else
       default: rows_direct<QT, 4, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
+#endif
     }
   });
 #else
