@@ -299,10 +299,11 @@ def test_gguf_linear_uses_the_very_weights_gguf_py_dequantizes(qtype: int) -> No
 @pytest.mark.parametrize("qtype", [3, 8])  # Q4_1, Q8_0
 def test_gguf_linear_sums_each_row_the_same_way_whatever_the_row_count(op: str,
                                                                        qtype: int) -> None:
-    """Batch invariance: a row's output is bit-identical alone and among 1 to 69 others,
-    across the kernels' register paths (few rows) and their panels or row groups (many),
-    for a feature count that leaves partial panels and tiles and a K of 42 blocks (scale
-    chunks of 32 and 10). Both the exact kernel and the 8-bit-activation one."""
+    """Batch invariance: a row's output is bit-identical alone and among 1 to 199 others,
+    across the kernels' register paths (few rows), their panels or row groups (many) and
+    the panels' slices of a prompt's rows (200 rows of this K are two), for a feature count
+    that leaves partial panels and tiles and a K of 42 blocks (scale chunks of 32 and 10).
+    Both the exact kernel and the 8-bit-activation one."""
     from gguf import quants
 
     gen = torch.Generator().manual_seed(qtype)
@@ -312,7 +313,7 @@ def test_gguf_linear_sums_each_row_the_same_way_whatever_the_row_count(op: str,
     # The exact kernel reads the kernels' blocks, the 8-bit one the file's (interleaved).
     blocks = (kernel_blocks(raw, qtype) if op == "gguf_linear"
               else interleave_blocks(raw, GGUF_BLOCK_TYPES[qtype]))
-    x = torch.randn(70, k, generator=gen)
+    x = torch.randn(200, k, generator=gen)
     kernel = getattr(torch.ops.freetoken, op)
 
     def linear(rows: torch.Tensor) -> torch.Tensor:
@@ -321,7 +322,7 @@ def test_gguf_linear_sums_each_row_the_same_way_whatever_the_row_count(op: str,
         return out
 
     alone = torch.cat([linear(x[i:i + 1]) for i in range(len(x))])
-    for rows in (2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 40, 70):
+    for rows in (2, 3, 4, 5, 7, 8, 9, 10, 11, 16, 17, 33, 40, 70, 131, 200):
         assert torch.equal(linear(x[:rows]), alone[:rows]), rows
     assert linear(x[:0]).shape == (0, n)
 
