@@ -146,3 +146,35 @@ def test_q8_activations_need_gguf_blocks_and_name_the_option() -> None:
         LLM(None, activations="int4", progress=False)
     with pytest.raises(ModelLoadError, match="--activations q8"):
         LLM(None, dtype="bfloat16", activations="q8", progress=False)
+
+
+FIRST_STEPS = """
+import json
+from freetoken_core import LLM, SamplingParams
+llm = LLM(None, progress=False, kv_cache_tokens=4096)
+params = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
+prompts = [[504, 3458, 314], [1205, 253, 2030]]  # shorter than a cache block: never cached
+def draws(outs):
+    return [[list(o.outputs[0].token_ids), [lp.logprob for lp in o.outputs[0].logprobs]]
+            for o in outs]
+together = draws(llm.generate(prompts, params))  # the process's first team of threads
+alone = [draws(llm.generate([p], params))[0] for p in prompts]
+print(json.dumps({"together": together, "alone": alone}))
+"""
+
+
+def test_a_fresh_process_first_steps_compute_what_later_steps_compute() -> None:
+    """The first steps of a process run on threads that have just joined the kernels' team:
+    ATen told such a thread it was alone (a per-thread count, set on first use), and
+    attention split its work by that count, so the two members could split one step's
+    queries two ways (two sequences: whole sequences on one, per-KV-head pieces on the
+    other) and leave some uncomputed (NaN logits in 2 of 8 fresh runs of a prefill). Work
+    splitting inside a team now follows the team's size."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FIRST_STEPS], check=True, capture_output=True,
+                         text=True, timeout=300).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["together"] == result["alone"]

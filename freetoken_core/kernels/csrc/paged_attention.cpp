@@ -5,9 +5,11 @@
 // instead of gathering them into a contiguous copy first (the torch path copies every key
 // and value of every sequence, in every layer, at every step). A query's result depends only
 // on its own query, keys and values: not on the other queries of the call, nor on how work
-// is split (batch-invariant). Work is split over queries (or (query, KV head) pairs when
-// there are few) on ATen's thread pool, longest context first, in shrinking pieces
-// (parallel.h); the query heads of one KV head (grouped-query attention) share each key load.
+// is split (batch-invariant). Work is split over runs of queries (a prefill chunk's
+// consecutive tokens, up to 8, read each chunk of keys and values together; a decoding
+// sequence is a run of one), or (run, KV head) pairs when there are few, on ATen's thread
+// pool or a team (parallel.h), longest context first, in shrinking pieces; the query heads
+// of one KV head (grouped-query attention) share each key load.
 //
 // Layouts (see freetoken_core/engine/attention.py):
 //   q            [D, H, hd]             any stride between tokens, heads contiguous
@@ -102,15 +104,17 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
   return sum;
 }
 
-// out[t] = q . (slots[t] + offset)[0:n] for t in [0, len): four keys at a time, their
-// four dot products reduced together.
+// out[t] = q . (slots[t] + offset)[0:n] for t in [t0, t1): four keys at a time, their
+// four dot products reduced together, then one by one. t0 is a multiple of 4, so a key is in
+// the same four whatever range it is computed in, unless it is one of the last t1 % 4 of
+// its query's context (t1 is then that context's length).
 template <typename T>
-void row_scores(const float* q, const T* const* slots, int64_t offset, int64_t len, int64_t n,
-                float* out) {
-  int64_t t = 0;
+void row_scores(const float* q, const T* const* slots, int64_t offset, int64_t t0, int64_t t1,
+                int64_t n, float* out) {
+  int64_t t = t0;
 #ifdef FREETOKEN_AVX2
   if (n % 8 == 0) {
-    for (; t + 4 <= len; t += 4) {
+    for (; t + 4 <= t1; t += 4) {
       const T *k0 = slots[t] + offset, *k1 = slots[t + 1] + offset;
       const T *k2 = slots[t + 2] + offset, *k3 = slots[t + 3] + offset;
       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -127,7 +131,7 @@ void row_scores(const float* q, const T* const* slots, int64_t offset, int64_t l
     }
   }
 #endif
-  for (; t < len; ++t) out[t] = dot(q, slots[t] + offset, n);
+  for (; t < t1; ++t) out[t] = dot(q, slots[t] + offset, n);
 }
 
 #ifdef FREETOKEN_AVX2
@@ -150,13 +154,13 @@ inline void prefetch_keys(const T* const* slots, int64_t first, int64_t len, int
 // score is summed in row_scores' very order (the same FMA chain over the 8-lane pieces, then
 // the same reduction of its lanes), so the scores are the same floats.
 template <typename T, int G>
-void group_scores(const float* q, const T* const* slots, int64_t offset, int64_t len,
-                  int64_t n, float* out) {
-  int64_t t = 0;
-  for (; t + 4 <= len; t += 4) {
+void group_scores(const float* q, const T* const* slots, int64_t offset, int64_t t0,
+                  int64_t t1, int64_t n, float* out, int64_t out_stride) {
+  int64_t t = t0;
+  for (; t + 4 <= t1; t += 4) {
     const T* k[4] = {slots[t] + offset, slots[t + 1] + offset, slots[t + 2] + offset,
                      slots[t + 3] + offset};
-    prefetch_keys(slots, t + kAheadSlots, len, offset, n * sizeof(T));
+    prefetch_keys(slots, t + kAheadSlots, t1, offset, n * sizeof(T));
     __m256 a[G][4];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
@@ -171,54 +175,56 @@ void group_scores(const float* q, const T* const* slots, int64_t offset, int64_t
     for (int g = 0; g < G; ++g) {
       const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]),
                                       _mm256_hadd_ps(a[g][2], a[g][3]));
-      _mm_storeu_ps(out + g * len + t,
+      _mm_storeu_ps(out + g * out_stride + t,
                     _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
     }
   }
-  for (; t < len; ++t)
-    for (int g = 0; g < G; ++g) out[g * len + t] = dot(q + g * n, slots[t] + offset, n);
+  for (; t < t1; ++t)
+    for (int g = 0; g < G; ++g) out[g * out_stride + t] = dot(q + g * n, slots[t] + offset, n);
 }
 #endif
 
 // Scores of `group` query heads q[g * n : (g + 1) * n] that share one KV head against its
-// keys, into out[g * len + t].
+// keys t0 to t1, into out[g * out_stride + t].
 template <typename T>
 void head_group_scores(const float* q, int64_t group, const T* const* slots, int64_t offset,
-                       int64_t len, int64_t n, float* out) {
+                       int64_t t0, int64_t t1, int64_t n, float* out, int64_t out_stride) {
 #ifdef FREETOKEN_AVX2
   if (n % 8 == 0) {
     switch (group) {
-      case 1: return group_scores<T, 1>(q, slots, offset, len, n, out);
-      case 2: return group_scores<T, 2>(q, slots, offset, len, n, out);
-      case 3: return group_scores<T, 3>(q, slots, offset, len, n, out);
-      case 4: return group_scores<T, 4>(q, slots, offset, len, n, out);
+      case 1: return group_scores<T, 1>(q, slots, offset, t0, t1, n, out, out_stride);
+      case 2: return group_scores<T, 2>(q, slots, offset, t0, t1, n, out, out_stride);
+      case 3: return group_scores<T, 3>(q, slots, offset, t0, t1, n, out, out_stride);
+      case 4: return group_scores<T, 4>(q, slots, offset, t0, t1, n, out, out_stride);
       default: break;
     }
   }
 #endif
   for (int64_t g = 0; g < group; ++g)
-    row_scores(q + g * n, slots, offset, len, n, out + g * len);
+    row_scores(q + g * n, slots, offset, t0, t1, n, out + g * out_stride);
 }
 
 #ifdef FREETOKEN_AVX2
-// acc[r][0:32] = sum_t p[r * len + t] * (slots[t] + offset)[0:32], for R rows at once,
-// the 4 x R accumulators held in registers.
+// acc[r][0:32] (+)= sum over t in [t0, t1) of p[r * p_stride + t] * (slots[t] + offset)[0:32],
+// for R rows at once, the 4 x R accumulators held in registers: from zero with `first`, else
+// from acc (the sum so far, in t's order: the same floats as one pass over every t).
 template <typename T, int R>
-void weighted_values_32(const float* p, int64_t len, const T* const* slots, int64_t offset,
-                        float* acc, int64_t acc_stride) {
+void weighted_values_32(const float* p, int64_t p_stride, int64_t t0, int64_t t1, bool first,
+                        const T* const* slots, int64_t offset, float* acc, int64_t acc_stride) {
   __m256 a[R][4];
   for (int r = 0; r < R; ++r)
-    for (int k = 0; k < 4; ++k) a[r][k] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < len; ++t) {
+    for (int k = 0; k < 4; ++k)
+      a[r][k] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * acc_stride + 8 * k);
+  for (int64_t t = t0; t < t1; ++t) {
     const T* v = slots[t] + offset;
-    if (t + kAheadSlots < len) {
+    if (t + kAheadSlots < t1) {
       const char* p = reinterpret_cast<const char*>(slots[t + kAheadSlots] + offset);
       _mm_prefetch(p, _MM_HINT_T0);
       _mm_prefetch(p + 32 * sizeof(T) - 1, _MM_HINT_T0);
     }
     const __m256 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
     for (int r = 0; r < R; ++r) {
-      const __m256 pr = _mm256_broadcast_ss(p + r * len + t);
+      const __m256 pr = _mm256_broadcast_ss(p + r * p_stride + t);
       a[r][0] = _mm256_fmadd_ps(pr, v0, a[r][0]);
       a[r][1] = _mm256_fmadd_ps(pr, v1, a[r][1]);
       a[r][2] = _mm256_fmadd_ps(pr, v2, a[r][2]);
@@ -230,31 +236,37 @@ void weighted_values_32(const float* p, int64_t len, const T* const* slots, int6
 }
 #endif
 
-// acc[r][0:n] = sum_t p[r * len + t] * (slots[t] + offset)[0:n] for `rows` rows that share
-// the values (the query heads of one KV head).
+// acc[r][0:n] (+)= sum over t in [t0, t1) of p[r * p_stride + t] * (slots[t] + offset)[0:n]
+// for `rows` rows that share the values (the query heads of one KV head); `first` starts
+// from zero.
 template <typename T>
-void weighted_values(const float* p, int64_t rows, int64_t len, const T* const* slots,
-                     int64_t offset, int64_t n, float* acc) {
+void weighted_values(const float* p, int64_t rows, int64_t p_stride, int64_t t0, int64_t t1,
+                     bool first, const T* const* slots, int64_t offset, int64_t n, float* acc) {
 #ifdef FREETOKEN_AVX2
   if (n % 32 == 0) {
     for (int64_t r = 0; r < rows; r += 3) {
       for (int64_t c = 0; c < n; c += 32) {
-        const float* pr = p + r * len;
+        const float* pr = p + r * p_stride;
         float* out = acc + r * n + c;
         switch (std::min<int64_t>(3, rows - r)) {
-          case 3: weighted_values_32<T, 3>(pr, len, slots, offset + c, out, n); break;
-          case 2: weighted_values_32<T, 2>(pr, len, slots, offset + c, out, n); break;
-          default: weighted_values_32<T, 1>(pr, len, slots, offset + c, out, n); break;
+          case 3: weighted_values_32<T, 3>(pr, p_stride, t0, t1, first, slots, offset + c, out, n); break;
+          case 2: weighted_values_32<T, 2>(pr, p_stride, t0, t1, first, slots, offset + c, out, n); break;
+          default: weighted_values_32<T, 1>(pr, p_stride, t0, t1, first, slots, offset + c, out, n); break;
         }
       }
     }
     return;
   }
 #endif
-  std::fill(acc, acc + rows * n, 0.f);
-  for (int64_t t = 0; t < len; ++t)
-    for (int64_t r = 0; r < rows; ++r) axpy(p[r * len + t], slots[t] + offset, acc + r * n, n);
+  if (first) std::fill(acc, acc + rows * n, 0.f);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t r = 0; r < rows; ++r)
+      axpy(p[r * p_stride + t], slots[t] + offset, acc + r * n, n);
 }
+
+// Queries of a run, and keys a run's queries take together (a multiple of 4: the scores'
+// groups of four keys).
+constexpr int64_t kRun = 8, kRunChunk = 64;
 
 template <typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
@@ -271,62 +283,106 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   T* out_ptr = out.data_ptr<T>();
   const float scale_f = static_cast<float>(scale);
 
-  // With enough sequences, one work item is a whole sequence, so that each cache slot
-  // (all KV heads' keys, then values, side by side) is streamed once, in order. With few
-  // sequences, items are (sequence, KV head) pairs, to keep every thread busy.
+  // Runs: consecutive queries of one sequence (the tokens of a prefill chunk: the same cache
+  // blocks, each context one key longer), up to kRun of them, computed together key chunk
+  // by key chunk, so that each chunk's keys and values are read from memory once for the
+  // run rather than once per query. Every query's arithmetic is the one it has alone (the
+  // same scores, the same softmax, the values summed in the same order): a run changes only
+  // which loads hit the cache. Decoding sequences are runs of one.
+  std::vector<int64_t> runs = {0};
+  for (int64_t i = 1; i <= num_seqs; ++i) {
+    const int64_t first = runs.back();
+    const bool extends =
+        i < num_seqs && i - first < kRun && lens[i] == lens[i - 1] + 1 &&
+        std::equal(tables + i * table_width,
+                   tables + i * table_width + (lens[i] + block_size - 1) / block_size,
+                   tables + first * table_width);
+    if (!extends) runs.push_back(i);
+  }
+  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1;
+
+  // With enough runs, one work item is a whole run, so that each cache slot (all KV heads'
+  // keys, then values, side by side) is streamed once, in order. With few, items are
+  // (run, KV head) pairs, to keep every thread busy.
   const int64_t heads_per_item =
-      num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t items_per_seq = num_kv_heads / heads_per_item;
-  const int64_t rows = heads_per_item * group;  // query heads of one item
+      num_runs >= 2 * freetoken::work_threads() ? num_kv_heads : 1;
+  const int64_t items_per_run = num_kv_heads / heads_per_item;
+  const int64_t rows = heads_per_item * group;  // query heads of one item, per query
 
   // Items longest context first, handed out to the threads in shrinking pieces
   // (guided_for): the long ones start early and the short ones fill the end, so both threads
   // finish together whatever the mix of lengths (a prefill chunk's tokens have growing
   // contexts; decoding sequences are at different points of their answers).
-  const int64_t num_items = num_seqs * items_per_seq;
+  const int64_t num_items = num_runs * items_per_run;
   std::vector<int64_t> order(num_items);
   std::iota(order.begin(), order.end(), 0);
+  const auto longest = [&](int64_t run) { return lens[runs[run + 1] - 1]; };
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return lens[a / items_per_seq] > lens[b / items_per_seq];
+    return longest(a / items_per_run) > longest(b / items_per_run);
   });
   freetoken::guided_for(num_items, 1, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(rows * head_dim), acc(rows * head_dim), inv(rows), scores;
+    std::vector<float> qf, acc, inv, scores;
     std::vector<const T*> slots;
     for (int64_t j = begin; j < end; ++j) {
       const int64_t item = order[j];
-      const int64_t seq = item / items_per_seq;
-      const int64_t kv0 = (item % items_per_seq) * heads_per_item;
-      const int64_t len = lens[seq];
-      const int32_t* table = tables + seq * table_width;
-      const T* q_item = q_ptr + seq * q_stride + kv0 * group * head_dim;
-      for (int64_t i = 0; i < rows * head_dim; ++i) qf[i] = to_float(q_item[i]) * scale_f;
-      // Where each key's slot lies, block by block.
-      slots.resize(len);
-      for (int64_t t = 0; t < len; t += block_size) {
-        const T* block = cache + static_cast<int64_t>(table[t / block_size]) * block_size * slot_stride;
-        for (int64_t i = 0; i < block_size && t + i < len; ++i) slots[t + i] = block + i * slot_stride;
+      const int64_t run = item / items_per_run;
+      const int64_t first = runs[run], count = runs[run + 1] - first;
+      const int64_t kv0 = (item % items_per_run) * heads_per_item;
+      const int64_t most = lens[first + count - 1];
+      // One query's keys at a time where the run is one query (no accumulators to carry).
+      const int64_t chunk = count == 1 ? most : kRunChunk;
+      qf.resize(count * rows * head_dim);
+      acc.resize(count * rows * head_dim);
+      inv.resize(count * rows);
+      scores.resize(count * rows * most);  // query i, row r: scores[(i * rows + r) * most + t]
+      for (int64_t i = 0; i < count; ++i) {
+        const T* q_item = q_ptr + (first + i) * q_stride + kv0 * group * head_dim;
+        for (int64_t e = 0; e < rows * head_dim; ++e)
+          qf[i * rows * head_dim + e] = to_float(q_item[e]) * scale_f;
       }
-      scores.resize(rows * len);
+      // Where each key's slot lies, block by block (the run's queries share the blocks).
+      const int32_t* table = tables + (first + count - 1) * table_width;
+      slots.resize(most);
+      for (int64_t t = 0; t < most; t += block_size) {
+        const T* block = cache + static_cast<int64_t>(table[t / block_size]) * block_size * slot_stride;
+        for (int64_t i = 0; i < block_size && t + i < most; ++i) slots[t + i] = block + i * slot_stride;
+      }
       // Pass 1: scores of every query head of the item against every key, the heads of a
       // KV head together.
       for (int64_t h = 0; h < heads_per_item; ++h)
-        head_group_scores(qf.data() + h * group * head_dim, group, slots.data(),
-                          (kv0 + h) * head_dim, len, head_dim,
-                          scores.data() + h * group * len);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* s = scores.data() + r * len;
-        const float max = *std::max_element(s, s + len);
-        inv[r] = 1.f / exp_and_sum(s, len, max);
-      }
+        for (int64_t t0 = 0; t0 < most; t0 += chunk)
+          for (int64_t i = 0; i < count; ++i) {
+            const int64_t len = lens[first + i];
+            if (t0 >= len) continue;
+            head_group_scores(qf.data() + (i * rows + h * group) * head_dim, group, slots.data(),
+                              (kv0 + h) * head_dim, t0, std::min(t0 + chunk, len), head_dim,
+                              scores.data() + (i * rows + h * group) * most, most);
+          }
+      for (int64_t i = 0; i < count; ++i)
+        for (int64_t r = 0; r < rows; ++r) {
+          float* s = scores.data() + (i * rows + r) * most;
+          const int64_t len = lens[first + i];
+          const float max = *std::max_element(s, s + len);
+          inv[i * rows + r] = 1.f / exp_and_sum(s, len, max);
+        }
       // Pass 2: probability-weighted sum of the values, per KV head.
       for (int64_t h = 0; h < heads_per_item; ++h)
-        weighted_values(scores.data() + h * group * len, group, len, slots.data(),
-                        (num_kv_heads + kv0 + h) * head_dim, head_dim,
-                        acc.data() + h * group * head_dim);
-      T* o = out_ptr + (seq * num_heads + kv0 * group) * head_dim;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t i = 0; i < head_dim; ++i)
-          from_float(acc[r * head_dim + i] * inv[r], o + r * head_dim + i);
+        for (int64_t t0 = 0; t0 < most; t0 += chunk)
+          for (int64_t i = 0; i < count; ++i) {
+            const int64_t len = lens[first + i];
+            if (t0 >= len) continue;
+            weighted_values(scores.data() + (i * rows + h * group) * most, group, most, t0,
+                            std::min(t0 + chunk, len), t0 == 0, slots.data(),
+                            (num_kv_heads + kv0 + h) * head_dim, head_dim,
+                            acc.data() + (i * rows + h * group) * head_dim);
+          }
+      for (int64_t i = 0; i < count; ++i) {
+        T* o = out_ptr + ((first + i) * num_heads + kv0 * group) * head_dim;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t e = 0; e < head_dim; ++e)
+            from_float(acc[(i * rows + r) * head_dim + e] * inv[i * rows + r],
+                       o + r * head_dim + e);
+      }
     }
   });
 }

@@ -79,6 +79,13 @@ inline void barrier(Member& m) {
 
 inline bool in_team() { return current_member != nullptr; }
 
+// The threads that share a kernel's work: a team's size inside a team, where every member
+// must take the same decisions from it (ATen's thread count is a per-thread setting that the
+// members need not share), else ATen's thread count.
+inline int64_t work_threads() {
+  return current_member != nullptr ? current_member->size : at::get_num_threads();
+}
+
 // body() on each of ATen's threads inside one parallel region, as a team: the kernels it
 // calls share their work among the members (guided_for, parallel_rows). Every member must
 // call the same kernels on the same shapes, and nothing that allocates per member. One
