@@ -83,6 +83,24 @@ inline void axpy(float p, const T* v, float* acc, int64_t n) {
   for (; i < n; ++i) acc[i] += p * to_float(v[i]);
 }
 
+// The largest of s[0:n] (n >= 1), eight lanes at a time: the branchy scalar loop it replaces
+// cost a cycle or two per score, a seventh of a long context's attention.
+inline float max_of(const float* s, int64_t n) {
+  int64_t i = 0;
+  float m = s[0];
+#ifdef FREETOKEN_AVX2
+  if (n >= 8) {
+    __m256 mv = _mm256_loadu_ps(s);
+    for (i = 8; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+#endif
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  return m;
+}
+
 // scores[0:n] = exp(scores - max), returns their sum.
 inline float exp_and_sum(float* s, int64_t n, float max) {
   int64_t i = 0;
@@ -362,7 +380,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
         for (int64_t r = 0; r < rows; ++r) {
           float* s = scores.data() + (i * rows + r) * most;
           const int64_t len = lens[first + i];
-          const float max = *std::max_element(s, s + len);
+          const float max = max_of(s, len);
           inv[i * rows + r] = 1.f / exp_and_sum(s, len, max);
         }
       // Pass 2: probability-weighted sum of the values, per KV head.
