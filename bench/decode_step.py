@@ -7,14 +7,20 @@ kernel (the default), one whose linears are float32 oneDNN GEMMs of the same wei
 ``--tokens`` tokens (default 128, as bench/vs_llamacpp.py's requests do) in 8 windows; the
 engines alternate window by window, so that the machine's drift hits both alike, and each
 window times its steps after 3 untimed ones (the other engine's turn has just filled the
-caches with its own weights). The figure is the median of the windows' mean steps: the
-step at the middle of the answers' contexts. A step grows with its sequences' contexts
-(every step reads all their keys and values: at 16 sequences of chat prompts ~25 ms at
-~50 tokens of context, ~41 ms at ~320 on the Intel Xeon), and with what their prompts share
-(a shared prefix is one set of cache blocks that all of them read), so the served ITL
-compares with this figure for the same prompts and token count only. The GGUF column is the engine step the served inter-token
-latency is held to; the sequences have bench/vs_llamacpp.py's prompts and sample as its
-requests do (temperature 0.8, ``--temperature``), each with its own seed.
+caches with its own weights). A figure is the median of the windows' mean steps: the step
+at the middle of the answers' contexts.
+
+The figures are the engine core's decode steps (``EngineCore.step_times``, what a server
+reports in ``/metrics`` as ``freetoken_engine_decode_step_seconds``): a server's engine
+process runs them while its HTTP process detokenizes. ``+ detok`` is the GGUF engine's
+whole ``LLMEngine.step``, which detokenizes in the same thread. The GGUF column is the
+engine step the served inter-token latency is held to; the sequences have
+bench/vs_llamacpp.py's prompts and sample as its requests do (temperature 0.8,
+``--temperature``), each with its own seed. A step grows with its sequences' contexts
+(every step reads all their keys and values: at 16 sequences of chat prompts ~25 ms at ~50
+tokens of context, ~41 ms at ~320 on the Intel Xeon) and with what their prompts share (a
+shared prefix is one set of cache blocks that all of them read), so the served ITL compares
+with these figures for the same prompts and token count only.
 
     python bench/decode_step.py [--sizes 1,8,16,24,32,64] [--tokens 128] [--temperature 0.8]
 """
@@ -47,7 +53,8 @@ def main() -> None:
     from freetoken_core import LLM, SamplingParams
     from freetoken_core.models import layers
 
-    print(f"{'sequences':>9}{'float32 GEMM':>16}{'GGUF blocks':>15}{'tok/s':>9}")
+    print(f"{'sequences':>9}{'float32 GEMM':>16}{'GGUF blocks':>15}{'+ detok':>15}"
+          f"{'tok/s':>9}")
     for size in map(int, args.sizes.split(",")):
         engines = {}
         for use_blocks in (False, True):
@@ -68,17 +75,25 @@ def main() -> None:
                 llm.engine.step()  # prefill
             engines[use_blocks] = llm.engine
         times: dict[bool, list[float]] = {False: [], True: []}
+        whole: list[float] = []  # LLMEngine.step of the GGUF engine, detokenization included
         for _ in range(WINDOWS):
             for use_blocks, samples in times.items():
+                engine = engines[use_blocks]
                 for _ in range(WARM_STEPS):
-                    engines[use_blocks].step()
+                    engine.step()
+                core = engine.core.step_times
+                seconds, count = core.decode_seconds, core.decode_count
                 start = time.perf_counter()
                 for _ in range(window - WARM_STEPS):
-                    engines[use_blocks].step()
-                samples.append((time.perf_counter() - start) / (window - WARM_STEPS) * 1000)
+                    engine.step()
+                elapsed = time.perf_counter() - start
+                samples.append((core.decode_seconds - seconds) /
+                               (core.decode_count - count) * 1000)
+                if use_blocks:
+                    whole.append(elapsed / (window - WARM_STEPS) * 1000)
         gemm, gguf = statistics.median(times[False]), statistics.median(times[True])
-        print(f"{size:>9}{gemm:>13.1f} ms{gguf:>12.1f} ms{size / gguf * 1000:>9.1f}",
-              flush=True)
+        print(f"{size:>9}{gemm:>13.1f} ms{gguf:>12.1f} ms{statistics.median(whole):>12.1f} ms"
+              f"{size / gguf * 1000:>9.1f}", flush=True)
         del engines
 
 if __name__ == "__main__":
