@@ -154,8 +154,9 @@ void row_scores(const float* q, const T* const* slots, int64_t offset, int64_t t
 
 #ifdef FREETOKEN_AVX2
 // Slots ahead of the one being read whose bytes are requested early: a sequence's slots lie
-// in blocks scattered over the cache, one key or value of a head 256 bytes within each
-// 1,536-byte slot, a stride the hardware prefetchers do not follow across 4 KiB.
+// in blocks scattered over the cache, and a head's key or value is a short piece of each
+// slot (256 of 1,536 bytes in the default model), a stride the hardware prefetchers do not
+// follow across 4 KiB.
 constexpr int64_t kAheadSlots = 8;
 
 template <typename T>
