@@ -35,11 +35,12 @@ inline float load_float(const uint8_t* p) {
 }
 
 // The kernels' layout of a weight's blocks (freetoken_core.models.layers.interleave_blocks
-// makes it from the file's rows, kernel_blocks after widening the Q4_1 scales): the output features in groups of kGroup, the last group
-// holding what is left (1 to kGroup), each group's blocks interleaved by block index, so
-// that block b of the group's feature i lies at group start + (b * group size + i) * block
-// bytes. A group starts where its first feature's row of blocks started in the file's
-// layout (feature g0 at g0 * row bytes), and ends where its last one's ended.
+// makes it from the file's rows, kernel_blocks after widening the Q4_1 scales): the output
+// features in groups of kGroup, the last group holding what is left (1 to kGroup), each
+// group's blocks interleaved by block index, so that block b of the group's feature i lies
+// at group start + (b * group size + i) * block bytes. A group starts where its first
+// feature's row of blocks started in the file's layout (feature g0 at g0 * row bytes), and
+// ends where its last one's ended.
 //
 // Why: the kernels read several features' blocks side by side (four at one row), and in the
 // file's layout those are four streams a row apart (612 bytes for the tied head), which the

@@ -122,36 +122,6 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
   return sum;
 }
 
-// out[t] = q . (slots[t] + offset)[0:n] for t in [t0, t1): four keys at a time, their
-// four dot products reduced together, then one by one. t0 is a multiple of 4, so a key is in
-// the same four whatever range it is computed in, unless it is one of the last t1 % 4 of
-// its query's context (t1 is then that context's length).
-template <typename T>
-void row_scores(const float* q, const T* const* slots, int64_t offset, int64_t t0, int64_t t1,
-                int64_t n, float* out) {
-  int64_t t = t0;
-#ifdef FREETOKEN_AVX2
-  if (n % 8 == 0) {
-    for (; t + 4 <= t1; t += 4) {
-      const T *k0 = slots[t] + offset, *k1 = slots[t + 1] + offset;
-      const T *k2 = slots[t + 2] + offset, *k3 = slots[t + 3] + offset;
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-      for (int64_t i = 0; i < n; i += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + i);
-        a0 = _mm256_fmadd_ps(qv, load8(k0 + i), a0);
-        a1 = _mm256_fmadd_ps(qv, load8(k1 + i), a1);
-        a2 = _mm256_fmadd_ps(qv, load8(k2 + i), a2);
-        a3 = _mm256_fmadd_ps(qv, load8(k3 + i), a3);
-      }
-      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      _mm_storeu_ps(out + t, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
-    }
-  }
-#endif
-  for (; t < t1; ++t) out[t] = dot(q, slots[t] + offset, n);
-}
-
 #ifdef FREETOKEN_AVX2
 // Slots ahead of the one being read whose bytes are requested early: a sequence's slots lie
 // in blocks scattered over the cache, and a head's key or value is a short piece of each
@@ -159,19 +129,20 @@ void row_scores(const float* q, const T* const* slots, int64_t offset, int64_t t
 // follow across 4 KiB.
 constexpr int64_t kAheadSlots = 8;
 
+// The cache lines of p[0:count] requested into L1.
 template <typename T>
-inline void prefetch_keys(const T* const* slots, int64_t first, int64_t len, int64_t offset,
-                          int64_t bytes) {
-  for (int64_t t = first; t < std::min(first + 4, len); ++t) {
-    const char* p = reinterpret_cast<const char*>(slots[t] + offset);
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-  }
+inline void prefetch(const T* p, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < count * static_cast<int64_t>(sizeof(T)); b += 64)
+    _mm_prefetch(bytes + b, _MM_HINT_T0);
 }
 
-// row_scores for the G query heads of one KV head at once: each key vector is loaded once
-// for the G heads (4 keys x G heads of FMA chains per pass) instead of once per head. Each
-// score is summed in row_scores' very order (the same FMA chain over the 8-lane pieces, then
-// the same reduction of its lanes), so the scores are the same floats.
+// out[g * out_stride + t] = q[g] . (slots[t] + offset)[0:n] for the G query heads of one KV
+// head and t in [t0, t1): four keys at a time, each key vector loaded once for the G heads
+// (4 keys x G heads of FMA chains per pass), each score's 8 lanes reduced with its four
+// (hadd), then the keys left one by one (dot). t0 is a multiple of 4, so a key is in the
+// same four whatever range it is computed in, unless it is one of the last t1 % 4 of its
+// query's context (t1 is then that context's length): the same floats for any G and range.
 template <typename T, int G>
 void group_scores(const float* q, const T* const* slots, int64_t offset, int64_t t0,
                   int64_t t1, int64_t n, float* out, int64_t out_stride) {
@@ -179,7 +150,8 @@ void group_scores(const float* q, const T* const* slots, int64_t offset, int64_t
   for (; t + 4 <= t1; t += 4) {
     const T* k[4] = {slots[t] + offset, slots[t + 1] + offset, slots[t + 2] + offset,
                      slots[t + 3] + offset};
-    prefetch_keys(slots, t + kAheadSlots, t1, offset, n * sizeof(T));
+    for (int64_t ahead = t + kAheadSlots; ahead < std::min(t + kAheadSlots + 4, t1); ++ahead)
+      prefetch(slots[ahead] + offset, n);
     __m256 a[G][4];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
@@ -215,12 +187,16 @@ void head_group_scores(const float* q, int64_t group, const T* const* slots, int
       case 2: return group_scores<T, 2>(q, slots, offset, t0, t1, n, out, out_stride);
       case 3: return group_scores<T, 3>(q, slots, offset, t0, t1, n, out, out_stride);
       case 4: return group_scores<T, 4>(q, slots, offset, t0, t1, n, out, out_stride);
-      default: break;
+      default:
+        for (int64_t g = 0; g < group; ++g)
+          group_scores<T, 1>(q + g * n, slots, offset, t0, t1, n, out + g * out_stride, 1);
+        return;
     }
   }
 #endif
   for (int64_t g = 0; g < group; ++g)
-    row_scores(q + g * n, slots, offset, t0, t1, n, out + g * out_stride);
+    for (int64_t t = t0; t < t1; ++t)
+      out[g * out_stride + t] = dot(q + g * n, slots[t] + offset, n);
 }
 
 #ifdef FREETOKEN_AVX2
@@ -236,11 +212,7 @@ void weighted_values_32(const float* p, int64_t p_stride, int64_t t0, int64_t t1
       a[r][k] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * acc_stride + 8 * k);
   for (int64_t t = t0; t < t1; ++t) {
     const T* v = slots[t] + offset;
-    if (t + kAheadSlots < t1) {
-      const char* p = reinterpret_cast<const char*>(slots[t + kAheadSlots] + offset);
-      _mm_prefetch(p, _MM_HINT_T0);
-      _mm_prefetch(p + 32 * sizeof(T) - 1, _MM_HINT_T0);
-    }
+    if (t + kAheadSlots < t1) prefetch(slots[t + kAheadSlots] + offset, 32);
     const __m256 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
     for (int r = 0; r < R; ++r) {
       const __m256 pr = _mm256_broadcast_ss(p + r * p_stride + t);
@@ -268,9 +240,14 @@ void weighted_values(const float* p, int64_t rows, int64_t p_stride, int64_t t0,
         const float* pr = p + r * p_stride;
         float* out = acc + r * n + c;
         switch (std::min<int64_t>(3, rows - r)) {
-          case 3: weighted_values_32<T, 3>(pr, p_stride, t0, t1, first, slots, offset + c, out, n); break;
-          case 2: weighted_values_32<T, 2>(pr, p_stride, t0, t1, first, slots, offset + c, out, n); break;
-          default: weighted_values_32<T, 1>(pr, p_stride, t0, t1, first, slots, offset + c, out, n); break;
+          case 3:
+            weighted_values_32<T, 3>(pr, p_stride, t0, t1, first, slots, offset + c, out, n);
+            break;
+          case 2:
+            weighted_values_32<T, 2>(pr, p_stride, t0, t1, first, slots, offset + c, out, n);
+            break;
+          default:
+            weighted_values_32<T, 1>(pr, p_stride, t0, t1, first, slots, offset + c, out, n);
         }
       }
     }
@@ -363,8 +340,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
       const int32_t* table = tables + (first + count - 1) * table_width;
       slots.resize(most);
       for (int64_t t = 0; t < most; t += block_size) {
-        const T* block = cache + static_cast<int64_t>(table[t / block_size]) * block_size * slot_stride;
-        for (int64_t i = 0; i < block_size && t + i < most; ++i) slots[t + i] = block + i * slot_stride;
+        const T* block =
+            cache + static_cast<int64_t>(table[t / block_size]) * block_size * slot_stride;
+        for (int64_t i = 0; i < block_size && t + i < most; ++i)
+          slots[t + i] = block + i * slot_stride;
       }
       // Pass 1: scores of every query head of the item against every key, the heads of a
       // KV head together.
