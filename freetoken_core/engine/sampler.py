@@ -166,7 +166,11 @@ class Sampler:
             pipeline.prepare_step(batch.slot_list)
             pipeline.apply(logits, batch.slots, post_temperature=False,
                            all_greedy=batch.all_greedy)
-        if batch.all_greedy:
+        if batch.all_greedy and self._native_draw(logits):
+            # The kernel's argmax (temperature 0: max, then its first index, rows in
+            # parallel): torch's argmax took 0.9 ms of a 28 ms step of 16 rows on the Xeon.
+            tokens, finite = self._native_sample(logits, batch)
+        elif batch.all_greedy:
             tokens = logits.argmax(dim=-1)
             finite = _finite_rows(logits)
         else:
