@@ -216,6 +216,7 @@ void dequant_panel(const uint8_t* blocks, int64_t features, int64_t row_bytes,
   for (int64_t f = 0; f < count; ++f) {
     const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, block_bytes(QT), n0 + f);
     float* dst = panel + f * k;
+#pragma GCC unroll 2
     for (int64_t b = 0; b < num_blocks; ++b) {
       vf w[kVecs];
       dequant<QT>(fb.first + b * fb.stride, w);
@@ -236,6 +237,9 @@ inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k, fl
   vf acc[RT][FT];
   for (int r = 0; r < RT; ++r)
     for (int f = 0; f < FT; ++f) acc[r][f] = vzero();
+  // Unrolled four times: 2-3 % more of the tile at 16-64 rows (paired, the Xeon; the same
+  // operations in the same order).
+#pragma GCC unroll 4
   for (int64_t i = 0; i < k; i += kLanes) {
     vf wv[FT];
     for (int f = 0; f < FT; ++f) {

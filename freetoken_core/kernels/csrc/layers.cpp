@@ -88,6 +88,16 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
       int64_t i = 0;
 #ifdef FREETOKEN_AVX2
       if constexpr (std::is_same_v<T, float>) {
+#if defined(__AVX512F__)
+        // 16 lanes where the CPU has them (the same floats: exp16 is exp8 lane by lane).
+        const __m512 one16 = _mm512_set1_ps(1.f);
+        for (; i + 16 <= d; i += 16) {
+          const __m512 g = _mm512_loadu_ps(gate + i);
+          const __m512 e = freetoken::vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+          const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one16, e));
+          _mm512_storeu_ps(o + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+        }
+#endif
         const __m256 one = _mm256_set1_ps(1.f);
         for (; i + 8 <= d; i += 8) {
           const __m256 g = _mm256_loadu_ps(gate + i);
