@@ -184,6 +184,21 @@ def test_generate_plugins_and_param(tiny_model_dir, capsys: pytest.CaptureFixtur
     assert "use --top-p" in capsys.readouterr().err
 
 
+def test_generate_block_size_reaches_the_engine(tiny_model_dir,
+                                               capsys: pytest.CaptureFixture) -> None:
+    """--block-size sizes the KV cache's blocks: a bad one is the engine config's error, and
+    the text is the same at any size (attention sums each key in its position's order)."""
+    base = ["generate", "Once upon a time", "--raw", "--model", str(tiny_model_dir),
+            "--max-tokens", "12", "--kv-cache-tokens", "4096"]
+    texts = []
+    for size in ("4", "16"):
+        assert main([*base, "--block-size", size]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].strip()
+    assert main([*base, "--block-size", "0"]) != 0
+    assert "block_size: must be >= 1" in capsys.readouterr().err
+
+
 # -- freetoken bench plugin ---------------------------------------------------------------
 
 ROW = re.compile(r"^\((a|b|c)\) (.+?)\s+(\d+\.\d+)\s+(\d+\.\d+)x$")
