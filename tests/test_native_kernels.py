@@ -301,8 +301,9 @@ def test_gguf_linear_sums_each_row_the_same_way_whatever_the_row_count(op: str,
                                                                        qtype: int) -> None:
     """Batch invariance: a row's output is bit-identical alone and among 1 to 199 others,
     across the kernels' register paths (few rows), their panels or row groups (many) and
-    the panels' slices of a prompt's rows (200 rows of this K are two), for a feature count
-    that leaves partial panels and tiles and a K of 42 blocks (scale chunks of 32 and 10).
+    the panels' slices of a prompt's rows (200 rows of this K are two) and their pieces of K
+    (1,344 is two: the tiles carry their accumulators across), for a feature count that
+    leaves partial panels and tiles and a K of 42 blocks (scale chunks of 32 and 10).
     Both the exact kernel and the 8-bit-activation one."""
     from gguf import quants
 

@@ -269,20 +269,24 @@ void dequant_panel(const uint8_t* blocks, int64_t features, int64_t row_bytes,
 inline void in_register(vf& v) { asm("" : "+x"(v)); }
 
 // out[r, f] = vsum over i of fma(w[f, Li:], x[r, Li:]) for RT rows and FT features: RT x FT
-// accumulators in registers, each weight vector loaded once for RT rows.
+// accumulators in registers, each weight vector loaded once for RT rows. Over i in [k0, k1)
+// of the k = w_stride weights: from zero where k0 = 0, else from the lanes `carry` holds
+// (the accumulators a call on [.., k0) left there, exactly); the lane sums into out where
+// k1 = k, else the accumulators into carry. One call over [0, k) or calls over consecutive
+// ranges: the same floats.
 template <int RT, int FT>
-inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k, float* out,
-                 int64_t out_stride) {
+inline void tile(const float* x, int64_t x_stride, const float* w, int64_t w_stride, int64_t k0,
+                 int64_t k1, float* out, int64_t out_stride, vf* carry) {
   vf acc[RT][FT];
   for (int r = 0; r < RT; ++r)
-    for (int f = 0; f < FT; ++f) acc[r][f] = vzero();
+    for (int f = 0; f < FT; ++f) acc[r][f] = k0 == 0 ? vzero() : carry[r * FT + f];
   // Unrolled four times: 2-3 % more of the tile at 16-64 rows (paired, the Xeon; the same
   // operations in the same order).
 #pragma GCC unroll 4
-  for (int64_t i = 0; i < k; i += kLanes) {
+  for (int64_t i = k0; i < k1; i += kLanes) {
     vf wv[FT];
     for (int f = 0; f < FT; ++f) {
-      wv[f] = vload(w + f * k + i);
+      wv[f] = vload(w + f * w_stride + i);
       in_register(wv[f]);
     }
     for (int r = 0; r < RT; ++r) {
@@ -290,6 +294,11 @@ inline void tile(const float* x, int64_t x_stride, const float* w, int64_t k, fl
       in_register(xv);
       for (int f = 0; f < FT; ++f) acc[r][f] = vfma(wv[f], xv, acc[r][f]);
     }
+  }
+  if (k1 < w_stride) {
+    for (int r = 0; r < RT; ++r)
+      for (int f = 0; f < FT; ++f) carry[r * FT + f] = acc[r][f];
+    return;
   }
   for (int r = 0; r < RT; ++r) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -317,28 +326,37 @@ constexpr int kTileRows = 4, kTileCols = 2;
 constexpr int64_t kPanel = 2 * kTileCols;  // features per panel: its float32 weights stay in L1
 
 template <int RT, int FT = kTileCols>
-inline void tile_cols(const float* x, int64_t x_stride, const float* w, int64_t k, float* out,
-                      int64_t out_stride, int64_t cols) {
+inline void tile_cols(const float* x, int64_t x_stride, const float* w, int64_t k, int64_t k0,
+                      int64_t k1, float* out, int64_t out_stride, int64_t cols, vf* carry) {
   if constexpr (FT > 1) {
-    if (cols < FT) return tile_cols<RT, FT - 1>(x, x_stride, w, k, out, out_stride, cols);
+    if (cols < FT)
+      return tile_cols<RT, FT - 1>(x, x_stride, w, k, k0, k1, out, out_stride, cols, carry);
   }
-  tile<RT, FT>(x, x_stride, w, k, out, out_stride);
+  tile<RT, FT>(x, x_stride, w, k, k0, k1, out, out_stride, carry);
 }
 
 template <int RT = kTileRows>
-inline void tile_rows(const float* x, int64_t x_stride, const float* w, int64_t k, float* out,
-                      int64_t out_stride, int64_t rows, int64_t cols) {
+inline void tile_rows(const float* x, int64_t x_stride, const float* w, int64_t k, int64_t k0,
+                      int64_t k1, float* out, int64_t out_stride, int64_t rows, int64_t cols,
+                      vf* carry) {
   if constexpr (RT > 1) {
-    if (rows < RT) return tile_rows<RT - 1>(x, x_stride, w, k, out, out_stride, rows, cols);
+    if (rows < RT)
+      return tile_rows<RT - 1>(x, x_stride, w, k, k0, k1, out, out_stride, rows, cols, carry);
   }
-  tile_cols<RT>(x, x_stride, w, k, out, out_stride, cols);
+  tile_cols<RT>(x, x_stride, w, k, k0, k1, out, out_stride, cols, carry);
 }
+
+// Above this many weights per row, the tiles take k in pieces of kKPiece (the accumulators
+// carried between them): down_proj's 1,536 made a tile's 6 rows and 4 features of x and
+// weights 60 KB, past the 48 KB L1 of the Xeon, so both streamed from L2 (157 GFLOP/s at 16
+// rows where the K = 576 linears ran at ~205).
+constexpr int64_t kKPieceAbove = 1024, kKPiece = 768;
 
 // Rows [0, rows) against features [n0, n1), kPanel features at a time through `panel`.
 template <int64_t QT>
 void panels(const float* x, int64_t rows, const uint8_t* blocks, int64_t features,
             int64_t row_bytes, int64_t num_blocks, float* out, int64_t out_stride, int64_t n0,
-            int64_t n1, float* panel) {
+            int64_t n1, float* panel, vf* carry) {
   const int64_t k = num_blocks * kBlock;
   for (int64_t p0 = n0; p0 < n1; p0 += kPanel) {
     const int64_t count = std::min(kPanel, n1 - p0);
@@ -348,14 +366,19 @@ void panels(const float* x, int64_t rows, const uint8_t* blocks, int64_t feature
     if (p0 + kPanel < n1)
       prefetch_range<_MM_HINT_T1>(blocks + (p0 + kPanel) * row_bytes,
                                   std::min(kPanel, n1 - p0 - kPanel) * row_bytes);
-    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
-      const float* xr = x + r0 * k;
-      const int64_t rt = std::min<int64_t>(kTileRows, rows - r0);
-      for (int64_t f0 = 0; f0 < count; f0 += kTileCols) {
-        const int64_t ft = std::min<int64_t>(kTileCols, count - f0);
-        float* o = out + r0 * out_stride + p0 + f0;
-        const float* w = panel + f0 * k;
-        tile_rows(xr, k, w, k, o, out_stride, rt, ft);
+    const int64_t piece = k > kKPieceAbove ? kKPiece : k;
+    for (int64_t k0 = 0; k0 < k; k0 += piece) {
+      const int64_t k1 = std::min(k, k0 + piece);
+      vf* slot = carry;
+      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+        const float* xr = x + r0 * k;
+        const int64_t rt = std::min<int64_t>(kTileRows, rows - r0);
+        for (int64_t f0 = 0; f0 < count; f0 += kTileCols, slot += kTileRows * kTileCols) {
+          const int64_t ft = std::min<int64_t>(kTileCols, count - f0);
+          float* o = out + r0 * out_stride + p0 + f0;
+          const float* w = panel + f0 * k;
+          tile_rows(xr, k, w, k, k0, k1, o, out_stride, rt, ft, slot);
+        }
       }
     }
   }
@@ -432,8 +455,13 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor&
         panel.resize(std::max<size_t>(panel.size(), kPanel * k + 16));
         float* aligned = reinterpret_cast<float*>(
             (reinterpret_cast<uintptr_t>(panel.data()) + 63) & ~uintptr_t{63});
+        // The accumulators a tile carries between pieces of k: one slot per tile of the slice.
+        thread_local std::vector<vf> carry;
+        carry.resize(std::max<size_t>(
+            carry.size(), ((count + kTileRows - 1) / kTileRows) * (kPanel / kTileCols) *
+                              kTileRows * kTileCols));
         panels<QT>(xp + r0 * k, count, bp, n, row_bytes, num_blocks, op + r0 * n, n,
-                   p0 * kPanel, std::min(n, p1 * kPanel), aligned);
+                   p0 * kPanel, std::min(n, p1 * kPanel), aligned, carry.data());
       });
     }
     return;
