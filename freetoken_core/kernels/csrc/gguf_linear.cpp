@@ -99,7 +99,8 @@ inline __m128 vsum4(vf a, vf b, vf c, vf d) {
   const vf ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
   const vf cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
   // ab, cd: the halves' sums, [A0-3 | A4-7 | B0-3 | B4-7]; s: the quarters', a 128-bit lane each
-  const vf s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  const vf s =
+      _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
   const vf t = _mm512_add_ps(s, _mm512_permute_ps(s, 0xEE));
   const vf u = _mm512_add_ps(t, _mm512_permute_ps(t, 0x55));
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(
@@ -178,11 +179,6 @@ inline void dequant(const uint8_t* block, vf w[4]) {
 #ifdef FREETOKEN_AVX2
 constexpr int kVecs = kBlock / kLanes;  // vectors per block
 
-// Rows x[0:R] against F output features at a time from [n0, n1): R x F accumulators in
-// registers, so that R x F independent FMA chains hide the FMA latency even for one row.
-// A pass's F features lie in one group of the blocks' layout (n is a multiple of F, which
-// divides kGroup), so their blocks are read in address order; each is prefetched
-// kPrefetchBytes or F rows ahead, whichever is further.
 // out[r * out_stride + f] = vsum(acc[r][f]) for R rows x F features, four sums at a time
 // through vsum4 where the CPU has AVX-512 (the same floats).
 template <int R, int F>
@@ -208,6 +204,11 @@ inline void store_sums(const vf (&acc)[R][F], float* out, int64_t out_stride) {
     for (int f = 0; f < F; ++f) out[r * out_stride + f] = vsum(acc[r][f]);
 }
 
+// Rows x[0:R] against F output features at a time from [n0, n1): R x F accumulators in
+// registers, so that R x F independent FMA chains hide the FMA latency even for one row.
+// A pass's F features lie in one group of the blocks' layout (n is a multiple of F, which
+// divides kGroup), so their blocks are read in address order; each is prefetched
+// kPrefetchBytes or F rows ahead, whichever is further.
 template <int64_t QT, int R, int F>
 void rows_direct(const float* x, int64_t x_stride, const uint8_t* blocks, int64_t features,
                  int64_t row_bytes, int64_t num_blocks, float* out, int64_t out_stride,
@@ -276,10 +277,11 @@ inline void in_register(vf& v) { asm("" : "+x"(v)); }
 // ranges: the same floats.
 template <int RT, int FT>
 inline void tile(const float* x, int64_t x_stride, const float* w, int64_t w_stride, int64_t k0,
-                 int64_t k1, float* out, int64_t out_stride, vf* carry) {
+                 int64_t k1, float* out, int64_t out_stride, float* carry) {
   vf acc[RT][FT];
   for (int r = 0; r < RT; ++r)
-    for (int f = 0; f < FT; ++f) acc[r][f] = k0 == 0 ? vzero() : carry[r * FT + f];
+    for (int f = 0; f < FT; ++f)
+      acc[r][f] = k0 == 0 ? vzero() : vload(carry + (r * FT + f) * kLanes);
   // Unrolled four times: 2-3 % more of the tile at 16-64 rows (paired, the Xeon; the same
   // operations in the same order).
 #pragma GCC unroll 4
@@ -297,7 +299,7 @@ inline void tile(const float* x, int64_t x_stride, const float* w, int64_t w_str
   }
   if (k1 < w_stride) {
     for (int r = 0; r < RT; ++r)
-      for (int f = 0; f < FT; ++f) carry[r * FT + f] = acc[r][f];
+      for (int f = 0; f < FT; ++f) vstore(carry + (r * FT + f) * kLanes, acc[r][f]);
     return;
   }
   for (int r = 0; r < RT; ++r) {
@@ -327,7 +329,7 @@ constexpr int64_t kPanel = 2 * kTileCols;  // features per panel: its float32 we
 
 template <int RT, int FT = kTileCols>
 inline void tile_cols(const float* x, int64_t x_stride, const float* w, int64_t k, int64_t k0,
-                      int64_t k1, float* out, int64_t out_stride, int64_t cols, vf* carry) {
+                      int64_t k1, float* out, int64_t out_stride, int64_t cols, float* carry) {
   if constexpr (FT > 1) {
     if (cols < FT)
       return tile_cols<RT, FT - 1>(x, x_stride, w, k, k0, k1, out, out_stride, cols, carry);
@@ -338,7 +340,7 @@ inline void tile_cols(const float* x, int64_t x_stride, const float* w, int64_t 
 template <int RT = kTileRows>
 inline void tile_rows(const float* x, int64_t x_stride, const float* w, int64_t k, int64_t k0,
                       int64_t k1, float* out, int64_t out_stride, int64_t rows, int64_t cols,
-                      vf* carry) {
+                      float* carry) {
   if constexpr (RT > 1) {
     if (rows < RT)
       return tile_rows<RT - 1>(x, x_stride, w, k, k0, k1, out, out_stride, rows, cols, carry);
@@ -356,7 +358,7 @@ constexpr int64_t kKPieceAbove = 1024, kKPiece = 768;
 template <int64_t QT>
 void panels(const float* x, int64_t rows, const uint8_t* blocks, int64_t features,
             int64_t row_bytes, int64_t num_blocks, float* out, int64_t out_stride, int64_t n0,
-            int64_t n1, float* panel, vf* carry) {
+            int64_t n1, float* panel, float* carry) {
   const int64_t k = num_blocks * kBlock;
   for (int64_t p0 = n0; p0 < n1; p0 += kPanel) {
     const int64_t count = std::min(kPanel, n1 - p0);
@@ -369,11 +371,12 @@ void panels(const float* x, int64_t rows, const uint8_t* blocks, int64_t feature
     const int64_t piece = k > kKPieceAbove ? kKPiece : k;
     for (int64_t k0 = 0; k0 < k; k0 += piece) {
       const int64_t k1 = std::min(k, k0 + piece);
-      vf* slot = carry;
+      float* slot = carry;
       for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
         const float* xr = x + r0 * k;
         const int64_t rt = std::min<int64_t>(kTileRows, rows - r0);
-        for (int64_t f0 = 0; f0 < count; f0 += kTileCols, slot += kTileRows * kTileCols) {
+        for (int64_t f0 = 0; f0 < count;
+             f0 += kTileCols, slot += kTileRows * kTileCols * kLanes) {
           const int64_t ft = std::min<int64_t>(kTileCols, count - f0);
           float* o = out + r0 * out_stride + p0 + f0;
           const float* w = panel + f0 * k;
@@ -456,10 +459,10 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor&
         float* aligned = reinterpret_cast<float*>(
             (reinterpret_cast<uintptr_t>(panel.data()) + 63) & ~uintptr_t{63});
         // The accumulators a tile carries between pieces of k: one slot per tile of the slice.
-        thread_local std::vector<vf> carry;
+        thread_local std::vector<float> carry;
         carry.resize(std::max<size_t>(
             carry.size(), ((count + kTileRows - 1) / kTileRows) * (kPanel / kTileCols) *
-                              kTileRows * kTileCols));
+                              kTileRows * kTileCols * kLanes));
         panels<QT>(xp + r0 * k, count, bp, n, row_bytes, num_blocks, op + r0 * n, n,
                    p0 * kPanel, std::min(n, p1 * kPanel), aligned, carry.data());
       });
