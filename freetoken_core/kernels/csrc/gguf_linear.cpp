@@ -183,24 +183,20 @@ constexpr int kVecs = kBlock / kLanes;  // vectors per block
 // through vsum4 where the CPU has AVX-512 (the same floats).
 template <int R, int F>
 inline void store_sums(const vf (&acc)[R][F], float* out, int64_t out_stride) {
+  int r = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if constexpr (F == 4) {
-    for (int r = 0; r < R; ++r)
+    for (; r < R; ++r)
       _mm_storeu_ps(out + r * out_stride, vsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-    return;
   } else if constexpr (F == 2) {
-    int r = 0;
     for (; r + 2 <= R; r += 2) {
       const __m128 s = vsum4(acc[r][0], acc[r][1], acc[r + 1][0], acc[r + 1][1]);
       _mm_storel_pi(reinterpret_cast<__m64*>(out + r * out_stride), s);
       _mm_storeh_pi(reinterpret_cast<__m64*>(out + (r + 1) * out_stride), s);
     }
-    for (; r < R; ++r)
-      for (int f = 0; f < F; ++f) out[r * out_stride + f] = vsum(acc[r][f]);
-    return;
   }
 #endif
-  for (int r = 0; r < R; ++r)
+  for (; r < R; ++r)
     for (int f = 0; f < F; ++f) out[r * out_stride + f] = vsum(acc[r][f]);
 }
 
@@ -302,15 +298,7 @@ inline void tile(const float* x, int64_t x_stride, const float* w, int64_t w_str
       for (int f = 0; f < FT; ++f) vstore(carry + (r * FT + f) * kLanes, acc[r][f]);
     return;
   }
-  for (int r = 0; r < RT; ++r) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    if constexpr (FT == 4) {
-      _mm_storeu_ps(out + r * out_stride, vsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-      continue;
-    }
-#endif
-    for (int f = 0; f < FT; ++f) out[r * out_stride + f] = vsum(acc[r][f]);
-  }
+  store_sums<RT, FT>(acc, out, out_stride);
 }
 
 // The register tile: RT x FT accumulators, FT weight vectors and one x vector in registers
