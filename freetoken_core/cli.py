@@ -45,11 +45,14 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--activations", default="float32", choices=["float32", "q8"],
-                        help="CPU linears of a GGUF model: float32 (default, exact) or q8 "
-                             "(opt-in: 8-bit activations and integer dot products as "
-                             "llama.cpp computes them; faster at one to a few sequences, "
-                             "not exact; needs Q4_1/Q8_0 weights and the native kernels)")
+    parser.add_argument("--activations", default="auto",
+                        choices=["auto", "float32", "int24", "q8"],
+                        help="CPU linears of a GGUF model. Exact: float32 (float32 FMAs) or "
+                             "int24 (24-bit fixed-point activations, integer dot products on "
+                             "AVX-512 VNNI / AMX); auto (default): int24 where the CPU has "
+                             "AVX-512 VNNI, else float32. Opt-in, not exact: q8 (8-bit "
+                             "activations as llama.cpp computes them). int24 and q8 need "
+                             "Q4_1/Q8_0 weights and the native kernels")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)

@@ -26,7 +26,7 @@ def cache_dir() -> Path:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ACTIVATIONS = ("float32", "q8")
+ACTIVATIONS = ("auto", "float32", "int24", "q8")
 
 
 @dataclass(frozen=True)
@@ -71,12 +71,14 @@ class EngineConfig:
     ``generation_config.json``, or the file itself)."""
     override_generation_config: dict[str, Any] | None = field(default_factory=dict)
     """Generation-config keys that win over the file's, key by key."""
-    activations: str = "float32"
-    """How the CPU linears of a GGUF model multiply: ``float32`` (default, exact: the file's
-    weights dequantized to float32, token-identical to transformers) or ``q8`` (opt-in,
-    llama.cpp's arithmetic: activations quantized to 8 bits per block of 32 and integer dot
-    products; faster for one to a few sequences, not exact; bench/q8_quality.py measures
-    it)."""
+    activations: str = "auto"
+    """How the CPU linears of a GGUF model multiply. Exact (token-identical to transformers
+    in float32): ``float32`` (the file's weights dequantized to float32, float32 FMAs) or
+    ``int24`` (each block of 32 activations in 24-bit fixed point, exact integer dot products
+    on AVX-512 VNNI / AMX: the same size of rounding as float32's, far fewer instructions;
+    needs a CPU with AVX-512 VNNI); ``auto`` (default) takes int24 where the CPU has it,
+    else float32. Opt-in, not exact: ``q8`` (llama.cpp's arithmetic: activations quantized
+    to 8 bits per block of 32; bench/q8_quality.py measures it)."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:

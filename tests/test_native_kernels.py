@@ -500,3 +500,99 @@ def test_llama_layers_team_reports_a_failing_kernel_and_runs_again() -> None:
             assert torch.equal(got, want) and torch.equal(residual, want_residual)
     finally:
         torch.set_num_threads(threads)
+
+
+needs_int24 = pytest.mark.skipif(
+    not cpu_kernels_available() or not torch.ops.freetoken.int_linear_available(),
+    reason="the int24 kernel needs AVX-512 VNNI (this CPU has the float32 kernel only)")
+
+
+def int24_case(qtype: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random weight's int24 blocks and its dequantized float32 weights."""
+    from gguf import quants
+
+    gen = torch.Generator().manual_seed(seed)
+    raw = quants.quantize(torch.randn(n, k, generator=gen).numpy() * 0.05,
+                          GGMLQuantizationType(qtype))
+    dequantized = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(qtype)))
+    blocks = torch.ops.freetoken.gguf_int_blocks(kernel_blocks(torch.from_numpy(raw), qtype),
+                                                 qtype)
+    return blocks, dequantized
+
+
+def run_int24(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, mode: int = 0
+          ) -> torch.Tensor:
+    out = torch.empty(x.shape[0], n)
+    torch.ops.freetoken.gguf_linear_int(x.contiguous(), blocks, qtype, out, mode)
+    return out
+
+
+@needs_int24
+@pytest.mark.parametrize("qtype", [3, 8])  # Q4_1, Q8_0
+def test_int24_paths_compute_the_same_floats_whatever_the_row_count(qtype: int) -> None:
+    """The VNNI path, the AMX tiles (from a few rows, where the CPU has them) and the scalar
+    reference give the same floats, and a row's output is the same alone and among 1 to 99
+    others (integer sums are exact in any order; the float steps are per row)."""
+    n, k = 80, 1344
+    blocks, _ = int24_case(qtype, n, k, qtype)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(100, k, generator=gen) * torch.exp(torch.randn(100, k, generator=gen))
+    alone = torch.cat([run_int24(x[i:i + 1], blocks, qtype, n) for i in range(len(x))])
+    assert torch.equal(run_int24(x, blocks, qtype, n, mode=1), alone)
+    assert torch.equal(run_int24(x, blocks, qtype, n, mode=2), alone)
+    for rows in (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33, 100):
+        assert torch.equal(run_int24(x[:rows], blocks, qtype, n), alone[:rows]), rows
+    assert run_int24(x[:0], blocks, qtype, n).shape == (0, n)
+
+
+@needs_int24
+@pytest.mark.parametrize("qtype", [3, 8])  # Q4_1, Q8_0
+def test_int24_rounds_no_more_than_the_float32_kernel(qtype: int) -> None:
+    """Against float64 sums of the same weights, the int24 kernel's error is of the float32
+    kernel's size: each activation rounded to 24 bits of its block's largest magnitude, the
+    dot products exact, a few float32 roundings per block."""
+    n, k = 256, 1536
+    blocks, dequantized = int24_case(qtype, n, k, 10 + qtype)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(24, k, generator=gen)
+    exact = x.double() @ dequantized.double().T
+    scale = x.double().abs() @ dequantized.double().abs().T
+    fp32 = torch.empty(24, n)
+    torch.ops.freetoken.gguf_linear(x, kernel_blocks_from(dequantized, qtype), qtype, fp32)
+    err_int = ((run_int24(x, blocks, qtype, n).double() - exact).abs() / scale).max().item()
+    err_fp32 = ((fp32.double() - exact).abs() / scale).max().item()
+    assert err_int < 3e-7 and err_int < 3 * err_fp32, (err_int, err_fp32)
+
+
+def kernel_blocks_from(dequantized: torch.Tensor, qtype: int) -> torch.Tensor:
+    from gguf import quants
+
+    # Requantizing the dequantized weights gives back the same blocks (the values are on
+    # the blocks' grids), so both kernels multiply the same weights.
+    raw = quants.quantize(dequantized.numpy(), GGMLQuantizationType(qtype))
+    assert torch.equal(torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(qtype))),
+                       dequantized)
+    return kernel_blocks(torch.from_numpy(raw), qtype)
+
+
+@needs_int24
+def test_int24_keeps_zeros_and_propagates_what_is_not_finite() -> None:
+    n, k = 32, 64
+    blocks, dequantized = int24_case(3, n, k, 5)
+    x = torch.zeros(4, k)
+    x[1, 3] = float("nan")
+    x[2, 40] = float("inf")
+    x[3] = torch.randn(k) * 1e-30  # tiny: the scale's exponent is clamped, not the values
+    for mode in (0, 1, 2):
+        out = run_int24(x, blocks, 3, n, mode)
+        assert torch.equal(out[0], torch.zeros(n))
+        assert out[1].isnan().all() and out[2].isnan().all()
+        torch.testing.assert_close(out[3].double(), (x[3:].double() @ dequantized.double().T)[0],
+                                   rtol=1e-5, atol=1e-40)
+
+
+@needs_int24
+def test_int24_blocks_need_whole_groups_of_16_features() -> None:
+    raw = torch.zeros(40, 24, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.freetoken.gguf_int_blocks(raw, 3)

@@ -18,7 +18,7 @@ from freetoken_core.engine.model_runner import ModelRunner
 from freetoken_core.engine.output_processor import RequestState
 from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.scheduler import Scheduler
-from freetoken_core.errors import InvalidRequest
+from freetoken_core.errors import InvalidRequest, ModelLoadError
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.loader import load_model
 from freetoken_core.models.resolve import gguf_source, resolve_model
@@ -98,6 +98,12 @@ def build_engine(config: EngineConfig, progress: bool = True,
                        gguf_source(config.model))
     if config.activations == "q8":
         model.use_q8_activations()
+    elif config.activations in ("auto", "int24"):
+        if not model.use_int24_activations() and config.activations == "int24":
+            raise ModelLoadError(
+                "--activations int24 needs a GGUF model with Q4_1/Q8_0 weights, dtype "
+                "float32, on a CPU with AVX-512 VNNI and the native kernels "
+                f"(here: GGUF blocks {model.uses_gguf_blocks}, native {model.native})")
     runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size, dtype, device,
                          pipeline)
     block_manager = BlockManager(limits.num_kv_blocks, limits.block_size,

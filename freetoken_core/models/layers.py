@@ -30,6 +30,12 @@ USE_GGUF_BLOCKS = True
 # block of 32 and multiplies in integers (gguf_linear_q8; opt-in, `--activations q8`).
 ACTIVATIONS_Q8 = 1 << 8
 
+# Set on a linear's ggml type id: the blocks are in the integer kernel's layout
+# (``int_blocks``), and gguf_linear_int computes from them: the activations in 24-bit fixed
+# point per block of 32, exact integer dot products (``--activations int24``; the default
+# where the CPU has AVX-512 VNNI).
+ACTIVATIONS_INT24 = 1 << 9
+
 
 # Features per group of the native kernels' block layout (gguf_blocks.h kGroup).
 KERNEL_GROUP = 4
@@ -102,6 +108,17 @@ def kernel_blocks(rows: torch.Tensor, qtype: int) -> torch.Tensor:
     return interleave_blocks(widen_scales(rows, qtype), KERNEL_BLOCK_BYTES[qtype])
 
 
+def int_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Kernel blocks (``kernel_blocks``) in the integer kernel's layout (int_linear.cpp: the
+    output features in groups of 16, four weights of a feature per 32-bit lane)."""
+    return torch.ops.freetoken.gguf_int_blocks(blocks, qtype)
+
+
+def int_linear_available() -> bool:
+    """Whether the native kernels were built with the integer kernel (AVX-512 VNNI)."""
+    return bool(torch.ops.freetoken.int_linear_available())
+
+
 class Linear:
     """``y = x @ W.T + b`` with the weight laid out for the fastest kernel of the device.
 
@@ -135,7 +152,10 @@ class Linear:
         if self.blocks is not None:
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
             qtype, blocks = self.blocks
-            if qtype & ACTIVATIONS_Q8:
+            if qtype & ACTIVATIONS_INT24:
+                torch.ops.freetoken.gguf_linear_int(x.contiguous(), blocks,
+                                                    qtype & ~ACTIVATIONS_INT24, out)
+            elif qtype & ACTIVATIONS_Q8:
                 torch.ops.freetoken.gguf_linear_q8(x.contiguous(), blocks,
                                                    qtype & ~ACTIVATIONS_Q8, out)
             else:

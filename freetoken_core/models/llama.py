@@ -22,6 +22,7 @@ from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.layers import (
+    ACTIVATIONS_INT24,
     ACTIVATIONS_Q8,
     Linear,
     RotaryEmbedding,
@@ -29,6 +30,8 @@ from freetoken_core.models.layers import (
     apply_rope,
     rms_norm,
     silu_and_mul,
+    int_blocks,
+    int_linear_available,
     narrow_scales,
 )
 
@@ -191,6 +194,26 @@ class LlamaForCausalLM:
             self.all_layers_shape = (first.head_dim ** -0.5, first.num_heads,
                                      first.num_kv_heads, first.head_dim)
 
+    def use_int24_activations(self) -> bool:
+        """Switch the linears to the integer kernel (``--activations int24``, the default
+        where the CPU has AVX-512 VNNI): activations in 24-bit fixed point per block of 32,
+        exact integer dot products (int_linear.cpp); as exact as the float32 kernel, and on
+        AMX tiles from a few rows. Linears whose outputs are not a multiple of 16 keep the
+        float32 kernel. False (nothing changed) where the native kernels lack it or the model
+        has no GGUF blocks."""
+        linears = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
+        linears = [lin for lin in linears if lin.blocks is not None
+                   and not lin.blocks[0] & (ACTIVATIONS_Q8 | ACTIVATIONS_INT24)]
+        if not linears or not self.native or not int_linear_available():
+            return False
+        for lin in linears:
+            qtype, blocks = lin.blocks
+            if lin.out_features % 16 == 0:
+                lin.blocks = (qtype | ACTIVATIONS_INT24, int_blocks(blocks, qtype))
+        self.pack_blocks()
+        self.set_all_layers_args()
+        return True
+
     def use_q8_activations(self) -> None:
         """Switch every linear to 8-bit activations (``--activations q8``): llama.cpp's
         arithmetic, not exact. Needs every linear and the head as GGUF blocks (a GGUF model
@@ -203,6 +226,8 @@ class LlamaForCausalLM:
                 f"(here: native={self.native}, dtype={self.embed_tokens.dtype}, GGUF blocks "
                 f"for {sum(lin.blocks is not None for lin in linears)} of {len(linears)} "
                 "linears)")
+        if any(lin.blocks[0] & ACTIVATIONS_INT24 for lin in linears):
+            raise ModelLoadError("--activations q8: the linears already use the int24 kernel")
         for lin in linears:
             qtype, blocks = lin.blocks
             lin.blocks = (qtype | ACTIVATIONS_Q8, narrow_scales(blocks, qtype))

@@ -5,7 +5,8 @@
 // reach the cache by a plain copy, write_kv, where Python uses index_copy_: the same bytes.)
 //
 // For the common case only: float32, every linear from GGUF blocks (gguf_linear, or
-// gguf_linear_q8 where the type id carries kActivationsQ8), no
+// gguf_linear_q8 / gguf_linear_int where the type id carries kActivationsQ8 /
+// kActivationsInt24), no
 // q/k/v bias, no q/k norm, attention of every token through paged_decode_attention. The
 // model checks this and uses the Python path otherwise.
 
@@ -23,7 +24,9 @@
 namespace {
 
 void linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, const at::Tensor& out) {
-  if (qtype & freetoken::kActivationsQ8) {
+  if (qtype & freetoken::kActivationsInt24) {
+    freetoken::gguf_linear_int(x, blocks, qtype & ~freetoken::kActivationsInt24, out);
+  } else if (qtype & freetoken::kActivationsQ8) {
     freetoken::gguf_linear_q8(x, blocks, qtype & ~freetoken::kActivationsQ8, out);
   } else {
     freetoken::gguf_linear(x, blocks, qtype, out);
