@@ -360,42 +360,55 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-2: the three dot products (rows x 16 int32), 3-5: the rows' h, m, l digits of a
-// block (rows x 32 bytes), 6: the group-block's weights (8 rows of 4-weight lanes). `rows`:
-// the tile rows (16, or fewer when the call has fewer: the products and stores shrink).
+// Tiles 0-2 and 3-5: the three dot products of a block (rows x 16 int32), two sets so that
+// one block's products run while the other's are stored; 6: a part of the rows' digits of a
+// block (rows x 32 bytes: h, m, l in turn); 7: the group-block's weights (8 rows of 4-weight
+// lanes). `rows`: the tile rows (16, or fewer when the call has fewer: the products and
+// stores shrink).
 void configure_tiles(int rows) {
   TileConfig c;
-  for (int t = 0; t < 3; ++t) c.colsb[t] = 64, c.rows[t] = rows;
-  for (int t = 3; t < 6; ++t) c.colsb[t] = 32, c.rows[t] = rows;
-  c.colsb[6] = 64, c.rows[6] = 8;
+  for (int t = 0; t < 6; ++t) c.colsb[t] = 64, c.rows[t] = rows;
+  c.colsb[6] = 32, c.rows[6] = rows;
+  c.colsb[7] = 64, c.rows[7] = 8;
   _tile_loadconfig(&c);
 }
 
-// The three tile products of block b for the tile's rows (digits from dg, stride between
-// rows), stored to c.
-template <int64_t QT>
-inline void tile_products(const uint8_t* dg, int64_t stride, const uint8_t* weights,
-                          int32_t (*c)[16][16]) {
-  _tile_loadd(3, dg, stride);
-  _tile_loadd(4, dg + kBlock, stride);
-  _tile_loadd(5, dg + 2 * kBlock, stride);
-  _tile_loadd(6, weights, 64);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  if constexpr (QT == kQ4_1) {
-    _tile_dpbsud(0, 3, 6);  // h (s8) x q (u8)
-    _tile_dpbuud(1, 4, 6);  // m (u8) x q (u8)
-    _tile_dpbuud(2, 5, 6);
-  } else {
-    _tile_dpbssd(0, 3, 6);  // h (s8) x q (s8): exact, no correction
-    _tile_dpbusd(1, 4, 6);  // m (u8) x q (s8)
-    _tile_dpbusd(2, 5, 6);
+// The three tile products of a block for the tile's rows (digits from dg, `stride` bytes
+// between rows) into the tiles C0..C2, stored to c. (The tile intrinsics take their tile
+// numbers as literals: a macro makes one function for each set.)
+#define FREETOKEN_TILE_PRODUCTS(NAME, C0, C1, C2)                                         \
+  template <int64_t QT>                                                                    \
+  inline void NAME(const uint8_t* dg, int64_t stride, const uint8_t* weights,              \
+                   int32_t(*c)[16][16]) {                                                  \
+    _tile_loadd(7, weights, 64);                                                           \
+    _tile_zero(C0);                                                                        \
+    _tile_zero(C1);                                                                        \
+    _tile_zero(C2);                                                                        \
+    _tile_loadd(6, dg, stride);                                                            \
+    if constexpr (QT == kQ4_1) {                                                           \
+      _tile_dpbsud(C0, 6, 7); /* h (s8) x q (u8) */                                        \
+    } else {                                                                               \
+      _tile_dpbssd(C0, 6, 7); /* h (s8) x q (s8): exact, no correction */                  \
+    }                                                                                      \
+    _tile_loadd(6, dg + kBlock, stride);                                                   \
+    if constexpr (QT == kQ4_1) {                                                           \
+      _tile_dpbuud(C1, 6, 7); /* m (u8) x q (u8) */                                        \
+    } else {                                                                               \
+      _tile_dpbusd(C1, 6, 7); /* m (u8) x q (s8) */                                        \
+    }                                                                                      \
+    _tile_loadd(6, dg + 2 * kBlock, stride);                                               \
+    if constexpr (QT == kQ4_1) {                                                           \
+      _tile_dpbuud(C2, 6, 7);                                                              \
+    } else {                                                                               \
+      _tile_dpbusd(C2, 6, 7);                                                              \
+    }                                                                                      \
+    _tile_stored(C0, c[0], 64);                                                            \
+    _tile_stored(C1, c[1], 64);                                                            \
+    _tile_stored(C2, c[2], 64);                                                            \
   }
-  _tile_stored(0, c[0], 64);
-  _tile_stored(1, c[1], 64);
-  _tile_stored(2, c[2], 64);
-}
+FREETOKEN_TILE_PRODUCTS(tile_products_even, 0, 1, 2)
+FREETOKEN_TILE_PRODUCTS(tile_products_odd, 3, 4, 5)
+#undef FREETOKEN_TILE_PRODUCTS
 
 // R rows (the tile's, R <= 16) of one group against every block: per block, the tile
 // products into one of two buffers while the vector units update y from the other buffer's
@@ -412,9 +425,15 @@ void group_amx(const Digits& x, int64_t r0, const uint8_t* group, const uint8_t*
   auto weights = [&](int64_t b) {
     return QT == kQ4_1 ? wbuf + b * 512 : group + b * int_block_bytes(QT) + int_weights_offset(QT);
   };
-  tile_products<QT>(dg, stride, weights(0), c[0]);
+  tile_products_even<QT>(dg, stride, weights(0), c[0]);
   for (int64_t b = 0; b < nb; ++b) {
-    if (b + 1 < nb) tile_products<QT>(dg + (b + 1) * kDigitBytes, stride, weights(b + 1), c[(b + 1) & 1]);
+    if (b + 1 < nb) {
+      if ((b + 1) & 1) {
+        tile_products_odd<QT>(dg + (b + 1) * kDigitBytes, stride, weights(b + 1), c[1]);
+      } else {
+        tile_products_even<QT>(dg + (b + 1) * kDigitBytes, stride, weights(b + 1), c[0]);
+      }
+    }
     const uint8_t* gb = group + b * int_block_bytes(QT);
     int32_t (*cb)[16][16] = c[b & 1];
 #pragma GCC unroll 16
