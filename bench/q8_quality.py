@@ -1,5 +1,6 @@
-"""Quality of ``--activations q8`` (8-bit activations, llama.cpp's arithmetic) against the
-exact float32 path, on the same model, in one process.
+"""Quality of ``--activations q8`` (8-bit activations, llama.cpp's arithmetic; or, with
+``--mode int24``, the exact integer kernel of AVX-512 VNNI CPUs) against the float32 path, on
+the same model, in one process.
 
 * perplexity of a fixed English text (the Gettysburg Address, embedded below; no download),
   from ``prompt_logprobs``, under each path, and the mean |difference| of the per-token
@@ -10,7 +11,7 @@ exact float32 path, on the same model, in one process.
 * the speed of one decoding sequence under each (engine steps; the two engines alternate,
   10 steps each, 8 times).
 
-    python bench/q8_quality.py [--model PATH] [--max-tokens 64]
+    python bench/q8_quality.py [--model PATH] [--max-tokens 64] [--mode q8|int24]
 """
 
 from __future__ import annotations
@@ -51,11 +52,14 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--mode", default="q8", choices=["q8", "int24"],
+                        help="the arithmetic measured against float32 (default: q8)")
     args = parser.parse_args()
+    mode_b = args.mode
     from freetoken_core import LLM, SamplingParams
 
     results, engines = {}, {}
-    for mode in ("float32", "q8"):
+    for mode in ("float32", mode_b):
         llm = LLM(args.model, activations=mode, max_num_seqs=16, progress=False)
         ids = llm.tokenizer.encode(TEXT, add_special_tokens=False)
         out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
@@ -79,11 +83,11 @@ def main() -> None:
             for _ in range(10):
                 engine.step()
             times[mode].append((time.perf_counter() - start) / 10 * 1000)
-    exact_ms, q8_ms = statistics.median(times["float32"]), statistics.median(times["q8"])
-    paired = statistics.median(a / b for a, b in zip(times["float32"], times["q8"]))
+    exact_ms, q8_ms = statistics.median(times["float32"]), statistics.median(times[mode_b])
+    paired = statistics.median(a / b for a, b in zip(times["float32"], times[mode_b]))
 
     exact_lp, exact_greedy = results["float32"]
-    q8_lp, q8_greedy = results["q8"]
+    q8_lp, q8_greedy = results[mode_b]
 
     def ppl(lps: list[float]) -> float:
         return math.exp(-sum(lps) / len(lps))
@@ -99,12 +103,12 @@ def main() -> None:
 
     prefixes = [prefix(a, b) for a, b in zip(exact_greedy, q8_greedy)]
     print(f"perplexity of the fixed text ({len(exact_lp)} tokens): float32 {ppl(exact_lp):.3f}, "
-          f"q8 {ppl(q8_lp):.3f} ({ppl(q8_lp) / ppl(exact_lp) - 1:+.2%}); mean |logprob "
+          f"{mode_b} {ppl(q8_lp):.3f} ({ppl(q8_lp) / ppl(exact_lp) - 1:+.2%}); mean |logprob "
           f"difference| {diff:.4f}")
     print(f"greedy answers ({len(exact_greedy)} chat prompts, {args.max_tokens} tokens): "
           f"{same} identical; mean common prefix {statistics.fmean(prefixes):.1f} tokens "
           f"(median {statistics.median(prefixes):.0f})")
-    print(f"one decoding sequence: float32 {exact_ms:.1f} ms/step, q8 {q8_ms:.1f} ms/step "
+    print(f"one decoding sequence: float32 {exact_ms:.1f} ms/step, {mode_b} {q8_ms:.1f} ms/step "
           f"({paired:.2f}x, the median of 8 paired alternations)")
 
 

@@ -139,6 +139,36 @@ def test_q8_activations_hold_seeds_too_and_differ_from_the_exact_path(
     assert run(llm, prompt, 3, tag="q8c") == q8_alone
 
 
+def linear_types(llm: LLM) -> set[int]:
+    model = llm.engine.core.runner.model
+    return {lin.blocks[0] for layer in model.layers for lin in layer.linears}
+
+
+def test_the_default_arithmetic_is_int24_where_the_cpu_has_it(llm: LLM) -> None:
+    from freetoken_core.models.layers import ACTIVATIONS_INT24, int_linear_available
+
+    flags = {t & ACTIVATIONS_INT24 for t in linear_types(llm)}
+    assert flags == ({ACTIVATIONS_INT24} if int_linear_available() else {0})
+
+
+@pytest.mark.parametrize("mode", ["float32", "int24"])
+def test_each_exact_kernel_holds_seeds(mode: str) -> None:
+    """Both exact kernels, whichever ``auto`` picks on this CPU: a seeded request draws the
+    same tokens, with the same logprobs, alone and among 8 others (its prompt cut into
+    chunks)."""
+    from freetoken_core.models.layers import ACTIVATIONS_INT24, int_linear_available
+
+    if mode == "int24" and not int_linear_available():
+        pytest.skip("the int24 kernel needs AVX-512 VNNI")
+    llm = LLM(None, dtype="float32", activations=mode, kv_cache_tokens=8192, max_num_seqs=16,
+              max_num_batched_tokens=64, enable_prefix_caching=False, progress=False)
+    flags = {t & ACTIVATIONS_INT24 for t in linear_types(llm)}
+    assert flags == ({ACTIVATIONS_INT24} if mode == "int24" else {0})
+    prompt = chat(llm, "Invent a name for a new colour and describe it.")
+    first = run(llm, prompt, 0, tag=f"{mode}a")
+    assert run(llm, prompt, 8, tag=f"{mode}b") == first
+
+
 def test_q8_activations_need_gguf_blocks_and_name_the_option() -> None:
     from freetoken_core.errors import InvalidRequest, ModelLoadError
 
@@ -146,6 +176,8 @@ def test_q8_activations_need_gguf_blocks_and_name_the_option() -> None:
         LLM(None, activations="int4", progress=False)
     with pytest.raises(ModelLoadError, match="--activations q8"):
         LLM(None, dtype="bfloat16", activations="q8", progress=False)
+    with pytest.raises(ModelLoadError, match="--activations int24"):
+        LLM(None, dtype="bfloat16", activations="int24", progress=False)
 
 
 FIRST_STEPS = """
