@@ -99,7 +99,8 @@ def build_engine(config: EngineConfig, progress: bool = True,
     if config.activations == "q8":
         model.use_q8_activations()
     elif config.activations in ("auto", "int24"):
-        if not model.use_int24_activations() and config.activations == "int24":
+        switched = model.use_int24_activations()
+        if not switched and config.activations == "int24":
             raise ModelLoadError(
                 "--activations int24 needs a GGUF model with Q4_1/Q8_0 weights, dtype "
                 "float32, on a CPU with AVX-512 VNNI and the native kernels "

@@ -28,11 +28,11 @@ from freetoken_core.models.layers import (
     RotaryEmbedding,
     add_rms_norm,
     apply_rope,
-    rms_norm,
-    silu_and_mul,
     int_blocks,
     int_linear_available,
     narrow_scales,
+    rms_norm,
+    silu_and_mul,
 )
 
 GgufBlocks = dict[str, tuple[int, np.ndarray]]

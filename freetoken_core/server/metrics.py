@@ -13,8 +13,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from freetoken_core.engine.step_times import STEP_BUCKETS_S
 from freetoken_core.engine.process import Stats
+from freetoken_core.engine.step_times import STEP_BUCKETS_S
 
 if TYPE_CHECKING:
     from freetoken_core.server.generation import Generation

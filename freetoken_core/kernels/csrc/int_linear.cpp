@@ -18,8 +18,9 @@
 //
 // block after block from y = 0. So the only roundings are the activations' (as above) and
 // these few per block, where the float32 path rounds after every one of the 32 products of a
-// block: its error against float64 sums is of the same size (bench/int_linear.py measures
-// both), and the exactness tests against transformers hold on it.
+// block: its error against float64 sums is of the same size (tests/test_native_kernels.py
+// holds it to that; bench/gguf_linear.py times both kernels), and the exactness tests
+// against transformers hold on it.
 //
 // Batch invariance: integer sums are exact whatever their order, and the float steps above
 // are the same for every row, so the results do not depend on M, on which path computes them
@@ -28,8 +29,7 @@
 //
 // The weights in this kernel's layout (int_blocks, made at load from the kernel blocks of
 // gguf_blocks.h; N a multiple of 16, seen as [N, K / 32 * 24 or 36] uint8): output features
-// in groups of 16,
-// group g's blocks one after the other, a group-block holding
+// in groups of 16, group g's blocks one after the other, a group-block holding
 //   Q4_1: d[16], m[16] as float32, then 4 x 64 bytes: byte 4f + e of vector v is
 //         q_f[8v + e] | q_f[8v + 4 + e] << 4                                     (384 bytes)
 //   Q8_0: d[16] as float32, then 8 x 64 bytes: byte 4f + e of vector t is q_f[4t + e]  (576)
@@ -216,7 +216,7 @@ void rows_scalar(const Digits& x, int64_t rows, const uint8_t* blocks, int64_t n
                  int64_t g0, int64_t g1) {
   const int64_t nb = x.nb;
   for (int64_t g = g0; g < g1; ++g)
-    for (int f = 0; f < kIntGroup && g * kIntGroup + f < n; ++f)
+    for (int f = 0; f < kIntGroup; ++f)
       for (int64_t r = 0; r < rows; ++r) {
         float y = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
@@ -238,14 +238,6 @@ void rows_scalar(const Digits& x, int64_t rows, const uint8_t* blocks, int64_t n
 }
 
 #ifdef FREETOKEN_VNNI
-inline void store_group(float* out, __m512 v, int64_t valid) {
-  if (valid >= kIntGroup) {
-    _mm512_storeu_ps(out, v);
-  } else if (valid > 0) {
-    _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << valid) - 1), v);
-  }
-}
-
 // The block's update of y for one row and one group, from the three dot products (the
 // scalar path's operations, lane by lane).
 template <int64_t QT>
@@ -329,9 +321,7 @@ void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t n, fl
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int f = 0; f < F; ++f)
-      store_group(out + (r0 + r) * n + (g + f) * kIntGroup, y[r][f],
-                  n - (g + f) * kIntGroup);
+    for (int f = 0; f < F; ++f) _mm512_storeu_ps(out + (r0 + r) * n + (g + f) * kIntGroup, y[r][f]);
 }
 
 template <int64_t QT, int R, int F>
@@ -528,9 +518,9 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t b = 0; b < num_blocks; ++b) {
         uint8_t* gb = out + (g * num_blocks + b) * int_block_bytes(QT);
-        std::memset(gb, 0, int_block_bytes(QT));
+        std::memset(gb, 0, int_block_bytes(QT));  // the nibbles are or-ed in
         uint8_t* wq = gb + int_weights_offset(QT);
-        for (int64_t f = 0; f < kIntGroup && g * kIntGroup + f < features; ++f) {
+        for (int64_t f = 0; f < kIntGroup; ++f) {
           const FeatureBlocks fb =
               feature_blocks(blocks, features, row_bytes, block_bytes(QT), g * kIntGroup + f);
           const uint8_t* block = fb.first + b * fb.stride;
