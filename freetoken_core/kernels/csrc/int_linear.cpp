@@ -80,6 +80,17 @@ struct Digits {
   int64_t nb = 0;
 };
 
+// e with max |x| < 2^e (0 for a block of zeros), held above -100 so that 2^(23 - e) stays
+// a float (a tinier block keeps fewer digits).
+inline int block_exponent(float amax) {
+  int e = 0;
+  if (amax > 0.f) {
+    std::frexp(amax, &e);
+    e = std::max(e, -100);
+  }
+  return e;
+}
+
 // One row's block of 32: its digits, scale, scaled sum and sum of h.
 inline void digits_block(const float* x, uint8_t* dg, float* s_out, float* xs_out,
                          int32_t* sh_out) {
@@ -97,11 +108,7 @@ inline void digits_block(const float* x, uint8_t* dg, float* s_out, float* xs_ou
     *sh_out = 0;
     return;
   }
-  int e = 0;
-  if (amax > 0.f) {
-    std::frexp(amax, &e);
-    e = std::max(e, -100);
-  }
+  const int e = block_exponent(amax);
   const float up = std::ldexp(1.0f, 23 - e);
   int32_t sum = 0, sum_h = 0;
   for (int k = 0; k < kBlock; ++k) {
@@ -133,12 +140,7 @@ inline void digits_block_avx512(const float* x, uint8_t* dg, float* s_out, float
       _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(a), exponent), exponent) |
       _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(b), exponent), exponent);
   if (bad) return digits_block(x, dg, s_out, xs_out, sh_out);
-  const float amax = _mm512_reduce_max_ps(abs_max);
-  int e = 0;
-  if (amax > 0.f) {
-    std::frexp(amax, &e);
-    e = std::max(e, -100);
-  }
+  const int e = block_exponent(_mm512_reduce_max_ps(abs_max));
   const __m512 up = _mm512_set1_ps(std::ldexp(1.0f, 23 - e));
   const __m512i lo = _mm512_set1_epi32(-(1 << 23)), hi = _mm512_set1_epi32((1 << 23) - 1);
   __m512i sum = _mm512_setzero_si512(), sum_h = _mm512_setzero_si512();
@@ -287,8 +289,14 @@ void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t n, fl
       for (int f = 0; f < F; ++f)
         for (int i = 0; i < 3; ++i) p[r][f][i] = _mm512_setzero_si512();
     for (int t = 0; t < 8; ++t) {
-      __m512i w[F];
-      for (int f = 0; f < F; ++f) w[f] = weight_quad<QT>(gb[f], t);
+      // w: the weights as VNNI's signed operand; wu: as its unsigned one (Q8_0: q + 128,
+      // the 128 * sum(h) taken off after the block).
+      __m512i w[F], wu[F];
+      for (int f = 0; f < F; ++f) {
+        w[f] = weight_quad<QT>(gb[f], t);
+        wu[f] = QT == kQ4_1 ? w[f]
+                            : _mm512_xor_si512(w[f], _mm512_set1_epi8(static_cast<char>(0x80)));
+      }
       for (int r = 0; r < R; ++r) {
         const uint8_t* dg = x.d.data() + ((r0 + r) * nb + b) * kDigitBytes + 4 * t;
         int32_t hq, mq, lq;
@@ -298,13 +306,7 @@ void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t n, fl
         const __m512i h = _mm512_set1_epi32(hq), m = _mm512_set1_epi32(mq),
                       l = _mm512_set1_epi32(lq);
         for (int f = 0; f < F; ++f) {
-          if constexpr (QT == kQ4_1) {
-            p[r][f][0] = _mm512_dpbusd_epi32(p[r][f][0], w[f], h);  // q (u8) x h (s8)
-          } else {
-            // q + 128 as u8 x h; the 128 * sum(h) is taken off after the block.
-            p[r][f][0] = _mm512_dpbusd_epi32(
-                p[r][f][0], _mm512_xor_si512(w[f], _mm512_set1_epi8(static_cast<char>(0x80))), h);
-          }
+          p[r][f][0] = _mm512_dpbusd_epi32(p[r][f][0], wu[f], h);  // q (u8) x h (s8)
           p[r][f][1] = _mm512_dpbusd_epi32(p[r][f][1], m, w[f]);  // m (u8) x q (s8)
           p[r][f][2] = _mm512_dpbusd_epi32(p[r][f][2], l, w[f]);
         }
