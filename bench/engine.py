@@ -85,12 +85,14 @@ def run_transformers(args: argparse.Namespace) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from freetoken_core.models.resolve import resolve_model
+    from freetoken_core.models.resolve import default_gguf_path, resolve_model
     from freetoken_core.tokenizer import load_tokenizer
 
     model_dir = resolve_model(None, progress=False)
     tokenizer = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gguf = default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     pad = tokenizer.pad_token_id

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_reference import hf_from_gguf
 
 from freetoken_core import LLM, SamplingParams
 from freetoken_core.models.resolve import resolve_model
@@ -33,10 +34,8 @@ def llm(default_dir) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def hf_model(default_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(default_dir, dtype=torch.float32)
+def hf_model():
+    return hf_from_gguf()
 
 
 def chat_ids(llm: LLM, chats: list[str]) -> list[list[int]]:

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from freetoken_core.errors import ModelLoadError
@@ -124,26 +123,46 @@ def _config(path: Path) -> dict[str, Any]:
 
 
 def test_output_files(converted: Path) -> None:
+    """Config and tokenizer only: the weights stay in the GGUF file."""
     names = {p.name for p in converted.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors"} <= names
+    assert {"config.json", "generation_config.json"} <= names
     assert {"tokenizer.json", "tokenizer_config.json"} <= names
+    assert not [n for n in names if n.endswith((".safetensors", ".bin"))]
+    assert sum(p.stat().st_size for p in converted.iterdir()) < 8 << 20
     leftovers = [p.name for p in converted.parent.iterdir() if p.name != converted.name]
     assert leftovers == []  # the temporary sibling was renamed away
 
 
-def test_state_dict_matches_transformers(converted: Path, reference_model: torch.nn.Module) -> None:
-    ours = load_file(str(converted / "model.safetensors"))
+def _gguf_weights(gguf_path: Path) -> dict[str, Any]:
+    from freetoken_core.models.gguf_metadata import open_header
+    from freetoken_core.models.gguf_weights import read_gguf_weights
+
+    return read_gguf_weights(gguf_path, open_header(gguf_path), "llama", 30, 9, 3, True)
+
+
+def test_weights_in_place_match_transformers(gguf_path: Path,
+                                             reference_model: torch.nn.Module) -> None:
+    """Every weight read in place dequantizes to transformers' float32 weight, bit for bit
+    (q/k rows un-permuted); 2-d weights stay blocks mapped from the file."""
+    from freetoken_core.models.gguf_weights import GGUFWeight
+
+    ours = _gguf_weights(gguf_path)
     ref = reference_model.state_dict()
     assert "lm_head.weight" not in ours  # tied: the GGUF has no output.weight
     assert set(ours) == set(ref) - {"lm_head.weight"}
-    for name, tensor in ours.items():
-        assert tensor.dtype == torch.float32, name
-        assert tensor.shape == ref[name].shape, name
-        assert torch.equal(tensor, ref[name]), name
+    for name, weight in ours.items():
+        if isinstance(weight, torch.Tensor):
+            assert weight.dtype == torch.float32 and torch.equal(weight, ref[name]), name
+            continue
+        assert isinstance(weight, GGUFWeight), name
+        assert weight.shape == tuple(ref[name].shape), name
+        assert torch.equal(weight.dequantize(), ref[name]), name
+    v = ours["model.layers.0.self_attn.v_proj.weight"]
+    assert not v.rows.flags.owndata and not v.rows.flags.writeable  # a view of the mapping
 
 
-def test_qk_rows_were_unpermuted(converted: Path, gguf_path: Path) -> None:
-    """Sanity check of the test above: the raw GGUF q/k rows differ from the converted ones."""
+def test_qk_rows_were_unpermuted(gguf_path: Path) -> None:
+    """Sanity check of the test above: the raw GGUF q/k rows differ from the ones read."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -152,13 +171,12 @@ def test_qk_rows_were_unpermuted(converted: Path, gguf_path: Path) -> None:
     def gguf_tensor(name: str) -> torch.Tensor:
         return torch.from_numpy(dequantize(raw[name].data, raw[name].tensor_type).copy())
 
-    ours = load_file(str(converted / "model.safetensors"))
+    ours = _gguf_weights(gguf_path)
     for kind in ("q", "k"):
-        converted_rows = ours[f"model.layers.0.self_attn.{kind}_proj.weight"]
-        assert not torch.equal(gguf_tensor(f"blk.0.attn_{kind}.weight"), converted_rows)
-    assert torch.equal(
-        gguf_tensor("blk.0.attn_v.weight"), ours["model.layers.0.self_attn.v_proj.weight"]
-    )
+        rows = ours[f"model.layers.0.self_attn.{kind}_proj.weight"].dequantize()
+        assert not torch.equal(gguf_tensor(f"blk.0.attn_{kind}.weight"), rows)
+    assert torch.equal(gguf_tensor("blk.0.attn_v.weight"),
+                       ours["model.layers.0.self_attn.v_proj.weight"].dequantize())
 
 
 def test_config_matches_transformers(converted: Path, reference_model: torch.nn.Module) -> None:
@@ -177,13 +195,6 @@ def test_config_matches_transformers(converted: Path, reference_model: torch.nn.
     assert ours.rope_parameters == ref.rope_parameters
     generation = json.loads((converted / "generation_config.json").read_text(encoding="utf-8"))
     assert generation["bos_token_id"] == 1 and generation["eos_token_id"] == 2
-
-
-def test_converted_dir_loads_cleanly(converted: Path) -> None:
-    model, info = AutoModelForCausalLM.from_pretrained(str(converted), output_loading_info=True)
-    assert all(not keys for keys in info.values()), info
-    assert next(model.parameters()).dtype == torch.float32
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,7 +246,7 @@ def test_interrupted_conversion_leaves_nothing(
     def interrupt(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gguf_module, "_dequantize", interrupt)
+    monkeypatch.setattr(gguf_module, "_write_tokenizer", interrupt)
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(gguf_path, tmp_path / "out", progress=False)
     assert list(tmp_path.iterdir()) == []
@@ -342,7 +353,7 @@ def test_resolve_default_converts_once(
     monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(resolve, "convert_gguf", fake_convert)
     first = resolve_model(None, progress=False)
-    assert "converting" in capsys.readouterr().err
+    assert "writing the config and tokenizer" in capsys.readouterr().err
     second = resolve_model(None)
     assert first == second
     assert calls == [(gguf_path, first)]
@@ -351,25 +362,6 @@ def test_resolve_default_converts_once(
     assert capsys.readouterr().err == ""
     assert resolve_model(gguf_path) == first  # the same file named explicitly
     assert len(calls) == 1
-
-
-def test_gguf_blocks_dequantize_to_the_converted_weights(gguf_path: Path,
-                                                        converted: Path) -> None:
-    """Row n of each weight's blocks (q/k un-permuted too) is row n of the float32 file."""
-    from gguf import quants
-    from gguf.constants import GGMLQuantizationType
-    from safetensors.torch import load_file
-
-    from freetoken_core.models.gguf import read_gguf_blocks
-
-    blocks = read_gguf_blocks(gguf_path)
-    weights = load_file(str(converted / "model.safetensors"))
-    assert len(blocks) == 30 * 7 + 1  # every projection, and the (tied) embeddings
-    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
-                 "model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight"]:
-        qtype, rows = blocks[name]
-        values = quants.dequantize(rows, GGMLQuantizationType(qtype))
-        assert torch.equal(torch.from_numpy(values), weights[name]), name
 
 
 def _assert_reads_like_gguf_reader(path: Path) -> None:

@@ -17,8 +17,8 @@ from freetoken_core.engine.sampler import counter_uniform
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models import llama
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
-from freetoken_core.models.gguf import GGUF_BLOCK_TYPES
 from freetoken_core.models.layers import (
+    GGUF_BLOCK_TYPES,
     KERNEL_GROUP,
     add_rms_norm,
     apply_rope,
@@ -478,7 +478,7 @@ def test_llama_layers_team_reports_a_failing_kernel_and_runs_again() -> None:
     block_size = runner.block_size
 
     def call(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.nn.functional.embedding(ids, model.embed_tokens)
+        x = model.embedding(ids)
         return torch.ops.freetoken.llama_layers(
             x, *model.all_layers_args, cos, sin, caches, slots, tables, lens, block_size,
             *model.all_layers_shape)
@@ -490,7 +490,7 @@ def test_llama_layers_team_reports_a_failing_kernel_and_runs_again() -> None:
             with pytest.raises(RuntimeError, match="slot out of range"):
                 call(torch.tensor([0, 1, caches.shape[1]]))
             got, residual = call(torch.arange(n))
-            x = torch.nn.functional.embedding(ids, model.embed_tokens)
+            x = model.embedding(ids)
             want, want_residual = None, None
             for layer, cache in zip(model.layers, caches):
                 want, want_residual = torch.ops.freetoken.llama_layer(

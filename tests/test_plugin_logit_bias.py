@@ -340,9 +340,8 @@ def default_llm() -> LLM:
 
 @pytest.mark.slow
 def test_default_model_matches_transformers_sequence_bias(default_llm: LLM) -> None:
-    from transformers import AutoModelForCausalLM
+    from gguf_reference import hf_from_gguf
 
-    from freetoken_core.models.resolve import resolve_model
     from freetoken_core.tokenizer import apply_chat_template
 
     tok = default_llm.tokenizer
@@ -356,8 +355,7 @@ def test_default_model_matches_transformers_sequence_bias(default_llm: LLM) -> N
     params[0] = SamplingParams(temperature=0, max_tokens=32,
                                logit_bias={str(k): v for k, v in biases[0].items()})
     outs = default_llm.generate(prompts, params)
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model(None, progress=False),
-                                              dtype=torch.float32)
+    hf = hf_from_gguf()
     for ids, bias, nat, out in zip(prompts, biases, natural, outs):
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                           sequence_bias={(t,): b for t, b in bias.items()})

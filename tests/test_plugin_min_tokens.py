@@ -388,9 +388,8 @@ def default_llm() -> LLM:
 
 @pytest.mark.slow
 def test_default_model_matches_transformers_min_new_tokens(default_llm: LLM) -> None:
-    from transformers import AutoModelForCausalLM
+    from gguf_reference import hf_from_gguf
 
-    from freetoken_core.models.resolve import resolve_model
     from freetoken_core.tokenizer import apply_chat_template
 
     tok = default_llm.tokenizer
@@ -401,8 +400,7 @@ def test_default_model_matches_transformers_min_new_tokens(default_llm: LLM) -> 
                for o in natural)
     held = default_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32,
                                                         min_tokens=20))
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model(None, progress=False),
-                                              dtype=torch.float32)
+    hf = hf_from_gguf()
     for ids, out in zip(prompts, held):
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                           min_new_tokens=20)

@@ -475,9 +475,8 @@ def default_llm() -> LLM:
 @pytest.mark.slow
 def test_default_model_repetition_matches_transformers_generate(default_llm: LLM,
                                                                 one_thread: None) -> None:
-    from transformers import AutoModelForCausalLM
+    from gguf_reference import hf_from_gguf
 
-    from freetoken_core.models.resolve import resolve_model
     from freetoken_core.tokenizer import apply_chat_template
 
     tok = default_llm.tokenizer
@@ -485,8 +484,7 @@ def test_default_model_repetition_matches_transformers_generate(default_llm: LLM
                              add_special_tokens=False) for c in CHATS]
     outs = default_llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=32,
                                                            repetition_penalty=1.3))
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model(None, progress=False),
-                                              dtype=torch.float32)
+    hf = hf_from_gguf()
     for ids, out in zip(prompt_ids, outs):
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                           repetition_penalty=1.3)

@@ -47,7 +47,9 @@ class _Tensor:
     name: str
     tensor_type: Any  # gguf.GGMLQuantizationType
     shape: np.ndarray  # GGUF order: the fastest-varying dimension first
-    data: np.ndarray  # memory-mapped; quantized types as bytes, as gguf.GGUFReader maps them
+    data: np.ndarray | None  # memory-mapped; quantized types as bytes, as gguf.GGUFReader
+    # maps them; None where the type is unknown or the file ends before the tensor does
+    offset: int = 0  # from the start of the data section
 
 
 class _Unsupported(Exception):
@@ -126,24 +128,36 @@ class HeaderReader:
             alignment = int(self.fields["general.alignment"].parts[0][0])
         start = (pos + alignment - 1) // alignment * alignment
         self.tensors: list[_Tensor] = []
+        self.file_size = len(buf)
+        self.data_start = start
         # the types GGUFReader maps as numbers; the others (quantized, bf16) as bytes
         items = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
                  GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
                  GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
                  GGMLQuantizationType.I64: np.int64}
         for name, dims, raw_type, offset in infos:
-            ggml_type = GGMLQuantizationType(raw_type)
             shape = tuple(int(d) for d in reversed(dims.tolist()))
             n_elements = int(np.prod(dims))
+            # A type gguf-py does not know, or bytes past the end of the file: the tensor
+            # is listed without data, and the weights reader names it (check_tensors).
+            try:
+                ggml_type: Any = GGMLQuantizationType(raw_type)
+                block, size = GGML_QUANT_SIZES[ggml_type]
+            except (ValueError, KeyError):
+                self.tensors.append(_Tensor(name, raw_type, dims, None, offset))
+                continue
+            nbytes = n_elements * size // block
+            if start + offset + nbytes > len(buf) or n_elements % block:
+                self.tensors.append(_Tensor(name, ggml_type, dims, None, offset))
+                continue
             if ggml_type in items:
                 data = np.frombuffer(buf, items[ggml_type], count=n_elements,
                                      offset=start + offset).reshape(shape)
             else:
-                block, size = GGML_QUANT_SIZES[ggml_type]
-                data = np.frombuffer(buf, np.uint8, count=n_elements * size // block,
+                data = np.frombuffer(buf, np.uint8, count=nbytes,
                                      offset=start + offset).reshape(
                     quant_shape_to_byte_shape(shape, ggml_type))
-            self.tensors.append(_Tensor(name, ggml_type, dims, data))
+            self.tensors.append(_Tensor(name, ggml_type, dims, data, offset))
 
 
 def open_header(gguf_path: Path) -> Any:
@@ -194,29 +208,45 @@ def token_count(reader: Any) -> int:
     return 0 if field is None else len(field.data)
 
 
-def rope_scaling(reader: Any) -> dict[str, Any] | None:
-    """Map ``llama.rope.scaling.*`` (or the older ``rope.scale_linear``) to ``rope_scaling``."""
-    kind = field(reader, f"{ARCH}.rope.scaling.type")
-    factor = field(reader, f"{ARCH}.rope.scaling.factor")
-    if kind is None and field(reader, f"{ARCH}.rope.scale_linear") is not None:
-        kind, factor = "linear", field(reader, f"{ARCH}.rope.scale_linear")
+# general.architecture -> the Hugging Face class FreeToken builds for it.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+
+
+def architecture(reader: Any) -> str:
+    """The file's ``general.architecture``, checked against :data:`ARCHITECTURES`."""
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"GGUF architecture {arch!r} is not supported; FreeToken runs GGUF files of "
+            f"{', '.join(sorted(ARCHITECTURES))}")
+    return str(arch)
+
+
+def rope_scaling(reader: Any, arch: str = ARCH) -> dict[str, Any] | None:
+    """Map ``{arch}.rope.scaling.*`` (or the older ``rope.scale_linear``) to ``rope_scaling``."""
+    kind = field(reader, f"{arch}.rope.scaling.type")
+    factor = field(reader, f"{arch}.rope.scaling.factor")
+    if kind is None and field(reader, f"{arch}.rope.scale_linear") is not None:
+        kind, factor = "linear", field(reader, f"{arch}.rope.scale_linear")
     if kind in (None, "none") or factor is None or float(factor) == 1.0:
         return None
     scaling: dict[str, Any] = {"rope_type": str(kind), "factor": float(factor)}
-    original = field(reader, f"{ARCH}.rope.scaling.original_context_length")
+    original = field(reader, f"{arch}.rope.scaling.original_context_length")
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
     return scaling
 
 
 def build_config(reader: Any) -> dict[str, Any]:
-    """Build the ``config.json`` dict of a ``LlamaForCausalLM`` from the GGUF metadata."""
-    arch = field(reader, "general.architecture")
-    if arch != ARCH:
-        raise ModelLoadError(
-            f"GGUF architecture {arch!r} is not supported; only 'llama' GGUF files can be converted"
-        )
-    p = f"{ARCH}."
+    """The ``config.json`` dict of the Hugging Face model the GGUF metadata describes."""
+    arch = architecture(reader)
+    p = f"{arch}."
     hidden = int(require(reader, p + "embedding_length"))
     heads = int(require(reader, p + "attention.head_count"))
     kv_heads = int(field(reader, p + "attention.head_count_kv", heads))
@@ -225,12 +255,11 @@ def build_config(reader: Any) -> dict[str, Any]:
     if rope_dim is not None and int(rope_dim) != head_dim:
         raise ModelLoadError(
             f"GGUF rope.dimension_count {rope_dim} != head_dim {head_dim} (partial rotary) is "
-            "not supported by LlamaForCausalLM; use a standard llama GGUF"
-        )
+            "not supported; use a GGUF whose rotary embedding covers the whole head")
     names = {t.name for t in reader.tensors}
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
         "hidden_size": hidden,
         "intermediate_size": int(require(reader, p + "feed_forward_length")),
         "num_hidden_layers": int(require(reader, p + "block_count")),
@@ -243,15 +272,42 @@ def build_config(reader: Any) -> dict[str, Any]:
         "max_position_embeddings": int(field(reader, p + "context_length", 2048)),
         "vocab_size": embedding_rows(reader) or token_count(reader),
         "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": False,
+        "attention_bias": "blk.0.attn_q.bias" in names,
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
+    if arch == "gemma3":
+        config.update(_gemma3_config(reader, config))
     config.update(special_token_ids(reader))
-    scaling = rope_scaling(reader)
+    scaling = rope_scaling(reader, arch)
     if scaling is not None:
         config["rope_scaling"] = scaling
     return config
+
+
+def _gemma3_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's keys beyond the common ones, as llama.cpp reads them (src/llama-model.cpp):
+    every 6th layer global, the others sliding; local rope base 10,000; the query scaled by
+    1/sqrt(head_dim), except the 62-layer 27B (1/sqrt(hidden / heads))."""
+    layers = config["num_hidden_layers"]
+    window = field(reader, "gemma3.attention.sliding_window")
+    scalar = config["head_dim"]
+    if layers == 62:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    return {
+        "model_type": "gemma3_text",
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": float(field(reader, "gemma3.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(field(reader, "gemma3.rope.freq_base", 1_000_000.0)),
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": int(window) if window is not None else None,
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                        for i in range(layers)],
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
 
 
 def embedding_rows(reader: Any) -> int:

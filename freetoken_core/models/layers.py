@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from freetoken_core import hugepages
 from freetoken_core.errors import ModelLoadError
-from freetoken_core.models.gguf import GGUF_BLOCK_TYPES
+from freetoken_core.models.gguf_weights import GGUFWeight
+
+# ggml type id -> bytes per block of 32 weights in the file, for the block types the native
+# linear kernels compute with (freetoken_core/kernels/csrc/gguf_linear.cpp).
+GGUF_BLOCK_TYPES: dict[int, int] = {3: 20, 8: 34}  # Q4_1, Q8_0
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -77,7 +85,8 @@ def narrow_scales(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     return _recast_scales(blocks, KERNEL_BLOCK_BYTES[qtype], 8, torch.float32, torch.float16)
 
 
-def interleave_blocks(rows: torch.Tensor, block_bytes: int) -> torch.Tensor:
+def interleave_blocks(rows: torch.Tensor, block_bytes: int,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of ``block_bytes``-byte blocks in the native kernels' layout (a copy).
 
     ``rows``: uint8 ``[out, num blocks * block_bytes]``, one row of blocks per output
@@ -89,7 +98,8 @@ def interleave_blocks(rows: torch.Tensor, block_bytes: int) -> torch.Tensor:
     """
     n, row_bytes = rows.shape
     num_blocks = row_bytes // block_bytes
-    out = torch.empty((n, row_bytes), dtype=torch.uint8)
+    if out is None:
+        out = torch.empty((n, row_bytes), dtype=torch.uint8)
     full = n - n % KERNEL_GROUP
     for start, stop in ((0, full), (full, n)):
         size = min(KERNEL_GROUP, stop - start)
@@ -101,11 +111,99 @@ def interleave_blocks(rows: torch.Tensor, block_bytes: int) -> torch.Tensor:
     return out
 
 
-def kernel_blocks(rows: torch.Tensor, qtype: int) -> torch.Tensor:
+def kernel_blocks(rows: torch.Tensor, qtype: int, arena: BlockArena | None = None
+                  ) -> torch.Tensor:
     """A weight's GGUF blocks (``[out, in / 32 * block bytes]`` uint8, as the file stores
     them) as the native kernels read them: scales widened (``widen_scales``), then
-    interleaved (``interleave_blocks``)."""
-    return interleave_blocks(widen_scales(rows, qtype), KERNEL_BLOCK_BYTES[qtype])
+    interleaved (``interleave_blocks``), into ``arena`` where given."""
+    wide = widen_scales(rows, qtype)
+    out = None if arena is None else arena.take(tuple(wide.shape))
+    return interleave_blocks(wide, KERNEL_BLOCK_BYTES[qtype], out)
+
+
+def kernel_bytes(rows_bytes: int, qtype: int) -> int:
+    """Bytes of a weight's kernel-layout blocks, for ``rows_bytes`` bytes in the file."""
+    return rows_bytes // GGUF_BLOCK_TYPES[qtype] * KERNEL_BLOCK_BYTES[qtype]
+
+
+class BlockArena:
+    """One buffer in huge pages (``hugepages``) that the linears' kernel-layout blocks are
+    laid into as they are built, each on a cache line: a decode step reads all of them, and
+    in 4 KiB pages each page was a TLB miss. Sized up front, so that loading never holds the
+    blocks twice."""
+
+    ALIGN = 64
+
+    def __init__(self, num_bytes: int) -> None:
+        self.buffer = hugepages.zeros((max(num_bytes, 1),), torch.uint8)
+        self.offset = 0
+
+    def take(self, shape: tuple[int, int]) -> torch.Tensor:
+        """The next ``shape`` uint8 tensor of the buffer."""
+        size = shape[0] * shape[1]
+        if self.offset + size > self.buffer.numel():
+            raise ModelLoadError("the block arena was sized too small; report this")
+        view = self.buffer[self.offset:self.offset + size].view(shape)
+        self.offset += (size + self.ALIGN - 1) // self.ALIGN * self.ALIGN
+        return view
+
+    @classmethod
+    def for_weights(cls, weights: dict[str, object]) -> BlockArena | None:
+        """An arena for every weight of ``weights`` that the kernels compute from; ``None``
+        if there is none."""
+        total = sum(kernel_bytes(w.rows.nbytes, w.qtype) + cls.ALIGN
+                    for w in weights.values()
+                    if isinstance(w, GGUFWeight) and w.qtype in GGUF_BLOCK_TYPES)
+        return cls(total) if total and USE_GGUF_BLOCKS else None
+
+
+def make_linear(parts: Sequence[torch.Tensor | GGUFWeight], bias: torch.Tensor | None = None,
+                arena: BlockArena | None = None) -> Linear:
+    """One linear computing the weights ``parts`` stacked by rows (a fused q/k/v or
+    gate/up): float tensors concatenated; GGUF weights kept as their blocks where the
+    kernels compute with their type (several types side by side: one linear each, their
+    outputs concatenated), else dequantized to float32."""
+    if all(isinstance(p, GGUFWeight) for p in parts) and USE_GGUF_BLOCKS and all(
+            p.qtype in GGUF_BLOCK_TYPES for p in parts):
+        runs: list[list[GGUFWeight]] = []
+        for p in parts:
+            if runs and runs[-1][0].qtype == p.qtype:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        linears = [Linear(None, blocks=(run[0].qtype, _stacked_rows(run)),
+                          in_features=run[0].shape[1], arena=arena) for run in runs]
+        if len(linears) == 1:
+            linears[0].bias = bias
+            return linears[0]
+        return Linear(None, bias, parts=linears)
+    weights = [p.dequantize() if isinstance(p, GGUFWeight) else p for p in parts]
+    return Linear(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
+
+
+def _stacked_rows(parts: list[GGUFWeight]) -> torch.Tensor:
+    """The parts' rows of blocks, one after the other, as a uint8 tensor (a view of the
+    file's mapping where there is one part: only read, while it is laid out)."""
+    rows = parts[0].rows if len(parts) == 1 else np.concatenate([p.rows for p in parts])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.ascontiguousarray(rows))
+
+
+class Embedding:
+    """The token embedding: rows of a float tensor, or of a GGUF weight dequantized row by
+    row from its blocks (``weight`` then stays the file's blocks)."""
+
+    def __init__(self, weight: torch.Tensor | GGUFWeight) -> None:
+        if isinstance(weight, GGUFWeight):
+            weight = weight.dequantize()
+        self.weight = weight
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype, self.device = weight.dtype, weight.device
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
 
 
 def int_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -131,24 +229,45 @@ class Linear:
     (``kernel_blocks``).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 pack: bool = True, blocks: tuple[int, torch.Tensor] | None = None) -> None:
-        self.out_features, self.in_features = weight.shape
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
+                 pack: bool = True, blocks: tuple[int, torch.Tensor] | None = None,
+                 in_features: int | None = None, arena: BlockArena | None = None,
+                 parts: list[Linear] | None = None) -> None:
+        """``weight`` may be ``None`` where ``blocks`` (with ``in_features``) or ``parts``
+        give the weight; ``arena``, where given, holds the kernel-layout blocks."""
         self.bias = bias
         self.blocks = None
-        if blocks is not None and USE_GGUF_BLOCKS:
-            self.blocks = (blocks[0], kernel_blocks(blocks[1], blocks[0]))
+        self.parts = parts
         self.packed = False
+        self.weight = None
+        if parts is not None:
+            # Outputs of linears of different block types side by side (a fused q/k/v
+            # whose v is of another type than q and k, as Q4_K_M files have it).
+            self.out_features = sum(p.out_features for p in parts)
+            self.in_features = parts[0].in_features
+            return
+        if weight is not None:
+            self.out_features, self.in_features = weight.shape
+        else:
+            self.out_features, self.in_features = blocks[1].shape[0], in_features
+        if blocks is not None and USE_GGUF_BLOCKS:
+            laid_out = kernel_blocks(blocks[1], blocks[0], arena)
+            self.blocks = (blocks[0], laid_out)
         if self.blocks is not None:
             # The blocks are the weight: no float32 copy is kept (6.4x the memory for Q4_1).
-            self.weight = None
-        elif pack and _can_pack(weight):
+            return
+        if weight is None:
+            raise ModelLoadError("a linear without blocks needs its weight")
+        if pack and _can_pack(weight):
             self.packed = True
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16)
         else:
             self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parts is not None:
+            out = torch.cat([part(x) for part in self.parts], dim=-1)
+            return out if self.bias is None else out.add_(self.bias)
         if self.blocks is not None:
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
             qtype, blocks = self.blocks
@@ -253,3 +372,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU's ``gelu_tanh(gate) * up`` of the fused ``[gate | up]`` projection output
+    (transformers' ``gelu_pytorch_tanh``, Gemma's MLP)."""
+    gate, up = x.chunk(2, -1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def float32_weight_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                            native: bool = False) -> torch.Tensor:
+    """RMSNorm with a float32 ``weight`` multiplied in float32 before the one cast back, as
+    Hugging Face's Gemma RMSNorm computes ``x * (1 + w)`` (``weight`` holds ``1 + w``). In
+    float32 that is ``rms_norm``'s arithmetic, so the native kernel computes it there."""
+    if x.dtype == torch.float32:
+        return rms_norm(x, weight, eps, native)
+    return (torch.rms_norm(x.float(), (x.shape[-1],), None, eps) * weight).to(x.dtype)
+
+
+def float32_weight_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float, native: bool = False
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm`` with ``float32_weight_rms_norm``'s rounding."""
+    if x.dtype == torch.float32:
+        return add_rms_norm(x, residual, weight, eps, native)
+    residual = x + residual
+    return float32_weight_rms_norm(residual, weight, eps), residual

@@ -12,9 +12,9 @@ could be built (``freetoken_core/kernels``), else as torch operators.
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
+
 import torch
-import torch.nn.functional as F
 
 from freetoken_core import hugepages
 from freetoken_core.errors import ModelLoadError
@@ -24,52 +24,40 @@ from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.layers import (
     ACTIVATIONS_INT24,
     ACTIVATIONS_Q8,
-    Linear,
+    BlockArena,
+    Embedding,
     RotaryEmbedding,
     add_rms_norm,
     apply_rope,
     int_blocks,
     int_linear_available,
+    make_linear,
     narrow_scales,
     rms_norm,
     silu_and_mul,
 )
 
-GgufBlocks = dict[str, tuple[int, np.ndarray]]
-
-
-def fused_blocks(blocks: GgufBlocks, names: list[str]) -> tuple[int, torch.Tensor] | None:
-    """The GGUF blocks of weights ``names`` stacked by rows, as one Linear fuses them;
-    ``None`` unless all have blocks of one type."""
-    parts = [blocks.get(name) for name in names]
-    if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
-        return None
-    return parts[0][0], torch.from_numpy(np.concatenate([p[1] for p in parts]))
+# Weights by Hugging Face name: float tensors, or GGUFWeight blocks (gguf_weights).
+Weights = dict[str, Any]
 
 
 class DecoderLayer:
     """One transformer block; its weights come from ``weights`` under ``prefix``."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str,
-                 native: bool, blocks: GgufBlocks) -> None:
-        def w(name: str) -> torch.Tensor:
+    def __init__(self, cfg: ModelConfig, weights: Weights, prefix: str, native: bool,
+                 arena: BlockArena | None = None) -> None:
+        def w(name: str) -> Any:
             return weights.pop(prefix + name)
 
-        def b(*names: str) -> tuple[int, torch.Tensor] | None:
-            return fused_blocks(blocks, [prefix + n for n in names])
-
         attn = "self_attn."
-        qkv_names = [attn + f"{p}_proj.weight" for p in "qkv"]
-        qkv = torch.cat([w(n) for n in qkv_names])
         bias = None
         if cfg.attention_bias:
             bias = torch.cat([w(attn + f"{p}_proj.bias") for p in "qkv"])
-        self.qkv_proj = Linear(qkv, bias, blocks=b(*qkv_names))
-        self.o_proj = Linear(w(attn + "o_proj.weight"), blocks=b(attn + "o_proj.weight"))
-        gate_up_names = ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
-        gate_up = torch.cat([w(n) for n in gate_up_names])
-        self.gate_up_proj = Linear(gate_up, blocks=b(*gate_up_names))
-        self.down_proj = Linear(w("mlp.down_proj.weight"), blocks=b("mlp.down_proj.weight"))
+        self.qkv_proj = make_linear([w(attn + f"{p}_proj.weight") for p in "qkv"], bias, arena)
+        self.o_proj = make_linear([w(attn + "o_proj.weight")], arena=arena)
+        self.gate_up_proj = make_linear([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")],
+                                        arena=arena)
+        self.down_proj = make_linear([w("mlp.down_proj.weight")], arena=arena)
         self.input_norm = w("input_layernorm.weight")
         self.post_attn_norm = w("post_attention_layernorm.weight")
         self.q_norm = w(attn + "q_norm.weight") if cfg.qk_norm else None
@@ -126,37 +114,37 @@ class DecoderLayer:
 class LlamaForCausalLM:
     """The whole model: ``forward`` gives hidden states, ``compute_logits`` float32 logits."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 max_positions: int, gguf_blocks: GgufBlocks | None = None) -> None:
-        """``gguf_blocks``: the checkpoint's weights as its GGUF file quantized them
-        (``read_gguf_blocks``); in float32 on CPU, steps of a few rows compute from them."""
+    layer_class: type[DecoderLayer] = DecoderLayer  # a subclass's blocks (gemma3.py)
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int) -> None:
+        """``weights`` by Hugging Face name: float tensors (a safetensors checkpoint), or
+        ``GGUFWeight`` blocks for 2-d weights (a GGUF file read in place; the loader hands
+        them over only in float32 on CPU with the native kernels), which the linears keep
+        as blocks. Consumed: the dict is empty afterwards."""
         self.config = cfg
-        self.embed_tokens = weights.pop("model.embed_tokens.weight")
+        embed = weights.pop("model.embed_tokens.weight")
+        head = weights.pop("lm_head.weight", None)
+        if head is None or cfg.tie_word_embeddings:
+            head = embed
+        arena = BlockArena.for_weights({**weights, "lm_head.weight": head})
+        self.embedding = Embedding(embed)
         # The native CPU kernels (attention's decode path too) or the torch operators.
-        self.native = (self.embed_tokens.device.type == "cpu"
-                       and self.embed_tokens.dtype in (torch.float32, torch.bfloat16)
+        self.native = (self.embedding.device.type == "cpu"
+                       and self.embedding.dtype in (torch.float32, torch.bfloat16)
                        and cpu_kernels_available())
-        blocks = gguf_blocks or {}
-        if not (self.native and self.embed_tokens.dtype == torch.float32):
-            blocks = {}
-        self.uses_gguf_blocks = bool(blocks)
-        self.layers = [DecoderLayer(cfg, weights, f"model.layers.{i}.", self.native, blocks)
+        self.layers = [self.layer_class(cfg, weights, f"model.layers.{i}.", self.native, arena)
                        for i in range(cfg.num_layers)]
         self.norm = weights.pop("model.norm.weight")
-        head = weights.pop("lm_head.weight", None)
-        head_blocks = fused_blocks(blocks, ["lm_head.weight"])
-        if head is None or cfg.tie_word_embeddings:
-            head = self.embed_tokens
-            head_blocks = fused_blocks(blocks, ["model.embed_tokens.weight"])
-        self.lm_head = Linear(head, blocks=head_blocks)
+        self.lm_head = make_linear([head], arena=arena)
+        self.uses_gguf_blocks = arena is not None
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
-                                      cfg.rope_scaling, self.embed_tokens.dtype,
-                                      self.embed_tokens.device)
-        weights.pop("lm_head.weight", None)
+                                      cfg.rope_scaling, self.embedding.dtype,
+                                      self.embedding.device)
         leftover = [k for k in weights if "rotary_emb" not in k]
         if leftover:
             raise ValueError(f"unused weights in checkpoint: {leftover[:5]}")
-        self.pack_blocks()
+        if arena is None:
+            self.pack_blocks()
         self.set_all_layers_args()
 
     def pack_blocks(self) -> None:
@@ -223,7 +211,7 @@ class LlamaForCausalLM:
             raise ModelLoadError(
                 "--activations q8 needs every linear as Q4_1/Q8_0 GGUF blocks: a GGUF model "
                 "of those types, dtype float32, on CPU with the native kernels "
-                f"(here: native={self.native}, dtype={self.embed_tokens.dtype}, GGUF blocks "
+                f"(here: native={self.native}, dtype={self.embedding.dtype}, GGUF blocks "
                 f"for {sum(lin.blocks is not None for lin in linears)} of {len(linears)} "
                 "linears)")
         if any(lin.blocks[0] & ACTIVATIONS_INT24 for lin in linears):
@@ -237,7 +225,7 @@ class LlamaForCausalLM:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat step; writes the step's KV into the cache."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embedding(input_ids)
         cos, sin = self.rotary.tables(positions)
         # Every block in one native call (what the loop below runs, block by block), unless
         # a block has left the one-call path (tests switch blocks to the Python path).

