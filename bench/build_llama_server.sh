@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build llama.cpp's `llama-server` (CPU, this machine's instruction set) for
-# bench/vs_llamacpp.py, and print the binary's path on the last line.
+# bench/vs_llamacpp.py, and `llama-quantize` beside it (bench/gguf_types.py makes the other
+# GGUF types of a file with it), and print the server binary's path on the last line.
 #
 #   bash bench/build_llama_server.sh [DIR]
 #
@@ -90,7 +91,7 @@ cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
     ${LLAMA_CMAKE_ARGS:-} >/dev/null
-cmake --build "$build" --target llama-server -j "$jobs"
+cmake --build "$build" --target llama-server llama-quantize -j "$jobs"
 binary=$build/bin/llama-server
 "$binary" --version 2>&1 | head -n 2 >&2 || true
 echo "$binary"

@@ -26,7 +26,7 @@ import torch
 log = logging.getLogger("freetoken.kernels")
 
 _SOURCES = ("paged_attention.cpp", "layers.cpp", "gguf_linear.cpp", "int_linear.cpp",
-            "q8_linear.cpp", "llama_layer.cpp", "sampler.cpp")
+            "q8_linear.cpp", "llama_layer.cpp", "sampler.cpp", "gguf_dequant.cpp")
 _ENV = "FREETOKEN_NATIVE_KERNELS"
 _NAME = "freetoken_cpu"
 

@@ -12,11 +12,19 @@ import torch.nn.functional as F
 
 from freetoken_core import hugepages
 from freetoken_core.errors import ModelLoadError
-from freetoken_core.models.gguf_weights import GGUFWeight
+from freetoken_core.models.gguf_weights import GGUF_TYPES, GGUFWeight
 
-# ggml type id -> bytes per block of 32 weights in the file, for the block types the native
-# linear kernels compute with (freetoken_core/kernels/csrc/gguf_linear.cpp).
+# ggml type id -> bytes per block of 32 weights in the file, for Q4_1 and Q8_0, the types
+# the integer and 8-bit-activation kernels compute with too (int_linear.cpp, q8_linear.cpp).
 GGUF_BLOCK_TYPES: dict[int, int] = {3: 20, 8: 34}  # Q4_1, Q8_0
+
+# ggml type id -> (weights, bytes) of a unit of the kernels' layout as the file stores it,
+# for every type the float32 linear kernel computes with (gguf_linear.cpp, gguf_types.h):
+# the file's blocks, and for F32 / F16 / BF16 runs of 32 values.
+NATIVE_UNITS: dict[int, tuple[int, int]] = {
+    qtype: (32, 32 * size) if block == 1 else (block, size)
+    for qtype, (_, block, size) in GGUF_TYPES.items()
+}
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -48,10 +56,10 @@ ACTIVATIONS_INT24 = 1 << 9
 # Features per group of the native kernels' block layout (gguf_blocks.h kGroup).
 KERNEL_GROUP = 4
 
-# Bytes of one block of 32 weights in the native kernels' layout (gguf_blocks.h
-# block_bytes): Q4_1's two float16 scales widened to float32 (4 + 4 + 16 nibble bytes, where
-# the file has 2 + 2 + 16), Q8_0 as in the file (float16 scale, 32 int8).
-KERNEL_BLOCK_BYTES = {3: 24, 8: 34}
+# Bytes of one unit of weights in the native kernels' layout (gguf_blocks.h block_bytes):
+# Q4_1's two float16 scales widened to float32 (4 + 4 + 16 nibble bytes, where the file has
+# 2 + 2 + 16), every other type as in the file (NATIVE_UNITS).
+KERNEL_BLOCK_BYTES = {qtype: size for qtype, (_, size) in NATIVE_UNITS.items()} | {3: 24}
 
 
 def _recast_scales(blocks: torch.Tensor, block_bytes: int, scale_bytes: int,
@@ -123,7 +131,13 @@ def kernel_blocks(rows: torch.Tensor, qtype: int, arena: BlockArena | None = Non
 
 def kernel_bytes(rows_bytes: int, qtype: int) -> int:
     """Bytes of a weight's kernel-layout blocks, for ``rows_bytes`` bytes in the file."""
-    return rows_bytes // GGUF_BLOCK_TYPES[qtype] * KERNEL_BLOCK_BYTES[qtype]
+    return rows_bytes // NATIVE_UNITS[qtype][1] * KERNEL_BLOCK_BYTES[qtype]
+
+
+def computes_natively(weight: GGUFWeight) -> bool:
+    """Whether the native linear kernel computes with ``weight``'s blocks: a type it has and
+    rows of whole units (F16 rows of a width that is not a multiple of 32 do not)."""
+    return weight.qtype in NATIVE_UNITS and weight.shape[1] % NATIVE_UNITS[weight.qtype][0] == 0
 
 
 class BlockArena:
@@ -151,9 +165,9 @@ class BlockArena:
     def for_weights(cls, weights: dict[str, object]) -> BlockArena | None:
         """An arena for every weight of ``weights`` that the kernels compute from; ``None``
         if there is none."""
-        total = sum(kernel_bytes(w.rows.nbytes, w.qtype) + cls.ALIGN
-                    for w in weights.values()
-                    if isinstance(w, GGUFWeight) and w.qtype in GGUF_BLOCK_TYPES)
+        unique = {id(w): w for w in weights.values()}.values()  # a tied head counts once
+        total = sum(kernel_bytes(w.rows.nbytes, w.qtype) + cls.ALIGN for w in unique
+                    if isinstance(w, GGUFWeight) and computes_natively(w))
         return cls(total) if total and USE_GGUF_BLOCKS else None
 
 
@@ -164,7 +178,7 @@ def make_linear(parts: Sequence[torch.Tensor | GGUFWeight], bias: torch.Tensor |
     kernels compute with their type (several types side by side: one linear each, their
     outputs concatenated), else dequantized to float32."""
     if all(isinstance(p, GGUFWeight) for p in parts) and USE_GGUF_BLOCKS and all(
-            p.qtype in GGUF_BLOCK_TYPES for p in parts):
+            computes_natively(p) for p in parts):
         runs: list[list[GGUFWeight]] = []
         for p in parts:
             if runs and runs[-1][0].qtype == p.qtype:
@@ -191,17 +205,37 @@ def _stacked_rows(parts: list[GGUFWeight]) -> torch.Tensor:
 
 
 class Embedding:
-    """The token embedding: rows of a float tensor, or of a GGUF weight dequantized row by
-    row from its blocks (``weight`` then stays the file's blocks)."""
+    """The token embedding: rows of a float tensor, or of a GGUF weight's blocks decoded
+    row by row (the kernels' layout, ``kernel_blocks``; a tied output head's very blocks
+    where ``blocks`` hands them over), so no float32 copy of the vocabulary is made."""
 
-    def __init__(self, weight: torch.Tensor | GGUFWeight) -> None:
+    def __init__(self, weight: torch.Tensor | GGUFWeight, arena: BlockArena | None = None,
+                 blocks: tuple[int, torch.Tensor] | None = None) -> None:
+        self.blocks = None
+        self.weight = None
+        if isinstance(weight, GGUFWeight) and USE_GGUF_BLOCKS and computes_natively(weight):
+            self.num_embeddings, self.embedding_dim = weight.shape
+            self.blocks = blocks or (weight.qtype, kernel_blocks(
+                _stacked_rows([weight]), weight.qtype, arena))
+            self.dtype, self.device = torch.float32, torch.device("cpu")
+            return
         if isinstance(weight, GGUFWeight):
             weight = weight.dequantize()
         self.weight = weight
         self.num_embeddings, self.embedding_dim = weight.shape
         self.dtype, self.device = weight.dtype, weight.device
 
+    def own_blocks(self) -> None:
+        """Keep a copy of the blocks of its own (before the buffer they lie in is replaced:
+        a view would keep all of that buffer alive)."""
+        if self.blocks is not None:
+            self.blocks = (self.blocks[0], self.blocks[1].clone())
+
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            qtype, blocks = self.blocks
+            return torch.ops.freetoken.gguf_embedding_blocks(
+                ids.reshape(-1).contiguous(), blocks, qtype, self.embedding_dim)
         return F.embedding(ids, self.weight)
 
 

@@ -24,6 +24,7 @@ from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.layers import (
     ACTIVATIONS_INT24,
     ACTIVATIONS_Q8,
+    GGUF_BLOCK_TYPES,
     BlockArena,
     Embedding,
     RotaryEmbedding,
@@ -126,8 +127,12 @@ class LlamaForCausalLM:
         head = weights.pop("lm_head.weight", None)
         if head is None or cfg.tie_word_embeddings:
             head = embed
-        arena = BlockArena.for_weights({**weights, "lm_head.weight": head})
-        self.embedding = Embedding(embed)
+        arena = BlockArena.for_weights({**weights, "lm_head.weight": head, "embed": embed})
+        self.lm_head = make_linear([head], arena=arena)
+        if head is embed and self.lm_head.blocks is not None:
+            self.embedding = Embedding(embed, blocks=self.lm_head.blocks)  # tied: one copy
+        else:
+            self.embedding = Embedding(embed, arena)
         # The native CPU kernels (attention's decode path too) or the torch operators.
         self.native = (self.embedding.device.type == "cpu"
                        and self.embedding.dtype in (torch.float32, torch.bfloat16)
@@ -135,7 +140,6 @@ class LlamaForCausalLM:
         self.layers = [self.layer_class(cfg, weights, f"model.layers.{i}.", self.native, arena)
                        for i in range(cfg.num_layers)]
         self.norm = weights.pop("model.norm.weight")
-        self.lm_head = make_linear([head], arena=arena)
         self.uses_gguf_blocks = arena is not None
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
                                       cfg.rope_scaling, self.embedding.dtype,
@@ -191,9 +195,10 @@ class LlamaForCausalLM:
         has no GGUF blocks."""
         linears = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
         linears = [lin for lin in linears if lin.blocks is not None
-                   and not lin.blocks[0] & (ACTIVATIONS_Q8 | ACTIVATIONS_INT24)]
+                   and lin.blocks[0] in GGUF_BLOCK_TYPES]
         if not linears or not self.native or not int_linear_available():
             return False
+        self.embedding.own_blocks()
         for lin in linears:
             qtype, blocks = lin.blocks
             if lin.out_features % 16 == 0:
@@ -207,7 +212,8 @@ class LlamaForCausalLM:
         arithmetic, not exact. Needs every linear and the head as GGUF blocks (a GGUF model
         with Q4_1/Q8_0 weights, float32, on CPU with the native kernels)."""
         linears = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
-        if not all(lin.blocks is not None for lin in linears):
+        if not all(lin.blocks is not None and lin.blocks[0] & 0xFF in GGUF_BLOCK_TYPES
+                   for lin in linears):
             raise ModelLoadError(
                 "--activations q8 needs every linear as Q4_1/Q8_0 GGUF blocks: a GGUF model "
                 "of those types, dtype float32, on CPU with the native kernels "
@@ -216,6 +222,7 @@ class LlamaForCausalLM:
                 "linears)")
         if any(lin.blocks[0] & ACTIVATIONS_INT24 for lin in linears):
             raise ModelLoadError("--activations q8: the linears already use the int24 kernel")
+        self.embedding.own_blocks()
         for lin in linears:
             qtype, blocks = lin.blocks
             lin.blocks = (qtype | ACTIVATIONS_Q8, narrow_scales(blocks, qtype))

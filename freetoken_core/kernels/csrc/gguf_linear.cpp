@@ -30,7 +30,7 @@
 // kernels' layout: groups of four features with their blocks interleaved (gguf_blocks.h).
 
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "gguf_types.h"
 #include "ops.h"
 #include "parallel.h"
 #include "vec.h"
@@ -176,6 +177,35 @@ inline void dequant(const uint8_t* block, vf w[4]) {
 }
 #endif
 
+// A feature's weights come in units: a unit is one block of the file for Q4_1 (its scales
+// widened, gguf_blocks.h) and Q8_0, decoded by dequant / dequant_scalar above; for every other
+// type (gguf_types.h) a unit is one block of the file (32 or 256 weights: kSubs sub-blocks of
+// 32), decoded 32 weights at a time, bit for bit as gguf-py decodes it. The kernels' layout
+// interleaves units (gguf_blocks.h), and every path reads sub-block s of unit u as the
+// weights [32 (u kSubs + s), +32) of the feature, so the one summation order holds for all.
+template <int64_t QT, bool kLegacy = (QT == kQ4_1 || QT == kQ8_0)>
+struct Unit {
+  static constexpr int64_t kBytes = block_bytes(QT);
+  static constexpr int kSubs = 1;
+  static void scalar(const uint8_t* unit, int, float* w) { dequant_scalar<QT>(unit, w); }
+#ifdef FREETOKEN_AVX2
+  template <bool kBroadcastLoads = false>
+  static void vec(const uint8_t* unit, int, vf* w) { dequant<QT, kBroadcastLoads>(unit, w); }
+#endif
+};
+
+template <int64_t QT>
+struct Unit<QT, false> {
+  using T = freetoken::gguf::types::Type<QT>;
+  static constexpr int64_t kBytes = T::kBytes;
+  static constexpr int kSubs = T::kSubs;
+  static void scalar(const uint8_t* unit, int sub, float* w) { T::scalar(unit, sub, w); }
+#ifdef FREETOKEN_AVX2
+  template <bool = false>
+  static void vec(const uint8_t* unit, int sub, vf* w) { T::vec(unit, sub, w); }
+#endif
+};
+
 #ifdef FREETOKEN_AVX2
 constexpr int kVecs = kBlock / kLanes;  // vectors per block
 
@@ -216,21 +246,26 @@ void rows_direct(const float* x, int64_t x_stride, const uint8_t* blocks, int64_
   // threads: 2.2-2.5 -> 1.5-1.9 ms a step).
   const int64_t ahead = std::max<int64_t>(kPrefetchBytes, F * row_bytes);
   if constexpr (F > 1) prefetch_range(blocks + n0 * row_bytes, kPrefetchBytes);
+  using U = Unit<QT>;
+  const int64_t num_units = num_blocks / U::kSubs;
   for (; n + F <= n1; n += F) {
-    const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, block_bytes(QT), n);
+    const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, U::kBytes, n);
     vf acc[R][F];
     for (int r = 0; r < R; ++r)
       for (int f = 0; f < F; ++f) acc[r][f] = vzero();
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      for (int f = 0; f < F; ++f) {
-        const uint8_t* block = fb.first + b * fb.stride + f * block_bytes(QT);
-        _mm_prefetch(reinterpret_cast<const char*>(block + ahead), _MM_HINT_T0);
-        vf w[kVecs];
-        dequant<QT, R == 1>(block, w);
-        for (int r = 0; r < R; ++r) {
-          const float* xb = x + r * x_stride + b * kBlock;
-          for (int j = 0; j < kVecs; ++j)
-            acc[r][f] = vfma(w[j], vload(xb + j * kLanes), acc[r][f]);
+    for (int64_t u = 0; u < num_units; ++u) {
+      for (int s = 0; s < U::kSubs; ++s) {
+        const int64_t b = u * U::kSubs + s;
+        for (int f = 0; f < F; ++f) {
+          const uint8_t* block = fb.first + u * fb.stride + f * U::kBytes;
+          if (s == 0) _mm_prefetch(reinterpret_cast<const char*>(block + ahead), _MM_HINT_T0);
+          vf w[kVecs];
+          U::template vec<R == 1>(block, s, w);
+          for (int r = 0; r < R; ++r) {
+            const float* xb = x + r * x_stride + b * kBlock;
+            for (int j = 0; j < kVecs; ++j)
+              acc[r][f] = vfma(w[j], vload(xb + j * kLanes), acc[r][f]);
+          }
         }
       }
     }
@@ -248,14 +283,15 @@ void rows_direct(const float* x, int64_t x_stride, const uint8_t* blocks, int64_
 template <int64_t QT>
 void dequant_panel(const uint8_t* blocks, int64_t features, int64_t row_bytes,
                    int64_t num_blocks, int64_t n0, int64_t count, float* panel) {
+  using U = Unit<QT>;
   const int64_t k = num_blocks * kBlock;
   for (int64_t f = 0; f < count; ++f) {
-    const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, block_bytes(QT), n0 + f);
+    const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, U::kBytes, n0 + f);
     float* dst = panel + f * k;
 #pragma GCC unroll 2
     for (int64_t b = 0; b < num_blocks; ++b) {
       vf w[kVecs];
-      dequant<QT>(fb.first + b * fb.stride, w);
+      U::vec(fb.first + (b / U::kSubs) * fb.stride, static_cast<int>(b % U::kSubs), w);
       for (int j = 0; j < kVecs; ++j) vstore(dst + b * kBlock + j * kLanes, w[j]);
     }
   }
@@ -380,12 +416,13 @@ template <int64_t QT>
 void rows_scalar(const float* x, int64_t x_stride, int64_t rows, const uint8_t* blocks,
                  int64_t features, int64_t row_bytes, int64_t num_blocks, float* out,
                  int64_t out_stride, int64_t n0, int64_t n1) {
+  using U = Unit<QT>;
   float w[kBlock];
   for (int64_t n = n0; n < n1; ++n) {
-    const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, block_bytes(QT), n);
+    const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, U::kBytes, n);
     for (int64_t r = 0; r < rows; ++r) out[r * out_stride + n] = 0.f;
     for (int64_t b = 0; b < num_blocks; ++b) {
-      dequant_scalar<QT>(fb.first + b * fb.stride, w);
+      U::scalar(fb.first + (b / U::kSubs) * fb.stride, static_cast<int>(b % U::kSubs), w);
       for (int64_t r = 0; r < rows; ++r) {
         const float* xb = x + r * x_stride + b * kBlock;
         float s = 0.f;
@@ -488,25 +525,84 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor&
 #endif
 }
 
+// out[t] = the weights of feature ids[t] (a row of the embedding), from blocks in the kernels'
+// layout: the very floats the linear kernel multiplies by (Unit), so a tied embedding and
+// output head share one copy of the blocks.
+template <int64_t QT>
+void embedding_impl(const int64_t* ids, int64_t count, const uint8_t* blocks, int64_t features,
+                    int64_t row_bytes, int64_t k, float* out) {
+  using U = Unit<QT>;
+  const int64_t num_blocks = k / kBlock;
+  at::parallel_for(0, count, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, U::kBytes, ids[t]);
+      float* dst = out + t * k;
+      for (int64_t b = 0; b < num_blocks; ++b)
+        U::scalar(fb.first + (b / U::kSubs) * fb.stride, static_cast<int>(b % U::kSubs),
+                  dst + b * kBlock);
+    }
+  });
+}
+
 }  // namespace
 
 namespace freetoken {
 
 void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, at::Tensor out) {
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "gguf_linear: Q4_1 (3) or Q8_0 (8) blocks only");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
               x.is_contiguous(), "gguf_linear: x must be a contiguous float32 [M, K] CPU tensor");
-  TORCH_CHECK(x.size(1) % kBlock == 0, "gguf_linear: K must be a multiple of 32");
+  // The legacy types' units are blocks of 32 (Q4_1's widened to 24 bytes); the others', the
+  // file's blocks (gguf_types.h).
+  const bool legacy = qtype == kQ4_1 || qtype == kQ8_0;
+  const int64_t unit_weights = legacy ? kBlock : freetoken::gguf::types::unit_weights(qtype);
+  const int64_t unit_bytes = legacy ? block_bytes(qtype) : freetoken::gguf::types::unit_bytes(qtype);
+  TORCH_CHECK(x.size(1) % unit_weights == 0, "gguf_linear: K must be a multiple of ",
+              unit_weights, " for ggml type ", qtype);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-              blocks.size(1) == x.size(1) / kBlock * block_bytes(qtype),
-              "gguf_linear: blocks must be uint8 [N, K / 32 * block bytes]");
+              blocks.size(1) == x.size(1) / unit_weights * unit_bytes,
+              "gguf_linear: blocks must be uint8 [N, K / unit weights * unit bytes]");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
               out.size(1) == blocks.size(0), "gguf_linear: out must be float32 [M, N]");
   if (qtype == kQ4_1) {
     gguf_linear_impl<kQ4_1>(x, blocks, out);
-  } else {
+  } else if (qtype == kQ8_0) {
     gguf_linear_impl<kQ8_0>(x, blocks, out);
+  } else {
+    freetoken::gguf::types::dispatch(qtype, [&](auto qt) {
+      constexpr int64_t QT = decltype(qt)::value;
+      if constexpr (QT != kQ4_1 && QT != kQ8_0) gguf_linear_impl<QT>(x, blocks, out);
+    });
   }
+}
+
+at::Tensor gguf_embedding_blocks(const at::Tensor& ids, const at::Tensor& blocks, int64_t qtype,
+                                 int64_t k) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
+              "gguf_embedding_blocks: ids must be a contiguous int64 [T] tensor");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "gguf_embedding_blocks: blocks must be uint8 [N, row bytes]");
+  const int64_t n = blocks.size(0), count = ids.size(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < count; ++t)
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < n, "gguf_embedding_blocks: token id ", ip[t],
+                " is outside the embedding's ", n, " rows");
+  at::Tensor out = at::empty({count, k}, ids.options().dtype(at::kFloat));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  auto run = [&](auto qt) {
+    constexpr int64_t QT = decltype(qt)::value;
+    embedding_impl<QT>(ip, count, bp, n, blocks.size(1), k, out.data_ptr<float>());
+  };
+  if (qtype == kQ4_1) {
+    run(std::integral_constant<int64_t, kQ4_1>{});
+  } else if (qtype == kQ8_0) {
+    run(std::integral_constant<int64_t, kQ8_0>{});
+  } else {
+    freetoken::gguf::types::dispatch(qtype, [&](auto qt) {
+      constexpr int64_t QT = decltype(qt)::value;
+      if constexpr (QT != kQ4_1 && QT != kQ8_0) run(qt);
+    });
+  }
+  return out;
 }
 
 }  // namespace freetoken
@@ -514,4 +610,6 @@ void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, a
 TORCH_LIBRARY_FRAGMENT(freetoken, m) {
   m.def("gguf_linear(Tensor x, Tensor blocks, int qtype, Tensor(a!) out) -> ()",
         &freetoken::gguf_linear);
+  m.def("gguf_embedding_blocks(Tensor ids, Tensor blocks, int qtype, int k) -> Tensor",
+        &freetoken::gguf_embedding_blocks);
 }

@@ -1,0 +1,191 @@
+"""Random-weight GGUF files of any supported architecture and block types, for tests and
+benches: tensors named and keyed the way llama.cpp's ``convert_hf_to_gguf.py`` writes them,
+the tokenizer (vocabulary, merges, chat template) copied from the default model's file.
+
+Quantized weights are random blocks with finite scales chosen so that the weights are of
+the size of a trained model's (|w| ~ 0.02-0.05); the oracle is transformers' GGUF loader,
+which dequantizes the same blocks, so no quantizer is needed for any type."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# ggml type id -> (weights per block, bytes per block, [(fp16 scale field offsets)], the
+# largest |quant value x sub-scale| a weight gets: d is chosen from it)
+_LAYOUT: dict[int, tuple[int, int, tuple[int, ...], float]] = {
+    2: (32, 18, (0,), 8),             # Q4_0: d (q - 8)
+    3: (32, 20, (0, 2), 15),          # Q4_1: d q + m
+    6: (32, 22, (0,), 16),            # Q5_0
+    7: (32, 24, (0, 2), 31),          # Q5_1
+    8: (32, 34, (0,), 127),           # Q8_0
+    10: (256, 84, (80, 82), 45),      # Q2_K: d sc q - dmin m (4-bit sc, 2-bit q)
+    11: (256, 110, (108,), 128),      # Q3_K: d (s - 32) q
+    12: (256, 144, (0, 2), 945),      # Q4_K: 6-bit sc, 4-bit q
+    13: (256, 176, (0, 2), 1953),     # Q5_K
+    14: (256, 210, (208,), 4096),     # Q6_K: int8 sc, q - 32
+    20: (32, 18, (0,), 127),          # IQ4_NL
+    23: (256, 136, (0,), 4064),       # IQ4_XS: (ls - 32) table
+}
+
+# The min (Q4_1 / Q5_1 m, K-quants' dmin) over d that puts the mean weight near zero: the
+# mean quant (x the mean sub-scale over the mean sub-min, for the K-quants), negated where
+# the min is added rather than subtracted.
+_MIN_RATIO = {3: -7.5, 7: -15.5, 10: 1.5, 12: 7.5, 13: 15.5}
+
+_GAINS = {"attn_q.weight": 2.0, "attn_k.weight": 2.0, "attn_qkv.weight": 2.0,
+          "attn_output.weight": 3.0, "ffn_down.weight": 3.0, "token_embd.weight": 3.0,
+          "output.weight": 3.0}
+
+F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 30, 2, 3, 6, 7, 8
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 10, 11, 12, 13, 14, 20, 23
+
+
+def random_blocks(rng: np.random.Generator, qtype: int, rows: int, cols: int,
+                  scale: float = 0.03) -> np.ndarray:
+    """uint8 ``[rows, cols / block * bytes]``: random blocks of ``qtype`` whose weights
+    reach about ``scale``; F32 / F16 / BF16 as their raw bytes."""
+    if qtype in (F32, F16, BF16):
+        values = rng.normal(0.0, scale / 2, size=(rows, cols)).astype(np.float32)
+        if qtype == F32:
+            return values.view(np.uint8).reshape(rows, -1)
+        if qtype == F16:
+            return values.astype(np.float16).view(np.uint8).reshape(rows, -1)
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(rows, -1)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    block, size, fields, reach = _LAYOUT[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    d = (scale / reach) * rng.uniform(0.5, 1.0, size=blocks.shape[0])
+    # Scaled so that the weights' standard deviation is scale / 2, as the float types'
+    # (a sub-scale times a quant spreads less than either alone).
+    sample = blocks[:64].copy()
+    sample[:, fields[0]:fields[0] + 2] = d[:64].astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if len(fields) == 2:
+        minimum = (d[:64] * _MIN_RATIO[qtype]).astype(np.float16)
+        sample[:, fields[1]:fields[1] + 2] = minimum.view(np.uint8).reshape(-1, 2)
+    spread = float(np.std(dequantize(sample.reshape(-1), GGMLQuantizationType(qtype))))
+    d *= (scale / 2) / max(spread, 1e-12)
+    values = [d]
+    if len(fields) == 2:  # a min: centre the weights (on average) around zero
+        values.append(d * _MIN_RATIO[qtype])
+    for offset, value in zip(fields, values):
+        blocks[:, offset:offset + 2] = value.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def _tokenizer_fields(source: Path) -> list[tuple[str, Any, Any]]:
+    """``(key, value, GGUFValueType)`` of every ``tokenizer.*`` field of ``source``."""
+    from gguf import GGUFReader, GGUFValueType
+
+    fields = []
+    for key, f in GGUFReader(source).fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        if f.types[0] == GGUFValueType.ARRAY:
+            item = f.types[1]
+            if item == GGUFValueType.STRING:
+                value = [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+            else:
+                value = [f.parts[i].tolist()[0] for i in f.data]
+            fields.append((key, value, (GGUFValueType.ARRAY, item)))
+        elif f.types[0] == GGUFValueType.STRING:
+            fields.append((key, bytes(f.parts[f.data[0]]).decode("utf-8"), (f.types[0],)))
+        else:
+            fields.append((key, f.parts[f.data[0]].tolist()[0], (f.types[0],)))
+    return fields
+
+
+def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, heads: int = 4,
+               kv_heads: int = 2, head_dim: int | None = None, ff: int = 128,
+               weight_type: int = Q8_0, types: dict[str, int] | None = None,
+               tied: bool = True, seed: int = 0, context: int = 2048,
+               rope_theta: float = 10000.0, sliding_window: int = 8,
+               tokenizer_from: Path | None = None) -> Path:
+    """A random ``arch`` model (llama, qwen2, qwen3, gemma3 or phi3) as a GGUF file.
+
+    ``weight_type`` is every 2-d weight's type; ``types`` overrides it by the end of the
+    tensor name (e.g. ``{"attn_v.weight": Q6_K, "token_embd.weight": Q6_K}``). The
+    vocabulary is ``tokenizer_from``'s (default: the default model's file)."""
+    from gguf import GGUFWriter, GGMLQuantizationType
+
+    from freetoken_core.models.resolve import default_gguf_path
+
+    rng = np.random.default_rng(seed)
+    head_dim = head_dim or hidden // heads
+    tokenizer_fields = _tokenizer_fields(tokenizer_from or default_gguf_path())
+    vocab = next(len(v) for k, v, _ in tokenizer_fields if k == "tokenizer.ggml.tokens")
+    writer = GGUFWriter(str(path), arch)
+    p = f"{arch}."
+    writer.add_uint32(p + "context_length", context)
+    writer.add_uint32(p + "embedding_length", hidden)
+    writer.add_uint32(p + "block_count", layers)
+    writer.add_uint32(p + "feed_forward_length", ff)
+    writer.add_uint32(p + "attention.head_count", heads)
+    writer.add_uint32(p + "attention.head_count_kv", kv_heads)
+    writer.add_uint32(p + "attention.key_length", head_dim)
+    writer.add_uint32(p + "attention.value_length", head_dim)
+    writer.add_uint32(p + "rope.dimension_count", head_dim)
+    writer.add_float32(p + "rope.freq_base", rope_theta)
+    writer.add_float32(p + "attention.layer_norm_rms_epsilon", 1e-6)
+    if arch == "gemma3":
+        writer.add_uint32(p + "attention.sliding_window", sliding_window)
+    for key, value, kind in tokenizer_fields:
+        writer.add_key_value(key, value, kind[0], sub_type=kind[1] if len(kind) > 1 else None)
+
+    def typed(name: str) -> int:
+        for tail, qtype in (types or {}).items():
+            if name.endswith(tail):
+                return qtype
+        return weight_type
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        # O(1)-scale activations, as tests/tiny_models.py's gains make them: logits well
+        # apart, so greedy decoding is not decided by rounding noise.
+        gain = next((g for tail, g in _GAINS.items() if name.endswith(tail)), 1.0)
+        qtype = typed(name)
+        raw = random_blocks(rng, qtype, rows, cols, scale=1.7 * gain / cols ** 0.5)
+        writer.add_tensor(name, raw, raw_shape=raw.shape,
+                          raw_dtype=GGMLQuantizationType(qtype))
+
+    def vector(name: str, n: int, around: float = 1.0) -> None:
+        writer.add_tensor(name, (around + rng.normal(0, 0.1, n)).astype(np.float32))
+
+    norm_one = 2.0 if arch == "gemma3" else 1.0  # Gemma's converter stores 1 + w
+    matrix("token_embd.weight", vocab, hidden)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    for i in range(layers):
+        b = f"blk.{i}."
+        vector(b + "attn_norm.weight", hidden, norm_one)
+        if arch == "phi3":
+            matrix(b + "attn_qkv.weight", q + 2 * kv, hidden)
+            matrix(b + "ffn_up.weight", 2 * ff, hidden)
+        else:
+            matrix(b + "attn_q.weight", q, hidden)
+            matrix(b + "attn_k.weight", kv, hidden)
+            matrix(b + "attn_v.weight", kv, hidden)
+            matrix(b + "ffn_gate.weight", ff, hidden)
+            matrix(b + "ffn_up.weight", ff, hidden)
+        if arch == "qwen2":
+            for name, n in (("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)):
+                vector(b + name, n, 0.0)
+        if arch in ("qwen3", "gemma3"):
+            vector(b + "attn_q_norm.weight", head_dim, norm_one)
+            vector(b + "attn_k_norm.weight", head_dim, norm_one)
+        matrix(b + "attn_output.weight", hidden, q)
+        matrix(b + "ffn_down.weight", hidden, ff)
+        vector(b + "ffn_norm.weight", hidden, norm_one)
+        if arch == "gemma3":
+            vector(b + "post_attention_norm.weight", hidden, norm_one)
+            vector(b + "post_ffw_norm.weight", hidden, norm_one)
+    vector("output_norm.weight", hidden, norm_one)
+    if not tied:
+        matrix("output.weight", vocab, hidden)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,60 @@
+"""The native float32 linear kernel on every GGUF block type it computes with.
+
+For each type: random blocks (tests/gguf_models.py), laid out as the model lays them out
+(``kernel_blocks``); the kernel's output against a float64 product of gguf-py's dequantized
+weights (only the order of the float32 sums may differ), at row counts of the direct path
+and of the panels, and each row's output the same bits alone as among other rows (batch
+invariance, which seeded sampling relies on)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from gguf_models import random_blocks
+
+from freetoken_core.kernels import cpu_kernels_available
+from freetoken_core.models.layers import NATIVE_UNITS, kernel_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no native kernels")
+
+TYPES = sorted(NATIVE_UNITS)
+
+
+def _case(qtype: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(file rows [n, bytes], float64 weights [n, k]) of random blocks of ``qtype``."""
+    rng = np.random.default_rng(seed)
+    rows = random_blocks(rng, qtype, n, k, scale=0.1)
+    weights = dequantize(rows.reshape(-1), GGMLQuantizationType(qtype))
+    return torch.from_numpy(rows.copy()), torch.from_numpy(
+        np.asarray(weights, dtype=np.float64).reshape(n, k))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: GGMLQuantizationType(t).name)
+def test_gguf_linear_matches_float64_of_the_dequantized_weights(qtype: int) -> None:
+    unit = NATIVE_UNITS[qtype][0]
+    k = 2 * max(unit, 64) if unit < 256 else 3 * 256  # several units (and sub-blocks) a row
+    n = 37  # a partial group of features and a partial panel
+    rows, w64 = _case(qtype, n, k, qtype)
+    blocks = kernel_blocks(rows, qtype)
+    gen = torch.Generator().manual_seed(qtype)
+    x = torch.randn(40, k, generator=gen)
+    full = torch.empty(40, n)
+    torch.ops.freetoken.gguf_linear(x, blocks, qtype, full)
+    ref = x.double() @ w64.T
+    bound = 4e-6 * (x.double().abs() @ w64.abs().T) + 1e-30
+    assert torch.all((full.double() - ref).abs() <= bound)
+    # the same floats, row by row, at every row count (direct path 1-10, panels above)
+    for rows_now in (1, 2, 3, 5, 8, 11, 16):
+        part = torch.empty(rows_now, n)
+        torch.ops.freetoken.gguf_linear(x[:rows_now].contiguous(), blocks, qtype, part)
+        assert torch.equal(part, full[:rows_now]), rows_now
+
+
+def test_gguf_linear_names_a_row_width_that_is_not_whole_units() -> None:
+    rows, _ = _case(12, 4, 256, 0)
+    x = torch.randn(1, 128)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        torch.ops.freetoken.gguf_linear(x, kernel_blocks(rows, 12), 12, torch.empty(1, 4))
