@@ -61,6 +61,9 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="token slots per KV-cache block, also the grain at which "
                              "requests share a cached prefix (default: 8)")
     parser.add_argument("--plugins", default=None, metavar="LIST", help=PLUGINS_HELP)
+    parser.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                        help="a Jinja chat template (a file, or the template text) that "
+                             "replaces the model's, e.g. for a GGUF file that has none")
     parser.add_argument("--generation-config", default="auto", metavar="auto|none|PATH",
                         help="defaults for the sampling fields a request leaves unset: auto "
                              "(the model directory's generation_config.json, if any), none, "
@@ -118,6 +121,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "plugin_options": {k: v for k, v in vars(args).items() if not callable(v)},
         "generation_config": args.generation_config,
         "override_generation_config": args.override_generation_config or {},
+        "chat_template": args.chat_template,
     }
 
 

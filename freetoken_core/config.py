@@ -29,6 +29,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ACTIVATIONS = ("auto", "float32", "int24", "q8")
 
 
+def _is_template_text(text: str) -> bool:
+    return "{{" in text or "{%" in text
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Options of ``LLM(...)`` and ``freetoken serve``; validated on construction.
@@ -71,6 +75,9 @@ class EngineConfig:
     ``generation_config.json``, or the file itself)."""
     override_generation_config: dict[str, Any] | None = field(default_factory=dict)
     """Generation-config keys that win over the file's, key by key."""
+    chat_template: str | None = None
+    """A Jinja chat template that replaces the model's (or gives one to a model without):
+    the path of a file, or the template itself (text holding ``{{`` or ``{%``)."""
     activations: str = "auto"
     """How the CPU linears of a GGUF model multiply. Exact (token-identical to transformers
     in float32): ``float32`` (the file's weights dequantized to float32, float32 FMAs) or
@@ -102,11 +109,20 @@ class EngineConfig:
             object.__setattr__(self, "generation_config", os.fspath(self.generation_config))
         if self.override_generation_config is None:
             object.__setattr__(self, "override_generation_config", {})
+        check(self.chat_template is None or (isinstance(self.chat_template, str) and (
+            _is_template_text(self.chat_template) or Path(self.chat_template).is_file())),
+            "chat_template", "must be a Jinja template or the path of a file holding one")
         check(isinstance(self.generation_config, str) and bool(self.generation_config),
               "generation_config", "must be auto, none or a path")
         check(isinstance(self.override_generation_config, dict)
               and all(isinstance(k, str) for k in self.override_generation_config),
               "override_generation_config", "must be a JSON object (a dict with str keys)")
+
+    def chat_template_text(self) -> str | None:
+        """``chat_template`` read: the template itself (``None`` if not set)."""
+        if self.chat_template is None or _is_template_text(self.chat_template):
+            return self.chat_template
+        return Path(self.chat_template).read_text(encoding="utf-8")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -18,7 +18,7 @@ _CONTEXT_TOKENS = 5
 _GENERIC_FAST = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
-def load_tokenizer(model_dir: Path) -> Any:
+def load_tokenizer(model_dir: Path, chat_template: str | None = None) -> Any:
     """The model directory's Hugging Face fast tokenizer.
 
     A directory FreeToken converted from a GGUF file declares the generic fast class, which
@@ -26,17 +26,22 @@ def load_tokenizer(model_dir: Path) -> Any:
     AutoTokenizer's detour through the model's config (in transformers 5 that imports
     LlamaConfig's module and with it torch.distributed: 5.9 s against 1.4 s on the reference
     machine, paid by the engine and the HTTP process at every start). Other directories go
-    through AutoTokenizer, which knows the model-specific classes."""
+    through AutoTokenizer, which knows the model-specific classes. ``chat_template`` (the
+    text of ``--chat-template``) replaces the model's template."""
     try:
         if _is_generic_conversion(model_dir):
             from transformers import PreTrainedTokenizerFast
 
-            return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-        from transformers import AutoTokenizer
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+        else:
+            from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(model_dir))
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer of {model_dir}: {exc}") from exc
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def _is_generic_conversion(model_dir: Path) -> bool:
@@ -63,7 +68,8 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *,
                         **template_kwargs: Any) -> str:
     """Render ``messages`` with the model's chat template; 400 when there is none."""
     if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequest("messages", "this model has no chat template")
+        raise InvalidRequest("messages", "this model has no chat template; start the server "
+                                         "with --chat-template FILE")
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message, **template_kwargs)

@@ -104,13 +104,14 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                weight_type: int = Q8_0, types: dict[str, int] | None = None,
                tied: bool = True, seed: int = 0, context: int = 2048,
                rope_theta: float = 10000.0, sliding_window: int = 8,
-               tokenizer_from: Path | None = None) -> Path:
+               tokenizer_from: Path | None = None, extra_rows: int = 0) -> Path:
     """A random ``arch`` model (llama, qwen2, qwen3, gemma3 or phi3) as a GGUF file.
 
     ``weight_type`` is every 2-d weight's type; ``types`` overrides it by the end of the
     tensor name (e.g. ``{"attn_v.weight": Q6_K, "token_embd.weight": Q6_K}``). The
-    vocabulary is ``tokenizer_from``'s (default: the default model's file)."""
-    from gguf import GGUFWriter, GGMLQuantizationType
+    vocabulary is ``tokenizer_from``'s (default: the default model's file); ``extra_rows``
+    more embedding rows than it has tokens (a padded vocabulary)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
 
     from freetoken_core.models.resolve import default_gguf_path
 
@@ -146,6 +147,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
         # O(1)-scale activations, as tests/tiny_models.py's gains make them: logits well
         # apart, so greedy decoding is not decided by rounding noise.
         gain = next((g for tail, g in _GAINS.items() if name.endswith(tail)), 1.0)
+        if arch == "gemma3" and name == "token_embd.weight":
+            gain /= hidden ** 0.5  # Gemma scales the embeddings by sqrt(hidden)
         qtype = typed(name)
         raw = random_blocks(rng, qtype, rows, cols, scale=1.7 * gain / cols ** 0.5)
         writer.add_tensor(name, raw, raw_shape=raw.shape,
@@ -154,8 +157,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     def vector(name: str, n: int, around: float = 1.0) -> None:
         writer.add_tensor(name, (around + rng.normal(0, 0.1, n)).astype(np.float32))
 
-    norm_one = 2.0 if arch == "gemma3" else 1.0  # Gemma's converter stores 1 + w
-    matrix("token_embd.weight", vocab, hidden)
+    norm_one = 1.0  # (Gemma's converter stores 1 + w: there, w ~ 0)
+    matrix("token_embd.weight", vocab + extra_rows, hidden)
     q, kv = heads * head_dim, kv_heads * head_dim
     for i in range(layers):
         b = f"blk.{i}."
@@ -183,7 +186,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
             vector(b + "post_ffw_norm.weight", hidden, norm_one)
     vector("output_norm.weight", hidden, norm_one)
     if not tied:
-        matrix("output.weight", vocab, hidden)
+        matrix("output.weight", vocab + extra_rows, hidden)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -82,7 +82,7 @@ def build_engine(config: EngineConfig, progress: bool = True,
     keep_freed_memory()
     model_dir = resolve_model(config.model, progress=progress)
     model_config = ModelConfig.from_dir(model_dir)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir, config.chat_template_text())
     device = config.torch_device()
     dtype = config.torch_dtype(device)
     generation_config = generation_defaults.read(config, model_dir,

@@ -14,7 +14,7 @@ one ``scaled_dot_product_attention`` call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,9 @@ class AttentionMetadata:
     """native path: [T] int32 keys each token attends to, its own included."""
     block_size: int
     prefills: list[PrefillSpan]
+    window: int | None = None
+    """Sliding-window attention: each query attends to its last ``window`` keys, its own
+    included (0 <= query position - key position < window); ``None``: to every key."""
 
     @classmethod
     def build(cls, block_tables: list[list[int]], context_lens: list[int],
@@ -110,6 +113,40 @@ class AttentionMetadata:
             lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
         return cls(slot_mapping, len(lens), None, None, tables, lens, block_size, [])
 
+    def with_window(self, window: int | None) -> AttentionMetadata:
+        """This step's metadata for layers that attend to the last ``window`` keys only
+        (the same step: built once per step, shared by those layers)."""
+        if window == self.window:
+            return self
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window needs at least one key, not {window}")
+        if self.decode_block_tables is not None:  # native: the kernel takes the window
+            return replace(self, window=window)
+        decode_mask = self.decode_mask
+        if decode_mask is not None:
+            lens = decode_mask.sum(dim=-1, keepdim=True)  # padding is only at the end
+            pos = torch.arange(decode_mask.shape[-1], device=decode_mask.device)
+            decode_mask = pos < lens
+            if window is not None:
+                decode_mask = decode_mask & (pos >= lens - window)
+        prefills = [replace(span, mask=_prefill_mask(span, window, self.slot_mapping.device))
+                    for span in self.prefills]
+        return replace(self, decode_mask=decode_mask, prefills=prefills, window=window)
+
+
+def _prefill_mask(span: PrefillSpan, window: int | None, device: torch.device
+                  ) -> torch.Tensor | None:
+    """[chunk, context] True where a chunk token attends to a key: causal, and within
+    ``window``; ``None`` for plain causal attention over the chunk alone."""
+    if window is None and span.context_slots is None:
+        return None
+    q = span.end - span.start
+    k_pos = torch.arange(span.context_len, device=device)
+    q_pos = torch.arange(span.context_len - q, span.context_len, device=device)
+    diff = q_pos[:, None] - k_pos[None, :]
+    mask = diff >= 0
+    return mask if window is None else mask & (diff < window)
+
 
 def _slots_of(table: list[int], length: int, block_size: int, device: torch.device
               ) -> torch.Tensor:
@@ -138,12 +175,13 @@ def _gather(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
     """Write the step's keys and values into the cache, then attend.
 
     ``q``: [T, H, D]; ``kv``: [T, 2, KVH, D] (keys, values); ``kv_cache``:
     [num_slots, 2, KVH, D], keys and values of a slot side by side so one gather reads
-    both. Returns [T, H * D].
+    both. ``scale`` multiplies the scores (``None``: 1/sqrt(D)); ``meta.window`` limits
+    each query to its last keys. Returns [T, H * D].
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv.shape[2]
@@ -153,7 +191,8 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
         od = torch.empty(d, num_heads, head_dim, dtype=q.dtype, device=q.device)
         torch.ops.freetoken.paged_decode_attention(
             q[:d], kv_cache, meta.decode_block_tables, meta.decode_context_lens,
-            meta.block_size, head_dim ** -0.5, od)
+            meta.block_size, head_dim ** -0.5 if scale is None else scale, od,
+            meta.window or 0)
         od = od.view(d, num_heads * head_dim)
         if not meta.prefills:
             return od
@@ -164,7 +203,8 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
         qd = q[:d].view(d, num_kv_heads, group, head_dim)
         ctx = _gather(kv_cache, meta.decode_slots)  # [D, L, 2, KVH, D]
         kd, vd = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
+                                            scale=scale)
         od = od.reshape(d, num_heads * head_dim)
         if not meta.prefills:
             return od
@@ -180,6 +220,7 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
         kp = ctx[:, 0].transpose(0, 1).unsqueeze(0)
         vp = ctx[:, 1].transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True)
+            qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True,
+            scale=scale)
         out[span.start:span.end] = op[0].transpose(0, 1)
     return out.view(num_tokens, num_heads * head_dim)

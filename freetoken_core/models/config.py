@@ -1,4 +1,5 @@
-"""The architecture facts of a Llama-family model, read from a Hugging Face config.json."""
+"""The architecture facts of a model, read from a Hugging Face config.json: the Llama family,
+Gemma 3 (text) and Phi-3."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
+
+# The MLP activation of the families that check it (transformers' ACT2FN names).
+_ACTIVATIONS = {"gemma3": "gelu_pytorch_tanh", "phi3": "silu"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,21 @@ class ModelConfig:
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    hidden_act: str = "silu"
+    """The MLP's gate activation: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (Gemma)."""
+    layer_windows: tuple[int | None, ...] = ()
+    """Per layer, the keys a query attends to, its own included (sliding-window attention),
+    or ``None`` for all of them; empty: every layer attends to every key. (Mistral's
+    ``sliding_window`` above is not applied: the engine caps the context to it instead.)"""
+    rope_local_theta: float | None = None
+    """RoPE base of the sliding-window layers (Gemma 3's ``rope_local_base_freq``; they get
+    no ``rope_scaling``); ``None``: ``rope_theta`` everywhere."""
+    query_scale: float | None = None
+    """Attention's score scale; ``None``: ``head_dim ** -0.5``."""
+    final_logit_softcap: float | None = None
+    """Logits become ``cap * tanh(logits / cap)`` (Gemma's ``final_logit_softcapping``)."""
+    partial_rotary_factor: float = 1.0
+    """The fraction of each head's dimensions RoPE rotates (the first ones; Phi-3)."""
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -62,6 +83,23 @@ class ModelConfig:
             kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             rope_scaling = None if kind == "default" else dict(rope_scaling, rope_type=kind)
         use_window = cfg.get("use_sliding_window", family == "mistral")
+        # transformers' Gemma reads hidden_activation (default gelu_pytorch_tanh) only.
+        hidden_act = ((cfg.get("hidden_activation") or "gelu_pytorch_tanh")
+                      if family == "gemma3" else (cfg.get("hidden_act") or "silu"))
+        expected = _ACTIVATIONS.get(family)
+        if expected is not None and hidden_act != expected:
+            raise ModelLoadError(f"{arch} with hidden activation {hidden_act!r} is not "
+                                 f"supported; FreeToken computes {expected} for it")
+        fields: dict[str, Any] = {
+            "rope_theta": float(rope_theta or 10000.0),
+            "rope_scaling": rope_scaling,
+            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", family == "gemma3")),
+            "hidden_act": hidden_act,
+        }
+        if family == "gemma3":
+            fields.update(_gemma3_fields(cfg))
+        elif family == "phi3":
+            fields.update(_phi3_fields(cfg, rope_scaling))
         return cls(
             architecture=family,
             vocab_size=cfg["vocab_size"],
@@ -72,15 +110,13 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta or 10000.0),
-            rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3"),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **fields,
         )
 
     @classmethod
@@ -91,3 +127,85 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError, KeyError) as exc:
             raise ModelLoadError(f"cannot read {path}: {exc}; expected a Hugging Face "
                                  "config.json of a Llama-family model") from exc
+
+
+def _rope_kind(params: dict[str, Any]) -> str:
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's fields, read as transformers' ``Gemma3TextConfig`` reads them: the rope of
+    each layer type (``rope_parameters`` per type, or the legacy ``rope_theta``,
+    ``rope_local_base_freq`` and ``rope_scaling`` keys, which apply to the global layers),
+    ``layer_types`` (or every ``sliding_window_pattern``-th layer global), the query scale."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(
+            f"Gemma3ForCausalLM with attn_logit_softcapping={cfg['attn_logit_softcapping']} is "
+            "not supported (FreeToken's attention does not softcap scores; Gemma 3 "
+            "checkpoints have it null)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError("Gemma3ForCausalLM with use_bidirectional_attention (an encoder, "
+                             "e.g. EmbeddingGemma) is not supported: FreeToken generates text")
+    params = cfg.get("rope_parameters") or {}
+    nested = "full_attention" in params or "sliding_attention" in params
+    full = dict(params.get("full_attention") or {}) if nested else dict(params)
+    local = dict(params.get("sliding_attention") or {}) if nested else {}
+    if cfg.get("rope_scaling"):
+        full.update(cfg["rope_scaling"])
+    full.setdefault("rope_theta", cfg.get("rope_theta") or 1_000_000.0)
+    local.setdefault("rope_theta", cfg.get("rope_local_base_freq") or 10_000.0)
+    if _rope_kind(local) != "default":
+        raise ModelLoadError(f"Gemma3ForCausalLM with rope type {_rope_kind(local)!r} on its "
+                             "sliding-window layers is not supported (checkpoints use default)")
+    kind = _rope_kind(full)
+    num_layers = cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        pattern = cfg.get("sliding_window_pattern") or 6
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                       for i in range(num_layers)]
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if len(layer_types) != num_layers or unknown:
+        raise ModelLoadError(f"Gemma3ForCausalLM layer_types {layer_types!r}: expected "
+                             f"{num_layers} of 'sliding_attention' / 'full_attention'")
+    window = cfg.get("sliding_window")
+    if "sliding_attention" in layer_types and (window is None or window < 1):
+        raise ModelLoadError(f"Gemma3ForCausalLM with sliding-window layers needs "
+                             f"sliding_window >= 1, not {window!r}")
+    return {
+        "rope_theta": float(full["rope_theta"]),
+        "rope_scaling": None if kind == "default" else dict(full, rope_type=kind),
+        "rope_local_theta": float(local["rope_theta"]),
+        "layer_windows": tuple(window if t == "sliding_attention" else None
+                               for t in layer_types),
+        "query_scale": cfg.get("query_pre_attn_scalar", 256) ** -0.5,
+        "final_logit_softcap": cfg.get("final_logit_softcapping"),
+    }
+
+
+def _phi3_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """Phi-3's fields: LongRoPE (``su`` and ``yarn`` are its old names, as transformers has
+    them) with the pre-training length, the rotated fraction of each head, and the sliding
+    window, which transformers applies to every layer (llama.cpp ignores it)."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    factor = cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0
+    fields: dict[str, Any] = {"partial_rotary_factor": float(factor)}
+    if rope_scaling is not None:
+        kind = rope_scaling["rope_type"]
+        kind = "longrope" if kind in ("su", "yarn") else kind
+        if kind != "longrope":
+            raise ModelLoadError(f"Phi3ForCausalLM with rope_scaling type {kind!r} is not "
+                                 "supported (transformers' Phi-3 knows default and longrope)")
+        original = cfg.get("original_max_position_embeddings",
+                           rope_scaling.get("original_max_position_embeddings"))
+        if original is None:
+            raise ModelLoadError("Phi3ForCausalLM longrope needs "
+                                 "original_max_position_embeddings in config.json")
+        fields["rope_scaling"] = dict(rope_scaling, rope_type=kind,
+                                      original_max_position_embeddings=original)
+    window = cfg.get("sliding_window")
+    if window is not None:
+        if window < 1:
+            raise ModelLoadError(f"Phi3ForCausalLM sliding_window {window}: must be >= 1")
+        fields["layer_windows"] = (window,) * cfg["num_hidden_layers"]
+    return fields

@@ -15,6 +15,7 @@ from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.gguf_metadata import architecture, open_header
 from freetoken_core.models.gguf_weights import GGUFWeight, read_gguf_weights
 from freetoken_core.models.llama import LlamaForCausalLM
+from freetoken_core.models.registry import model_class
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -54,7 +55,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     else:
         weights = gguf_weights(gguf_path, cfg, dtype, device)
     try:
-        return LlamaForCausalLM(cfg, weights, max_positions)
+        return model_class(cfg)(cfg, weights, max_positions)
     except KeyError as exc:
         source = gguf_path or model_dir
         raise ModelLoadError(f"checkpoint {source} lacks weight {exc}") from exc

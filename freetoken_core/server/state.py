@@ -125,7 +125,7 @@ class Serving:
         if model_dir is None:
             return None
         try:
-            return model_dir, load_tokenizer(model_dir)
+            return model_dir, load_tokenizer(model_dir, self.config.engine.chat_template_text())
         except Exception:  # noqa: BLE001 - the load after the engine's reports any error
             return None
 
@@ -145,7 +145,8 @@ class Serving:
             if preloaded is not None and preloaded[0] == Path(info.model_dir):
                 self.tokenizer = preloaded[1]
             else:
-                self.tokenizer = await asyncio.to_thread(load_tokenizer, Path(info.model_dir))
+                self.tokenizer = await asyncio.to_thread(
+                    load_tokenizer, Path(info.model_dir), self.config.engine.chat_template_text())
             self.tokenizer_pool.attach(self.tokenizer)
             plugins = PluginManager(self.config.engine.plugins,
                                     self.config.engine.plugin_options)

@@ -16,6 +16,8 @@
 //   kv_cache     [slots, 2, KVH, hd]    keys and values of a slot side by side
 //   block_tables [D, W] int32           cache blocks of each query's sequence, padded
 //   context_lens [D] int32              keys each query attends to, its own included
+//   window                              > 0: only the last `window` of those (sliding-window
+//                                       attention: 0 <= query pos - key pos < window)
 //   out          [D, H, hd]             contiguous
 // float32 and bfloat16 are supported; sums are float32 either way.
 
@@ -267,7 +269,7 @@ constexpr int64_t kRun = 8, kRunChunk = 64;
 template <typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens,
-                      int64_t block_size, double scale, at::Tensor& out) {
+                      int64_t block_size, double scale, int64_t window, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = kv_cache.size(2), group = num_heads / num_kv_heads;
   const int64_t q_stride = q.stride(0), slot_stride = kv_cache.stride(0);
@@ -278,6 +280,12 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   T* out_ptr = out.data_ptr<T>();
   const float scale_f = static_cast<float>(scale);
+  // The first key a query of context `len` attends to; its scores are computed from that
+  // key rounded down to a multiple of 4 (group_scores' groups of four keys, so a key's score
+  // is the same floats whatever the range), the softmax and the values from the key itself.
+  const auto first_key = [window](int64_t len) {
+    return window > 0 ? std::max<int64_t>(0, len - window) : int64_t{0};
+  };
 
   // Runs: consecutive queries of one sequence (the tokens of a prefill chunk: the same cache
   // blocks, each context one key longer), up to kRun of them, computed together key chunk
@@ -325,6 +333,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
       const int64_t first = runs[run], count = runs[run + 1] - first;
       const int64_t kv0 = (item % items_per_run) * heads_per_item;
       const int64_t most = lens[first + count - 1];
+      // Keys before this one are read by none of the run's queries (the first has the
+      // shortest context).
+      const int64_t least = first_key(lens[first]) & ~int64_t{3};
       // One query's keys at a time where the run is one query (no accumulators to carry).
       const int64_t chunk = count == 1 ? most : kRunChunk;
       qf.resize(count * rows * head_dim);
@@ -339,7 +350,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
       // Where each key's slot lies, block by block (the run's queries share the blocks).
       const int32_t* table = tables + (first + count - 1) * table_width;
       slots.resize(most);
-      for (int64_t t = 0; t < most; t += block_size) {
+      for (int64_t t = least / block_size * block_size; t < most; t += block_size) {
         const T* block =
             cache + static_cast<int64_t>(table[t / block_size]) * block_size * slot_stride;
         for (int64_t i = 0; i < block_size && t + i < most; ++i)
@@ -351,26 +362,30 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
         for (int64_t t0 = 0; t0 < most; t0 += chunk)
           for (int64_t i = 0; i < count; ++i) {
             const int64_t len = lens[first + i];
-            if (t0 >= len) continue;
+            const int64_t t1 = std::min(t0 + chunk, len);
+            const int64_t from = std::max(t0, first_key(len) & ~int64_t{3});
+            if (from >= t1) continue;
             head_group_scores(qf.data() + (i * rows + h * group) * head_dim, group, slots.data(),
-                              (kv0 + h) * head_dim, t0, std::min(t0 + chunk, len), head_dim,
+                              (kv0 + h) * head_dim, from, t1, head_dim,
                               scores.data() + (i * rows + h * group) * most, most);
           }
       for (int64_t i = 0; i < count; ++i)
         for (int64_t r = 0; r < rows; ++r) {
-          float* s = scores.data() + (i * rows + r) * most;
-          const int64_t len = lens[first + i];
-          const float max = max_of(s, len);
-          inv[i * rows + r] = 1.f / exp_and_sum(s, len, max);
+          const int64_t len = lens[first + i], lo = first_key(len);
+          float* s = scores.data() + (i * rows + r) * most + lo;
+          const float max = max_of(s, len - lo);
+          inv[i * rows + r] = 1.f / exp_and_sum(s, len - lo, max);
         }
       // Pass 2: probability-weighted sum of the values, per KV head.
       for (int64_t h = 0; h < heads_per_item; ++h)
         for (int64_t t0 = 0; t0 < most; t0 += chunk)
           for (int64_t i = 0; i < count; ++i) {
-            const int64_t len = lens[first + i];
-            if (t0 >= len) continue;
-            weighted_values(scores.data() + (i * rows + h * group) * most, group, most, t0,
-                            std::min(t0 + chunk, len), t0 == 0, slots.data(),
+            const int64_t len = lens[first + i], lo = first_key(len);
+            const int64_t t1 = std::min(t0 + chunk, len), from = std::max(t0, lo);
+            if (from >= t1) continue;
+            // The chunk that holds the first key starts the sum (chunks run in key order).
+            weighted_values(scores.data() + (i * rows + h * group) * most, group, most, from,
+                            t1, from == lo, slots.data(),
                             (num_kv_heads + kv0 + h) * head_dim, head_dim,
                             acc.data() + (i * rows + h * group) * head_dim);
           }
@@ -389,9 +404,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
 
 namespace freetoken {
 
-void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+// paged_decode_attention with a sliding window (the op's `window` argument; 0: none).
+void paged_window_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            int64_t block_size, double scale, at::Tensor out) {
+                            int64_t block_size, double scale, at::Tensor out, int64_t window) {
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0");
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_cache.size(1) == 2, "bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q: heads must be contiguous");
@@ -404,18 +421,26 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   TORCH_CHECK(q.size(1) % kv_cache.size(2) == 0, "heads must be a multiple of KV heads");
   TORCH_CHECK(kv_cache.size(3) == q.size(2), "head_dim mismatch");
   if (q.scalar_type() == at::kFloat) {
-    decode_attention<float>(q, kv_cache, block_tables, context_lens, block_size, scale, out);
+    decode_attention<float>(q, kv_cache, block_tables, context_lens, block_size, scale, window,
+                            out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_attention<c10::BFloat16>(q, kv_cache, block_tables, context_lens, block_size, scale, out);
+    decode_attention<c10::BFloat16>(q, kv_cache, block_tables, context_lens, block_size, scale,
+                                    window, out);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   }
+}
+
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            int64_t block_size, double scale, at::Tensor out) {
+  paged_window_attention(q, kv_cache, block_tables, context_lens, block_size, scale, out, 0);
 }
 
 }  // namespace freetoken
 
 TORCH_LIBRARY(freetoken, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
-        "Tensor context_lens, int block_size, float scale, Tensor(a!) out) -> ()",
-        &freetoken::paged_decode_attention);
+        "Tensor context_lens, int block_size, float scale, Tensor(a!) out, int window=0) -> ()",
+        &freetoken::paged_window_attention);
 }

@@ -1,0 +1,33 @@
+"""Which native model class runs a model: by ``ModelConfig.architecture`` (the family
+``config.SUPPORTED_ARCHITECTURES`` maps each Hugging Face architecture name to)."""
+
+from __future__ import annotations
+
+from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from freetoken_core.models.gemma3 import Gemma3ForCausalLM
+from freetoken_core.models.llama import LlamaForCausalLM
+from freetoken_core.models.phi3 import Phi3ForCausalLM
+
+_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
+}
+
+SUPPORTED: tuple[str, ...] = tuple(sorted(_CLASSES))
+"""The families (``ModelConfig.architecture`` values) a native model class runs."""
+
+
+def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
+    """The class to build ``cfg``'s model with: ``model_class(cfg)(cfg, weights,
+    max_positions)``. Raises ``ModelLoadError`` for a family without one."""
+    cls = _CLASSES.get(cfg.architecture)
+    if cls is None:
+        raise ModelLoadError(
+            f"no native model for architecture {cfg.architecture!r}; FreeToken runs "
+            f"{', '.join(SUPPORTED)} ({', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+    return cls
