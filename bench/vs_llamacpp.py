@@ -1,6 +1,6 @@
 """FreeToken against llama.cpp's ``llama-server``: the same GGUF, the same streaming workload.
 
-    python bench/vs_llamacpp.py [--gguf PATH] [--llama-server PATH] [--clients 1,8,16,32,64]
+    python bench/vs_llamacpp.py [--model FILE] [--llama-server PATH] [--clients 1,8,16,32,64]
                                 [--max-tokens 128] [--rounds 1] [--passes 1]
                                 [--only freetoken|llamacpp]
                                 [--serve-args '...'] [--llama-args '...'] [--json OUT]
@@ -328,7 +328,9 @@ def measure_side(name: str, url: str, args: argparse.Namespace,
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", default=None, help="default: FreeToken's embedded model")
+    parser.add_argument("--model", "--gguf", dest="gguf", default=None, metavar="FILE",
+                        help="the GGUF file both servers serve (default: FreeToken's "
+                             "embedded model)")
     parser.add_argument("--llama-server", default=None, metavar="PATH")
     parser.add_argument("--clients", default="1,8,16,32,64")
     parser.add_argument("--max-tokens", type=int, default=128)

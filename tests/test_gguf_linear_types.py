@@ -58,3 +58,28 @@ def test_gguf_linear_names_a_row_width_that_is_not_whole_units() -> None:
     x = torch.randn(1, 128)
     with pytest.raises(RuntimeError, match="multiple of 256"):
         torch.ops.freetoken.gguf_linear(x, kernel_blocks(rows, 12), 12, torch.empty(1, 4))
+
+
+def test_a_linear_of_parts_of_different_types_is_their_outputs_side_by_side() -> None:
+    """A fused q/k/v of Q4_K q and k and a Q6_K v (a Q4_K_M file's): one linear of parts
+    gives each part's own floats, in order, at every row count."""
+    from freetoken_core.models.layers import KIND_PARTS, parts_blocks, parts_features
+
+    k = 512
+    parts = [(12, 64), (12, 32), (14, 32)]
+    laid_out, singles = [], []
+    for i, (qtype, n) in enumerate(parts):
+        rows, _ = _case(qtype, n, k, 100 + i)
+        laid_out.append((qtype, kernel_blocks(rows, qtype)))
+    blocks = parts_blocks(laid_out)
+    assert parts_features(blocks) == 128
+    for rows_now in (1, 3, 16):
+        x = torch.randn(rows_now, k)
+        out = torch.empty(rows_now, 128)
+        torch.ops.freetoken.gguf_linear(x, blocks, KIND_PARTS, out)
+        singles = []
+        for qtype, b in laid_out:
+            y = torch.empty(rows_now, b.shape[0])
+            torch.ops.freetoken.gguf_linear(x, b, qtype, y)
+            singles.append(y)
+        assert torch.equal(out, torch.cat(singles, dim=1))

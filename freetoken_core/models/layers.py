@@ -53,6 +53,39 @@ ACTIVATIONS_Q8 = 1 << 8
 ACTIVATIONS_INT24 = 1 << 9
 
 
+# gguf_linear's type id of a linear of parts of different block types (ops.h kParts): a
+# fused q/k/v whose v has another type than q and k, as Q4_K_M files have it.
+KIND_PARTS = 1 << 10
+
+
+def parts_blocks(parts: list[tuple[int, torch.Tensor]], arena: BlockArena | None = None
+                 ) -> torch.Tensor:
+    """uint8 ``[1, bytes]``: the kernel-layout blocks of ``parts`` ((type, blocks) each, in
+    output order) behind a header of int64 values that gguf_linear reads: KIND_PARTS, the
+    part count, then per part its type, features, row bytes and the byte offset of its
+    blocks (each on a cache line)."""
+    header = 16 + 32 * len(parts)
+    offsets, end = [], (header + 63) // 64 * 64
+    for _, blocks in parts:
+        offsets.append(end)
+        end = (end + blocks.numel() + 63) // 64 * 64
+    out = (arena.take((1, end)) if arena is not None
+           else torch.zeros((1, end), dtype=torch.uint8))
+    values = [KIND_PARTS, len(parts)]
+    for (qtype, blocks), offset in zip(parts, offsets):
+        values += [qtype, blocks.shape[0], blocks.shape[1], offset]
+        out[0, offset:offset + blocks.numel()] = blocks.reshape(-1)
+    out[0, :8 * len(values)] = torch.tensor(values, dtype=torch.int64).view(torch.uint8)
+    return out
+
+
+def parts_features(blocks: torch.Tensor) -> int:
+    """The output features of a ``parts_blocks`` buffer: its parts' added up."""
+    count = int(blocks[0, :16].view(torch.int64)[1])
+    values = blocks[0, :16 + 32 * count].view(torch.int64)
+    return int(sum(values[2 + 4 * p + 1] for p in range(count)))
+
+
 # Features per group of the native kernels' block layout (gguf_blocks.h kGroup).
 KERNEL_GROUP = 4
 
@@ -166,7 +199,8 @@ class BlockArena:
         """An arena for every weight of ``weights`` that the kernels compute from; ``None``
         if there is none."""
         unique = {id(w): w for w in weights.values()}.values()  # a tied head counts once
-        total = sum(kernel_bytes(w.rows.nbytes, w.qtype) + cls.ALIGN for w in unique
+        # (each weight's room for its alignment, or for a parts header: parts_blocks)
+        total = sum(kernel_bytes(w.rows.nbytes, w.qtype) + 4 * cls.ALIGN for w in unique
                     if isinstance(w, GGUFWeight) and computes_natively(w))
         return cls(total) if total and USE_GGUF_BLOCKS else None
 
@@ -185,12 +219,13 @@ def make_linear(parts: Sequence[torch.Tensor | GGUFWeight], bias: torch.Tensor |
                 runs[-1].append(p)
             else:
                 runs.append([p])
-        linears = [Linear(None, blocks=(run[0].qtype, _stacked_rows(run)),
-                          in_features=run[0].shape[1], arena=arena) for run in runs]
-        if len(linears) == 1:
-            linears[0].bias = bias
-            return linears[0]
-        return Linear(None, bias, parts=linears)
+        if len(runs) == 1:
+            return Linear(None, bias, blocks=(runs[0][0].qtype, _stacked_rows(runs[0])),
+                          in_features=runs[0][0].shape[1], arena=arena)
+        laid_out = [(run[0].qtype, kernel_blocks(_stacked_rows(run), run[0].qtype))
+                    for run in runs]
+        return Linear(None, bias, blocks=(KIND_PARTS, parts_blocks(laid_out, arena)),
+                      in_features=runs[0][0].shape[1], laid_out=True)
     weights = [p.dequantize() if isinstance(p, GGUFWeight) else p for p in parts]
     return Linear(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
 
@@ -266,27 +301,24 @@ class Linear:
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
                  pack: bool = True, blocks: tuple[int, torch.Tensor] | None = None,
                  in_features: int | None = None, arena: BlockArena | None = None,
-                 parts: list[Linear] | None = None) -> None:
-        """``weight`` may be ``None`` where ``blocks`` (with ``in_features``) or ``parts``
-        give the weight; ``arena``, where given, holds the kernel-layout blocks."""
+                 laid_out: bool = False) -> None:
+        """``weight`` may be ``None`` where ``blocks`` (with ``in_features``) give the
+        weight: the file's rows, laid out here (into ``arena`` where given), or with
+        ``laid_out`` already in the kernels' layout."""
         self.bias = bias
         self.blocks = None
-        self.parts = parts
         self.packed = False
         self.weight = None
-        if parts is not None:
-            # Outputs of linears of different block types side by side (a fused q/k/v
-            # whose v is of another type than q and k, as Q4_K_M files have it).
-            self.out_features = sum(p.out_features for p in parts)
-            self.in_features = parts[0].in_features
-            return
         if weight is not None:
             self.out_features, self.in_features = weight.shape
+        elif blocks[0] == KIND_PARTS:
+            self.out_features, self.in_features = parts_features(blocks[1]), in_features
         else:
             self.out_features, self.in_features = blocks[1].shape[0], in_features
-        if blocks is not None and USE_GGUF_BLOCKS:
-            laid_out = kernel_blocks(blocks[1], blocks[0], arena)
-            self.blocks = (blocks[0], laid_out)
+        if blocks is not None and laid_out:
+            self.blocks = blocks
+        elif blocks is not None and USE_GGUF_BLOCKS:
+            self.blocks = (blocks[0], kernel_blocks(blocks[1], blocks[0], arena))
         if self.blocks is not None:
             # The blocks are the weight: no float32 copy is kept (6.4x the memory for Q4_1).
             return
@@ -299,9 +331,6 @@ class Linear:
             self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.parts is not None:
-            out = torch.cat([part(x) for part in self.parts], dim=-1)
-            return out if self.bias is None else out.add_(self.bias)
         if self.blocks is not None:
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
             qtype, blocks = self.blocks

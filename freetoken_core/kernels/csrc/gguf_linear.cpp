@@ -453,13 +453,12 @@ constexpr int64_t kDirectRows = 10;
 constexpr int64_t kDirectRows = 4;
 #endif
 
+// out[r * out_stride + f] for the n features of `bp` (rows of row_bytes): a whole output, or
+// the columns of one part of a linear of parts (gguf_linear).
 template <int64_t QT>
-void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor& out) {
-  const int64_t rows = x.size(0), k = x.size(1), n = blocks.size(0);
-  const int64_t num_blocks = k / kBlock, row_bytes = blocks.size(1);
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
+void gguf_linear_impl(const float* xp, int64_t rows, int64_t k, const uint8_t* bp, int64_t n,
+                      int64_t row_bytes, float* op, int64_t out_stride) {
+  const int64_t num_blocks = k / kBlock;
   if (rows == 0) return;
 #ifdef FREETOKEN_AVX2
   if (rows > kDirectRows) {
@@ -488,7 +487,8 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor&
         carry.resize(std::max<size_t>(
             carry.size(), ((count + kTileRows - 1) / kTileRows) * (kPanel / kTileCols) *
                               kTileRows * kTileCols * kLanes));
-        panels<QT>(xp + r0 * k, count, bp, n, row_bytes, num_blocks, op + r0 * n, n,
+        panels<QT>(xp + r0 * k, count, bp, n, row_bytes, num_blocks, op + r0 * out_stride,
+                   out_stride,
                    p0 * kPanel, std::min(n, p1 * kPanel), aligned, carry.data());
       });
     }
@@ -502,25 +502,36 @@ void gguf_linear_impl(const at::Tensor& x, const at::Tensor& blocks, at::Tensor&
   // The features in shrinking pieces of whole passes, as the panels.
   freetoken::guided_for(n, 32, 8, [&](int64_t n0, int64_t n1) {
     switch (rows) {
-      case 1: rows_direct<QT, 1, 4>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
-      case 2: rows_direct<QT, 2, 4>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
-      case 3: rows_direct<QT, 3, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
-      case 4: rows_direct<QT, 4, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 1: rows_direct<QT, 1, 4>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
+        break;
+      case 2: rows_direct<QT, 2, 4>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
+        break;
+      case 3: rows_direct<QT, 3, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
+        break;
+      case 4: rows_direct<QT, 4, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
+        break;
 #if defined(__AVX512F__)
-      case 5: rows_direct<QT, 5, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
-      case 6: rows_direct<QT, 6, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
-      case 7: rows_direct<QT, 7, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
-      case 8: rows_direct<QT, 8, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
-      case 9: rows_direct<QT, 9, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
-      default: rows_direct<QT, 10, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
+      case 5: rows_direct<QT, 5, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
+        break;
+      case 6: rows_direct<QT, 6, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
+        break;
+      case 7: rows_direct<QT, 7, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
+        break;
+      case 8: rows_direct<QT, 8, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
+        break;
+      case 9: rows_direct<QT, 9, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
+        break;
+      default: rows_direct<QT, 10, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
+        break;
 #else
-      default: rows_direct<QT, 4, 2>(xp, k, bp, n, row_bytes, num_blocks, op, n, n0, n1); break;
+      default: rows_direct<QT, 4, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
+        break;
 #endif
     }
   });
 #else
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
-    rows_scalar<QT>(xp, k, rows, bp, n, row_bytes, num_blocks, op, n, n0, n1);
+    rows_scalar<QT>(xp, k, rows, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
   });
 #endif
 }
@@ -548,31 +559,79 @@ void embedding_impl(const int64_t* ids, int64_t count, const uint8_t* blocks, in
 
 namespace freetoken {
 
-void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, at::Tensor out) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
-              x.is_contiguous(), "gguf_linear: x must be a contiguous float32 [M, K] CPU tensor");
-  // The legacy types' units are blocks of 32 (Q4_1's widened to 24 bytes); the others', the
-  // file's blocks (gguf_types.h).
-  const bool legacy = qtype == kQ4_1 || qtype == kQ8_0;
-  const int64_t unit_weights = legacy ? kBlock : freetoken::gguf::types::unit_weights(qtype);
-  const int64_t unit_bytes = legacy ? block_bytes(qtype) : freetoken::gguf::types::unit_bytes(qtype);
-  TORCH_CHECK(x.size(1) % unit_weights == 0, "gguf_linear: K must be a multiple of ",
-              unit_weights, " for ggml type ", qtype);
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-              blocks.size(1) == x.size(1) / unit_weights * unit_bytes,
-              "gguf_linear: blocks must be uint8 [N, K / unit weights * unit bytes]");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
-              out.size(1) == blocks.size(0), "gguf_linear: out must be float32 [M, N]");
+namespace {
+
+// One linear of one type: x [rows, k] against n features of blocks `bp` into columns of out.
+void linear_part(const float* xp, int64_t rows, int64_t k, const uint8_t* bp, int64_t n,
+                 int64_t row_bytes, int64_t qtype, float* op, int64_t out_stride) {
   if (qtype == kQ4_1) {
-    gguf_linear_impl<kQ4_1>(x, blocks, out);
+    gguf_linear_impl<kQ4_1>(xp, rows, k, bp, n, row_bytes, op, out_stride);
   } else if (qtype == kQ8_0) {
-    gguf_linear_impl<kQ8_0>(x, blocks, out);
+    gguf_linear_impl<kQ8_0>(xp, rows, k, bp, n, row_bytes, op, out_stride);
   } else {
     freetoken::gguf::types::dispatch(qtype, [&](auto qt) {
       constexpr int64_t QT = decltype(qt)::value;
-      if constexpr (QT != kQ4_1 && QT != kQ8_0) gguf_linear_impl<QT>(x, blocks, out);
+      if constexpr (QT != kQ4_1 && QT != kQ8_0)
+        gguf_linear_impl<QT>(xp, rows, k, bp, n, row_bytes, op, out_stride);
     });
   }
+}
+
+// Bytes of one unit of weights of type qtype in the kernels' layout.
+int64_t kernel_unit_bytes(int64_t qtype) {
+  return qtype == kQ4_1 || qtype == kQ8_0 ? block_bytes(qtype)
+                                          : freetoken::gguf::types::unit_bytes(qtype);
+}
+int64_t kernel_unit_weights(int64_t qtype) {
+  return qtype == kQ4_1 || qtype == kQ8_0 ? kBlock : freetoken::gguf::types::unit_weights(qtype);
+}
+
+}  // namespace
+
+void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, at::Tensor out) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+              x.is_contiguous(), "gguf_linear: x must be a contiguous float32 [M, K] CPU tensor");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "gguf_linear: blocks must be a contiguous uint8 [N, row bytes] tensor");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0),
+              "gguf_linear: out must be float32 [M, N]");
+  const int64_t rows = x.size(0), k = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  if (qtype == kParts) {
+    // A linear of parts of different types, side by side in the output (a fused q/k/v whose
+    // v has another type than q and k): `blocks` is [1, bytes], a header of int64 values
+    // (kParts, part count, then per part: type, features, row bytes, byte offset of its
+    // blocks) and each part's blocks in the kernels' layout (layers.parts_blocks).
+    TORCH_CHECK(blocks.size(0) == 1 && blocks.size(1) >= 16, "gguf_linear: bad parts blocks");
+    const uint8_t* base = blocks.data_ptr<uint8_t>();
+    int64_t head[2];
+    std::memcpy(head, base, sizeof head);
+    TORCH_CHECK(head[0] == kParts && head[1] >= 1 && blocks.size(1) >= 16 + 32 * head[1],
+                "gguf_linear: bad parts header");
+    int64_t col = 0;
+    for (int64_t p = 0; p < head[1]; ++p) {
+      int64_t part[4];
+      std::memcpy(part, base + 16 + 32 * p, sizeof part);
+      const int64_t type = part[0], n = part[1], row_bytes = part[2], offset = part[3];
+      TORCH_CHECK(k % kernel_unit_weights(type) == 0 &&
+                  row_bytes == k / kernel_unit_weights(type) * kernel_unit_bytes(type) &&
+                  offset + n * row_bytes <= blocks.size(1),
+                  "gguf_linear: a part's blocks do not fit K or the buffer");
+      linear_part(xp, rows, k, base + offset, n, row_bytes, type, op + col, out.size(1));
+      col += n;
+    }
+    TORCH_CHECK(col == out.size(1), "gguf_linear: the parts' features do not fill out");
+    return;
+  }
+  const int64_t unit_weights = kernel_unit_weights(qtype);
+  TORCH_CHECK(k % unit_weights == 0, "gguf_linear: K must be a multiple of ", unit_weights,
+              " for ggml type ", qtype);
+  TORCH_CHECK(blocks.size(1) == k / unit_weights * kernel_unit_bytes(qtype),
+              "gguf_linear: blocks must be uint8 [N, K / unit weights * unit bytes]");
+  TORCH_CHECK(out.size(1) == blocks.size(0), "gguf_linear: out must be float32 [M, N]");
+  linear_part(xp, rows, k, blocks.data_ptr<uint8_t>(), blocks.size(0), blocks.size(1), qtype,
+              op, out.size(1));
 }
 
 at::Tensor gguf_embedding_blocks(const at::Tensor& ids, const at::Tensor& blocks, int64_t qtype,

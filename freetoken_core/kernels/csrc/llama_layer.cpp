@@ -59,19 +59,35 @@ void write_kv(const at::Tensor& qkv_out, int64_t k_offset, at::Tensor& kv_cache,
   });
 }
 
+// The output features of a linear: its blocks' rows, or for a linear of parts (kParts) the
+// sum of the parts' in its header (gguf_linear).
+int64_t out_features(const at::Tensor& blocks, int64_t qtype) {
+  if ((qtype & ~(freetoken::kActivationsQ8 | freetoken::kActivationsInt24)) != freetoken::kParts)
+    return blocks.size(0);
+  const uint8_t* base = blocks.data_ptr<uint8_t>();
+  int64_t head[2], n = 0;
+  std::memcpy(head, base, sizeof head);
+  for (int64_t p = 0; p < head[1]; ++p) {
+    int64_t features;
+    std::memcpy(&features, base + 16 + 32 * p + 8, sizeof features);
+    n += features;
+  }
+  return n;
+}
+
 // The activations of a step's blocks, allocated once and reused by every block.
 struct Scratch {
   at::Tensor x, qkv, attn, y, gate_up, act;
 };
 
-Scratch scratch(const at::Tensor& x, const at::Tensor& qkv, const at::Tensor& gate_up,
+Scratch scratch(const at::Tensor& x, int64_t qkv_features, int64_t gate_up_features,
                 int64_t num_heads, int64_t head_dim) {
   const int64_t n = x.size(0);
   const auto options = x.options();
-  return {at::empty_like(x), at::empty({n, qkv.size(0)}, options),
+  return {at::empty_like(x), at::empty({n, qkv_features}, options),
           at::empty({n, num_heads, head_dim}, options), at::empty_like(x),
-          at::empty({n, gate_up.size(0)}, options),
-          at::empty({n, gate_up.size(0) / 2}, options)};
+          at::empty({n, gate_up_features}, options),
+          at::empty({n, gate_up_features / 2}, options)};
 }
 
 // One block on the scratch tensors: `residual` (updated in place) carries the hidden state
@@ -123,7 +139,8 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
   check_x(x);
   // The first block: its input is the embeddings, and the residual stream.
   at::Tensor residual = residual_in.has_value() ? *residual_in : x;
-  Scratch s = scratch(x, qkv, gate_up, num_heads, head_dim);
+  Scratch s = scratch(x, out_features(qkv, qkv_type), out_features(gate_up, gate_up_type),
+                      num_heads, head_dim);
   if (residual_in.has_value()) s.x = x;  // normed in place, as the Python path does
   at::Tensor out = at::empty_like(residual);
   block(!residual_in.has_value(), residual, s, out, input_norm, post_norm, eps, qkv, qkv_type,
@@ -151,10 +168,12 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
               "llama_layers: one input norm, post norm, cache and four linears per layer");
   check_x(x);
   for (int64_t i = 4; i < 4 * layers; ++i)
-    TORCH_CHECK(linears[i].size(0) == linears[i % 4].size(0),
+    TORCH_CHECK(out_features(linears[i], linear_types[i]) ==
+                    out_features(linears[i % 4], linear_types[i % 4]),
                 "llama_layers: every layer's linears must have the first layer's outputs");
   at::Tensor residual = x;
-  Scratch s = scratch(x, linears[0], linears[2], num_heads, head_dim);
+  Scratch s = scratch(x, out_features(linears[0], linear_types[0]),
+                      out_features(linears[2], linear_types[2]), num_heads, head_dim);
   std::vector<at::Tensor> caches;
   for (int64_t l = 0; l < layers; ++l) caches.push_back(kv_caches.select(0, l));
   freetoken::run_team([&] {

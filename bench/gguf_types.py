@@ -1,0 +1,86 @@
+"""The native float32 linear kernel on every GGUF block type, one process, alternating.
+
+For each type, the linears of one block of a model shape (``--shape``: ``1b``, a
+Llama-3.2-1B-shaped block, q/k/v fused 3072 x 2048, o 2048 x 2048, gate/up 16384 x 2048,
+down 2048 x 8192; ``smollm``, the default model's 576-wide block, only the types whose
+blocks fit its rows) run through ``torch.ops.freetoken.gguf_linear`` on random blocks,
+at each row count. Prints milliseconds per call of the block's four linears, the blocks'
+GB/s (bytes of weights read per second) and the time against Q8_0's, the type llama.cpp's
+CPU backend also computes fastest per byte.
+
+    python bench/gguf_types.py [--shape 1b] [--rows 1,4,16,64] [--repeat 10]
+        [--types Q4_0,Q4_K,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+SHAPES = {
+    "1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
+    "smollm": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    parser.add_argument("--rows", default="1,4,16,64")
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--types", default=None, help="comma-separated type names")
+    args = parser.parse_args()
+    from gguf import GGMLQuantizationType
+    from gguf_models import random_blocks
+
+    from freetoken_core.kernels import cpu_kernels_available
+    from freetoken_core.models.layers import NATIVE_UNITS, kernel_blocks
+
+    assert cpu_kernels_available(), "the native kernels could not be built"
+    shape = SHAPES[args.shape]
+    names = {GGMLQuantizationType(t).name: t for t in NATIVE_UNITS}
+    chosen = args.types.split(",") if args.types else sorted(names, key=names.get)
+    rng = np.random.default_rng(0)
+    weights = {}
+    for name in chosen:
+        qtype = names[name]
+        if any(k % NATIVE_UNITS[qtype][0] for _, k in shape):
+            continue
+        blocks = [kernel_blocks(torch.from_numpy(random_blocks(rng, qtype, n, k)), qtype)
+                  for n, k in shape]
+        weights[name] = (qtype, blocks)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    xs = {r: [torch.randn(r, k) for _, k in shape] for r in rows_list}
+    outs = {r: [torch.empty(r, n) for n, _ in shape] for r in rows_list}
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.repeat):
+        for name, (qtype, blocks) in weights.items():
+            for r in rows_list:
+                start = time.perf_counter()
+                for x, b, out in zip(xs[r], blocks, outs[r]):
+                    torch.ops.freetoken.gguf_linear(x, b, qtype, out)
+                times.setdefault((name, r), []).append(time.perf_counter() - start)
+    print(f"shape {args.shape}, {torch.get_num_threads()} threads, ms per block's four "
+          "linears (median), GB/s of blocks, time / Q8_0's")
+    print(f"{'type':8}" + "".join(f"{f'{r} rows':>26}" for r in rows_list))
+    for name, (_, blocks) in weights.items():
+        nbytes = sum(b.numel() for b in blocks)
+        cells = []
+        for r in rows_list:
+            ms = statistics.median(times[(name, r)]) * 1e3
+            base = statistics.median(times.get(("Q8_0", r), [float("nan")])) * 1e3
+            cells.append(f"{ms:9.2f} {nbytes / ms / 1e6:7.1f} {ms / base:7.2f}x")
+        print(f"{name:8}" + "".join(f"{c:>26}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
