@@ -1,0 +1,94 @@
+"""The AVX2 build of the float32 linear kernel, on a machine whose default build is AVX-512.
+
+The native kernels are built for the CPU at hand (``-march=native``), so on an AVX-512
+machine the 8-lane AVX2 paths of gguf_linear.cpp (and of gguf_types.h's decoders) never run
+in the other tests; CPUs without AVX-512 (the AMD EPYC reference) run only those. Here
+gguf_linear.cpp and gguf_dequant.cpp are built for ``-march=haswell`` (AVX2 + FMA) in a
+child process without the main build, and every type is checked as
+test_gguf_linear_types.py checks the main build: against float64, the same bits at every row
+count, and the embedding's rows exact. The build is cached under the kernel cache."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from freetoken_core.config import cache_dir
+
+CSRC = Path(__file__).resolve().parents[1] / "freetoken_core" / "kernels" / "csrc"
+
+CHILD = r'''
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from torch.utils import cpp_extension
+
+build, csrc = Path(sys.argv[1]), Path(sys.argv[2])
+build.mkdir(parents=True, exist_ok=True)
+cpp_extension.load(name="ft_avx2_linear", build_directory=str(build),
+                   sources=[str(csrc / "gguf_linear.cpp"), str(csrc / "gguf_dequant.cpp")],
+                   extra_cflags=["-O3", "-march=haswell", "-mfma", "-fopenmp",
+                                 "-ffp-contract=off"],
+                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+assert torch.ops.freetoken.gguf_vector_lanes() == 8
+sys.path.insert(0, sys.argv[3])
+from gguf_models import random_blocks  # noqa: E402
+
+from freetoken_core.models.layers import NATIVE_UNITS, kernel_blocks  # noqa: E402
+
+failed = []
+for qtype in sorted(NATIVE_UNITS):
+    unit = NATIVE_UNITS[qtype][0]
+    k, n = (2 * max(unit, 64) if unit < 256 else 3 * 256), 37
+    rows = random_blocks(np.random.default_rng(qtype), qtype, n, k, scale=0.1)
+    w64 = torch.from_numpy(np.asarray(dequantize(rows.reshape(-1), GGMLQuantizationType(qtype)),
+                                      dtype=np.float64).reshape(n, k))
+    blocks = kernel_blocks(torch.from_numpy(rows.copy()), qtype)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(qtype))
+    full = torch.empty(40, n)
+    torch.ops.freetoken.gguf_linear(x, blocks, qtype, full)
+    bound = 4e-6 * (x.double().abs() @ w64.abs().T) + 1e-30
+    ok = bool(torch.all((full.double() - x.double() @ w64.T).abs() <= bound))
+    for r in (1, 2, 3, 4, 5, 8, 16):
+        part = torch.empty(r, n)
+        torch.ops.freetoken.gguf_linear(x[:r].contiguous(), blocks, qtype, part)
+        ok = ok and torch.equal(part, full[:r])
+    emb = torch.ops.freetoken.gguf_embedding_blocks(torch.arange(n), blocks, qtype, k)
+    ok = ok and torch.equal(emb.double(), w64)
+    if not ok:
+        failed.append(GGMLQuantizationType(qtype).name)
+print("failed:", ",".join(failed) or "none")
+'''
+
+
+def _has_avx2() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx2 " in flags and " fma " in flags
+
+
+@pytest.mark.skipif(not _has_avx2(), reason="the CPU has no AVX2 + FMA")
+def test_avx2_build_of_the_linear_kernel_on_every_type() -> None:
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.glob("*")):
+        digest.update(path.read_bytes())
+    build = cache_dir() / "kernels" / f"test-avx2-linear-{digest.hexdigest()[:12]}"
+    env = {**os.environ, "FREETOKEN_NATIVE_KERNELS": "0"}
+    done = subprocess.run([sys.executable, "-c", CHILD, str(build), str(CSRC),
+                           str(Path(__file__).parent)], env=env, capture_output=True,
+                          text=True, timeout=900, check=False)
+    if "ninja" in done.stderr and "not found" in done.stderr:  # pragma: no cover
+        pytest.skip("no compiler toolchain")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "failed: none", done.stdout
