@@ -12,6 +12,8 @@ model's blocks plus the KV cache and activations (docs/operations.md).
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import re
 import warnings
 from dataclasses import dataclass
@@ -86,6 +88,20 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _IGNORED = frozenset({"rope_freqs.weight"})
 
 
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4
+
+
+def _madvise_dontneed(address: int, length: int) -> None:
+    """``madvise(address, length, MADV_DONTNEED)`` where libc has it (Linux); else nothing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):  # pragma: no cover - not a POSIX libc
+        return
+    libc.madvise(address, length, _MADV_DONTNEED)
+
+
 @dataclass(frozen=True)
 class GGUFWeight:
     """One 2-d weight as its GGUF file stores it.
@@ -105,6 +121,19 @@ class GGUFWeight:
     @property
     def type_name(self) -> str:
         return GGUF_TYPES[self.qtype][0]
+
+    def release(self) -> None:
+        """Drop the file pages of ``rows`` from this process (``madvise(MADV_DONTNEED)``)
+        once they are laid out elsewhere: while a model is built, every page of the mapping
+        it has read counts in its RSS, which on top of the arena took a 1B model's peak to
+        the arena plus the whole file. The pages are the file's, unmodified: reading them
+        again reads the file. Rows that are a copy (permuted q/k) have nothing to drop."""
+        rows = self.rows
+        if rows.flags.owndata or rows.flags.writeable or rows.nbytes == 0:
+            return
+        start = rows.ctypes.data // _PAGE * _PAGE
+        end = -(-(rows.ctypes.data + rows.nbytes) // _PAGE) * _PAGE
+        _madvise_dontneed(start, end - start)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight ``[out, in]``, each value as gguf-py's ``dequantize`` gives it."""

@@ -220,12 +220,16 @@ def make_linear(parts: Sequence[torch.Tensor | GGUFWeight], bias: torch.Tensor |
             else:
                 runs.append([p])
         if len(runs) == 1:
-            return Linear(None, bias, blocks=(runs[0][0].qtype, _stacked_rows(runs[0])),
-                          in_features=runs[0][0].shape[1], arena=arena)
-        laid_out = [(run[0].qtype, kernel_blocks(_stacked_rows(run), run[0].qtype))
-                    for run in runs]
-        return Linear(None, bias, blocks=(KIND_PARTS, parts_blocks(laid_out, arena)),
-                      in_features=runs[0][0].shape[1], laid_out=True)
+            linear = Linear(None, bias, blocks=(runs[0][0].qtype, _stacked_rows(runs[0])),
+                            in_features=runs[0][0].shape[1], arena=arena)
+        else:
+            laid_out = [(run[0].qtype, kernel_blocks(_stacked_rows(run), run[0].qtype))
+                        for run in runs]
+            linear = Linear(None, bias, blocks=(KIND_PARTS, parts_blocks(laid_out, arena)),
+                            in_features=runs[0][0].shape[1], laid_out=True)
+        for p in parts:
+            p.release()
+        return linear
     weights = [p.dequantize() if isinstance(p, GGUFWeight) else p for p in parts]
     return Linear(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
 
@@ -252,6 +256,7 @@ class Embedding:
             self.num_embeddings, self.embedding_dim = weight.shape
             self.blocks = blocks or (weight.qtype, kernel_blocks(
                 _stacked_rows([weight]), weight.qtype, arena))
+            weight.release()
             self.dtype, self.device = torch.float32, torch.device("cpu")
             return
         if isinstance(weight, GGUFWeight):
