@@ -7,15 +7,31 @@ FIM tokens::
 
     <prefix-token>{prompt}<suffix-token>{suffix}<middle-token>
 
-The model then generates the middle. The FIM tokens are found in the tokenizer's
-vocabulary, in this order of preference (``FIM_STYLES``):
+The model then generates the middle. The FIM tokens are found in this order:
 
-- StarCoder / SmolLM: ``<fim_prefix>``, ``<fim_suffix>``, ``<fim_middle>``;
-- Qwen2.5-Coder: ``<|fim_prefix|>``, ``<|fim_suffix|>``, ``<|fim_middle|>``;
-- DeepSeek-Coder: ``<｜fim▁begin｜>``, ``<｜fim▁hole｜>``, ``<｜fim▁end｜>``.
+1. The model's metadata: a GGUF file's ``tokenizer.ggml.fim_pre_token_id`` /
+   ``fim_suf_token_id`` / ``fim_mid_token_id``, which FreeToken's conversion records by
+   their text under ``fim_tokens`` (``{"pre", "suf", "mid"}``) in ``tokenizer_config.json``
+   and transformers hands back in the tokenizer's ``init_kwargs``. The texts may be
+   anything the model calls them.
+2. Their text in the tokenizer's vocabulary (``FIM_STYLES``, in this order): the three
+   spellings this plugin always knew, then the others llama.cpp's ``src/llama-vocab.cpp``
+   recognises:
 
-CodeLlama's ``<PRE>``/``<SUF>``/``<MID>`` are not detected: SentencePiece stores them as
-``▁<PRE>`` etc. with a layout that depends on spaces, and no test model has them.
+   - StarCoder / SmolLM / Granite: ``<fim_prefix>``, ``<fim_suffix>``, ``<fim_middle>``;
+   - Qwen2.5-Coder: ``<|fim_prefix|>``, ``<|fim_suffix|>``, ``<|fim_middle|>``;
+   - DeepSeek-Coder: ``<｜fim▁begin｜>``, ``<｜fim▁hole｜>``, ``<｜fim▁end｜>``;
+   - ``<fim-prefix>``, ``<fim-suffix>``, ``<fim-middle>``;
+   - CodeLlama: ``<PRE>``, ``<SUF>``, ``<MID>``, and ``▁<PRE>``, ``▁<SUF>``, ``▁<MID>`` as
+     its SentencePiece vocabulary spells them;
+   - GLM-4.5: ``<|code_prefix|>``, ``<|code_suffix|>``, ``<|code_middle|>``;
+   - Falcon-H1-Tiny-Coder: ``<|prefix|>``, ``<|suffix|>``, ``<|middle|>``.
+
+A triple counts only when each of its texts is an added token of the tokenizer (one it
+matches whole wherever a text has it, so the laid-out text tokenizes to it); otherwise the
+next source is tried. llama.cpp matches each of the three on its own; here they are taken as a triple, so
+a layout never mixes two models' conventions. No spaces are added around the tokens (as
+llama.cpp's infill puts the prefix, suffix and middle ids next to the texts' tokens).
 
 Errors (all HTTP 400 with ``param == "suffix"``):
 
@@ -39,27 +55,47 @@ from freetoken_core.errors import InvalidRequest
 from freetoken_core.processors import Plugin, PromptView, RequestFields
 
 FIELD = "suffix"
+METADATA_KEY = "fim_tokens"
+"""The tokenizer_config.json key (a tokenizer ``init_kwargs`` key) where FreeToken's GGUF
+conversion records the metadata's FIM tokens: ``{"pre": ..., "suf": ..., "mid": ...}``."""
 FIM_STYLES: tuple[tuple[str, str, str], ...] = (
     ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
     ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
     ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
+    ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
+    ("<PRE>", "<SUF>", "<MID>"),
+    ("▁<PRE>", "▁<SUF>", "▁<MID>"),
+    ("<|code_prefix|>", "<|code_suffix|>", "<|code_middle|>"),
+    ("<|prefix|>", "<|suffix|>", "<|middle|>"),
 )
-"""``(prefix, suffix, middle)`` token triples, most common first."""
+"""``(prefix, suffix, middle)`` token triples, in the order they are tried."""
 
 
-def _has_token(tokenizer: Any, token: str) -> bool:
-    """Whether ``token`` is one whole entry of the vocabulary (added tokens included)."""
-    token_id = tokenizer.convert_tokens_to_ids(token)
-    if token_id is None:
-        return False
-    unk = getattr(tokenizer, "unk_token_id", None)
-    return token_id != unk or getattr(tokenizer, "unk_token", None) == token
+def _added_tokens(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's added tokens (text -> id): the ones it matches whole wherever a text
+    has them, which a FIM token must be for the laid-out text to tokenize to it."""
+    return dict(tokenizer.get_added_vocab())
+
+
+def metadata_tokens(tokenizer: Any) -> tuple[str, str, str] | None:
+    """The ``(prefix, suffix, middle)`` tokens the model's metadata names
+    (:data:`METADATA_KEY`), or ``None`` when it names no complete triple."""
+    named = (getattr(tokenizer, "init_kwargs", None) or {}).get(METADATA_KEY)
+    if not isinstance(named, dict):
+        return None
+    triple = tuple(named.get(key) for key in ("pre", "suf", "mid"))
+    if not all(isinstance(t, str) and t for t in triple):
+        return None
+    return triple  # type: ignore[return-value]
 
 
 def fim_tokens(tokenizer: Any) -> tuple[str, str, str] | None:
-    """The model's ``(prefix, suffix, middle)`` FIM tokens, or ``None`` when it has none."""
-    for style in FIM_STYLES:
-        if all(_has_token(tokenizer, t) for t in style):
+    """The model's ``(prefix, suffix, middle)`` FIM tokens, or ``None`` when it has none:
+    the metadata's, else the first of ``FIM_STYLES`` the vocabulary has."""
+    named = metadata_tokens(tokenizer)
+    added = _added_tokens(tokenizer)
+    for style in (named, *FIM_STYLES) if named is not None else FIM_STYLES:
+        if all(t in added for t in style):
             return style
     return None
 

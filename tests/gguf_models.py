@@ -8,6 +8,7 @@ which dequantizes the same blocks, so no quantizer is needed for any type."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,18 +100,48 @@ def _tokenizer_fields(source: Path) -> list[tuple[str, Any, Any]]:
     return fields
 
 
+_FIM_ID_KEYS = ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.fim_suf_token_id",
+                "tokenizer.ggml.fim_mid_token_id")
+
+
+def _with_extra_tokens(fields: list[tuple[str, Any, Any]], extra: Sequence[tuple[str, int]],
+                       fim_ids: bool, vocab: int) -> list[tuple[str, Any, Any]]:
+    """``fields`` with ``extra`` appended to the token, token type and score arrays (and,
+    with ``fim_ids``, the FIM id keys of the first three)."""
+    from gguf import GGUFValueType
+
+    appended = {"tokenizer.ggml.tokens": [text for text, _ in extra],
+                "tokenizer.ggml.token_type": [kind for _, kind in extra],
+                "tokenizer.ggml.scores": [-1000.0] * len(extra)}
+    out = [(key, value + appended[key] if key in appended else value, kind)
+           for key, value, kind in fields]
+    if fim_ids:
+        if len(extra) < 3:
+            raise ValueError("fim_ids needs the prefix, suffix and middle tokens first")
+        out += [(key, vocab + i, (GGUFValueType.UINT32,)) for i, key in enumerate(_FIM_ID_KEYS)]
+    return out
+
+
 def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, heads: int = 4,
                kv_heads: int = 2, head_dim: int | None = None, ff: int = 128,
                weight_type: int = Q8_0, types: dict[str, int] | None = None,
                tied: bool = True, seed: int = 0, context: int = 2048,
                rope_theta: float = 10000.0, sliding_window: int = 8,
-               tokenizer_from: Path | None = None, extra_rows: int = 0) -> Path:
+               tokenizer_from: Path | None = None, extra_rows: int = 0,
+               extra_tokens: Sequence[tuple[str, int]] = (), fim_ids: bool = False) -> Path:
     """A random ``arch`` model (llama, qwen2, qwen3, gemma3 or phi3) as a GGUF file.
 
     ``weight_type`` is every 2-d weight's type; ``types`` overrides it by the end of the
     tensor name (e.g. ``{"attn_v.weight": Q6_K, "token_embd.weight": Q6_K}``). The
     vocabulary is ``tokenizer_from``'s (default: the default model's file); ``extra_rows``
-    more embedding rows than it has tokens (a padded vocabulary)."""
+    more embedding rows than it has tokens (a padded vocabulary).
+
+    ``extra_tokens``: ``(text, token type)`` pairs appended to that vocabulary (token type
+    as llama.cpp numbers them: 3 control, 4 user-defined, ...; where the file has scores,
+    -1000, as llama.cpp's converter scores added tokens); the embedding (and output) rows
+    grow with it. ``fim_ids``: the first three of
+    them are the FIM prefix, suffix and middle tokens, written as
+    ``tokenizer.ggml.fim_{pre,suf,mid}_token_id``."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     from freetoken_core.models.resolve import default_gguf_path
@@ -119,6 +150,11 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     head_dim = head_dim or hidden // heads
     tokenizer_fields = _tokenizer_fields(tokenizer_from or default_gguf_path())
     vocab = next(len(v) for k, v, _ in tokenizer_fields if k == "tokenizer.ggml.tokens")
+    if extra_tokens:
+        tokenizer_fields = _with_extra_tokens(tokenizer_fields, extra_tokens, fim_ids, vocab)
+        vocab += len(extra_tokens)
+    elif fim_ids:
+        raise ValueError("fim_ids names the first three extra_tokens; there are none")
     writer = GGUFWriter(str(path), arch)
     p = f"{arch}."
     writer.add_uint32(p + "context_length", context)

@@ -5,7 +5,8 @@ kept in the cache is only what the rest of FreeToken reads from a Hugging Face d
 with no network access:
 
 * ``config.json`` - the Hugging Face config the GGUF metadata describes (``build_config``);
-* ``tokenizer.json``, ``tokenizer_config.json`` (including the GGUF ``tokenizer.chat_template``),
+* ``tokenizer.json``, ``tokenizer_config.json`` (including the GGUF ``tokenizer.chat_template``
+  and, under ``fim_tokens``, the fill-in-the-middle tokens the metadata names),
   ``chat_template.jinja`` and ``special_tokens_map``-style fields, built by transformers;
 * ``generation_config.json`` with the bos/eos (and pad) token ids.
 
@@ -35,6 +36,16 @@ __all__ = ["convert_gguf"]
 
 # Keys transformers writes into tokenizer_config.json that only describe how it was loaded.
 _LOAD_TIME_KEYS = ("is_local", "local_files_only", "gguf_file")
+
+# The fill-in-the-middle token ids a GGUF may name (llama.cpp's keys, the deprecated names
+# second; llama.cpp's src/llama-vocab.cpp reads both), by the name under which their token
+# text is recorded in tokenizer_config.json's ``fim_tokens``: pre(fix), suf(fix), mid(dle),
+# as llama.cpp calls them.
+_FILL_IN_MIDDLE_KEYS = {
+    "pre": ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"),
+    "suf": ("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"),
+    "mid": ("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"),
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,7 +98,9 @@ def _write_tokenizer(gguf_path: Path, out_dir: Path, reader: Any, config: dict[s
 
     The GGUF ``tokenizer.chat_template`` is set on the tokenizer (transformers writes it to
     ``chat_template.jinja``) and also recorded under ``chat_template`` in
-    ``tokenizer_config.json``, so loaders that only read that file find it too.
+    ``tokenizer_config.json``, so loaders that only read that file find it too. The
+    fill-in-the-middle tokens the metadata names are recorded there too
+    (:func:`_fill_in_middle_tokens`).
     """
     from transformers import AutoTokenizer
 
@@ -105,7 +118,28 @@ def _write_tokenizer(gguf_path: Path, out_dir: Path, reader: Any, config: dict[s
         tokenizer.chat_template = template
     tokenizer.model_max_length = config["max_position_embeddings"]
     tokenizer.save_pretrained(str(out_dir))
-    _fix_tokenizer_config(out_dir / "tokenizer_config.json", template)
+    _fix_tokenizer_config(out_dir / "tokenizer_config.json", template,
+                          _fill_in_middle_tokens(reader, tokenizer))
+
+
+def _fill_in_middle_tokens(reader: Any, tokenizer: Any) -> dict[str, str]:
+    """``{"pre" | "suf" | "mid": token text}`` for the fill-in-the-middle token ids the GGUF
+    metadata names (``tokenizer.ggml.fim_pre_token_id`` ...), each the tokenizer's token for
+    that id; an id outside the vocabulary is ignored, as llama.cpp ignores it.
+
+    They go under one key, ``fim_tokens``, rather than ``*_token`` keys: transformers 5
+    takes every ``*_token`` key of tokenizer_config.json for a named special token, which
+    would make the token special (dropped by ``skip_special_tokens``) or, for a text not in
+    the vocabulary, add a token."""
+    tokens: dict[str, str] = {}
+    for name, keys in _FILL_IN_MIDDLE_KEYS.items():
+        token_id = next((v for v in (field(reader, k) for k in keys) if v is not None), None)
+        if token_id is None or not 0 <= int(token_id) < len(tokenizer):
+            continue
+        text = tokenizer.convert_ids_to_tokens(int(token_id))
+        if isinstance(text, str) and text:
+            tokens[name] = text
+    return tokens
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -113,17 +147,22 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _fix_tokenizer_config(path: Path, chat_template: str | None) -> None:
-    """Record ``chat_template`` in ``tokenizer_config.json`` and drop load-time-only keys.
+def _fix_tokenizer_config(path: Path, chat_template: str | None,
+                          fill_in_middle: dict[str, str] | None = None) -> None:
+    """Record ``chat_template`` (and, when the GGUF names them, the fill-in-the-middle tokens
+    as ``fim_tokens``) in ``tokenizer_config.json`` and drop load-time-only keys.
 
     transformers 5 saves the loading flags ``is_local`` / ``local_files_only`` as init kwargs;
-    they describe how the GGUF was read, not the tokenizer, so they are removed.
+    they describe how the GGUF was read, not the tokenizer, so they are removed. Extra keys
+    such as ``fim_tokens`` come back as the loaded tokenizer's ``init_kwargs``.
     """
     data = json.loads(path.read_text(encoding="utf-8"))
     for key in _LOAD_TIME_KEYS:
         data.pop(key, None)
     if chat_template is not None:
         data["chat_template"] = chat_template
+    if fill_in_middle:
+        data["fim_tokens"] = dict(fill_in_middle)
     _write_json(path, data)
 
 
