@@ -31,6 +31,7 @@ from freetoken_core.models.gguf_metadata import (
     generation_config,
     open_header,
 )
+from freetoken_core.models.gguf_weights import check_tensors
 
 __all__ = ["convert_gguf"]
 
@@ -75,6 +76,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
         raise ModelLoadError(f"{out_dir} already exists; delete it or choose another output dir")
     reader = open_header(gguf_path)
     config = build_config(reader)
+    check_tensors(reader, gguf_path)  # a truncated file is named as such, not as a tokenizer
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = _make_temp_sibling(out_dir)
     try:

@@ -147,7 +147,7 @@ class HeaderReader:
                 self.tensors.append(_Tensor(name, raw_type, dims, None, offset))
                 continue
             nbytes = n_elements * size // block
-            if start + offset + nbytes > len(buf) or n_elements % block:
+            if start + offset + nbytes > len(buf) or int(dims[0]) % block:
                 self.tensors.append(_Tensor(name, ggml_type, dims, None, offset))
                 continue
             if ggml_type in items:

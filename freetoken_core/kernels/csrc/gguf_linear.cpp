@@ -254,6 +254,9 @@ void rows_direct(const float* x, int64_t x_stride, const uint8_t* blocks, int64_
     for (int r = 0; r < R; ++r)
       for (int f = 0; f < F; ++f) acc[r][f] = vzero();
     for (int64_t u = 0; u < num_units; ++u) {
+// The sub-blocks unrolled: a K-quant's shifts and scales become constants (one row of a 1B
+// block's four Q4_K linears 3.71 -> 2.92 ms, Q6_K 5.13 -> 4.39; bench/gguf_types.py, Xeon).
+#pragma GCC unroll 8
       for (int s = 0; s < U::kSubs; ++s) {
         const int64_t b = u * U::kSubs + s;
         for (int f = 0; f < F; ++f) {
@@ -288,11 +291,17 @@ void dequant_panel(const uint8_t* blocks, int64_t features, int64_t row_bytes,
   for (int64_t f = 0; f < count; ++f) {
     const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, U::kBytes, n0 + f);
     float* dst = panel + f * k;
+    // The sub-blocks of a unit unrolled, as in rows_direct: a K-quant's shifts and scales
+    // become constants.
 #pragma GCC unroll 2
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      vf w[kVecs];
-      U::vec(fb.first + (b / U::kSubs) * fb.stride, static_cast<int>(b % U::kSubs), w);
-      for (int j = 0; j < kVecs; ++j) vstore(dst + b * kBlock + j * kLanes, w[j]);
+    for (int64_t u = 0; u < num_blocks / U::kSubs; ++u) {
+#pragma GCC unroll 8
+      for (int sub = 0; sub < U::kSubs; ++sub) {
+        const int64_t b = u * U::kSubs + sub;
+        vf w[kVecs];
+        U::vec(fb.first + u * fb.stride, sub, w);
+        for (int j = 0; j < kVecs; ++j) vstore(dst + b * kBlock + j * kLanes, w[j]);
+      }
     }
   }
 }
