@@ -142,7 +142,10 @@ class GGUFWeight:
         from freetoken_core.kernels import cpu_kernels_available
 
         rows = torch.from_numpy(np.array(self.rows, dtype=np.uint8))  # a writable copy
-        if cpu_kernels_available() and hasattr(torch.ops.freetoken, "gguf_dequantize"):
+        _, block, size = GGUF_TYPES[self.qtype]
+        unit = 32 * size if block == 1 else size  # the native decoders' unit (gguf_types.h)
+        if (cpu_kernels_available() and hasattr(torch.ops.freetoken, "gguf_dequantize")
+                and rows.shape[1] % unit == 0):
             return torch.ops.freetoken.gguf_dequantize(rows, self.qtype, True)
         if self.qtype == 0:
             return rows.view(torch.float32).clone().reshape(self.shape)
