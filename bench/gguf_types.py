@@ -43,11 +43,12 @@ def main() -> None:
     from gguf_models import random_blocks
 
     from freetoken_core.kernels import cpu_kernels_available
+    from freetoken_core.models.gguf_weights import GGUF_TYPES
     from freetoken_core.models.layers import NATIVE_UNITS, kernel_blocks
 
     assert cpu_kernels_available(), "the native kernels could not be built"
     shape = SHAPES[args.shape]
-    names = {GGMLQuantizationType(t).name: t for t in NATIVE_UNITS}
+    names = {GGMLQuantizationType(t).name: t for t in GGUF_TYPES}
     chosen = args.types.split(",") if args.types else sorted(names, key=names.get)
     rng = np.random.default_rng(0)
     weights = {}

@@ -105,6 +105,30 @@ def test_greedy_matches_transformers_gguf_loader(gguf_model: tuple[str, Path]) -
     assert len(distinct) > 8  # not a degenerate model that repeats one token
 
 
+def test_q4_k_on_the_int24_kernel_is_exact_too(tmp_path: Path) -> None:
+    """``--activations int24`` reads Q4_K as Q4_1 blocks of the same values for the integer
+    kernel: greedy tokens still equal transformers'."""
+    from freetoken_core.kernels import cpu_kernels_available
+    from freetoken_core.models.layers import int_linear_available
+
+    if not (cpu_kernels_available() and int_linear_available()):
+        pytest.skip("no int24 kernel on this CPU")
+    path = write_gguf(tmp_path / "q4k.gguf", "llama", seed=3, **CASES["llama"])
+    llm = LLM(str(path), kv_cache_tokens=2048, progress=False, plugins="none",
+              activations="int24")
+    o_proj = llm.engine.core.runner.model.layers[0].o_proj
+    assert o_proj.blocks[0] == 3 | 1 << 9  # Q4_1 on the int24 kernel
+    prompts = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16,
+                                                ignore_eos=True))
+    hf = hf_from_gguf(path)
+    for ids, out in zip(prompts, outs):
+        prompt = torch.tensor([ids])
+        ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16,
+                          min_new_tokens=16, do_sample=False, pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+
+
 def test_unknown_architecture_names_it_and_the_supported(tmp_path: Path) -> None:
     from gguf import GGUFWriter
 

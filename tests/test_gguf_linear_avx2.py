@@ -43,10 +43,11 @@ assert torch.ops.freetoken.gguf_vector_lanes() == 8
 sys.path.insert(0, sys.argv[3])
 from gguf_models import random_blocks  # noqa: E402
 
+from freetoken_core.models.gguf_weights import GGUF_TYPES  # noqa: E402
 from freetoken_core.models.layers import NATIVE_UNITS, kernel_blocks  # noqa: E402
 
 failed = []
-for qtype in sorted(NATIVE_UNITS):
+for qtype in sorted(GGUF_TYPES):
     unit = NATIVE_UNITS[qtype][0]
     k, n = (2 * max(unit, 64) if unit < 256 else 3 * 256), 37
     rows = random_blocks(np.random.default_rng(qtype), qtype, n, k, scale=0.1)

@@ -19,8 +19,9 @@ from freetoken_core.engine.output_processor import RequestState
 from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.scheduler import Scheduler
 from freetoken_core.errors import InvalidRequest, ModelLoadError
+from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models.config import ModelConfig
-from freetoken_core.models.loader import load_model
+from freetoken_core.models.loader import load_model, return_freed_memory
 from freetoken_core.models.resolve import gguf_source, resolve_model
 from freetoken_core.outputs import RequestOutput
 from freetoken_core.plugins import PluginManager
@@ -95,11 +96,12 @@ def build_engine(config: EngineConfig, progress: bool = True,
     pipeline = ProcessorPipeline(plugins.processor_classes(), ProcessorContext(
         config.max_num_seqs, model_info, device, tokenizer, plugins.options, plugins.hook))
     model = load_model(model_dir, dtype, device, limits.max_model_len,
-                       gguf_source(config.model))
+                       gguf_source(config.model), int24=wants_int24(config))
     if config.activations == "q8":
         model.use_q8_activations()
     elif config.activations in ("auto", "int24"):
         switched = model.use_int24_activations()
+        return_freed_memory()  # the re-layout's temporaries, which the heap would keep
         if not switched and config.activations == "int24":
             raise ModelLoadError(
                 "--activations int24 needs a GGUF model with Q4_1/Q8_0 weights, dtype "
@@ -117,6 +119,19 @@ def build_engine(config: EngineConfig, progress: bool = True,
     core = EngineCore(runner, scheduler, limits, pipeline, plugins.stop_hooks())
     return EngineParts(core, tokenizer, model_info, plugins, model_dir, model_config, limits,
                        defaults)
+
+
+def wants_int24(config: EngineConfig) -> bool:
+    """Whether Q4_K weights are read as Q4_1 blocks for the int24 kernel: only where
+    ``--activations int24`` asks for it (and the CPU has the kernel). 6 bits a weight instead
+    of 4.5, and the switch to the int24 layout briefly holds the blocks twice, so ``auto``
+    keeps Q4_K on the float32 kernel; a 1B block's four linears at 16 rows take 8.0 ms on
+    int24 against 14.5 (docs/operations.md)."""
+    if config.activations != "int24" or not cpu_kernels_available():
+        return False
+    from freetoken_core.models.layers import int_linear_available
+
+    return int_linear_available()
 
 
 class LLMEngine:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from freetoken_core import hugepages
 from freetoken_core.errors import ModelLoadError
-from freetoken_core.models.gguf_weights import GGUF_TYPES, GGUFWeight
+from freetoken_core.models.gguf_weights import GGUF_TYPES, Q4_1_WIDE, GGUFWeight
 
 # ggml type id -> bytes per block of 32 weights in the file, for Q4_1 and Q8_0, the types
 # the integer and 8-bit-activation kernels compute with too (int_linear.cpp, q8_linear.cpp).
@@ -24,7 +24,7 @@ GGUF_BLOCK_TYPES: dict[int, int] = {3: 20, 8: 34}  # Q4_1, Q8_0
 NATIVE_UNITS: dict[int, tuple[int, int]] = {
     qtype: (32, 32 * size) if block == 1 else (block, size)
     for qtype, (_, block, size) in GGUF_TYPES.items()
-}
+} | {Q4_1_WIDE: (32, 24)}  # (Q4_K read for the int24 kernel: gguf_weights.q4_k_as_q4_1)
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -167,6 +167,12 @@ def kernel_bytes(rows_bytes: int, qtype: int) -> int:
     return rows_bytes // NATIVE_UNITS[qtype][1] * KERNEL_BLOCK_BYTES[qtype]
 
 
+def kernel_type(qtype: int) -> int:
+    """The type id the kernels compute a weight of ``qtype`` as: Q4_1 for ``Q4_1_WIDE`` (its
+    blocks are already in the kernels' Q4_1 layout), else ``qtype``."""
+    return 3 if qtype == Q4_1_WIDE else qtype
+
+
 def computes_natively(weight: GGUFWeight) -> bool:
     """Whether the native linear kernel computes with ``weight``'s blocks: a type it has and
     rows of whole units (F16 rows of a width that is not a multiple of 32 do not)."""
@@ -223,7 +229,8 @@ def make_linear(parts: Sequence[torch.Tensor | GGUFWeight], bias: torch.Tensor |
             linear = Linear(None, bias, blocks=(runs[0][0].qtype, _stacked_rows(runs[0])),
                             in_features=runs[0][0].shape[1], arena=arena)
         else:
-            laid_out = [(run[0].qtype, kernel_blocks(_stacked_rows(run), run[0].qtype))
+            laid_out = [(kernel_type(run[0].qtype), kernel_blocks(_stacked_rows(run),
+                                                                 run[0].qtype))
                         for run in runs]
             linear = Linear(None, bias, blocks=(KIND_PARTS, parts_blocks(laid_out, arena)),
                             in_features=runs[0][0].shape[1], laid_out=True)
@@ -254,7 +261,7 @@ class Embedding:
         self.weight = None
         if isinstance(weight, GGUFWeight) and USE_GGUF_BLOCKS and computes_natively(weight):
             self.num_embeddings, self.embedding_dim = weight.shape
-            self.blocks = blocks or (weight.qtype, kernel_blocks(
+            self.blocks = blocks or (kernel_type(weight.qtype), kernel_blocks(
                 _stacked_rows([weight]), weight.qtype, arena))
             weight.release()
             self.dtype, self.device = torch.float32, torch.device("cpu")
@@ -323,7 +330,7 @@ class Linear:
         if blocks is not None and laid_out:
             self.blocks = blocks
         elif blocks is not None and USE_GGUF_BLOCKS:
-            self.blocks = (blocks[0], kernel_blocks(blocks[1], blocks[0], arena))
+            self.blocks = (kernel_type(blocks[0]), kernel_blocks(blocks[1], blocks[0], arena))
         if self.blocks is not None:
             # The blocks are the weight: no float32 copy is kept (6.4x the memory for Q4_1).
             return

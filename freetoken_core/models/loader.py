@@ -15,7 +15,7 @@ from freetoken_core.errors import ModelLoadError
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.gguf_metadata import architecture, open_header
-from freetoken_core.models.gguf_weights import GGUFWeight, read_gguf_weights
+from freetoken_core.models.gguf_weights import GGUFWeight, q4_k_as_q4_1, read_gguf_weights
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.registry import model_class
 
@@ -46,28 +46,34 @@ def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int, gguf_path: Path | None = None) -> LlamaForCausalLM:
+               max_positions: int, gguf_path: Path | None = None,
+               int24: bool = False) -> LlamaForCausalLM:
     """The model described by ``model_dir``'s config.json, its weights from ``gguf_path``
     where given (the GGUF file, read in place: in float32 on CPU with the native kernels the
     linears keep its blocks; elsewhere each weight is dequantized to ``dtype`` as it is
-    read), else from ``model_dir``'s safetensors."""
+    read), else from ``model_dir``'s safetensors. ``int24``: the linears will use the int24
+    kernel (``use_int24_activations``), so Q4_K weights are read as Q4_1 blocks of the same
+    values (``q4_k_as_q4_1``), which it computes."""
     cfg = ModelConfig.from_dir(model_dir)
     if gguf_path is None:
         weights = read_weights(model_dir, dtype, device)
     else:
-        weights = gguf_weights(gguf_path, cfg, dtype, device)
+        weights = gguf_weights(gguf_path, cfg, dtype, device, int24)
     try:
         model = model_class(cfg)(cfg, weights, max_positions)
     except KeyError as exc:
         source = gguf_path or model_dir
         raise ModelLoadError(f"checkpoint {source} lacks weight {exc}") from exc
     del weights
-    _return_freed_memory()  # the load's temporaries, which the heap would keep
+    return_freed_memory()  # the load's temporaries, which the heap would keep
     return model
 
 
-def gguf_weights(gguf_path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
-                 ) -> dict[str, object]:
+Q4_K = 12
+
+
+def gguf_weights(gguf_path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 int24: bool = False) -> dict[str, object]:
     """The weights of ``gguf_path`` for the model ``cfg``: 2-d ones as ``GGUFWeight`` blocks
     in float32 on CPU with the native kernels, else dequantized to ``dtype`` on ``device``."""
     reader = open_header(gguf_path)
@@ -78,14 +84,17 @@ def gguf_weights(gguf_path: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
                    and cpu_kernels_available())
     for name, w in weights.items():
         if isinstance(w, GGUFWeight):
-            if not keep_blocks:
+            if keep_blocks and int24 and w.qtype == Q4_K and name != "model.embed_tokens.weight":
+                weights[name] = q4_k_as_q4_1(w)
+                w.release()
+            elif not keep_blocks:
                 weights[name] = w.dequantize().to(device=device, dtype=dtype)
         else:
             weights[name] = w.to(device=device, dtype=dtype)
     return weights
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Give the heap's free memory back to the kernel once (glibc ``malloc_trim``): the
     engine's allocator thresholds (engine/memory.py) would otherwise keep a load's
     temporaries resident for good (~220 MB for a 3B GGUF). Elsewhere nothing happens."""
