@@ -3,7 +3,7 @@
 For each batch size, that many sequences decode in each of two engines built in this
 process: one whose linears compute from the file's Q4_1/Q8_0 blocks through the native
 kernel (the default), one whose linears are float32 oneDNN GEMMs of the same weights
-(``layers.USE_GGUF_BLOCKS = False`` while it is built). Each sequence generates
+(``linear.USE_GGUF_BLOCKS = False`` while it is built). Each sequence generates
 ``--tokens`` tokens (default 128, as bench/vs_llamacpp.py's requests do) in 8 windows; the
 engines alternate window by window, so that the machine's drift hits both alike, and each
 window times its steps after 3 untimed ones (the other engine's turn has just filled the
@@ -51,18 +51,18 @@ def main() -> None:
     if window <= WARM_STEPS:
         parser.error(f"--tokens must be at least {WINDOWS * (WARM_STEPS + 1)}")
     from freetoken_core import LLM, SamplingParams
-    from freetoken_core.models import layers
+    from freetoken_core.models import linear
 
     print(f"{'sequences':>9}{'float32 GEMM':>16}{'GGUF blocks':>15}{'+ detok':>15}"
           f"{'tok/s':>9}")
     for size in map(int, args.sizes.split(",")):
         engines = {}
         for use_blocks in (False, True):
-            layers.USE_GGUF_BLOCKS = use_blocks
+            linear.USE_GGUF_BLOCKS = use_blocks
             try:
                 llm = LLM(None, kv_cache_tokens=16384, max_num_seqs=size, progress=False)
             finally:
-                layers.USE_GGUF_BLOCKS = True
+                linear.USE_GGUF_BLOCKS = True
             for i in range(size):
                 # bench/vs_llamacpp.py's prompts (~15 tokens): the same contexts.
                 llm.engine.add_request(f"r{i}", llm.tokenizer.encode(prompt(i)),

@@ -34,7 +34,7 @@ def main() -> None:
     from gguf.constants import GGMLQuantizationType
 
     from freetoken_core.kernels import cpu_kernels_available
-    from freetoken_core.models.layers import Linear, int_blocks, int_linear_available
+    from freetoken_core.models.linear import Linear, int_blocks, int_linear_available
 
     assert cpu_kernels_available(), "the native kernels could not be built"
     torch.manual_seed(0)

@@ -44,7 +44,7 @@ def main() -> None:
 
     from freetoken_core.kernels import cpu_kernels_available
     from freetoken_core.models.gguf_weights import GGUF_TYPES
-    from freetoken_core.models.layers import NATIVE_UNITS, kernel_blocks
+    from freetoken_core.models.linear import NATIVE_UNITS, kernel_blocks
 
     assert cpu_kernels_available(), "the native kernels could not be built"
     shape = SHAPES[args.shape]

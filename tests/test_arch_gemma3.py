@@ -13,7 +13,6 @@ import dataclasses
 import json
 import math
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,8 @@ from freetoken_core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from freetoken_core.models.gemma3 import Gemma3ForCausalLM
 from freetoken_core.models.phi3 import Phi3ForCausalLM
 from freetoken_core.models.registry import SUPPORTED, model_class
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 WINDOW = 6
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
@@ -83,21 +84,6 @@ def make_gemma3(out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(autouse=True)
-def _loader_builds_by_architecture(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loader builds ``model_class(cfg)`` (a no-op once loader.py does so itself)."""
-    def build(cfg: ModelConfig, weights: dict, max_positions: int) -> Any:
-        return model_class(cfg)(cfg, weights, max_positions)
-
-    monkeypatch.setattr(loader, "LlamaForCausalLM", build, raising=False)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,8 @@ from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.gguf_weights import GGUFWeight
 from freetoken_core.models.phi3 import Phi3ForCausalLM, head_order, reorder_rows, split_rows
 from freetoken_core.models.registry import model_class
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ORIGINAL = 48
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -80,21 +81,6 @@ def make_phi3(out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(autouse=True)
-def _loader_builds_by_architecture(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loader builds ``model_class(cfg)`` (a no-op once loader.py does so itself)."""
-    def build(cfg: ModelConfig, weights: dict, max_positions: int) -> Any:
-        return model_class(cfg)(cfg, weights, max_positions)
-
-    monkeypatch.setattr(loader, "LlamaForCausalLM", build, raising=False)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

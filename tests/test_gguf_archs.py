@@ -109,7 +109,7 @@ def test_q4_k_on_the_int24_kernel_is_exact_too(tmp_path: Path) -> None:
     """``--activations int24`` reads Q4_K as Q4_1 blocks of the same values for the integer
     kernel: greedy tokens still equal transformers'."""
     from freetoken_core.kernels import cpu_kernels_available
-    from freetoken_core.models.layers import int_linear_available
+    from freetoken_core.models.linear import int_linear_available
 
     if not (cpu_kernels_available() and int_linear_available()):
         pytest.skip("no int24 kernel on this CPU")

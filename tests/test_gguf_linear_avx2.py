@@ -44,7 +44,7 @@ sys.path.insert(0, sys.argv[3])
 from gguf_models import random_blocks  # noqa: E402
 
 from freetoken_core.models.gguf_weights import GGUF_TYPES  # noqa: E402
-from freetoken_core.models.layers import NATIVE_UNITS, kernel_blocks  # noqa: E402
+from freetoken_core.models.linear import NATIVE_UNITS, kernel_blocks
 
 failed = []
 for qtype in sorted(GGUF_TYPES):

@@ -17,16 +17,13 @@ from freetoken_core.engine.sampler import counter_uniform
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models import llama
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
-from freetoken_core.models.layers import (
+from freetoken_core.models.layers import add_rms_norm, apply_rope, rms_norm, silu_and_mul
+from freetoken_core.models.linear import (
     GGUF_BLOCK_TYPES,
     KERNEL_GROUP,
-    add_rms_norm,
-    apply_rope,
     interleave_blocks,
     kernel_blocks,
     narrow_scales,
-    rms_norm,
-    silu_and_mul,
 )
 
 DISABLED = os.environ.get("FREETOKEN_NATIVE_KERNELS", "1").lower() in ("0", "false", "no", "off")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,8 @@ from tiny_models import (
 )
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ARCH_NAMES = sorted(ARCHS)
 
@@ -55,14 +56,6 @@ PROMPTS = [
 # Fixtures (module-scoped: every artefact is built once)
 # ---------------------------------------------------------------------------------------------
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Run torch single-threaded here: tiny matmuls are ~10x faster on a busy machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -129,7 +129,7 @@ def wants_int24(config: EngineConfig) -> bool:
     int24 against 14.5 (docs/operations.md)."""
     if config.activations != "int24" or not cpu_kernels_available():
         return False
-    from freetoken_core.models.layers import int_linear_available
+    from freetoken_core.models.linear import int_linear_available
 
     return int_linear_available()
 

@@ -25,13 +25,13 @@ import torch
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.layers import (
-    BlockArena,
     RotaryEmbedding,
     apply_rope,
     float32_weight_add_rms_norm,
     float32_weight_rms_norm,
     gelu_tanh_and_mul,
 )
+from freetoken_core.models.linear import BlockArena
 from freetoken_core.models.llama import DecoderLayer, LlamaForCausalLM, Weights
 
 

@@ -4,7 +4,7 @@
 against its type and shape before anything is allocated, and hands each 2-d weight to the
 model as a :class:`GGUFWeight`: the file's blocks of that tensor, under its Hugging Face
 name, rows in Hugging Face order. The model keeps them as they are (in the native kernels'
-layout, ``layers.kernel_blocks``: the same bytes, interleaved) and never makes a float32
+layout, ``linear.kernel_blocks``: the same bytes, interleaved) and never makes a float32
 copy; 1-d tensors (norms, biases) become small float32 tensors. Once the model is built
 nothing refers to the mapping any more and its pages leave the process: peak RSS is the
 model's blocks plus the KV cache and activations (docs/operations.md).
@@ -38,7 +38,7 @@ GGUF_TYPES: dict[int, tuple[str, int, int]] = {
     20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136),
 }
 
-# Not a file's type: Q4_1 blocks of 24 bytes whose d and m are float32 (layers.widen_scales'
+# Not a file's type: Q4_1 blocks of 24 bytes whose d and m are float32 (linear.widen_scales'
 # layout), which a Q4_K weight becomes for the int24 kernel (q4_k_as_q4_1).
 Q4_1_WIDE = 3 | 1 << 12
 

@@ -22,20 +22,22 @@ from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.layers import (
+    RotaryEmbedding,
+    add_rms_norm,
+    apply_rope,
+    rms_norm,
+    silu_and_mul,
+)
+from freetoken_core.models.linear import (
     ACTIVATIONS_INT24,
     ACTIVATIONS_Q8,
     GGUF_BLOCK_TYPES,
     BlockArena,
     Embedding,
-    RotaryEmbedding,
-    add_rms_norm,
-    apply_rope,
     int_blocks,
     int_linear_available,
     make_linear,
     narrow_scales,
-    rms_norm,
-    silu_and_mul,
 )
 
 # Weights by Hugging Face name: float tensors, or GGUFWeight blocks (gguf_weights).

@@ -611,7 +611,7 @@ void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, a
     // A linear of parts of different types, side by side in the output (a fused q/k/v whose
     // v has another type than q and k): `blocks` is [1, bytes], a header of int64 values
     // (kParts, part count, then per part: type, features, row bytes, byte offset of its
-    // blocks) and each part's blocks in the kernels' layout (layers.parts_blocks).
+    // blocks) and each part's blocks in the kernels' layout (linear.parts_blocks).
     TORCH_CHECK(blocks.size(0) == 1 && blocks.size(1) >= 16, "gguf_linear: bad parts blocks");
     const uint8_t* base = blocks.data_ptr<uint8_t>();
     int64_t head[2];

@@ -1,0 +1,362 @@
+"""Linear layers of the native models and the GGUF blocks they compute from: the kernels'
+block layout (widened Q4_1 scales, interleaved features), the huge-page arena the blocks are
+laid into at load, linears of several block types side by side, the embedding decoded from
+blocks, and ``Linear`` itself (GGUF blocks, oneDNN-packed float32, or ``F.linear``)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from freetoken_core import hugepages
+from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.gguf_weights import GGUF_TYPES, Q4_1_WIDE, GGUFWeight
+
+# ggml type id -> bytes per block of 32 weights in the file, for Q4_1 and Q8_0, the types
+# the integer and 8-bit-activation kernels compute with too (int_linear.cpp, q8_linear.cpp).
+GGUF_BLOCK_TYPES: dict[int, int] = {3: 20, 8: 34}  # Q4_1, Q8_0
+
+# ggml type id -> (weights, bytes) of a unit of the kernels' layout as the file stores it,
+# for every type the float32 linear kernel computes with (gguf_linear.cpp, gguf_types.h):
+# the file's blocks, and for F32 / F16 / BF16 runs of 32 values.
+NATIVE_UNITS: dict[int, tuple[int, int]] = {
+    qtype: (32, 32 * size) if block == 1 else (block, size)
+    for qtype, (_, block, size) in GGUF_TYPES.items()
+} | {Q4_1_WIDE: (32, 24)}  # (Q4_K read for the int24 kernel: gguf_weights.q4_k_as_q4_1)
+
+
+def _can_pack(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+# Linears built while this is True compute from their GGUF blocks where they have them, at
+# every row count (the native kernel's panels reuse each dequantized block across rows), so
+# a row's output never depends on how many rows share its step. False: the float32 oneDNN
+# GEMM instead (bench/decode_step.py builds a model each way and compares them).
+USE_GGUF_BLOCKS = True
+
+# Set on a linear's ggml type id: the native kernel quantizes the activations to 8 bits per
+# block of 32 and multiplies in integers (gguf_linear_q8; opt-in, `--activations q8`).
+ACTIVATIONS_Q8 = 1 << 8
+
+# Set on a linear's ggml type id: the blocks are in the integer kernel's layout
+# (``int_blocks``), and gguf_linear_int computes from them: the activations in 24-bit fixed
+# point per block of 32, exact integer dot products (``--activations int24``; the default
+# where the CPU has AVX-512 VNNI).
+ACTIVATIONS_INT24 = 1 << 9
+
+
+# gguf_linear's type id of a linear of parts of different block types (ops.h kParts): a
+# fused q/k/v whose v has another type than q and k, as Q4_K_M files have it.
+KIND_PARTS = 1 << 10
+
+
+def parts_blocks(parts: list[tuple[int, torch.Tensor]], arena: BlockArena | None = None
+                 ) -> torch.Tensor:
+    """uint8 ``[1, bytes]``: the kernel-layout blocks of ``parts`` ((type, blocks) each, in
+    output order) behind a header of int64 values that gguf_linear reads: KIND_PARTS, the
+    part count, then per part its type, features, row bytes and the byte offset of its
+    blocks (each on a cache line)."""
+    header = 16 + 32 * len(parts)
+    offsets, end = [], (header + 63) // 64 * 64
+    for _, blocks in parts:
+        offsets.append(end)
+        end = (end + blocks.numel() + 63) // 64 * 64
+    out = (arena.take((1, end)) if arena is not None
+           else torch.zeros((1, end), dtype=torch.uint8))
+    values = [KIND_PARTS, len(parts)]
+    for (qtype, blocks), offset in zip(parts, offsets):
+        values += [qtype, blocks.shape[0], blocks.shape[1], offset]
+        out[0, offset:offset + blocks.numel()] = blocks.reshape(-1)
+    out[0, :8 * len(values)] = torch.tensor(values, dtype=torch.int64).view(torch.uint8)
+    return out
+
+
+def parts_features(blocks: torch.Tensor) -> int:
+    """The output features of a ``parts_blocks`` buffer: its parts' added up."""
+    count = int(blocks[0, :16].view(torch.int64)[1])
+    values = blocks[0, :16 + 32 * count].view(torch.int64)
+    return int(sum(values[2 + 4 * p + 1] for p in range(count)))
+
+
+# Features per group of the native kernels' block layout (gguf_blocks.h kGroup).
+KERNEL_GROUP = 4
+
+# Bytes of one unit of weights in the native kernels' layout (gguf_blocks.h block_bytes):
+# Q4_1's two float16 scales widened to float32 (4 + 4 + 16 nibble bytes, where the file has
+# 2 + 2 + 16), every other type as in the file (NATIVE_UNITS).
+KERNEL_BLOCK_BYTES = {qtype: size for qtype, (_, size) in NATIVE_UNITS.items()} | {3: 24}
+
+
+def _recast_scales(blocks: torch.Tensor, block_bytes: int, scale_bytes: int,
+                   source: torch.dtype, target: torch.dtype) -> torch.Tensor:
+    """Each ``block_bytes``-byte block's leading ``scale_bytes`` (its scales, of ``source``)
+    rewritten as ``target``, block by block in place of each: the rest of the block as it
+    was, the blocks in the order they were (interleaved or not)."""
+    n = blocks.shape[0]
+    split = blocks.reshape(n, -1, block_bytes)
+    scales = split[:, :, :scale_bytes].contiguous().view(source).to(target)
+    return torch.cat([scales.view(torch.uint8), split[:, :, scale_bytes:]], dim=2).reshape(n, -1)
+
+
+def widen_scales(rows: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Q4_1 blocks with d and m as float32 (the same values: every float16 is a float32),
+    ``[out, in / 32 * 24]``; Q8_0 rows as they are. The kernels then broadcast each scale
+    with one load instead of converting and shuffling it: one row of the 30 layers' linears
+    on the Zen 3 reference 8 % faster on two threads and 14 % on one (paired), for 20 % more
+    bytes of weights (gguf_blocks.h)."""
+    if qtype != 3:
+        return rows
+    return _recast_scales(rows, GGUF_BLOCK_TYPES[qtype], 4, torch.float16, torch.float32)
+
+
+def narrow_scales(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """``widen_scales`` undone (Q4_1 scales back to float16, exactly: they were float16
+    values), in either layout. The 8-bit-activation kernel reads the file's 20-byte Q4_1
+    blocks."""
+    if qtype != 3:
+        return blocks
+    return _recast_scales(blocks, KERNEL_BLOCK_BYTES[qtype], 8, torch.float32, torch.float16)
+
+
+def interleave_blocks(rows: torch.Tensor, block_bytes: int,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of ``block_bytes``-byte blocks in the native kernels' layout (a copy).
+
+    ``rows``: uint8 ``[out, num blocks * block_bytes]``, one row of blocks per output
+    feature. The result has the same shape and bytes, with the features in groups of
+    ``KERNEL_GROUP`` (the last group what is left) and each group's blocks interleaved by
+    block index: block ``b`` of the group's feature ``i`` at ``(b * group size + i) *
+    block_bytes`` from the group's start. The kernels read a group's features side by side,
+    so they read its bytes in address order (gguf_blocks.h).
+    """
+    n, row_bytes = rows.shape
+    num_blocks = row_bytes // block_bytes
+    if out is None:
+        out = torch.empty((n, row_bytes), dtype=torch.uint8)
+    full = n - n % KERNEL_GROUP
+    for start, stop in ((0, full), (full, n)):
+        size = min(KERNEL_GROUP, stop - start)
+        if size == 0:
+            continue
+        groups = (stop - start) // size
+        out[start:stop].view(groups, num_blocks, size, block_bytes).copy_(
+            rows[start:stop].reshape(groups, size, num_blocks, block_bytes).transpose(1, 2))
+    return out
+
+
+def kernel_blocks(rows: torch.Tensor, qtype: int, arena: BlockArena | None = None
+                  ) -> torch.Tensor:
+    """A weight's GGUF blocks (``[out, in / 32 * block bytes]`` uint8, as the file stores
+    them) as the native kernels read them: scales widened (``widen_scales``), then
+    interleaved (``interleave_blocks``), into ``arena`` where given."""
+    wide = widen_scales(rows, qtype)
+    out = None if arena is None else arena.take(tuple(wide.shape))
+    return interleave_blocks(wide, KERNEL_BLOCK_BYTES[qtype], out)
+
+
+def kernel_bytes(rows_bytes: int, qtype: int) -> int:
+    """Bytes of a weight's kernel-layout blocks, for ``rows_bytes`` bytes in the file."""
+    return rows_bytes // NATIVE_UNITS[qtype][1] * KERNEL_BLOCK_BYTES[qtype]
+
+
+def kernel_type(qtype: int) -> int:
+    """The type id the kernels compute a weight of ``qtype`` as: Q4_1 for ``Q4_1_WIDE`` (its
+    blocks are already in the kernels' Q4_1 layout), else ``qtype``."""
+    return 3 if qtype == Q4_1_WIDE else qtype
+
+
+def computes_natively(weight: GGUFWeight) -> bool:
+    """Whether the native linear kernel computes with ``weight``'s blocks: a type it has and
+    rows of whole units (F16 rows of a width that is not a multiple of 32 do not)."""
+    return weight.qtype in NATIVE_UNITS and weight.shape[1] % NATIVE_UNITS[weight.qtype][0] == 0
+
+
+class BlockArena:
+    """One buffer in huge pages (``hugepages``) that the linears' kernel-layout blocks are
+    laid into as they are built, each on a cache line: a decode step reads all of them, and
+    in 4 KiB pages each page was a TLB miss. Sized up front, so that loading never holds the
+    blocks twice."""
+
+    ALIGN = 64
+
+    def __init__(self, num_bytes: int) -> None:
+        self.buffer = hugepages.zeros((max(num_bytes, 1),), torch.uint8)
+        self.offset = 0
+
+    def take(self, shape: tuple[int, int]) -> torch.Tensor:
+        """The next ``shape`` uint8 tensor of the buffer."""
+        size = shape[0] * shape[1]
+        if self.offset + size > self.buffer.numel():
+            raise ModelLoadError("the block arena was sized too small; report this")
+        view = self.buffer[self.offset:self.offset + size].view(shape)
+        self.offset += (size + self.ALIGN - 1) // self.ALIGN * self.ALIGN
+        return view
+
+    @classmethod
+    def for_weights(cls, weights: dict[str, object]) -> BlockArena | None:
+        """An arena for every weight of ``weights`` that the kernels compute from; ``None``
+        if there is none."""
+        unique = {id(w): w for w in weights.values()}.values()  # a tied head counts once
+        # (each weight's room for its alignment, or for a parts header: parts_blocks)
+        total = sum(kernel_bytes(w.rows.nbytes, w.qtype) + 4 * cls.ALIGN for w in unique
+                    if isinstance(w, GGUFWeight) and computes_natively(w))
+        return cls(total) if total and USE_GGUF_BLOCKS else None
+
+
+def make_linear(parts: Sequence[torch.Tensor | GGUFWeight], bias: torch.Tensor | None = None,
+                arena: BlockArena | None = None) -> Linear:
+    """One linear computing the weights ``parts`` stacked by rows (a fused q/k/v or
+    gate/up): float tensors concatenated; GGUF weights kept as their blocks where the
+    kernels compute with their type (several types side by side: one linear each, their
+    outputs concatenated), else dequantized to float32."""
+    if all(isinstance(p, GGUFWeight) for p in parts) and USE_GGUF_BLOCKS and all(
+            computes_natively(p) for p in parts):
+        runs: list[list[GGUFWeight]] = []
+        for p in parts:
+            if runs and runs[-1][0].qtype == p.qtype:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        if len(runs) == 1:
+            linear = Linear(None, bias, blocks=(runs[0][0].qtype, _stacked_rows(runs[0])),
+                            in_features=runs[0][0].shape[1], arena=arena)
+        else:
+            laid_out = [(kernel_type(run[0].qtype), kernel_blocks(_stacked_rows(run),
+                                                                 run[0].qtype))
+                        for run in runs]
+            linear = Linear(None, bias, blocks=(KIND_PARTS, parts_blocks(laid_out, arena)),
+                            in_features=runs[0][0].shape[1], laid_out=True)
+        for p in parts:
+            p.release()
+        return linear
+    weights = [p.dequantize() if isinstance(p, GGUFWeight) else p for p in parts]
+    return Linear(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
+
+
+def _stacked_rows(parts: list[GGUFWeight]) -> torch.Tensor:
+    """The parts' rows of blocks, one after the other, as a uint8 tensor (a view of the
+    file's mapping where there is one part: only read, while it is laid out)."""
+    rows = parts[0].rows if len(parts) == 1 else np.concatenate([p.rows for p in parts])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.ascontiguousarray(rows))
+
+
+class Embedding:
+    """The token embedding: rows of a float tensor, or of a GGUF weight's blocks decoded
+    row by row (the kernels' layout, ``kernel_blocks``; a tied output head's very blocks
+    where ``blocks`` hands them over), so no float32 copy of the vocabulary is made."""
+
+    def __init__(self, weight: torch.Tensor | GGUFWeight, arena: BlockArena | None = None,
+                 blocks: tuple[int, torch.Tensor] | None = None) -> None:
+        self.blocks = None
+        self.weight = None
+        if isinstance(weight, GGUFWeight) and USE_GGUF_BLOCKS and computes_natively(weight):
+            self.num_embeddings, self.embedding_dim = weight.shape
+            self.blocks = blocks or (kernel_type(weight.qtype), kernel_blocks(
+                _stacked_rows([weight]), weight.qtype, arena))
+            weight.release()
+            self.dtype, self.device = torch.float32, torch.device("cpu")
+            return
+        if isinstance(weight, GGUFWeight):
+            weight = weight.dequantize()
+        self.weight = weight
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype, self.device = weight.dtype, weight.device
+
+    def own_blocks(self) -> None:
+        """Keep a copy of the blocks of its own (before the buffer they lie in is replaced:
+        a view would keep all of that buffer alive)."""
+        if self.blocks is not None:
+            self.blocks = (self.blocks[0], self.blocks[1].clone())
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            qtype, blocks = self.blocks
+            return torch.ops.freetoken.gguf_embedding_blocks(
+                ids.reshape(-1).contiguous(), blocks, qtype, self.embedding_dim)
+        return F.embedding(ids, self.weight)
+
+
+
+def int_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Kernel blocks (``kernel_blocks``) in the integer kernel's layout (int_linear.cpp: the
+    output features in groups of 16, four weights of a feature per 32-bit lane)."""
+    return torch.ops.freetoken.gguf_int_blocks(blocks, qtype)
+
+
+def int_linear_available() -> bool:
+    """Whether the native kernels were built with the integer kernel (AVX-512 VNNI)."""
+    return bool(torch.ops.freetoken.int_linear_available())
+
+
+class Linear:
+    """``y = x @ W.T + b`` with the weight laid out for the fastest kernel of the device.
+
+    On CPU in float32 the weight is reordered once into oneDNN's blocked layout, which
+    runs the small-batch GEMMs of decoding about twice as fast as the plain layout
+    (``bench/`` has the figures); elsewhere it is ``F.linear``. ``blocks`` (ggml type id,
+    uint8 rows) are the same weight as a GGUF file stores it (Q4_1 or Q8_0); where given,
+    the native kernel computes from them for any number of rows, each row summed in one
+    order whatever the others (batch-invariant); they are kept in the kernels' layout
+    (``kernel_blocks``).
+    """
+
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
+                 pack: bool = True, blocks: tuple[int, torch.Tensor] | None = None,
+                 in_features: int | None = None, arena: BlockArena | None = None,
+                 laid_out: bool = False) -> None:
+        """``weight`` may be ``None`` where ``blocks`` (with ``in_features``) give the
+        weight: the file's rows, laid out here (into ``arena`` where given), or with
+        ``laid_out`` already in the kernels' layout."""
+        self.bias = bias
+        self.blocks = None
+        self.packed = False
+        self.weight = None
+        if weight is not None:
+            self.out_features, self.in_features = weight.shape
+        elif blocks[0] == KIND_PARTS:
+            self.out_features, self.in_features = parts_features(blocks[1]), in_features
+        else:
+            self.out_features, self.in_features = blocks[1].shape[0], in_features
+        if blocks is not None and laid_out:
+            self.blocks = blocks
+        elif blocks is not None and USE_GGUF_BLOCKS:
+            self.blocks = (kernel_type(blocks[0]), kernel_blocks(blocks[1], blocks[0], arena))
+        if self.blocks is not None:
+            # The blocks are the weight: no float32 copy is kept (6.4x the memory for Q4_1).
+            return
+        if weight is None:
+            raise ModelLoadError("a linear without blocks needs its weight")
+        if pack and _can_pack(weight):
+            self.packed = True
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16)
+        else:
+            self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+            qtype, blocks = self.blocks
+            if qtype & ACTIVATIONS_INT24:
+                torch.ops.freetoken.gguf_linear_int(x.contiguous(), blocks,
+                                                    qtype & ~ACTIVATIONS_INT24, out)
+            elif qtype & ACTIVATIONS_Q8:
+                torch.ops.freetoken.gguf_linear_q8(x.contiguous(), blocks,
+                                                   qtype & ~ACTIVATIONS_Q8, out)
+            else:
+                torch.ops.freetoken.gguf_linear(x.contiguous(), blocks, qtype, out)
+            return out if self.bias is None else out.add_(self.bias)
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
