@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from freetoken_core.config import EngineLimits
 from freetoken_core.engine.model_runner import ModelRunner
 from freetoken_core.engine.pipeline import ProcessorPipeline
-from freetoken_core.engine.sampler import INVALID_TOKEN
+from freetoken_core.engine.sampler import INVALID_TOKEN, NO_TOKEN
 from freetoken_core.engine.scheduler import ScheduledBatch, Scheduler
 from freetoken_core.engine.sequence import Sequence
 from freetoken_core.engine.step_times import StepTimes
@@ -97,7 +97,8 @@ class EngineCore:
     model step fails only the requests it belongs to: their sequences finish with
     ``finish_reason="error"`` (KV blocks and slots freed) and ``take_failures()`` hands the
     ``RequestError`` of each to the caller. A row whose final logits are not finite fails
-    its request the same way instead of emitting a token.
+    its request the same way instead of emitting a token (an ``InvalidRequest`` naming the
+    fields when the processors masked every token: the request's constraints conflict).
 
     A request whose processors have slow per-request work (``prepare_request``: a grammar
     compile) waits outside the scheduler until it is done; the others step meanwhile.
@@ -285,7 +286,9 @@ class EngineCore:
                 seq.prompt_logprobs.extend(scored)
         self._fail_processor_slots()
         for seq, token in zip(result.seqs, result.output.token_ids):
-            if token == INVALID_TOKEN:
+            if token == NO_TOKEN:
+                self._fail_no_token(seq)
+            elif token == INVALID_TOKEN:
                 self._fail_non_finite(seq)
         live = [(seq, token, logprobs) for seq, token, logprobs in zip(
             result.seqs, result.output.token_ids, result.output.logprobs)
@@ -357,6 +360,12 @@ class EngineCore:
         self.fail_request(seq.request_id, RequestError(
             "sampler", f"the logits of this request became NaN or infinite{cause}; no token "
                        "was sampled"))
+
+    def _fail_no_token(self, seq: Sequence) -> None:
+        """The processors masked every token of ``seq``'s row: a 400 naming their fields."""
+        assert self.pipeline is not None and seq.slot is not None  # only processors mask
+        self.fail_request(seq.request_id, self.pipeline.conflict_error(
+            seq.slot, seq.params, seq.num_output_tokens))
 
     def _plugin_stops(self, seqs: list[Sequence], tokens: list[int]) -> dict[int, int | str]:
         """``{row: stop_reason}`` from the stop hooks; a hook that raises fails the

@@ -22,9 +22,10 @@ from collections.abc import Sequence as SequenceABC
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
-from freetoken_core.errors import FreeTokenError
+from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.faults import RequestError, plugin_failure
 from freetoken_core.processors import (
     LogitsProcessor,
@@ -186,6 +187,19 @@ class ProcessorPipeline:
     def names_for(self, slot: int) -> list[str]:
         """The processors serving ``slot`` (for error messages)."""
         return [p.name for p, slots in zip(self.processors, self._slots) if slot in slots]
+
+    def conflict_error(self, slot: int, params: SamplingParams,
+                       num_output_tokens: int) -> InvalidRequest:
+        """The 400 for a request whose processors on ``slot`` masked every token (a
+        grammar that must end now under ``min_tokens``, say): it names the fields the
+        request set for them, the last as ``param``."""
+        sent = [f for name in self.names_for(slot) if name in params.fields
+                for f, v in msgspec.structs.asdict(params.fields[name]).items()
+                if v is not None]
+        listed = " and ".join(sent) or "the request's fields"
+        return InvalidRequest(sent[-1] if sent else None,
+                              f"{listed} conflict: after {num_output_tokens} generated "
+                              "tokens they leave no token to sample")
 
     def take_failures(self) -> dict[int, RequestError]:
         """Slots whose processor raised since the last call, with the error of each."""

@@ -93,15 +93,18 @@ class SamplingBatch:
 
 @dataclass
 class SamplerOutput:
-    """One token per row; ``token_ids[i]`` is ``INVALID_TOKEN`` when row ``i``'s final
-    logits had no finite maximum (all ``-inf``, or a NaN or ``+inf`` among them): that row
-    drew nothing and its request must fail instead of emitting a token."""
+    """One token per row; ``token_ids[i]`` is ``NO_TOKEN`` when the processors left row
+    ``i`` no token at all (every logit ``-inf``: the request's constraints conflict) and
+    ``INVALID_TOKEN`` when its final logits had no finite maximum otherwise (a NaN or
+    ``+inf`` among them): that row drew nothing and its request must fail instead of
+    emitting a token."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
 
 
 INVALID_TOKEN = -1
+NO_TOKEN = -2
 
 
 def _finite_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -177,7 +180,14 @@ class Sampler:
             tokens, finite = self._sample(logits, batch, pipeline)
         if pipeline is not None:
             pipeline.update(batch.slots, tokens)
-        token_list = torch.where(finite, tokens, INVALID_TOKEN).tolist()
+        if bool(finite.all()):
+            token_list = tokens.tolist()
+        else:
+            # ``logits`` went through the masking stages (all before temperature): a row
+            # they set all to -inf has no token to draw.
+            masked = torch.isneginf(logits).all(dim=-1)
+            token_list = torch.where(finite, tokens, torch.where(
+                masked, NO_TOKEN, INVALID_TOKEN)).tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
         if wants_logprobs:
             logprobs = self._logprobs(raw, tokens, batch)

@@ -42,12 +42,16 @@ log = logging.getLogger("freetoken.server")
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None,
-           code: str | int | None = None, retry_after_s: int | None = None) -> Response:
+           code: str | int | None = None, retry_after_s: int | None = None,
+           headers: dict[str, str] | None = None) -> Response:
+    """The OpenAI error body; ``headers`` (an exception's own: a 405's ``Allow``) are kept."""
     body = p.ErrorResponse(p.ErrorBody(message, type_, param, code))
-    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    headers = dict(headers or {})
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(retry_after_s)
     # JSON whatever the route's own media type (a 401 before the HTML Swagger UI, say).
     return Response(content=body, status_code=status, media_type=MediaType.JSON,
-                    headers=headers)
+                    headers=headers or None)
 
 
 def _handle(request: Request, exc: Exception) -> Response:
@@ -57,9 +61,10 @@ def _handle(request: Request, exc: Exception) -> Response:
     if isinstance(exc, ValidationException):
         return _error(400, str(exc.detail), "invalid_request_error")
     if isinstance(exc, NotFoundException):
-        return _error(404, str(exc.detail), "not_found_error")
+        return _error(404, str(exc.detail), "not_found_error", headers=exc.headers)
     if isinstance(exc, HTTPException):
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error",
+                      headers=exc.headers)
     log.exception("internal error on %s", request.url.path, exc_info=exc)
     return _error(500, f"internal error: {type(exc).__name__}", "internal_error")
 

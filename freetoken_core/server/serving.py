@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import jinja2
 import msgspec
 
+from freetoken_core.engine.carry import check_carryable, uncarryable
 from freetoken_core.engine.core import effective_max_tokens
 from freetoken_core.engine.generation_defaults import GenerationDefaults
 from freetoken_core.errors import InvalidRequest, param_of
@@ -141,10 +142,15 @@ def engine_prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: dict[str, Any],
                     plugins: PluginManager, model: ModelInfo,
                     defaults: GenerationDefaults | None = None) -> SamplingParams:
-    """Validated ``SamplingParams``; undeclared fields go to the plugins (or a 400).
+    """Validated ``SamplingParams``; undeclared fields go to the plugins (or a 400), and a
+    value the engine message cannot carry is a 400 naming where it is (``engine.carry``).
     The sampling fields the request leaves unset (``None``, or absent) take the generation
     ``defaults`` first, then the route's own default (``max_tokens``)."""
     _refuse_unsupported(request)
+    for name, value in extra.items():  # what the engine message could not carry: a 400
+        found = uncarryable(value, name)
+        if found is not None:
+            raise InvalidRequest(found[0], f"{found[0]} {found[1]}")
     max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
                   else request.max_tokens)
     if isinstance(request, CompletionRequest):
@@ -166,6 +172,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: d
     params = (defaults or GenerationDefaults()).apply(params, route, fallback)
     params.verify(model)
     plugins.validate(params, model, route)
+    check_carryable(params)
     return params
 
 

@@ -19,9 +19,14 @@ library, so a backend quirk cannot leak through):
 Backend differences (the same ``Constraint`` may compile on one and not the other):
 
 * ``json``: llguidance refuses keywords it does not implement (``not``, ...) with an
-  ``InvalidRequest``; xgrammar ignores them. Both follow the schema literally (properties
-  not declared are allowed unless ``additionalProperties`` is false) and allow JSON's
-  whitespace between tokens. xgrammar 0.2.9 mishandles a string with ``minLength`` /
+  ``InvalidRequest``; xgrammar ignores them. Both take undeclared keys as the constraint's
+  ``additional_properties`` says (``False``: an object schema with ``properties`` and no
+  ``additionalProperties`` takes no other key: xgrammar's ``strict_mode``, for llguidance
+  ``close_objects`` rewrites the schema; ``True``: the schema read literally). Both allow
+  at most ``MAX_WHITESPACE`` whitespace characters between tokens (none when ``compact``;
+  their fixed separators then differ: llguidance ``,`` and ``:``, xgrammar ``, `` and
+  ``: ``). A backend is given a resolved ``additional_properties`` (never ``None``).
+  xgrammar 0.2.9 mishandles a string with ``minLength`` /
   ``maxLength`` (mlc-ai/xgrammar#800, open): it allows raw control characters (invalid
   JSON) and no escapes there; ``pattern`` bounds are not affected.
 * ``regex``: llguidance takes Rust ``regex`` syntax, xgrammar an ECMAScript-like subset;

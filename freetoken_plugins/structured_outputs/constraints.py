@@ -9,8 +9,16 @@ Two request fields say it, OpenAI's and vLLM's:
   schema, as an object or its JSON text), ``regex``, ``choice`` (a non-empty list of
   strings), ``grammar`` (Lark text) or ``json_object: true``; and, with ``json`` or
   ``json_object``, ``disable_any_whitespace: true`` (compact JSON: no whitespace beyond the
-  backend's fixed separators). vLLM's other tuning keys are refused when set, never
-  silently ignored: an ignored key would change what the client gets without telling it.
+  backend's fixed separators) and ``disable_additional_properties`` (``true``: an object
+  whose schema declares ``properties`` and says nothing of ``additionalProperties`` takes no
+  other key; ``false``: such an object takes any other key, as JSON Schema reads it;
+  ``null`` or absent: the server's default, which refuses them unless
+  ``--structured-outputs-allow-additional-properties``). vLLM's other tuning keys are
+  refused when set, never silently ignored: an ignored key would change what the client
+  gets without telling it.
+
+``response_format.json_schema.strict: true`` refuses undeclared keys whatever the server's
+default (OpenAI's strict mode); ``false`` or absent leaves the server's default.
 
 A request may use one of the two, not both. Every failure is an ``InvalidRequest`` whose
 ``param`` is the exact field (``response_format.json_schema.name``, ``structured_outputs.regex``).
@@ -32,8 +40,10 @@ from freetoken_core.errors import InvalidRequest
 __all__ = [
     "ANY_JSON_OBJECT",
     "DEFAULT_MAX_SPEC_CHARS",
+    "MAX_WHITESPACE",
     "Constraint",
     "ConstraintKind",
+    "close_objects",
     "parse_constraint",
 ]
 
@@ -45,12 +55,17 @@ DEFAULT_MAX_SPEC_CHARS = 65_536
 ANY_JSON_OBJECT = '{"type":"object"}'
 """The spec of ``{"type": "json_object"}``: the schema every JSON object satisfies."""
 
+MAX_WHITESPACE = 12
+"""The most whitespace characters a JSON constraint allows between two tokens (a newline and
+indentation five levels deep at two spaces): enough for pretty-printed JSON, never an
+endless run (both backends bound the run: xgrammar's ``max_whitespace_cnt``, llguidance's
+``whitespace_pattern``). ``disable_any_whitespace`` allows none."""
+
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _KINDS: tuple[str, ...] = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's StructuredOutputsParams fields that tune a constraint rather than state one.
-_TUNING = ("disable_any_whitespace",)
-_UNSUPPORTED = ("disable_additional_properties",
-                "whitespace_pattern", "structural_tag", "disable_fallback", "_backend")
+_TUNING = ("disable_any_whitespace", "disable_additional_properties")
+_UNSUPPORTED = ("whitespace_pattern", "structural_tag", "disable_fallback", "_backend")
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,10 @@ class Constraint:
     spec: str
     compact: bool = False
     """JSON only: no free whitespace (``disable_any_whitespace``)."""
+    additional_properties: bool | None = None
+    """JSON only: whether an object whose schema declares ``properties`` but not
+    ``additionalProperties`` takes undeclared keys; ``None``: the server's default (the
+    processor resolves it before compiling, so a backend always sees a bool)."""
 
 
 def parse_constraint(response_format: Any, structured_outputs: Any,
@@ -113,7 +132,8 @@ def _from_response_format(value: Any, max_chars: int) -> Constraint | None:
         raise InvalidRequest(f"{param}.description", f"{param}.description must be a string")
     if "schema" not in body:
         raise InvalidRequest(f"{param}.schema", f"{param}.schema is required")
-    return Constraint("json", _schema_spec(body["schema"], f"{param}.schema", max_chars))
+    return Constraint("json", _schema_spec(body["schema"], f"{param}.schema", max_chars),
+                      additional_properties=False if body.get("strict") else None)
 
 
 def _from_structured_outputs(value: Any, max_chars: int) -> Constraint | None:
@@ -141,6 +161,15 @@ def _from_structured_outputs(value: Any, max_chars: int) -> Constraint | None:
         raise InvalidRequest("structured_outputs.disable_any_whitespace",
                              "structured_outputs.disable_any_whitespace applies to json and "
                              "json_object only")
+    closed = value.get("disable_additional_properties")
+    if closed not in (None, False, True):
+        raise InvalidRequest("structured_outputs.disable_additional_properties",
+                             "structured_outputs.disable_additional_properties must be a "
+                             "boolean or null")
+    if closed and key not in ("json", "json_object"):
+        raise InvalidRequest("structured_outputs.disable_additional_properties",
+                             "structured_outputs.disable_additional_properties applies to "
+                             "json and json_object only")
     if key == "json_object":
         if item is not True:
             raise InvalidRequest(param, f"{param} must be true or absent")
@@ -152,7 +181,8 @@ def _from_structured_outputs(value: Any, max_chars: int) -> Constraint | None:
                 item = json.loads(item)
             except ValueError as exc:
                 raise InvalidRequest(param, f"{param} is not valid JSON: {exc}") from None
-        return Constraint("json", _schema_spec(item, param, max_chars), bool(compact))
+        return Constraint("json", _schema_spec(item, param, max_chars), bool(compact),
+                          None if closed is None else not closed)
     if key == "choice":
         if (not isinstance(item, list) or not item
                 or not all(isinstance(choice, str) for choice in item)):
@@ -162,6 +192,40 @@ def _from_structured_outputs(value: Any, max_chars: int) -> Constraint | None:
     if not isinstance(item, str):
         raise InvalidRequest(param, f"{param} must be a string")
     return Constraint(key, _limited(item, param, max_chars))  # type: ignore[arg-type]
+
+
+# Keywords whose value is one subschema, a list of them, or a map of names to them.
+_SUBSCHEMA = ("additionalProperties", "items", "contains", "not", "if", "then", "else",
+              "propertyNames", "unevaluatedItems", "unevaluatedProperties",
+              "additionalItems")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")
+
+
+def close_objects(schema: Any) -> Any:
+    """A copy of the JSON schema ``schema`` in which every object schema that declares
+    ``properties`` or ``patternProperties`` and says nothing of ``additionalProperties``
+    says ``false`` (what vLLM does for llguidance under ``disable_additional_properties``,
+    walking only subschema positions, so a property named ``properties`` stays a name).
+    Anything that is not a schema object is returned as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = close_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(item) for item in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(item) for name, item in out[key].items()}
+    if isinstance(out.get("items"), list):  # draft 4-7 tuples
+        out["items"] = [close_objects(item) for item in out["items"]]
+    if ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _schema_spec(schema: Any, param: str, max_chars: int) -> str:

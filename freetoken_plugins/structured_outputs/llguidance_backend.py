@@ -8,6 +8,8 @@ default ``LLParserLimits`` (a grammar past them stops its matcher, with an ``err
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,9 +25,24 @@ from freetoken_plugins.structured_outputs.backends import (
     choice_grammar,
     invalid,
 )
-from freetoken_plugins.structured_outputs.constraints import Constraint
+from freetoken_plugins.structured_outputs.constraints import (
+    MAX_WHITESPACE,
+    Constraint,
+    close_objects,
+)
 
 __all__ = ["LLGuidanceBackend"]
+
+_WHITESPACE = {"whitespace_flexible": True,
+               "whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_WHITESPACE}}}"}
+"""At most ``MAX_WHITESPACE`` characters of JSON whitespace between two tokens."""
+_COMPACT = {"whitespace_flexible": False}
+
+LOWEST_INTEGER = -(2**63) + 2**16
+"""llguidance 1.9 crashes its process (SIGSEGV) on a JSON-schema ``enum``/``const`` integer
+within a few hundred of -2**63, in a schema or a Lark ``%json`` block: such integers (with
+a wide margin) are refused before it sees them."""
+_NEGATIVE_INTEGER = re.compile(r"-\s*0*(\d{19,})(?![\d.eE])")
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -40,11 +57,19 @@ class LLGuidanceBackend(GrammarBackend):
                                                        eos_token=list(self.vocab.eos_ids))
 
     def compile(self, constraint: Constraint, param: str | None = None) -> CompiledGrammar:
+        if constraint.kind in ("json", "grammar"):
+            for match in _NEGATIVE_INTEGER.finditer(constraint.spec):
+                if -int(match.group(1)) < LOWEST_INTEGER:
+                    raise invalid(param, constraint, f"an integer below -(2**63 - 2**16) "
+                                  f"(-{match.group(1)}) is not supported by the llguidance "
+                                  "backend")
         if constraint.kind == "json":
+            # llguidance has no option for undeclared keys: the schema says it (as vLLM does).
+            spec = (constraint.spec if constraint.additional_properties is not False
+                    else json.dumps(close_objects(json.loads(constraint.spec))))
             try:
                 grammar = LLMatcher.grammar_from_json_schema(
-                    constraint.spec,
-                    overrides={"whitespace_flexible": False} if constraint.compact else None)
+                    spec, overrides=_COMPACT if constraint.compact else _WHITESPACE)
             except ValueError as exc:
                 raise invalid(param, constraint, str(exc)) from None
         elif constraint.kind == "regex":

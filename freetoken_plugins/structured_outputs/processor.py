@@ -30,15 +30,23 @@ Guarantees (``backends.py``): special tokens never appear inside constrained tex
 allowed exactly when the grammar accepts; a row is never all ``-inf``. A sequence cut by
 ``max_tokens`` ends with ``finish_reason`` ``length`` and its text may not parse.
 
+Schemas mean what they say: by default an object schema that declares ``properties`` and
+says nothing of ``additionalProperties`` takes no other key (vLLM's xgrammar default and
+OpenAI's strict mode); ``--structured-outputs-allow-additional-properties`` reads such
+schemas literally instead, and a request overrides either way with
+``structured_outputs.disable_additional_properties`` (``json_schema.strict: true`` always
+closes). Whitespace between JSON tokens is bounded (``constraints.MAX_WHITESPACE``).
+
 Options (``freetoken serve`` / ``generate``): ``--structured-outputs-backend``
 (``llguidance``, the default, or ``xgrammar``), ``--structured-outputs-compile-timeout``
 (10 s), ``--structured-outputs-compile-threads`` (2), ``--structured-outputs-cache-entries``
-(256).
+(256), ``--structured-outputs-allow-additional-properties`` (off).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import threading
 from concurrent.futures import Future, InvalidStateError
@@ -151,9 +159,14 @@ class StructuredOutputs(LogitsProcessor):
     class Fields(RequestFields):
         response_format: dict[str, Any] | None = None
         """OpenAI's: {"type": "text" | "json_object" | "json_schema", "json_schema":
-        {"name", "schema", "strict", "description"}}."""
+        {"name", "schema", "strict", "description"}}; undeclared keys are refused by
+        default, always with strict: true."""
         structured_outputs: dict[str, Any] | None = None
-        """vLLM's: exactly one of {"json", "regex", "choice", "grammar", "json_object"}."""
+        """vLLM's: exactly one of {"json", "regex", "choice", "grammar", "json_object"}, with
+        json: "disable_any_whitespace" (no whitespace between tokens) and
+        "disable_additional_properties" (true: an object schema with properties and no
+        additionalProperties takes no other key, the server's default; false: it takes
+        any)."""
 
     stage = Stage.MASK
 
@@ -173,6 +186,8 @@ class StructuredOutputs(LogitsProcessor):
         options = ctx.options
         self.timeout_s = float(options.get("structured_outputs_compile_timeout")
                                or DEFAULT_TIMEOUT_S)
+        self.allow_additional_properties = bool(
+            options.get("structured_outputs_allow_additional_properties"))
         self.backend = make_backend(
             options.get("structured_outputs_backend") or BACKENDS[0], ctx.tokenizer,
             ctx.model.vocab_size, sorted(ctx.model.eos_token_ids))
@@ -194,6 +209,9 @@ class StructuredOutputs(LogitsProcessor):
     def prepare_request(self, request: RequestView) -> Future[CompiledGrammar]:
         constraint, param = constraint_of(request.fields)
         assert constraint is not None  # uses() said so
+        if constraint.kind == "json" and constraint.additional_properties is None:
+            constraint = dataclasses.replace(
+                constraint, additional_properties=self.allow_additional_properties)
         return _with_timeout(self.compiler.submit(constraint), self.timeout_s, param,
                              constraint.kind)
 
@@ -285,6 +303,13 @@ class StructuredOutputs(LogitsProcessor):
         parser.add_argument("--structured-outputs-compile-threads", type=int,
                             default=DEFAULT_NUM_THREADS, metavar="N",
                             help=f"grammars compiled at once (default: {DEFAULT_NUM_THREADS})")
+        parser.add_argument("--structured-outputs-allow-additional-properties",
+                            action="store_true",
+                            help="read a JSON schema's objects literally: one with "
+                                 "properties and no additionalProperties takes other keys "
+                                 "too (default: it takes only its declared keys; a request "
+                                 "may say either with structured_outputs."
+                                 "disable_additional_properties)")
         parser.add_argument("--structured-outputs-cache-entries", type=int,
                             default=DEFAULT_CACHE_ENTRIES, metavar="N",
                             help=f"compiled grammars kept (default: {DEFAULT_CACHE_ENTRIES})")

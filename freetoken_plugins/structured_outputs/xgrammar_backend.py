@@ -23,7 +23,7 @@ from freetoken_plugins.structured_outputs.backends import (
     invalid,
     num_bitmask_words,
 )
-from freetoken_plugins.structured_outputs.constraints import Constraint
+from freetoken_plugins.structured_outputs.constraints import MAX_WHITESPACE, Constraint
 
 __all__ = ["XGrammarBackend"]
 
@@ -43,9 +43,12 @@ class XGrammarBackend(GrammarBackend):
     def compile(self, constraint: Constraint, param: str | None = None) -> CompiledGrammar:
         try:
             if constraint.kind == "json":
-                # strict_mode=False: undeclared properties follow the schema, as in llguidance.
+                # strict_mode: an object with properties and no additionalProperties takes
+                # no other key (as close_objects does for llguidance).
                 compiled = self._compiler.compile_json_schema(
-                    constraint.spec, any_whitespace=not constraint.compact, strict_mode=False)
+                    constraint.spec, any_whitespace=not constraint.compact,
+                    max_whitespace_cnt=None if constraint.compact else MAX_WHITESPACE,
+                    strict_mode=constraint.additional_properties is False)
             elif constraint.kind == "regex":
                 compiled = self._compiler.compile_regex(constraint.spec)
             elif constraint.kind == "grammar":

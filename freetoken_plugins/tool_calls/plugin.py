@@ -53,6 +53,7 @@ from freetoken_core.processors import (
     ResponseFields,
     ResponseView,
 )
+from freetoken_plugins.structured_outputs.constraints import close_objects
 from freetoken_plugins.tool_calls import prompting
 from freetoken_plugins.tool_calls.families import available_parsers, detect_parser
 from freetoken_plugins.tool_calls.parsers import CallDelta, Parsed, ToolParser
@@ -74,8 +75,9 @@ class Function(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_de
     parameters: dict[str, Any] | None = None
     """A JSON schema of the arguments object (none: the function takes no arguments)."""
     strict: bool | None = None
-    """Accepted: under ``required`` or a named choice the grammar makes every call match
-    its schema anyway; under ``auto`` calls are parsed from free text, unchecked."""
+    """true: under ``required`` or a named choice the call's arguments take exactly the
+    declared keys, even under ``--structured-outputs-allow-additional-properties`` (they do
+    by default anyway); under ``auto`` calls are parsed from free text, unconstrained."""
 
 
 class Tool(msgspec.Struct, forbid_unknown_fields=True):
@@ -158,7 +160,11 @@ defines a function with an empty parameter list"), so a forced call's arguments 
 
 
 def parameters_schema(function: Function) -> dict[str, Any]:
-    return NO_PARAMETERS if function.parameters is None else function.parameters
+    """The schema a forced call's arguments match: ``NO_PARAMETERS`` without
+    ``parameters``; with ``strict: true`` every object in it closed (``close_objects``)."""
+    if function.parameters is None:
+        return NO_PARAMETERS
+    return close_objects(function.parameters) if function.strict else function.parameters
 
 
 def forced_schema(fields: ToolCalls.Fields) -> dict[str, Any] | None:
