@@ -35,7 +35,7 @@ _ENCODER = msgspec.msgpack.Encoder()
 def uncarryable(value: Any, path: str) -> tuple[str, str] | None:
     """The first place in ``value`` (JSON-decoded: dicts, lists, scalars) that msgpack cannot
     carry, as ``(path, reason)``; ``path`` extends ``path`` in the error ``param`` style
-    (``tools[0].function.parameters.properties.n.maximum``). ``None`` when it can all be
+    (``field[0].schema.properties.n.maximum``). ``None`` when it can all be
     carried. Iterative: any depth is walked without recursion."""
     stack: list[tuple[Any, str, int]] = [(value, path, 0)]
     while stack:

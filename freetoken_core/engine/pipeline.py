@@ -190,8 +190,8 @@ class ProcessorPipeline:
 
     def conflict_error(self, slot: int, params: SamplingParams,
                        num_output_tokens: int) -> InvalidRequest:
-        """The 400 for a request whose processors on ``slot`` masked every token (a
-        grammar that must end now under ``min_tokens``, say): it names the fields the
+        """The 400 for a request whose processors on ``slot`` masked every token (a grammar
+        that must end now while another processor holds EOS back): it names the fields the
         request set for them, the last as ``param``."""
         sent = [f for name in self.names_for(slot) if name in params.fields
                 for f, v in msgspec.structs.asdict(params.fields[name]).items()
