@@ -3,13 +3,11 @@
 The test trains a small SentencePiece BPE model as Llama 2's are trained (byte fallback,
 split digits; tests/gguf_spm.py), writes its vocabulary, scores and token types into a
 random-weight llama GGUF the way llama.cpp's converter does, and checks FreeToken's
-tokenizer of that file on a few KB of mixed text against transformers' GGUF conversion
-(which FreeToken's cache is built by) and against the SentencePiece model itself, which
-llama.cpp's SPM tokenizer reproduces: same pieces by score, the dummy prefix always added,
-byte fallback. Where transformers' conversion differs from SentencePiece the test is an
-xfail (strict) whose reason is the measured difference: issue #34 makes llama.cpp's
-tokenizer the reference. (Not run against llama.cpp here: ``llama_cpp_spm`` is its rule
-for special tokens written as text, applied to SentencePiece's own encoder.)"""
+tokenizer of that file (built from the GGUF, ``freetoken_core/models/gguf_tokenizer.py``)
+on a few KB of mixed text against the SentencePiece model itself, which llama.cpp's SPM
+tokenizer reproduces (same pieces by score, the dummy prefix always added, byte fallback),
+and against llama.cpp's rule for special tokens written as text (``llama_cpp_spm``).
+tests/test_gguf_tokenizer.py compares the same trained models with llama.cpp's own ids."""
 
 from __future__ import annotations
 
@@ -35,7 +33,8 @@ CJK_EMOJI = ("東京は日本の首都です。我们正在测试分词器，这
 def long_text() -> str:
     """About 4 KB: prose, indented code with blank indented lines, a numbered list, digit
     runs, CJK, emoji, whitespace runs and tabs, and the special tokens written as text. It
-    starts with a letter (for text that starts with a space see the xfail below)."""
+    starts with a letter (for text that starts with a space see
+    test_text_starting_with_a_space_equals_sentencepiece)."""
     parts = [
         ("Tokenizers split text into pieces. This paragraph is plain English prose, with "
          "commas, semicolons; quotes \"like these\" and 'these', parentheses (and brackets "
@@ -106,14 +105,6 @@ def llm(spm_files: dict[str, Any]) -> LLM:
                dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def hf_tokenizer(spm_files: dict[str, Any]) -> Any:
-    from transformers import AutoTokenizer
-
-    path = spm_files["gguf"]
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-
 def test_gguf_holds_the_spm_vocabulary_as_llama_cpp_writes_it(spm_files: dict[str, Any],
                                                                llm: LLM) -> None:
     from gguf import GGUFReader
@@ -136,9 +127,9 @@ def test_gguf_holds_the_spm_vocabulary_as_llama_cpp_writes_it(spm_files: dict[st
     assert apply_chat_template(tok, [{"role": "user", "content": "Hi"}]) == "<s>[INST] Hi [/INST]"
 
 
-def test_encode_equals_transformers_conversion(llm: LLM, hf_tokenizer: Any) -> None:
+def test_encode_equals_llama_cpp_rule(llm: LLM, spm_files: dict[str, Any]) -> None:
     for text in (long_text(), CJK_EMOJI, " leading", "\n\n  0.", "a<s>b</s> <unk>", ""):
-        ours, theirs = llm.tokenizer.encode(text), hf_tokenizer.encode(text)
+        ours, theirs = llm.tokenizer.encode(text), llama_cpp_spm(spm_files["sp"], text)
         assert ours == theirs, (text[:40], first_difference(llm.tokenizer, ours, theirs))
 
 
@@ -157,12 +148,6 @@ def test_special_tokens_written_as_text_are_parsed(llm: LLM) -> None:
     assert ids.count(BOS) == 2 and ids.count(EOS) == 1 and ids.count(UNK) == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "transformers' GGUF conversion builds Metaspace(prepend_scheme='first'), which adds no "
-    "'▁' to text that already starts with one, where SentencePiece's dummy prefix (and "
-    "llama.cpp, which prepends ' ') always adds it: ' Hello' -> [1, 910 '▁', 75 '<0x48>', "
-    "...] against SentencePiece's [1, 260 '▁▁', 75 '<0x48>', ...], and decode loses the "
-    "space (' Hello' -> 'Hello')"))
 def test_text_starting_with_a_space_equals_sentencepiece(llm: LLM,
                                                          spm_files: dict[str, Any]) -> None:
     for text in (" Hello", "  two spaces", " " + long_text()[:200]):
@@ -172,13 +157,6 @@ def test_text_starting_with_a_space_equals_sentencepiece(llm: LLM,
         assert llm.tokenizer.decode(ours, skip_special_tokens=True) == text
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "after a special token written as text llama.cpp prefixes a space to the next fragment "
-    "(add_space_prefix && is_prev_special), transformers' conversion (prepend_scheme "
-    "'first') does not: the long text's 'Specials as text: <s> and' -> [..., 936 ':', "
-    "910 '▁', 1 '<s>', 463 '▁and', ...] against llama.cpp's rule [..., 936 ':', 910 '▁', "
-    "1 '<s>', 260 '▁▁', 295 'an', 925 'd', ...] (first difference at index 606; 3173 ids "
-    "against 3203)"))
 def test_special_tokens_as_text_equal_llama_cpp(llm: LLM, spm_files: dict[str, Any]) -> None:
     text = long_text()
     ours, theirs = llm.tokenizer.encode(text), llama_cpp_spm(spm_files["sp"], text)
@@ -186,10 +164,16 @@ def test_special_tokens_as_text_equal_llama_cpp(llm: LLM, spm_files: dict[str, A
 
 
 def test_decode_round_trips(llm: LLM) -> None:
+    """Decode inverts encode, but for the space llama.cpp prefixes to the text after each
+    special token written as text (it decodes as one, in llama.cpp too)."""
     tok = llm.tokenizer
     text = long_text()
     ids = tok.encode(text)
-    assert tok.decode(ids[1:], skip_special_tokens=False) == text
+    pieces = re.split("(" + "|".join(map(re.escape, SPECIALS)) + ")", text)
+    spaced = "".join(" " + p if p and i > 0 and pieces[i - 1] in SPECIALS else p
+                     for i, p in enumerate(pieces))
+    assert spaced != text
+    assert tok.decode(ids[1:], skip_special_tokens=False) == spaced
     plain = without_specials(text)
     assert tok.decode(tok.encode(plain), skip_special_tokens=True) == plain
 
@@ -224,15 +208,7 @@ def test_greedy_matches_transformers(llm: LLM, spm_files: dict[str, Any]) -> Non
     assert len(distinct) > 4
 
 
-@pytest.mark.parametrize("add_space_prefix", [
-    True,
-    pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=(
-        "transformers reads tokenizer.ggml.add_space_prefix into tokenizer_dict"
-        "['add_prefix_space'] but its llama builder (sentencepiece_tokenizer) never passes "
-        "it to LlamaTokenizer, which then prepends '▁': 'Hello' -> [1, 909 '▁', 75 '<0x48>', "
-        "341 'el', 283 'lo'] against SentencePiece's (add_dummy_prefix=False) and llama.cpp's "
-        "[1, 75 '<0x48>', 341 'el', 283 'lo']"))),
-])
+@pytest.mark.parametrize("add_space_prefix", [True, False])
 def test_add_space_prefix_key(add_space_prefix: bool, tmp_path: Path) -> None:
     """The key written (llama's converter omits it; Gemma's writes false), with a
     SentencePiece model trained with the matching dummy prefix: FreeToken's tokenizer of

@@ -5,9 +5,10 @@ kept in the cache is only what the rest of FreeToken reads from a Hugging Face d
 with no network access:
 
 * ``config.json`` - the Hugging Face config the GGUF metadata describes (``build_config``);
-* ``tokenizer.json``, ``tokenizer_config.json`` (including the GGUF ``tokenizer.chat_template``
-  and, under ``fim_tokens``, the fill-in-the-middle tokens the metadata names),
-  ``chat_template.jinja`` and ``special_tokens_map``-style fields, built by transformers;
+* ``tokenizer.json`` and ``tokenizer_config.json`` (with the named special tokens, the GGUF
+  ``tokenizer.chat_template`` and, under ``fim_tokens``, the fill-in-the-middle tokens the
+  metadata names), built from the GGUF vocabulary to tokenize as llama.cpp does
+  (``gguf_tokenizer``);
 * ``generation_config.json`` with the bos/eos (and pad) token ids.
 
 No weights are written (no float32 copy of the model). The directory is assembled in a
@@ -31,12 +32,10 @@ from freetoken_core.models.gguf_metadata import (
     generation_config,
     open_header,
 )
+from freetoken_core.models.gguf_tokenizer import build_tokenizer, read_vocab, tokenizer_config
 from freetoken_core.models.gguf_weights import check_tensors
 
 __all__ = ["convert_gguf"]
-
-# Keys transformers writes into tokenizer_config.json that only describe how it was loaded.
-_LOAD_TIME_KEYS = ("is_local", "local_files_only", "gguf_file")
 
 # The fill-in-the-middle token ids a GGUF may name (llama.cpp's keys, the deprecated names
 # second; llama.cpp's src/llama-vocab.cpp reads both), by the name under which their token
@@ -67,7 +66,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
       kept and this one discarded.
     * ``progress`` is accepted for the callers' sake; the files take about a second.
     * Raises :class:`ModelLoadError` if the file is unreadable, of an architecture FreeToken
-      does not run, or has a tokenizer transformers cannot build.
+      does not run, or has no tokenizer FreeToken can build (none, or a model other than
+      ``gpt2`` and ``llama``).
     """
     del progress
     gguf_path = Path(gguf_path)
@@ -96,76 +96,40 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
 
 
 def _write_tokenizer(gguf_path: Path, out_dir: Path, reader: Any, config: dict[str, Any]) -> None:
-    """Build the tokenizer from the GGUF with transformers and save it into ``out_dir``.
-
-    The GGUF ``tokenizer.chat_template`` is set on the tokenizer (transformers writes it to
-    ``chat_template.jinja``) and also recorded under ``chat_template`` in
-    ``tokenizer_config.json``, so loaders that only read that file find it too. The
-    fill-in-the-middle tokens the metadata names are recorded there too
-    (:func:`_fill_in_middle_tokens`).
-    """
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-        )
-    except Exception as exc:
-        raise ModelLoadError(
-            f"transformers could not build the tokenizer of {gguf_path} ({exc}); "
-            "upgrade transformers or use a GGUF with an embedded tokenizer"
-        ) from exc
-    template = field(reader, "tokenizer.chat_template")
-    if template is not None:
-        tokenizer.chat_template = template
-    tokenizer.model_max_length = config["max_position_embeddings"]
-    tokenizer.save_pretrained(str(out_dir))
-    _fix_tokenizer_config(out_dir / "tokenizer_config.json", template,
-                          _fill_in_middle_tokens(reader, tokenizer))
+    """Build the tokenizer from the GGUF's vocabulary (``gguf_tokenizer``: it tokenizes as
+    llama.cpp does) and save it into ``out_dir`` as ``tokenizer.json`` and
+    ``tokenizer_config.json``, which records the GGUF ``tokenizer.chat_template`` and the
+    fill-in-the-middle tokens the metadata names (:func:`_fill_in_middle_tokens`)."""
+    vocab = read_vocab(gguf_path, reader)
+    build_tokenizer(vocab).save(str(out_dir / "tokenizer.json"))
+    data = tokenizer_config(vocab, field(reader, "tokenizer.chat_template"),
+                            config["max_position_embeddings"])
+    fill_in_middle = _fill_in_middle_tokens(reader, vocab.tokens)
+    if fill_in_middle:
+        data["fim_tokens"] = fill_in_middle
+    _write_json(out_dir / "tokenizer_config.json", data)
 
 
-def _fill_in_middle_tokens(reader: Any, tokenizer: Any) -> dict[str, str]:
+def _fill_in_middle_tokens(reader: Any, tokens: list[str]) -> dict[str, str]:
     """``{"pre" | "suf" | "mid": token text}`` for the fill-in-the-middle token ids the GGUF
-    metadata names (``tokenizer.ggml.fim_pre_token_id`` ...), each the tokenizer's token for
-    that id; an id outside the vocabulary is ignored, as llama.cpp ignores it.
+    metadata names (``tokenizer.ggml.fim_pre_token_id`` ...), each the text of that token;
+    an id outside the vocabulary is ignored, as llama.cpp ignores it.
 
     They go under one key, ``fim_tokens``, rather than ``*_token`` keys: transformers 5
     takes every ``*_token`` key of tokenizer_config.json for a named special token, which
     would make the token special (dropped by ``skip_special_tokens``) or, for a text not in
     the vocabulary, add a token."""
-    tokens: dict[str, str] = {}
+    found: dict[str, str] = {}
     for name, keys in _FILL_IN_MIDDLE_KEYS.items():
         token_id = next((v for v in (field(reader, k) for k in keys) if v is not None), None)
-        if token_id is None or not 0 <= int(token_id) < len(tokenizer):
-            continue
-        text = tokenizer.convert_ids_to_tokens(int(token_id))
-        if isinstance(text, str) and text:
-            tokens[name] = text
-    return tokens
+        if token_id is not None and 0 <= int(token_id) < len(tokens) and tokens[int(token_id)]:
+            found[name] = tokens[int(token_id)]
+    return found
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` to ``path`` as indented, key-sorted UTF-8 JSON."""
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def _fix_tokenizer_config(path: Path, chat_template: str | None,
-                          fill_in_middle: dict[str, str] | None = None) -> None:
-    """Record ``chat_template`` (and, when the GGUF names them, the fill-in-the-middle tokens
-    as ``fim_tokens``) in ``tokenizer_config.json`` and drop load-time-only keys.
-
-    transformers 5 saves the loading flags ``is_local`` / ``local_files_only`` as init kwargs;
-    they describe how the GGUF was read, not the tokenizer, so they are removed. Extra keys
-    such as ``fim_tokens`` come back as the loaded tokenizer's ``init_kwargs``.
-    """
-    data = json.loads(path.read_text(encoding="utf-8"))
-    for key in _LOAD_TIME_KEYS:
-        data.pop(key, None)
-    if chat_template is not None:
-        data["chat_template"] = chat_template
-    if fill_in_middle:
-        data["fim_tokens"] = dict(fill_in_middle)
-    _write_json(path, data)
 
 
 def _make_temp_sibling(out_dir: Path) -> Path:

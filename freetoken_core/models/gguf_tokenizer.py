@@ -1,0 +1,274 @@
+"""A GGUF file's tokenizer, built from its ``tokenizer.*`` metadata to tokenize as llama.cpp.
+
+llama.cpp implements each ``tokenizer.ggml.pre`` type so that it reproduces the tokenizer
+the model was trained with (``src/llama-vocab.cpp``); its ids are the reference here, not
+transformers' GGUF conversion (which, for one, drops SmolLM2's digit split). The result is
+a Hugging Face ``tokenizers.Tokenizer`` (the Rust library: no tokenization loop in Python),
+saved as ``tokenizer.json`` beside a ``tokenizer_config.json`` that transformers'
+generic fast tokenizer loads. How each part of llama.cpp maps onto it:
+
+* **Vocabulary** ``tokenizer.ggml.model = gpt2``: byte-level BPE with the file's merges, the
+  text cut by the regexes of its pre type (:mod:`gguf_pretokenizers`; an unknown or missing
+  type warns and uses ``default``, as llama.cpp does for a missing one) and byte-encoded.
+  ``llama``: SentencePiece, a BPE whose merge order is the merged piece's score (llama.cpp
+  merges the best-scoring bigram first), byte fallback, spaces written ``▁`` and, when
+  ``tokenizer.ggml.add_space_prefix`` (default true) says so, a ``▁`` prefixed to every run
+  of text: llama.cpp prefixes it to the first one and to each one after a special token,
+  and every run of text but the first follows one.
+* **Special tokens** (``parse_special``): control (3), unknown (2) and user-defined (4)
+  tokens are cut out of the text before anything else, matched on their raw text; the
+  first two are special (dropped by ``skip_special_tokens``, as llama.cpp renders them only
+  with ``special``). A file named Phi-3 strips the whitespace after them, as llama.cpp
+  sets there.
+* **BOS / EOS**: added by ``add_special_tokens`` as ``tokenizer.ggml.add_bos_token`` /
+  ``add_eos_token`` say, else as llama.cpp's defaults for the vocabulary and pre type.
+* **Decoding** is the concatenation of llama.cpp's pieces (byte-level pieces back to their
+  bytes, ``▁`` to a space, ``<0xNN>`` to its byte, special tokens as their text), less the
+  one space a SentencePiece prefix added at the start, so that decode inverts encode.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.gguf_pretokenizers import DEFAULT, PRE_TOKENIZERS, PreTokenizer
+
+__all__ = ["GGUFVocab", "build_tokenizer", "read_vocab", "tokenizer_config"]
+
+log = logging.getLogger(__name__)
+
+# gguf-py's TokenType
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores",
+           "tokenizer.ggml.merges")
+_SPECIAL_IDS = ("bos", "eos", "unknown", "padding")
+
+
+@dataclass(frozen=True)
+class GGUFVocab:
+    """The ``tokenizer.*`` metadata of a GGUF file that its tokenizer is built from.
+
+    ``types`` holds one gguf-py ``TokenType`` per token (all normal when the file has none),
+    ``scores`` one score per token (empty when absent), ``merges`` the ``"a b"`` strings;
+    ``special_ids`` maps ``bos`` / ``eos`` / ``unknown`` / ``padding`` to the ids the file
+    names that lie in the vocabulary; ``add_*`` are None where the file has no such key."""
+
+    model: str
+    pre: str | None
+    tokens: list[str]
+    types: list[int]
+    scores: list[float]
+    merges: list[str]
+    special_ids: dict[str, int]
+    add_bos: bool | None
+    add_eos: bool | None
+    add_space_prefix: bool | None
+    name: str = ""
+
+    def pre_tokenizer(self) -> PreTokenizer:
+        """The pre type's :class:`PreTokenizer`; a missing or unknown type is logged as a
+        warning that names it, and gets llama.cpp's ``default``."""
+        if self.pre is None:
+            log.warning("this GGUF has no tokenizer.ggml.pre; splitting its text with "
+                        "llama.cpp's 'default' pre-tokenizer")
+            return DEFAULT
+        if self.pre not in PRE_TOKENIZERS:
+            log.warning("unknown GGUF pre-tokenizer type tokenizer.ggml.pre = %r; splitting "
+                        "its text with llama.cpp's 'default' pre-tokenizer, so token ids may "
+                        "differ from the model's own tokenizer", self.pre)
+            return DEFAULT
+        return PRE_TOKENIZERS[self.pre]
+
+    @property
+    def is_spm(self) -> bool:
+        return self.model == "llama"
+
+    def token(self, kind: str) -> str | None:
+        """The text of special token ``kind`` (``bos`` ...), or None."""
+        token_id = self.special_ids.get(kind)
+        return None if token_id is None else self.tokens[token_id]
+
+    def adds(self) -> tuple[bool, bool]:
+        """Whether encode adds BOS and EOS: the file's keys, else llama.cpp's defaults
+        (SentencePiece: BOS; BPE: BOS for the pre types that set it), and never a token
+        the file does not name."""
+        add_bos = self.add_bos
+        if add_bos is None:
+            add_bos = self.is_spm or self.pre_tokenizer().add_bos
+        add_eos = bool(self.add_eos)
+        return (add_bos and "bos" in self.special_ids, add_eos and "eos" in self.special_ids)
+
+
+def read_vocab(gguf_path: Path, reader: Any) -> GGUFVocab:
+    """The vocabulary of ``gguf_path``, whose scalar metadata ``reader`` holds (from
+    ``open_header``). Raises :class:`ModelLoadError` for a file without tokens or with a
+    tokenizer model other than ``gpt2`` and ``llama``."""
+    from freetoken_core.models.gguf_metadata import field, read_arrays
+
+    arrays = read_arrays(gguf_path, _ARRAYS)
+    model = field(reader, "tokenizer.ggml.model")
+    tokens = arrays.get("tokenizer.ggml.tokens", [])
+    if not tokens:
+        raise ModelLoadError(f"{gguf_path} has no tokenizer (no tokenizer.ggml.tokens)")
+    if model not in ("gpt2", "llama"):
+        raise ModelLoadError(
+            f"GGUF tokenizer model {model!r} of {gguf_path} is not supported (supported: "
+            "'gpt2' byte-level BPE and 'llama' SentencePiece)")
+    types = [int(t) for t in arrays.get("tokenizer.ggml.token_type", [])]
+    special_ids = {}
+    for kind in _SPECIAL_IDS:
+        token_id = field(reader, f"tokenizer.ggml.{kind}_token_id")
+        if token_id is not None and 0 <= int(token_id) < len(tokens):
+            special_ids[kind] = int(token_id)
+    return GGUFVocab(
+        model=model, pre=field(reader, "tokenizer.ggml.pre"), tokens=list(tokens),
+        types=types if len(types) == len(tokens) else [NORMAL] * len(tokens),
+        scores=[float(s) for s in arrays.get("tokenizer.ggml.scores", [])],
+        merges=list(arrays.get("tokenizer.ggml.merges", [])), special_ids=special_ids,
+        add_bos=_flag(field(reader, "tokenizer.ggml.add_bos_token")),
+        add_eos=_flag(field(reader, "tokenizer.ggml.add_eos_token")),
+        add_space_prefix=_flag(field(reader, "tokenizer.ggml.add_space_prefix")),
+        name=str(field(reader, "general.name", "")).lower())
+
+
+def _flag(value: Any) -> bool | None:
+    return None if value is None else bool(value)
+
+
+def build_tokenizer(vocab: GGUFVocab) -> Any:
+    """The ``tokenizers.Tokenizer`` that tokenizes and decodes as llama.cpp does with
+    ``vocab`` (see the module docstring)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer(_spm_model(vocab) if vocab.is_spm else _bpe_model(vocab))
+    if vocab.is_spm:
+        _set_spm_steps(tokenizer, vocab)
+    else:
+        _set_bpe_steps(tokenizer, vocab.pre_tokenizer())
+    _add_special_tokens(tokenizer, vocab)
+    _set_post_processor(tokenizer, vocab)
+    return tokenizer
+
+
+def _token_ids(vocab: GGUFVocab) -> dict[str, int]:
+    """Text -> id; where two tokens share a text the later one wins, as in llama.cpp."""
+    return {text: i for i, text in enumerate(vocab.tokens)}
+
+
+def _bpe_model(vocab: GGUFVocab) -> Any:
+    """Byte-level BPE over the file's merges, by rank (the first of a repeated merge counts,
+    as in llama.cpp); merges of texts outside the vocabulary are dropped (no token)."""
+    from tokenizers import models
+
+    ids = _token_ids(vocab)
+    merges, seen = [], set()
+    for merge in vocab.merges:
+        cut = merge.find(" ", 1)
+        pair = (merge[:cut], merge[cut + 1:])
+        if cut > 0 and pair not in seen and pair[0] in ids and pair[1] in ids \
+                and pair[0] + pair[1] in ids:
+            seen.add(pair)
+            merges.append(pair)
+    return models.BPE(ids, merges, ignore_merges=vocab.pre_tokenizer().ignore_merges)
+
+
+def _set_bpe_steps(tokenizer: Any, pre: PreTokenizer) -> None:
+    from tokenizers import Regex, decoders, pre_tokenizers
+
+    steps = [pre_tokenizers.Split(Regex(regex), "isolated") for regex in pre.regexes]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tokenizer.decoder = decoders.ByteLevel()
+
+
+def _spm_model(vocab: GGUFVocab) -> Any:
+    """SentencePiece as a BPE: every split of a token into two tokens is a merge, ranked by
+    the merged token's score, best first (ties: the lower id first), which is the order in
+    which llama.cpp's ``llm_tokenizer_spm`` merges bigrams; characters outside the
+    vocabulary fall back to their ``<0xNN>`` byte tokens."""
+    from tokenizers import models
+
+    ids = _token_ids(vocab)
+    scores = vocab.scores or [0.0] * len(vocab.tokens)
+    ranked = []
+    for text, token_id in ids.items():
+        for cut in range(1, len(text)):
+            left, right = text[:cut], text[cut:]
+            if left in ids and right in ids:
+                ranked.append((-scores[token_id], token_id, cut, left, right))
+    ranked.sort()
+    merges = [(left, right) for *_, left, right in ranked]
+    unk = vocab.token("unknown")
+    return models.BPE(ids, merges, unk_token=unk, fuse_unk=unk is not None, byte_fallback=True)
+
+
+def _set_spm_steps(tokenizer: Any, vocab: GGUFVocab) -> None:
+    from tokenizers import decoders, normalizers
+
+    prefix = vocab.add_space_prefix is not False  # llama.cpp's default for SPM: true
+    escape = normalizers.Replace(" ", "▁")
+    tokenizer.normalizer = (normalizers.Sequence([normalizers.Prepend("▁"), escape])
+                            if prefix else escape)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(steps)
+
+
+def _add_special_tokens(tokenizer: Any, vocab: GGUFVocab) -> None:
+    """Control, unknown and user-defined tokens, cut out of the text on their raw text."""
+    from tokenizers import AddedToken
+
+    is_phi3 = "phi-3" in vocab.name or "phi3" in vocab.name
+    special, user = [], []
+    for text, kind in zip(vocab.tokens, vocab.types):
+        if not text or kind not in (CONTROL, UNKNOWN, USER_DEFINED):
+            continue
+        rstrip = is_phi3 and text not in ("<unk>", "<s>", "<|endoftext|>")
+        token = AddedToken(text, special=kind != USER_DEFINED, normalized=False,
+                           rstrip=rstrip)
+        (user if kind == USER_DEFINED else special).append(token)
+    if is_phi3 and "</s>" in vocab.tokens:  # llama.cpp's list for Phi-3 names it too
+        special.append(AddedToken("</s>", special=True, normalized=False, rstrip=True))
+    tokenizer.add_special_tokens(special)
+    tokenizer.add_tokens(user)
+
+
+def _set_post_processor(tokenizer: Any, vocab: GGUFVocab) -> None:
+    from tokenizers import processors
+
+    add_bos, add_eos = vocab.adds()
+    if not (add_bos or add_eos):
+        return
+    ends = [(vocab.token(k), vocab.special_ids[k]) for k, on in (("bos", add_bos),
+                                                                 ("eos", add_eos)) if on]
+    first = [ends[0][0]] if add_bos else []
+    last = [ends[-1][0]] if add_eos else []
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=[*first, "$A", *last], pair=[*first, "$A", *last, *first, "$B", *last],
+        special_tokens=list(dict.fromkeys(ends)))
+
+
+def tokenizer_config(vocab: GGUFVocab, chat_template: str | None,
+                     model_max_length: int) -> dict[str, Any]:
+    """The ``tokenizer_config.json`` for transformers' generic fast tokenizer
+    (``PreTrainedTokenizerFast``) over the ``tokenizer.json`` of :func:`build_tokenizer`:
+    the named special tokens, no clean-up of spaces (decode is llama.cpp's pieces), the
+    chat template."""
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+    }
+    for kind, key in zip(_SPECIAL_IDS, ("bos_token", "eos_token", "unk_token", "pad_token")):
+        text = vocab.token(kind)
+        if text:
+            config[key] = text
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    return config

@@ -1,0 +1,194 @@
+"""The texts and vocabularies of the GGUF tokenizer tests, and the script that records
+llama.cpp's ids for them (tests/fixtures/gguf_tokenizer_ids.json).
+
+Vocabularies: the default model's byte-level BPE vocabulary re-labelled with each
+``tokenizer.ggml.pre`` type of :data:`PRE_TYPES` (plus two user-defined tokens, as Qwen3's
+``<think>``), and the SentencePiece model tests/gguf_spm.py trains, with and without
+``add_space_prefix``. Each is written as a tensor-less GGUF holding only the tokenizer
+fields (what FreeToken's tokenizer is built from) and as a tiny random-weight llama GGUF
+around it (what llama.cpp loads).
+
+Regenerate the fixture, after changing a text or a vocabulary, with llama.cpp's
+``llama-tokenize`` (``cmake --build ~/.cache/freetoken/llama.cpp/build --target
+llama-tokenize`` after ``bench/build_llama_server.sh``)::
+
+    python tests/gguf_tokenizer_cases.py ~/.cache/freetoken/llama.cpp/build/bin/llama-tokenize
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+FIXTURE = Path(__file__).parent / "fixtures" / "gguf_tokenizer_ids.json"
+GPL3 = Path(__file__).parent / "fixtures" / "GPL-3"
+
+PRE_TYPES = ("default", "llama-bpe", "llama3", "qwen2", "deepseek-r1-qwen", "smollm",
+             "gpt-4o", "tekken", "gpt-2", "starcoder", "falcon", "deepseek-v3", "bloom")
+SPM_PREFIXES = (True, False)
+USER_TOKENS = ("<think>", "</think>")  # user-defined (type 4), appended to the BPE vocab
+# Digit merges appended to the BPE vocab (SmolLM2's has single digits only), so that the
+# types that group digits (llama3's \p{N}{1,3}) tokenize differently from the ones that
+# split them (qwen2's \p{N}).
+DIGIT_MERGES = ("1 2", "12 3", "4 5", "45 6")
+
+# llama.cpp's converter check text (convert_hf_to_gguf_update.py CHK_TXT)
+CHKTXT = ("\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple "
+          "emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 "
+          "3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на "
+          "Български ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE "
+          "you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL")
+
+CODE = ("def fibonacci(n: int) -> int:\n    \"\"\"The n-th number.\"\"\"\n    a, b = 0, 1\n"
+        "    for _ in range(n):\n        a, b = b, a + b\n    \n        \n    return a\n\n"
+        "\tif x:\n\t\treturn {\"key\": [1, 2, 3]}  # tabs\n\n\nclass Cache:\n"
+        "    def __init__(self, size=4096):\n        self.size = size  \n")
+LISTS = ("1. First item\n2. Second item\n   - nested bullet\n10. Tenth item\n\n"
+         "CONDITIONS\n\n  0. Definitions.\n\n  1. Source Code.\n  12) twelve\n (a) x\n")
+DIGITS = ("0 12 345 6789 12345 123456 1234567 3.14159265358979 1,000,000 2024-06-30 "
+          "0xDEADBEEF 1e-9 00000000000000000000 99999999 ١٢٣ ４２ ½ ²³")
+CJK = ("東京は日本の首都です。我们正在测试分词器，这是第二句。한국어 문장입니다. "
+       "カタカナ ｶﾀｶﾅ 漢字かな交じり文")
+EMOJI = ("Emoji: 😀🎉 👍🏽 🇯🇵 👨‍👩‍👧 🚀 — café, naïve, Ünïcödé ™ É À aÉb "
+         "Straße ǅ İstanbul e\u0301\u0301 \u00a0nbsp\u2003em\u3000ideo")
+CAMEL = ("JavaScript TypeScript iPhone McDonald's XMLHttpRequest getElementById "
+         "camelCaseWord HTTPServer iOS macOS they'RE WE'LL it's/path//x://\n\n/\r\n")
+PROSE = ("Tokenizers split text into pieces. It's what they've done; I'll say we'd "
+         "DON'T shout. \"Quotes\" and 'these' (parens) [brackets] {braces} a--b ... ?!\n"
+         "   leading spaces, trailing spaces   \n\r\nCRLF\rCR\x0b\x0c\u2028end  ")
+
+
+def texts(special: list[str]) -> dict[str, str]:
+    """Name -> text; ``special`` is the vocabulary's special tokens, written as text."""
+    joined = " ".join(special)
+    return {
+        "chktxt": CHKTXT, "code": CODE, "lists": LISTS, "digits": DIGITS, "cjk": CJK,
+        "emoji": EMOJI, "camel": CAMEL, "prose": PROSE, "empty": "", "space": " ", "spaces": "   x",
+        "specials": f"{joined}\n{''.join(special)}x{special[0]} y {special[-1]}\n",
+        "mixed": f"{special[0]}{CODE[:60]}{special[-1]} 12 {CJK[:12]} {EMOJI[:20]}",
+    }
+
+
+def special_texts(vocab: Any) -> list[str]:
+    """The texts of the control, unknown and user-defined tokens of a ``GGUFVocab``."""
+    return [t for t, kind in zip(vocab.tokens, vocab.types) if kind in (2, 3, 4) and t]
+
+
+@cache
+def _fields_of(source: Path) -> list[tuple[str, Any, Any]]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gguf_models import _tokenizer_fields
+
+    return _tokenizer_fields(source)
+
+
+def write_tokenizer_gguf(fields: list[tuple[str, Any, Any]], out: Path) -> Path:
+    """A GGUF at ``out`` with no tensors and only ``fields`` (``(key, value, kinds)``)."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(out), "llama")
+    for key, value, kind in fields:
+        writer.add_key_value(key, value, kind[0], sub_type=kind[1] if len(kind) > 1 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def bpe_tokenizer_gguf(pre: str, directory: Path) -> Path:
+    """The default model's vocabulary labelled ``pre``, with :data:`USER_TOKENS` appended
+    as user-defined tokens, as a tokenizer-only GGUF in ``directory``."""
+    from gguf import GGUFValueType as T
+
+    from freetoken_core.models.resolve import default_gguf_path
+
+    fields = []
+    for key, value, kind in _fields_of(default_gguf_path()):
+        if key == "tokenizer.ggml.pre":
+            value = pre
+        elif key == "tokenizer.ggml.tokens":
+            value = value + [m.replace(" ", "") for m in DIGIT_MERGES] + list(USER_TOKENS)
+        elif key == "tokenizer.ggml.token_type":
+            value = value + [1] * len(DIGIT_MERGES) + [4] * len(USER_TOKENS)
+        elif key == "tokenizer.ggml.merges":
+            value = value + list(DIGIT_MERGES)
+        fields.append((key, value, kind))
+    if not any(key == "tokenizer.ggml.pre" for key, _, _ in fields):
+        fields.append(("tokenizer.ggml.pre", pre, (T.STRING,)))
+    return write_tokenizer_gguf(fields, directory / f"bpe-{pre}.gguf")
+
+
+def spm_tokenizer_gguf(prefix: bool, directory: Path) -> tuple[Path, str]:
+    """The SentencePiece model tests/gguf_spm.py trains (``add_dummy_prefix=prefix``) as a
+    tokenizer-only GGUF in ``directory`` (``add_space_prefix`` written only when false,
+    as llama's converter omits it and Gemma's writes false), and the sha256 of its
+    vocabulary, scores and types (training must give the fixture's vocabulary)."""
+    from gguf_spm import spm_gguf_fields, train_spm
+
+    model = train_spm(directory / f"spm-{prefix}", add_dummy_prefix=prefix)
+    fields = spm_gguf_fields(model, add_space_prefix=None if prefix else False)
+    digest = hashlib.sha256(json.dumps(
+        [v for k, v, _ in fields if k in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+                                          "tokenizer.ggml.token_type")]).encode())
+    return write_tokenizer_gguf(fields, directory / f"spm-{prefix}.gguf"), digest.hexdigest()
+
+
+def vocabularies(directory: Path) -> dict[str, tuple[Path, str]]:
+    """Name (``bpe-<pre>`` / ``spm-<prefix>``) -> (tokenizer-only GGUF, vocabulary hash)."""
+    out = {f"bpe-{pre}": (bpe_tokenizer_gguf(pre, directory), "") for pre in PRE_TYPES}
+    for prefix in SPM_PREFIXES:
+        out[f"spm-{prefix}"] = spm_tokenizer_gguf(prefix, directory)
+    return out
+
+
+def _llama_tokenize(binary: Path, model: Path, text: str, scratch: Path) -> list[int]:
+    """llama.cpp's ids of ``text`` with add_special (BOS/EOS as the model says) and
+    parse_special, as llama-server's /tokenize gives them for a prompt."""
+    prompt = scratch / "prompt.txt"
+    prompt.write_bytes(text.encode("utf-8"))
+    out = subprocess.run([str(binary), "-m", str(model), "-f", str(prompt), "--ids",
+                          "--no-escape", "--log-disable"], check=True, capture_output=True)
+    return json.loads(out.stdout.decode().strip().splitlines()[-1])
+
+
+def regenerate(binary: Path) -> None:
+    """Write :data:`FIXTURE` from llama.cpp's ``llama-tokenize`` at ``binary``."""
+    from gguf_models import write_gguf
+
+    from freetoken_core.models.gguf_metadata import open_header
+    from freetoken_core.models.gguf_tokenizer import read_vocab
+
+    cases: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        for name, (path, digest) in vocabularies(scratch).items():
+            model = write_gguf(scratch / f"model-{name}.gguf", "llama", tokenizer_from=path)
+            items = texts(special_texts(read_vocab(path, open_header(path))))
+            cases[name] = {"vocab_sha256": digest, "texts": items, "ids": {
+                key: _llama_tokenize(binary, model, text, scratch) for key, text in items.items()}}
+            print(name, sum(map(len, cases[name]["ids"].values())), "ids", flush=True)
+        model = write_gguf(scratch / "model-default.gguf", "llama")
+        gpl3 = _llama_tokenize(binary, model, GPL3.read_text(encoding="utf-8"), scratch)
+    version = subprocess.run([str(binary), "--version"], check=False, capture_output=True,
+                             text=True)
+    data = {"llama_cpp": (version.stdout + version.stderr).strip().splitlines()[0],
+            "cases": cases, "gpl3_smollm": gpl3}
+    text = json.dumps(data, ensure_ascii=False, indent=1)
+    # one line per id list
+    text = re.sub(r"\[\n[\d,\s]*\]", lambda m: "[" + " ".join(m.group().split())[1:-1].strip()
+                  + "]", text)
+    FIXTURE.write_text(text + "\n", encoding="utf-8")
+    print("wrote", FIXTURE, "GPL-3:", len(gpl3), "ids")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    regenerate(Path(sys.argv[1]).expanduser())
