@@ -278,6 +278,11 @@ class Plugin:
     routes: ClassVar[frozenset[str]] = frozenset({"chat", "completions"})
     """The server routes whose requests may carry ``Fields`` (a field sent to another
     route is a 400 naming it); offline requests may always carry them."""
+    request_rules: ClassVar[tuple[dict[str, Any], ...]] = ()
+    """JSON Schema subschemas a request body of those routes must also satisfy: the rules
+    between fields that ``validate`` checks and the field types cannot say (``if``/``then``,
+    ``not``: "field a needs field b"). The server's OpenAPI document adds them to the
+    request schemas (``allOf``); they document, ``validate`` still decides."""
 
     @classmethod
     def uses(cls, fields: Any) -> bool:

@@ -42,20 +42,23 @@ class Server:
         return r.json()
 
 
-def serve_cmd(model: str, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "freetoken_core.cli", "serve", "--model", model,
+def serve_cmd(model: str | None, port: int, *extra: str) -> list[str]:
+    """``freetoken serve`` on ``model`` (``None``: the embedded default model)."""
+    model_args = [] if model is None else ["--model", model]
+    return [sys.executable, "-m", "freetoken_core.cli", "serve", *model_args,
             "--port", str(port), "--kv-cache-tokens", "8192", "--log-level", "warning",
             "--served-model-name", MODEL_NAME, *extra]
 
 
-def start_server(model_dir: Path, *extra: str, api_key: str = "x",
+def start_server(model_dir: Path | None, *extra: str, api_key: str = "x",
                  env: dict[str, str] | None = None, log_file: Path | None = None) -> Server:
     """Start the server and wait until ``/health`` is 200 (fails the test otherwise).
     ``env`` replaces the server process's environment; ``log_file`` takes its output (a
     server that logs much must not write into a pipe nobody reads)."""
     port = free_port()
     out = open(log_file, "w") if log_file is not None else subprocess.PIPE  # noqa: SIM115
-    proc = subprocess.Popen(serve_cmd(str(model_dir), port, *extra), stdout=out,
+    model = None if model_dir is None else str(model_dir)
+    proc = subprocess.Popen(serve_cmd(model, port, *extra), stdout=out,
                             stderr=subprocess.STDOUT, text=True, env=env)
     srv = Server(proc, port, MODEL_NAME, api_key)
     deadline = time.monotonic() + START_TIMEOUT_S

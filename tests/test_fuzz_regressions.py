@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 from server_fixtures import Server, post
 
@@ -28,7 +29,9 @@ def schema_with(value: Any) -> dict[str, Any]:
 
 
 def refused(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    r = post(server, path, body)
+    # msgspec encodes nesting deeper than Python's json module recurses.
+    r = server.http.post(path, content=msgspec.json.encode(body),
+                         headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     return r.json()["error"]
 
@@ -45,8 +48,9 @@ def refused(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
      lambda v: {"messages": CHAT, "tools": [{"type": "function", "function": {
          "name": "f", "parameters": schema_with(v)}}], "tool_choice": "required"},
      "tools[0].function.parameters.properties.n.maximum"),
-    ("/v1/completions", lambda v: {"prompt": "x", "logit_bias": {"5": 1, "x": [v]}},
-     "logit_bias.x[0]"),
+    ("/v1/chat/completions",
+     lambda v: {"messages": CHAT, "structured_outputs": {"json": {"enum": [[1, v]]}}},
+     "structured_outputs.json.enum[0][1]"),
 ])
 def test_an_integer_the_engine_cannot_carry_is_a_400(plain_server: Server, value: int,
                                                      path: str, body: Any,
@@ -79,14 +83,15 @@ def test_integers_that_crash_llguidance_are_a_400(plain_server: Server, fields: 
     assert plain_server.http.get("/health").status_code == 200
 
 
-def test_nesting_too_deep_to_carry_is_a_400(plain_server: Server) -> None:
+@pytest.mark.parametrize("depth", [300, 900])
+def test_deep_nesting_in_an_engine_field_is_a_400(plain_server: Server, depth: int) -> None:
     deep: Any = 1
-    for _ in range(300):
+    for _ in range(depth):
         deep = [deep]
     error = refused(plain_server, "/v1/completions", {
         "prompt": "x", "max_tokens": 2, "structured_outputs": {"json": {"x-deep": deep}}})
-    assert error["param"].startswith("structured_outputs.json.x-deep[0][0]"), error
-    assert "nested" in error["message"]
+    assert error["param"].startswith("structured_outputs.json"), error
+    assert plain_server.http.get("/health").status_code == 200
 
 
 def test_uncarryable_walks_any_depth_without_recursion() -> None:

@@ -1,6 +1,8 @@
 """The served OpenAPI document describes every route's bodies, the plugin fields and the
-errors; the schema pages are served (JSON and Swagger UI only) and, under ``--api-key``,
-need the key. Built with Litestar's test client and no engine (start-up never runs)."""
+errors, and states the rules the server checks beyond the types (``openapi_rules``); it is
+a valid OpenAPI 3.1 document (openapi-spec-validator); the schema pages are served (JSON
+and Swagger UI only) and, under ``--api-key``, need the key. Built with Litestar's test
+client and no engine (start-up never runs)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ from litestar.testing import TestClient
 
 from freetoken_core.config import EngineConfig
 from freetoken_core.plugins import PluginManager
+from freetoken_core.processors import ModelInfo
 from freetoken_core.server import protocol as p
 from freetoken_core.server.app import ServerConfig, create_app
 from freetoken_core.server.openapi import ROUTES
+from freetoken_core.server.openapi_rules import CHECKS, add_model_rules
 
 KEY = "sesame"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -99,7 +103,12 @@ def test_plugin_fields_are_properties_naming_their_plugin(doc: dict[str, Any]) -
             if route not in classes[plugin].routes:  # suffix: completions only
                 assert field not in schema["properties"], (name, field)
                 continue
-            assert f"`{plugin}`" in schema["properties"][field]["description"], (name, field)
+            prop = schema["properties"][field]
+            assert f"`{plugin}`" in prop["description"], (name, field)
+            assert prop[CHECKS] == [f"validated by the plugin `{plugin}`"]
+            assert "docs/openai_api.md" not in prop["description"]
+            for rule in classes[plugin].request_rules:
+                assert rule in schema["allOf"], (name, plugin)
         for field in p.IGNORED_FIELDS:
             assert field in schema["properties"]
         # Any other field is a 400 naming it, so the schema is closed.
@@ -162,3 +171,101 @@ def test_schema_pages_need_the_api_key(page: str) -> None:
         assert r.json()["error"]["code"] == "invalid_api_key"
     r = c.get(page, headers=AUTH)
     assert r.status_code == (404 if page == "/schema/redoc" else 200)
+
+
+def test_the_document_is_valid_openapi(doc: dict[str, Any]) -> None:
+    from openapi_spec_validator import validate
+
+    validate(doc)
+    validate(document(api_key=KEY))
+    validate(document(plugins="none"))
+
+
+def test_a_plugin_field_carries_the_plugin_s_own_text(doc: dict[str, Any]) -> None:
+    props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    # The docstring under the attribute in the plugin's Fields.
+    assert props["parallel_tool_calls"]["description"].startswith(
+        "false: at most one call (guaranteed under required).")
+    assert "disable_additional_properties" in props["structured_outputs"]["description"]
+
+
+def validator(doc: dict[str, Any], name: str) -> Any:
+    """A JSON Schema validator of component ``name``, its references resolved."""
+    import jsonschema
+
+    schema = {**doc["components"]["schemas"][name], "components": doc["components"]}
+    return jsonschema.Draft202012Validator(schema)
+
+
+@pytest.mark.parametrize(("name", "body", "valid"), [
+    ("CompletionRequest", {"prompt": "x", "top_k": 0}, False),
+    ("CompletionRequest", {"prompt": "x", "top_k": -1}, True),
+    ("CompletionRequest", {"prompt": "x", "top_k": -2}, False),
+    ("CompletionRequest", {"prompt": ""}, False),
+    ("CompletionRequest", {"prompt": []}, False),
+    ("CompletionRequest", {"prompt": [[]]}, False),
+    ("CompletionRequest", {"prompt": [[1, 2], [3]]}, True),
+    ("CompletionRequest", {"prompt": "x", "stream_options": {"include_usage": True}}, False),
+    ("CompletionRequest", {"prompt": "x", "stream": True,
+                           "stream_options": {"include_usage": True}}, True),
+    ("CompletionRequest", {"prompt": "x", "stream": True, "prompt_logprobs": 1}, False),
+    ("CompletionRequest", {"prompt": "x", "top_logprobs": 2}, False),
+    ("CompletionRequest", {"prompt": "x", "best_of": 2}, False),
+    ("CompletionRequest", {"prompt": "x", "stop": [""] * 65}, False),
+    ("CompletionRequest", {"prompt": "x", "cache_salt": ""}, False),
+    ("CompletionRequest", {"prompt": "x", "response_format": {"type": "json_object"},
+                           "structured_outputs": {"regex": "a"}}, False),
+    ("CompletionRequest", {"prompt": "x", "response_format": {"type": "text"},
+                           "structured_outputs": {"regex": "a"}}, True),
+    ("CompletionRequest", {"prompt": "x", "response_format": {"type": "json_schema"}}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}],
+                               "top_logprobs": 2}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}],
+                               "top_logprobs": 2, "logprobs": True}, True),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}],
+                               "tool_choice": "required"}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}],
+                               "tool_choice": "none"}, True),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+     False),
+    ("ChatCompletionRequest", {"messages": [{"role": "assistant", "content": "x"}],
+                               "continue_final_message": True}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "assistant", "content": "x"}],
+                               "continue_final_message": True, "add_generation_prompt": False},
+     True),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}],
+                               "chat_template_kwargs": {"tokenize": True}}, False),
+    ("TokenizeRequest", {}, False),
+    ("TokenizeRequest", {"prompt": "x", "messages": []}, False),
+    ("TokenizeRequest", {"prompt": "x"}, True),
+    ("DetokenizeRequest", {"tokens": [-1]}, False),
+])
+def test_the_server_s_rules_are_in_the_schemas(doc: dict[str, Any], name: str,
+                                               body: dict[str, Any], valid: bool) -> None:
+    assert validator(doc, name).is_valid(body) is valid
+
+
+def test_the_model_s_bounds_appear_once_it_has_loaded() -> None:
+    app = create_app(ServerConfig(EngineConfig(), "served/name"))
+    c = TestClient(app)
+    before = c.get("/schema/openapi.json").json()
+    assert "maximum" not in before["components"]["schemas"]["DetokenizeRequest"][
+        "properties"]["tokens"]["items"]
+    add_model_rules(app.openapi_schema.components.schemas, ModelInfo(100, frozenset({2}), 64))
+    after = c.get("/schema/openapi.json").json()  # rendered afresh
+    assert validator(after, "DetokenizeRequest").is_valid({"tokens": [99]})
+    assert not validator(after, "DetokenizeRequest").is_valid({"tokens": [100]})
+    completion = validator(after, "CompletionRequest")
+    assert not completion.is_valid({"prompt": [[100]]})
+    assert not completion.is_valid({"prompt": "x", "top_k": 101})
+    assert not completion.is_valid({"prompt": "x", "max_tokens": 64})
+    assert completion.is_valid({"prompt": [5], "top_k": 100, "max_tokens": 63})
+
+
+def test_event_streams_are_described_per_event(doc: dict[str, Any]) -> None:
+    for path, chunk in (("/v1/chat/completions", "ChatCompletionChunk"),
+                        ("/v1/completions", "CompletionResponse")):
+        stream = doc["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]
+        events = stream["schema"]["x-itemSchema"]["properties"]["data"]["oneOf"]
+        assert [e.get("contentSchema", {}).get("$ref", e.get("const")) for e in events] == [
+            f"#/components/schemas/{chunk}", "#/components/schemas/ErrorResponse", "[DONE]"]

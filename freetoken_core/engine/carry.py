@@ -4,10 +4,12 @@ A request reaches the engine as an ``AddRequest`` encoded with msgpack (``proces
 which carries integers in ``[-2**63, 2**64)`` only and nests only as deep as msgspec
 recurses. JSON has no such bounds: a JSON schema holding ``1e30`` written as an integer
 (``{"maximum": 100000000000000000000}``) decodes fine and then fails the encoding with an
-``OverflowError``. ``uncarryable`` finds such a value in what a client sent (the server
-refuses it with a 400 naming the field, before anything else looks at it) and
-``check_carryable`` encodes a validated request once more, so that nothing a request
-carries can make the send fail: whatever would, is a 400 naming the field.
+``OverflowError``. The server calls ``check_carryable`` on a validated request before it
+hands it to the engine client (after the plugins, which may normalise a value: a logit
+bias of 1e400 is clamped to 100): it encodes the request once, and when that fails,
+``uncarryable`` finds the value and the 400 names its path in the fields the client sent
+(``field[0].schema.properties...``) before those a plugin implied from them. Nothing a
+request carries can then make the send fail.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def check_carryable(params: SamplingParams) -> None:
     """Raise ``InvalidRequest`` naming the field when the ``AddRequest`` of a request with
     ``params`` (validated: ``params.fields`` set) cannot be encoded; the server calls it
     before it hands the request to the engine client, whose send then cannot fail on the
-    request's values."""
+    request's values. ``params.extra`` (the plugin fields as sent) orders the search."""
     try:
         _ENCODER.encode(add_request("", [], params))
     except (OverflowError, RecursionError, TypeError, ValueError) as exc:
@@ -74,7 +76,8 @@ def _locate(params: SamplingParams, exc: Exception) -> tuple[str | None, str]:
     values: dict[str, Any] = dict(params.core_fields())
     for fields in params.fields.values():
         values.update(msgspec.structs.asdict(fields))
-    for name, value in values.items():
+    sent = set(params.core_fields()) | set(params.extra)
+    for name, value in sorted(values.items(), key=lambda item: item[0] not in sent):
         try:
             _ENCODER.encode(value)
         except (OverflowError, RecursionError, TypeError, ValueError):

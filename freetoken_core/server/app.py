@@ -33,6 +33,7 @@ from freetoken_core.server.cors import is_preflight
 from freetoken_core.server.metrics import MEDIA_TYPE, ServerMetrics
 from freetoken_core.server.openai_routes import run_generation
 from freetoken_core.server.openapi import complete_document, openapi_config
+from freetoken_core.server.openapi_rules import add_model_rules
 from freetoken_core.server.serving import parse_body, render_chat
 from freetoken_core.server.state import ServerConfig, Serving, error_of
 
@@ -94,9 +95,14 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
     serving = Serving(config, client, metrics=metrics)
     tasks: set[asyncio.Task[None]] = set()
 
+    async def load() -> None:
+        await serving.load(fatal)
+        if serving.model_info is not None:  # the document states the model's bounds now
+            add_model_rules(app.openapi_schema.components.schemas, serving.model_info)
+
     async def startup() -> None:
         serving.client.start()
-        task = asyncio.create_task(serving.load(fatal))
+        task = asyncio.create_task(load())
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
@@ -225,5 +231,5 @@ def create_app(config: ServerConfig, client: EngineClient | None = None,
     )
     complete_document(app.openapi_schema, config.model_name,
                       PluginManager(config.engine.plugins).plugin_classes(),
-                      has_api_key=expected_auth is not None)
+                      has_api_key=expected_auth is not None, limits=config.limits)
     return app

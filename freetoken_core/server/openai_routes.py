@@ -17,6 +17,7 @@ import msgspec
 from litestar import Request
 from litestar.response import Stream
 
+from freetoken_core.engine.carry import check_carryable
 from freetoken_core.engine.output_processor import StopMatcher
 from freetoken_core.errors import FreeTokenError
 from freetoken_core.plugins import PluginManager
@@ -181,6 +182,7 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
         prompts = await pool.run(completion_prompts, body.prompt, rewrite,
                                  partial(pool.encode, tokenizer))
     await pool.run(check_fits, prompts, params, model_info, "messages" if chat else "prompt")
+    check_carryable(params)  # what the engine message cannot carry: a 400 naming where
     if params.prompt_logprobs is not None:
         limits.check_prompt_logprobs(
             sum(map(len, prompts)), params.n, params.prompt_logprobs,

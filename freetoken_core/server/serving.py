@@ -8,13 +8,13 @@ runs the engine requests).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jinja2
 import msgspec
 
-from freetoken_core.engine.carry import check_carryable, uncarryable
 from freetoken_core.engine.core import effective_max_tokens
 from freetoken_core.engine.generation_defaults import GenerationDefaults
 from freetoken_core.errors import InvalidRequest, param_of
@@ -49,6 +49,19 @@ def _out_of_range_field(body: bytes) -> str | None:
 _MESSAGE_KEYS = frozenset(ChatMessage.__struct_fields__)
 
 
+def _json_number(text: str) -> float | int:
+    """A JSON number with a fraction or an exponent: an ``int`` when it is integral (JSON
+    Schema's ``integer`` includes ``5.0`` and ``1e2``) and float64 holds it exactly (at most
+    2**53), else a ``float``; ``ValueError`` when no float64 holds it (``1e400``)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("a number out of range")
+    return int(value) if value.is_integer() and abs(value) <= 2**53 else value
+
+
+_DECODER = msgspec.json.Decoder(float_hook=_json_number)
+
+
 def message_extras(request: Any, raw: dict[str, Any]) -> list[dict[str, Any]]:
     """Per message of ``request`` (a chat or tokenize request decoded from ``raw``), the
     keys it carries beyond ``ChatMessage``'s (plugin message fields, still unchecked)."""
@@ -62,13 +75,15 @@ def message_extras(request: Any, raw: dict[str, Any]) -> list[dict[str, Any]]:
 def parse_body(body: bytes, cls: type[T]
                ) -> tuple[T, dict[str, Any], list[dict[str, Any]] | None]:
     """Decode ``body`` as ``cls``; return it, the fields ``cls`` does not declare (minus
-    ``IGNORED_FIELDS``), and the messages' own extra keys. Raises ``InvalidRequest`` for bad JSON, types or constraints,
+    ``IGNORED_FIELDS``), and the messages' own extra keys; an integral number written with a
+    fraction or an exponent (``5.0``, ``1e2``) counts as an integer, as in JSON Schema.
+    Raises ``InvalidRequest`` for bad JSON, types or constraints,
     including a number no float64 (or a 4,300-digit integer) holds, named by its field, and
     nesting deeper than the decoder recurses (about 1,000 levels). The third value holds,
     per chat message, its keys beyond ``ChatMessage``'s (plugin message fields, for
     ``render_chat``); ``None`` when no message has any, or ``cls`` has no messages."""
     try:
-        raw = msgspec.json.decode(body)
+        raw = _DECODER.decode(body)
     except msgspec.ValidationError:  # well-formed JSON, but a number out of range
         field = _out_of_range_field(body)
         raise InvalidRequest(field, f"{field or 'the request body'} holds a number out of "
@@ -142,15 +157,10 @@ def engine_prompt_logprobs(request: CompletionRequest | ChatCompletionRequest) -
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: dict[str, Any],
                     plugins: PluginManager, model: ModelInfo,
                     defaults: GenerationDefaults | None = None) -> SamplingParams:
-    """Validated ``SamplingParams``; undeclared fields go to the plugins (or a 400), and a
-    value the engine message cannot carry is a 400 naming where it is (``engine.carry``).
+    """Validated ``SamplingParams``; undeclared fields go to the plugins (or a 400).
     The sampling fields the request leaves unset (``None``, or absent) take the generation
     ``defaults`` first, then the route's own default (``max_tokens``)."""
     _refuse_unsupported(request)
-    for name, value in extra.items():  # what the engine message could not carry: a 400
-        found = uncarryable(value, name)
-        if found is not None:
-            raise InvalidRequest(found[0], f"{found[0]} {found[1]}")
     max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
                   else request.max_tokens)
     if isinstance(request, CompletionRequest):
@@ -172,7 +182,6 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, extra: d
     params = (defaults or GenerationDefaults()).apply(params, route, fallback)
     params.verify(model)
     plugins.validate(params, model, route)
-    check_carryable(params)
     return params
 
 
@@ -228,7 +237,7 @@ def chat_messages(messages: list[ChatMessage],
     return rendered
 
 
-_RESERVED_TEMPLATE_KWARGS = frozenset({
+RESERVED_TEMPLATE_KWARGS = frozenset({
     # Arguments of transformers' ``apply_chat_template`` / ``render_jinja_template``: they
     # change how the template is applied, not what it renders.
     "conversation", "conversations", "messages", "tokenize", "add_generation_prompt",
@@ -260,7 +269,7 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_p
     ``freetoken_chat_template`` hooks then adapt messages and variables for the template
     (``params``: the validated request; ``None`` on ``/tokenize``)."""
     kwargs = dict(chat_template_kwargs or {})
-    reserved = _RESERVED_TEMPLATE_KWARGS | (set(plugins.field_owners()) if plugins else set())
+    reserved = RESERVED_TEMPLATE_KWARGS | (set(plugins.field_owners()) if plugins else set())
     refused = sorted(reserved & kwargs.keys())
     if refused:
         raise InvalidRequest("chat_template_kwargs",

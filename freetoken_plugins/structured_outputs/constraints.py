@@ -235,6 +235,8 @@ def _schema_spec(schema: Any, param: str, max_chars: int) -> str:
         text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidRequest(param, f"{param} is not JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest(param, f"{param} is nested too deeply") from None
     return _limited(text, param, max_chars)
 
 

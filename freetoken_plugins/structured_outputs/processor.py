@@ -169,6 +169,27 @@ class StructuredOutputs(LogitsProcessor):
         any)."""
 
     stage = Stage.MASK
+    request_rules = (
+        {"not": {"required": ["response_format", "structured_outputs"],
+                 "properties": {"response_format": {
+                     "type": "object", "properties": {"type": {"not": {"const": "text"}}}},
+                     "structured_outputs": {"type": "object"}}},
+         "description": "response_format (other than text) and structured_outputs exclude "
+                        "each other"},
+        {"properties": {"response_format": {"anyOf": [{"type": "null"}, {
+            "type": "object", "required": ["type"],
+            "properties": {"type": {"enum": ["text", "json_object", "json_schema"]},
+                          "json_schema": {"type": "object", "required": ["name", "schema"],
+                                          "properties": {
+                                              "name": {"type": "string",
+                                                       "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                                              "schema": {"type": "object"},
+                                              "strict": {"type": ["boolean", "null"]},
+                                              "description": {"type": ["string", "null"]}}}},
+            "if": {"properties": {"type": {"const": "json_schema"}}},
+            "then": {"required": ["json_schema"]}}]}},
+         "description": "response_format's shape"},
+    )
 
     @classmethod
     def uses(cls, fields: Fields) -> bool:

@@ -297,6 +297,15 @@ class ToolCalls(Plugin):
     """tools / tool_choice / parallel_tool_calls: function calling, parsed per model family."""
 
     routes = frozenset({"chat"})
+    request_rules = (
+        {"if": {"required": ["tool_choice"],
+                "properties": {"tool_choice": {"not": {"enum": ["none", None]}}}},
+         "then": {"required": ["tools"], "properties": {"tools": {"minItems": 1}}},
+         "description": "tool_choice (other than none) needs tools"},
+        {"properties": {"functions": {"type": "null"}, "function_call": {"type": "null"}},
+         "description": "functions and function_call are refused: use tools and "
+                        "tool_choice"},
+    )
 
     class Fields(RequestFields):
         tools: list[Tool] | None = None
