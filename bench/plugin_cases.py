@@ -10,7 +10,8 @@ available (the Triton kernels), else the CPU (the torch path).
   share a benchmark group, so the table reads as a ratio; ``freetoken bench plugin NAME``
   prints the same three as ratios in one run.
 - ``processor_alone(benchmark, cls, params)``: just the processor's ``prepare_step`` +
-  ``apply`` + ``update`` on the same rows, the part of ``active`` that the plugin adds
+  ``apply`` + ``update`` on the same rows (and, for a processor that ``reads_history``,
+  the engine's append to the token history), the part of ``active`` that the plugin adds
   (``params``: its ``BENCH_PARAMS``, validated as the server validates them).
 """
 
@@ -28,6 +29,7 @@ from freetoken_core.bench import (
     build_plugin_bench,
     load_bench_model,
 )
+from freetoken_core.history import TokenHistory
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import LogitsProcessor, ProcessorContext, RequestView
 from freetoken_core.sampling_params import SamplingParams
@@ -62,12 +64,18 @@ def processor_alone(benchmark, cls: type[LogitsProcessor], bench_params: dict) -
     params = SamplingParams(**{**BASE_PARAMS, **bench_params})
     manager.validate(params, model)
     assert cls.name in params.fields, f"{bench_params} do not use {cls.__name__}"
+    # The engine's token history, for a processor that reads it; the step appends to it, as
+    # the pipeline does, so its cost counts as the plugin's.
+    history = (TokenHistory(SHAPE.batch, model.max_model_len, device) if cls.reads_history
+               else None)
     proc = cls(ProcessorContext(SHAPE.batch, model, device, source.tokenizer, manager.options,
-                                manager.hook))
+                                manager.hook, history))
     gen = torch.Generator().manual_seed(0)
     history = torch.randint(0, COMMON_IDS, (SHAPE.batch, SHAPE.history), generator=gen)
     for slot, tokens in enumerate(history.tolist()):
         view = RequestView(str(slot), 0, params.fields[cls.name], params, tokens, ())
+        if history is not None:
+            history.add(slot, tokens, ())
         future = proc.prepare_request(view)
         if future is not None:
             view = dataclasses.replace(view, prepared=future.result())
@@ -81,6 +89,8 @@ def processor_alone(benchmark, cls: type[LogitsProcessor], bench_params: dict) -
     def step() -> None:
         proc.prepare_step(slot_list)
         proc.apply(logits, slots)
+        if history is not None:
+            history.append(slots, sampled)
         proc.update(slots, sampled)
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -81,6 +81,7 @@ import msgspec
 import torch
 
 if TYPE_CHECKING:
+    from freetoken_core.history import TokenHistory
     from freetoken_core.sampling_params import SamplingParams
 
 
@@ -131,6 +132,10 @@ class ProcessorContext:
     hooks: Any = None
     """The plugin manager's hook caller (``pm.hook``): a processor may ask other plugins
     (``freetoken_answer_start``) without importing them. ``None`` in unit tests."""
+    history: TokenHistory | None = None
+    """Every slot's tokens (prompt + generated) on the device, kept by the engine when an
+    enabled processor sets ``reads_history`` (``freetoken_core.history``); ``None``
+    otherwise. ``freetoken_core.testing`` builds one for a processor under test."""
 
 
 @dataclass(frozen=True)
@@ -308,12 +313,23 @@ class LogitsProcessor(Plugin):
 
     stage: ClassVar[Stage] = Stage.PRE_TEMPERATURE
     argmax_invariant: ClassVar[bool] = False
+    reads_history: ClassVar[bool] = False
+    """``True``: the processor reads ``self.history`` (each slot's tokens on the device),
+    so the engine keeps it for the slots of the requests that use the processor."""
 
     def __init__(self, ctx: ProcessorContext) -> None:
+        """Raises ``ValueError`` when the class ``reads_history`` and ``ctx`` has none."""
         self.ctx = ctx
         self.max_num_slots = ctx.max_num_slots
         self.model = ctx.model
         self.device = ctx.device
+        if self.reads_history and ctx.history is None:
+            raise ValueError(f"{type(self).__name__} reads the token history, which this "
+                             "ProcessorContext lacks (build processors with a "
+                             "ProcessorPipeline or freetoken_core.testing.Harness)")
+        self.history: TokenHistory = ctx.history  # type: ignore[assignment]
+        """Each slot's tokens (``reads_history``); ``None`` for a processor that does not
+        read them and was built without one."""
 
     def prepare_request(self, request: RequestView) -> Future[Any] | None:
         return None

@@ -16,12 +16,13 @@ CORE = ROOT / "freetoken_core"
 # Lowest first; a module may import its own layer and the layers below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "faults", "config", "tokenizer", "affinity", "hugepages")),
-    ("contract", ("sampling_params", "processors", "hookspecs", "plugins", "outputs")),
+    ("contract", ("sampling_params", "processors", "hookspecs", "plugins", "outputs",
+                  "history")),
     ("kernels", ("kernels",)),
     ("models", ("models",)),
     ("engine", ("engine",)),
     ("server", ("server",)),
-    ("entry", ("llm", "cli", "bench", "__init__")),
+    ("entry", ("llm", "cli", "bench", "testing", "__init__")),
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -15,8 +16,10 @@ from kernel_checks import assert_kernel_is_lazy_and_compiles
 from freetoken_core import LLM, InvalidRequest, SamplingParams
 from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.sequence import Sequence
+from freetoken_core.history import TokenHistory
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo, ProcessorContext, RequestView
+from freetoken_core.testing import check_processor
 from freetoken_plugins import penalties
 from freetoken_plugins.penalties import (
     FIELDS,
@@ -62,13 +65,29 @@ def validated(request: SamplingParams, model: ModelInfo | None = None) -> Sampli
 
 
 def make(num_slots: int, model: ModelInfo, device: torch.device | str = CPU) -> Penalties:
-    return Penalties(ProcessorContext(num_slots, model, torch.device(device)))
+    """The processor with a token history of its own (the engine shares one: see the
+    pipeline test below); ``add`` and ``draw`` keep it as the engine does."""
+    history = TokenHistory(num_slots, model.max_model_len, torch.device(device))
+    return Penalties(ProcessorContext(num_slots, model, torch.device(device), history=history))
 
 
 def add(proc: Penalties, slot: int, penalty_fields: Penalties.Fields, prompt: list[int],
         output: list[int]) -> None:
+    proc.history.add(slot, prompt, output)  # the engine fills the history first
     proc.add_request(slot, RequestView(str(slot), 0, penalty_fields, SamplingParams(),
                                        prompt, output))
+
+
+def remove(proc: Penalties, slot: int) -> None:
+    proc.remove_request(slot)
+    proc.history.remove(slot)
+
+
+def draw(update: Callable[..., None], slots: torch.Tensor, sampled: torch.Tensor,
+         **update_options: int) -> None:
+    """One step's tokens, in the engine's order: appended to the history, then ``update``."""
+    update.__self__.history.append(slots, sampled)
+    update(slots, sampled, **update_options)
 
 
 def reference(logits: torch.Tensor, rows: list[tuple | None]) -> torch.Tensor:
@@ -132,9 +151,9 @@ def add_rows(proc: Penalties, slots: list[int], rows: list[tuple | None], *,
         # output is over draw a token that must not count (their slot is "done": remove).
         batch = [(s, r[1][step]) for s, r in zip(slots, rows) if r and step < len(r[1])]
         batch += [(s, 7) for s, r in zip(slots, rows) if r is None]
-        getattr(proc, f"update_{path}")(torch.tensor([b[0] for b in batch], device=proc.device),
-                                        torch.tensor([b[1] for b in batch], device=proc.device),
-                                        **update_options)
+        draw(getattr(proc, f"update_{path}"),
+             torch.tensor([b[0] for b in batch], device=proc.device),
+             torch.tensor([b[1] for b in batch], device=proc.device), **update_options)
 
 
 # -- validation --------------------------------------------------------------------------
@@ -246,13 +265,12 @@ def test_presence_and_frequency_count_generated_tokens_only() -> None:
 def test_state_size_and_count_dtype() -> None:
     big = make(256, ModelInfo(151_936, frozenset({2}), 32_768))
     assert big.capacity == 32_768 and big.counts.dtype == torch.int16
-    assert big.state_bytes == 256 * 32_768 * (4 + 2) + 17 * 256
-    assert big.state_bytes < 120e6
+    assert big.state_bytes == 256 * 32_768 * 2 + 13 * 256  # counts, is_active, penalties
+    assert big.history.state_bytes == 256 * 32_768 * 4 + 3 * 8 * 256  # shared, not its own
+    assert big.state_bytes + big.history.state_bytes < 120e6
     del big
     long_ctx = make(2, ModelInfo(50_000, frozenset({2}), 40_000))
     assert long_ctx.capacity == 40_000 and long_ctx.counts.dtype == torch.int32
-    short_vocab = make(2, ModelInfo(100, frozenset({2}), 40_000))
-    assert short_vocab.capacity == 100  # never more distinct tokens than the vocabulary
 
 
 # -- Triton kernels (on CUDA, or the CPU through TRITON_INTERPRET=1) -----------------------
@@ -271,8 +289,8 @@ def test_triton_apply_matches_torch_path(kernel_device: torch.device) -> None:
         on_device = torch.tensor(slots, device=kernel_device)
         proc.apply_torch(by_torch, on_device)
         penalties.penalties_apply_triton(
-            by_triton, on_device, proc.token_ids, proc.counts, proc.num_tokens,
-            proc.penalties, proc.width, block=block)
+            by_triton, on_device, proc.history.token_ids, proc.history.lengths, proc.counts,
+            proc.is_active, proc.penalties, proc.width, block=block)
         assert torch.equal(by_triton, by_torch)
         assert torch.equal(by_triton.cpu(), reference(logits, rows))
 
@@ -284,15 +302,14 @@ def test_triton_update_matches_torch_update(block: int, kernel_device: torch.dev
     a, b = make(6, model_info(64)), make(6, model_info(64), kernel_device)
     add_rows(a, slots, rows, incremental=True)
     add_rows(b, slots, rows, incremental=True, path="triton", block=block)
-    assert torch.equal(a.num_tokens, b.num_tokens.cpu())
+    assert torch.equal(a.history.lengths, b.history.lengths.cpu())
     for slot, row in zip(slots, rows):  # tokens drawn by rows that do not use it: ignored
-        expected = 0 if row is None else len(set(row[0]) | set(row[1]))
-        assert int(a.num_tokens[slot]) == expected
-    assert int(a.num_tokens.max()) <= a.width == b.width <= a.capacity
-    for slot in range(6):
-        n = int(a.num_tokens[slot])
-        assert torch.equal(a.token_ids[slot, :n], b.token_ids[slot, :n].cpu())
+        n = 0 if row is None else len(row[0]) + len(row[1])
+        assert int(a.history.lengths[slot]) == n
+        distinct = 0 if row is None else len(set(row[0]) | set(row[1]))
+        assert int((a.counts[slot, :n] >= 0).sum()) == distinct  # one first position each
         assert torch.equal(a.counts[slot, :n], b.counts[slot, :n].cpu())
+    assert int(a.history.lengths.max()) <= a.width == b.width <= a.capacity
     logits = random_logits(gen, 4, 64)
     out = logits.to(kernel_device, copy=True)
     b.apply_triton(out, torch.tensor(slots, device=kernel_device))
@@ -300,8 +317,9 @@ def test_triton_update_matches_torch_update(block: int, kernel_device: torch.dev
 
 
 APPLY_SIGNATURE = {"logits_ptr": "*fp32", "row_stride": "i32", "slots_ptr": "*i64",
-                   "token_ids_ptr": "*i32", "counts_ptr": "*i16", "num_tokens_ptr": "*i32",
-                   "penalties_ptr": "*fp32", "capacity": "i32", "BLOCK": "constexpr"}
+                   "token_ids_ptr": "*i32", "lengths_ptr": "*i64", "counts_ptr": "*i16",
+                   "is_active_ptr": "*i1", "penalties_ptr": "*fp32", "capacity": "i32",
+                   "BLOCK": "constexpr"}
 
 
 @pytest.mark.gpu
@@ -317,7 +335,7 @@ def test_rows_of_other_slots_are_untouched(path: str, kernel_device: torch.devic
     proc = make(4, model_info(32), kernel_device)
     add(proc, 1, fields(2.0, 1.0, 1.0), list(range(32)), list(range(32)))
     add(proc, 2, fields(2.0, 1.0, 1.0), list(range(32)), [5, 6])
-    proc.remove_request(2)  # stale tokens stay in its list; they must not be applied
+    remove(proc, 2)  # stale tokens stay in its history row; they must not be applied
     logits = torch.randn(3, 32, generator=torch.Generator().manual_seed(4))
     logits[:, 0] = float("-inf")
     out = logits.to(kernel_device, copy=True)
@@ -335,11 +353,11 @@ def test_slot_reuse_after_remove_forgets_the_old_request(path: str,
     update = getattr(proc, f"update_{path}")
     one = torch.tensor([1], device=kernel_device)
     add(proc, 1, fields(1.8, 1.5, 0.7), [1, 2, 3, 4, 9, 9], [9, 9, 12, 13])
-    update(one, torch.tensor([20], device=kernel_device))
-    proc.remove_request(1)
-    update(one, torch.tensor([21], device=kernel_device))  # slot unused now
+    draw(update, one, torch.tensor([20], device=kernel_device))
+    remove(proc, 1)
+    draw(update, one, torch.tensor([21], device=kernel_device))  # slot unused now
     add(proc, 1, fields(pres=0.3), [30, 31], [31])
-    update(one, torch.tensor([32], device=kernel_device))
+    draw(update, one, torch.tensor([32], device=kernel_device))
     logits = torch.randn(1, 40, generator=gen)
     out = logits.to(kernel_device, copy=True)
     getattr(proc, f"apply_{path}")(out, one)
@@ -350,16 +368,31 @@ def test_preempted_request_comes_back_with_its_outputs() -> None:
     proc = make(2, model_info(20))
     add(proc, 0, fields(1.5, 0.5, 0.5), [1, 2], [])
     for token in (3, 3, 2):
-        proc.update(torch.tensor([0]), torch.tensor([token]))
+        draw(proc.update, torch.tensor([0]), torch.tensor([token]))
     logits = torch.randn(1, 20, generator=torch.Generator().manual_seed(6))
     before = logits.clone()
     proc.apply(before, torch.tensor([0]))
-    proc.remove_request(0)  # preempted
+    remove(proc, 0)  # preempted
     add(proc, 0, fields(1.5, 0.5, 0.5), [1, 2], [3, 3, 2])  # resumed
     after = logits.clone()
     proc.apply(after, torch.tensor([0]))
     assert torch.equal(before, after)
     assert torch.equal(after, reference(logits, [([1, 2], [3, 3, 2], 1.5, 0.5, 0.5)]))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_batched_schedule_matches_the_reference(seed: int) -> None:
+    """freetoken_core.testing: mixed rows, rows without penalties, slot reuse, preemption and
+    resume, through the engine's pipeline and token history."""
+    def row(sent: dict) -> Callable[[list[int], list[int], torch.Tensor], torch.Tensor]:
+        rep, pres, freq = (sent.get(f, penalties.NEUTRAL[f]) for f in FIELDS)
+        return lambda prompt, output, logits: reference(
+            logits.unsqueeze(0), [(prompt, output, rep, pres, freq)])[0]
+
+    report = check_processor("penalties", [{REPETITION: 1.5}, {PRESENCE: 0.7, FREQUENCY: 0.3},
+                                           {REPETITION: 0.8, FREQUENCY: -0.5, PRESENCE: -1.0}],
+                             row, seed=seed)
+    assert report.rows_changed == report.rows_checked  # every row has a history to penalise
 
 
 def test_pipeline_runs_it_only_for_using_requests() -> None:

@@ -13,10 +13,16 @@ caller fails that request; the slot is left clean); an exception in ``prepare_st
 ``apply``, ``update`` or ``accept_tokens`` marks every slot the processor serves as
 failed, and the other processors go on. ``take_failures()`` hands those slots to the
 engine after the step.
+
+When a processor ``reads_history``, the pipeline keeps the ``TokenHistory`` that every
+processor gets in its context: a slot is added to it before the processors'
+``add_request`` (for a request that uses a reader), removed after their
+``remove_request``, and each step's tokens are appended before their ``update``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence as SequenceABC
 from concurrent.futures import Future
@@ -27,6 +33,7 @@ import torch
 
 from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.faults import RequestError, plugin_failure
+from freetoken_core.history import TokenHistory
 from freetoken_core.processors import (
     LogitsProcessor,
     ProcessorContext,
@@ -53,7 +60,13 @@ class ProcessorPipeline:
         for cls in classes:
             check_plugin_class(cls)
         ordered = sorted(classes, key=lambda c: (c.stage, c.name))
+        # One history for every processor that reads it, only when one does.
+        self.history = (TokenHistory(ctx.max_num_slots, ctx.model.max_model_len, ctx.device)
+                        if any(c.reads_history for c in ordered) else None)
+        if self.history is not None:
+            ctx = dataclasses.replace(ctx, history=self.history)
         self.processors = [cls(ctx) for cls in ordered]
+        self._readers = {p.name for p in self.processors if p.reads_history}
         self._slots: list[set[int]] = [set() for _ in self.processors]
         self._host_prepare = [has_method(type(p), "prepare_step") for p in self.processors]
         self._host_accept = [has_method(type(p), "accept_tokens") for p in self.processors]
@@ -90,6 +103,8 @@ class ProcessorPipeline:
         the ones already built are removed again and ``RequestError`` names the plugin."""
         fields = seq.params.fields
         prompt = seq.token_ids[:seq.num_prompt_tokens]
+        if self.history is not None and not self._readers.isdisjoint(fields):
+            self.history.add(slot, prompt, seq.output_token_ids)
         for proc, slots in zip(self.processors, self._slots):
             if proc.name not in fields:
                 continue
@@ -116,6 +131,8 @@ class ProcessorPipeline:
                 except Exception as exc:  # a plugin bug; logged, then ignored
                     log.error("processor %s failed in remove_request", proc.name,
                               exc_info=exc)
+        if self.history is not None:
+            self.history.remove(slot)
         self._failures.pop(slot, None)
 
     # -- per step --------------------------------------------------------------------
@@ -159,6 +176,11 @@ class ProcessorPipeline:
                 self._fail(proc, used, "apply", exc)
 
     def update(self, slots: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Append the drawn tokens to the history, then each used processor's ``update``;
+        ``slots`` and ``sampled`` cover every row that drew (rows of slots a processor never
+        saw included)."""
+        if self.history is not None:
+            self.history.append(slots, sampled)
         for proc, used in zip(self.processors, self._slots):
             if used:
                 try:
