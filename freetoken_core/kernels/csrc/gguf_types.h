@@ -182,15 +182,6 @@ inline __m256i nibbles(const uint8_t* p) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
 }
 
-// Bit i of the 32 bits at p as byte i: 0xFF where set, else 0 (ggml's bytes_from_bits_32).
-inline __m256i bit_bytes(const uint8_t* p) {
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int>(load_u32(p))),
-      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-  return _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
-                           _mm256_set1_epi64x(-1));
-}
-
 // 32 bytes, as int8 (I8) or uint8, to 32 floats (exact).
 template <bool I8>
 inline void bytes_to_floats(__m256i b, vf w[kVecs]) {
@@ -205,6 +196,54 @@ inline void bytes_to_floats(__m256i b, vf w[kVecs]) {
     w[v] = _mm256_cvtepi32_ps(I8 ? _mm256_cvtepi8_epi32(parts[v]) : _mm256_cvtepu8_epi32(parts[v]));
 #endif
 }
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__))
+// AVX2: 32 int8 to 32 floats through memory, one store and four widening loads, where
+// bytes_to_floats splits the register with three more shuffles. Faster for IQ4's looked-up
+// levels (one row of a 1B block's IQ4_XS linears 6.5 -> 5.7 ms, paired, Zen 3), slower for
+// the K-quants' longer unrolled decoders (Q4_K 5.8 -> 6.6), which keep bytes_to_floats.
+inline void int8_to_floats_via_memory(__m256i b, vf w[kVecs]) {
+  alignas(32) int8_t tmp[32];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), b);
+  for (int v = 0; v < 4; ++v)
+    w[v] = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tmp + 8 * v))));
+}
+
+// AVX2: the 32 nibbles of the 16 bytes at p (low nibbles are weights 0-15, high 16-31) as
+// 32-bit lanes, q[v] holding weights 8v..8v+7: two widening loads (the only shuffle-pipe
+// uops), then masks and shifts.
+inline void nibble_lanes(const uint8_t* p, __m256i q[4]) {
+  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b1 =
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  const __m256i low4 = _mm256_set1_epi32(15);
+  q[0] = _mm256_and_si256(b0, low4);
+  q[1] = _mm256_and_si256(b1, low4);
+  q[2] = _mm256_srli_epi32(b0, 4);
+  q[3] = _mm256_srli_epi32(b1, 4);
+}
+// Q5_0 / Q5_1: where bit j of the 32 bits at qh is set, 16 added to weight j's lane in
+// nibble_lanes' order (a mask and a comparison a vector: no shifts, which Zen 3 runs on one
+// pipe only); kMinus16 (Q5_0's q - 16): 16 taken from the lanes whose bit is clear instead.
+template <bool kMinus16>
+inline void fifth_bits(const uint8_t* qh, __m256i q[4]) {
+  alignas(32) static constexpr int32_t kBits[4][8] = {
+      {1 << 0, 1 << 1, 1 << 2, 1 << 3, 1 << 4, 1 << 5, 1 << 6, 1 << 7},
+      {1 << 8, 1 << 9, 1 << 10, 1 << 11, 1 << 12, 1 << 13, 1 << 14, 1 << 15},
+      {1 << 16, 1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 21, 1 << 22, 1 << 23},
+      {1 << 24, 1 << 25, 1 << 26, 1 << 27, 1 << 28, 1 << 29, 1 << 30,
+       static_cast<int32_t>(1u << 31)}};
+  const __m256i hv = _mm256_set1_epi32(static_cast<int>(load_u32(qh)));
+  const __m256i add = _mm256_set1_epi32(kMinus16 ? -16 : 16);
+  for (int v = 0; v < 4; ++v) {
+    const __m256i bit = _mm256_load_si256(reinterpret_cast<const __m256i*>(kBits[v]));
+    const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(hv, bit), bit);
+    q[v] = _mm256_add_epi32(
+        q[v], kMinus16 ? _mm256_andnot_si256(set, add) : _mm256_and_si256(set, add));
+  }
+}
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // Lane L of x in every lane.
@@ -367,8 +406,10 @@ struct Type<Q4_0> {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     lookup16(unit + 2, vmul(d, iota(-8)), w);  // the products d * (i - 8)
 #else
-    bytes_to_floats<true>(_mm256_sub_epi8(nibbles(unit + 2), bytes(8)), w);
-    for (int v = 0; v < 4; ++v) w[v] = vmul(d, w[v]);
+    __m256i q[4];
+    nibble_lanes(unit + 2, q);
+    for (int v = 0; v < 4; ++v)
+      w[v] = vmul(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[v], _mm256_set1_epi32(8))));
 #endif
   }
 #endif
@@ -396,8 +437,9 @@ struct Type<Q4_1> {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     lookup16(unit + 4, vfmadd(d, iota(0), m), w);
 #else
-    bytes_to_floats<false>(nibbles(unit + 4), w);
-    for (int v = 0; v < 4; ++v) w[v] = vfmadd(d, w[v], m);
+    __m256i q[4];
+    nibble_lanes(unit + 4, q);
+    for (int v = 0; v < 4; ++v) w[v] = vfmadd(d, _mm256_cvtepi32_ps(q[v]), m);
 #endif
   }
 #endif
@@ -431,11 +473,10 @@ struct Type<Q5_0> {
     const vf lo = vmul(d, iota(-16)), hi = vmul(d, iota(0));
     for (int v = 0; v < 2; ++v) w[v] = _mm512_permutex2var_ps(lo, idx[v], hi);
 #else
-    // q - 16 as int8: the nibble where the bit is set, else the nibble | 0xF0 (nibble - 16).
-    bytes_to_floats<true>(
-        _mm256_or_si256(nibbles(unit + 6), _mm256_andnot_si256(bit_bytes(unit + 2), bytes(0xF0))),
-        w);
-    for (int v = 0; v < 4; ++v) w[v] = vmul(d, w[v]);
+    __m256i q[4];
+    nibble_lanes(unit + 6, q);
+    fifth_bits<true>(unit + 2, q);
+    for (int v = 0; v < 4; ++v) w[v] = vmul(d, _mm256_cvtepi32_ps(q[v]));
 #endif
   }
 #endif
@@ -469,10 +510,10 @@ struct Type<Q5_1> {
     const vf lo = vfmadd(d, iota(0), m), hi = vfmadd(d, iota(16), m);
     for (int v = 0; v < 2; ++v) w[v] = _mm512_permutex2var_ps(lo, idx[v], hi);
 #else
-    bytes_to_floats<false>(_mm256_or_si256(nibbles(unit + 8),
-                                           _mm256_and_si256(bit_bytes(unit + 4), bytes(16))),
-                           w);
-    for (int v = 0; v < 4; ++v) w[v] = vfmadd(d, w[v], m);
+    __m256i q[4];
+    nibble_lanes(unit + 8, q);
+    fifth_bits<false>(unit + 4, q);
+    for (int v = 0; v < 4; ++v) w[v] = vfmadd(d, _mm256_cvtepi32_ps(q[v]), m);
 #endif
   }
 #endif
@@ -730,7 +771,7 @@ struct Type<IQ4_NL> {
 #else
     const __m256i table = _mm256_broadcastsi128_si256(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
-    bytes_to_floats<true>(_mm256_shuffle_epi8(table, nibbles(qs)), w);
+    int8_to_floats_via_memory(_mm256_shuffle_epi8(table, nibbles(qs)), w);
     for (int v = 0; v < 4; ++v) w[v] = vmul(d, w[v]);
 #endif
   }
