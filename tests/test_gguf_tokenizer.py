@@ -16,9 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gguf_tokenizer_cases import FIXTURE, special_texts, texts, vocabularies, write_tokenizer_gguf
+from gguf_tokenizer_cases import (
+    FIXTURE,
+    GPL3,
+    special_texts,
+    texts,
+    vocabularies,
+    write_tokenizer_gguf,
+)
 
 from freetoken_core.models.gguf_metadata import open_header
+from freetoken_core.models.gguf_pretokenizers import PRE_TOKENIZERS
 from freetoken_core.models.gguf_tokenizer import (
     BYTE,
     CONTROL,
@@ -177,3 +185,22 @@ def test_unknown_pre_type_warns_and_splits_as_default(
     expected = fixture()["cases"]["bpe-default"]
     for key, text in expected["texts"].items():
         assert tokenizer.encode(text).ids == expected["ids"][key], key
+
+
+@pytest.mark.parametrize("pre", sorted({p.fused: n for n, p in PRE_TOKENIZERS.items() if p.fused}.values()))
+def test_fused_regex_cuts_as_llama_cpp_regexes(pre: str) -> None:
+    """A type's one fused regex cuts text exactly as llama.cpp's list run one by one."""
+    from tokenizers import Regex, pre_tokenizers
+
+    spec = PRE_TOKENIZERS[pre]
+
+    def pieces(regexes: tuple[str, ...], text: str) -> list[str]:
+        split = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), "isolated")
+                                         for r in regexes])
+        return [piece for piece, _ in split.pre_tokenize_str(text)]
+
+    samples = [t for c in fixture()["cases"].values() for t in c["texts"].values()]
+    samples += [GPL3.read_text(encoding="utf-8"), "a  1 \t 2\n\n  0. x1y 2 z  \n3", " 1", "1 "]
+    for text in samples:
+        assert pieces(spec.steps, text) == pieces(spec.regexes, text), text[:40]
+    assert spec.steps != spec.regexes

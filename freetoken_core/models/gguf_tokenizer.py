@@ -180,7 +180,7 @@ def _bpe_model(vocab: GGUFVocab) -> Any:
 def _set_bpe_steps(tokenizer: Any, pre: PreTokenizer) -> None:
     from tokenizers import Regex, decoders, pre_tokenizers
 
-    steps = [pre_tokenizers.Split(Regex(regex), "isolated") for regex in pre.regexes]
+    steps = [pre_tokenizers.Split(Regex(regex), "isolated") for regex in pre.steps]
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tokenizer.decoder = decoders.ByteLevel()
