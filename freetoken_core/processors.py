@@ -25,7 +25,7 @@ A plugin ships one class, named by its entry point in the ``freetoken.plugins`` 
   sent one of them too gets a 400.
 - ``validate(fields, model, params)``: the checks a type cannot say (a token id within
   the vocabulary, a bound that depends on ``max_tokens``); raise ``InvalidRequest`` naming
-  the field, or return the fields to keep (normalised). ``params`` is the request being
+  the field, else return the fields to keep (the same object or a normalised copy). ``params`` is the request being
   validated: core fields checked, ``params.extra`` every plugin field as sent. The core calls it once, in the process that accepts the request; the
   engine receives the validated fields as a typed message and does not call it again.
 - hooks: static or class methods named ``freetoken_*`` and marked ``@hookimpl``
@@ -42,19 +42,27 @@ never does row bookkeeping. One instance per engine, built with a ``ProcessorCon
   request waits, without holding up the others, until it resolves, and its result is
   ``request.prepared`` in ``add_request``. An exception from the future fails the request
   (``InvalidRequest``: a 400 naming its field).
+- ``reads_history`` (class attribute): ``True`` when the processor reads ``self.history``,
+  the engine's ``TokenHistory`` of every slot's prompt + generated tokens on the device
+  (``freetoken_core.history``); the engine then keeps it for the slots of the requests
+  that use the processor, writes it (a slot before ``add_request``, each step's tokens
+  before ``update``) and no processor keeps a copy of its own.
 - ``add_request(slot, request)``: build the slot's state once (``request`` is a
   ``RequestView``: this plugin's typed ``fields``, the core ``params``, the prompt and the
   tokens drawn so far, which are not empty when a preempted sequence comes back).
 - ``remove_request(slot)``: forget the slot (it may be reused for another request).
 - ``prepare_step(slots)`` (optional, host): per-step host work, called after the model
   step was launched and before the logits are needed, so a device that runs
-  asynchronously overlaps the two (a grammar's token mask). ``slots[i]`` is the slot of
-  logits row ``i`` (rows of requests that do not use the processor included).
+  asynchronously overlaps the two (a grammar's token mask). ``slots`` is a ``list[int]``:
+  ``slots[i]`` is the slot of logits row ``i`` (rows of requests that do not use the
+  processor included).
 - ``apply(logits, slots)``: change the float32 ``logits`` [rows, vocab] in place for all
   rows at once; row ``i`` belongs to ``slots[i]``. Rows of slots that do not use the
   processor must come out unchanged.
 - ``update(slots, sampled)`` (optional, device): fold the step's sampled tokens into the
-  device state; 1-D long tensors of the rows that drew a token. No device-to-host sync.
+  device state; 1-D long tensors of the rows that drew a token, **slots the processor was
+  never given included** (mask by its own per-slot state). The token history already
+  ends with them. No device-to-host sync.
 - ``accept_tokens(slots, token_ids)`` (optional, host): the same step's tokens as Python
   ints, for host-side state (a grammar matcher). Return the slots whose request must end
   now (``finish_reason`` ``"stop"``), or ``None``.
@@ -318,7 +326,6 @@ class LogitsProcessor(Plugin):
     so the engine keeps it for the slots of the requests that use the processor."""
 
     def __init__(self, ctx: ProcessorContext) -> None:
-        """Raises ``ValueError`` when the class ``reads_history`` and ``ctx`` has none."""
         self.ctx = ctx
         self.max_num_slots = ctx.max_num_slots
         self.model = ctx.model
@@ -327,9 +334,7 @@ class LogitsProcessor(Plugin):
             raise ValueError(f"{type(self).__name__} reads the token history, which this "
                              "ProcessorContext lacks (build processors with a "
                              "ProcessorPipeline or freetoken_core.testing.Harness)")
-        self.history: TokenHistory = ctx.history  # type: ignore[assignment]
-        """Each slot's tokens (``reads_history``); ``None`` for a processor that does not
-        read them and was built without one."""
+        self.history: TokenHistory = ctx.history  # type: ignore[assignment] (None: unread)
 
     def prepare_request(self, request: RequestView) -> Future[Any] | None:
         return None
@@ -341,13 +346,16 @@ class LogitsProcessor(Plugin):
         raise NotImplementedError
 
     def prepare_step(self, slots: list[int]) -> None:
-        """Host-side work before ``apply``; most processors have none."""
+        """Host-side work before ``apply``; ``slots[i]`` is row ``i``'s slot (every row).
+        Most processors have none."""
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
         raise NotImplementedError
 
     def update(self, slots: torch.Tensor, sampled: torch.Tensor) -> None:
-        """Most processors keep no per-step device state; the default does nothing."""
+        """Fold the drawn tokens in; ``slots`` covers every row that drew, slots never
+        given to this processor included. Most processors keep no per-step device state
+        (the token history is the engine's); the default does nothing."""
 
     def accept_tokens(self, slots: list[int], token_ids: list[int]) -> Iterable[int] | None:
         """Host-side per-step state; most processors have none."""

@@ -25,7 +25,8 @@ from pip_packages import pip_installed
 from freetoken_core import LLM, InvalidRequest, SamplingParams
 from freetoken_core.bench import BenchShape, build_plugin_bench
 from freetoken_core.plugins import PluginManager
-from freetoken_core.processors import ModelInfo, ProcessorContext, RequestView
+from freetoken_core.processors import ModelInfo
+from freetoken_core.testing import Harness
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "freetoken-ban-sequences"
 DISTRIBUTION = "freetoken-ban-sequences"
@@ -62,16 +63,17 @@ def validated(sequences: object, model: ModelInfo = MODEL) -> SamplingParams:
     return params
 
 
-def processor(plugin: ModuleType, num_slots: int, vocab: int):
-    return plugin.BanSequences(ProcessorContext(num_slots, ModelInfo(vocab, frozenset(), 4096),
-                                                CPU))
+def processor(plugin: ModuleType, num_slots: int, vocab: int) -> Harness:
+    """The installed plugin's processor, driven as the engine drives it (its token history
+    included) by ``freetoken_core.testing.Harness``."""
+    harness = Harness("ban_sequences", num_slots=num_slots, vocab=vocab, max_model_len=4096)
+    assert isinstance(harness.processor, plugin.BanSequences)
+    return harness
 
 
-def add(proc, slot: int, sequences: list[list[int]], prompt: list[int],
+def add(proc: Harness, slot: int, sequences: list[list[int]], prompt: list[int],
         output: list[int]) -> None:
-    params = validated(sequences, proc.model)
-    proc.add_request(slot, RequestView(str(slot), 0, params.fields["ban_sequences"], params,
-                                       prompt, output))
+    assert proc.add(slot, {FIELD: sequences}, prompt, output)
 
 
 def field_of(field: str) -> str:
@@ -245,7 +247,7 @@ def test_rows_without_the_field_and_reused_slots(plugin: ModuleType) -> None:
     proc.apply(got, slots)
     assert torch.isinf(got[1, 3]) and got[1, 5] == logits[1, 5]
     # The slot goes to another request: nothing of the first one remains.
-    proc.remove_request(1)
+    proc.remove(1)
     got = logits.clone()
     proc.apply(got, slots)
     assert torch.equal(got, logits)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from freetoken_core import InvalidRequest, SamplingParams
+from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.plugins import PluginManager, PluginSelectionError, parse_selection
 from freetoken_core.processors import ModelInfo, ProcessorContext
 
@@ -87,5 +88,8 @@ def test_state_of_all_built_ins_for_256_slots_fits_256_mb(tmp_path) -> None:
     assert {c.name for c in classes} >= {"penalties", "logit_bias", "min_tokens", "min_p"}
     # structured_outputs builds its grammar backend from the tokenizer.
     ctx = ProcessorContext(256, model, torch.device("cpu"), build_tokenizer(tmp_path))
-    total = sum(_tensor_bytes(cls(ctx)) for cls in classes)
+    pipeline = ProcessorPipeline(classes, ctx)  # with the token history penalties read
+    assert pipeline.history is not None
+    total = (sum(_tensor_bytes(p) for p in pipeline.processors)
+             + _tensor_bytes(pipeline.history))
     assert 0 < total < 256 * 2**20

@@ -14,16 +14,19 @@ banned everywhere. For a longer one, whenever the row's last ``len(seq) - 1`` to
 logit is set to -inf, so the model can never complete the sequence (the meaning of
 transformers' ``NoBadWordsLogitsProcessor``).
 
-State, preallocated on the device for S slots (independent of the vocabulary):
+The row's tokens come from the engine: ``reads_history = True`` makes the engine keep
+every slot's prompt and generated tokens on the device (``self.history``), so the plugin
+keeps no copy of them and needs no ``update``. Its own state, preallocated on the device
+for S slots (independent of the vocabulary):
 
 - ``prefix`` [S, MAX_SEQUENCES, MAX_LEN - 1] int64: each sequence minus its last token,
   right-aligned, ``PAD`` in front (a ``PAD`` position matches anything);
 - ``last`` [S, MAX_SEQUENCES] int64: the token to ban when the prefix matches;
-- ``active`` [S, MAX_SEQUENCES] bool: which entries hold a sequence;
-- ``history`` [S, MAX_LEN - 1] int64: the row's last tokens, ``PAD`` before the first.
+- ``active`` [S, MAX_SEQUENCES] bool: which entries hold a sequence.
 
-That is S × 2,136 bytes with the limits below. ``apply`` compares every slot's prefixes
-with its history at once and adds -inf (or 0) at the ``last`` ids with one
+That is S × 2,080 bytes with the limits below. ``apply`` takes each row's last
+``MAX_LEN - 1`` tokens from the history (``PAD`` before the first), compares every slot's
+prefixes with them at once and adds -inf (or 0) at the ``last`` ids with one
 ``scatter_add_``, touching only ``MAX_SEQUENCES`` logits per row. This example has a torch
 path only, which runs on any device, CUDA included; the built-in plugins show how to add a
 Triton kernel.
@@ -67,6 +70,7 @@ class BanSequences(LogitsProcessor):
             max_length=MAX_SEQUENCES)] | None = None
 
     stage = Stage.PRE_TEMPERATURE
+    reads_history = True  # the engine keeps each slot's tokens in self.history
 
     def __init__(self, ctx: ProcessorContext) -> None:
         super().__init__(ctx)
@@ -74,7 +78,6 @@ class BanSequences(LogitsProcessor):
         self.prefix = torch.full((s, n, k), PAD, dtype=torch.long, device=ctx.device)
         self.last = torch.zeros((s, n), dtype=torch.long, device=ctx.device)
         self.active = torch.zeros((s, n), dtype=torch.bool, device=ctx.device)
-        self.history = torch.full((s, k), PAD, dtype=torch.long, device=ctx.device)
 
     @classmethod
     def uses(cls, fields: Fields) -> bool:
@@ -95,26 +98,21 @@ class BanSequences(LogitsProcessor):
         prefix = [[PAD] * (k - len(s) + 1) + list(s[:-1]) for s in seqs]
         prefix += [[PAD] * k] * (MAX_SEQUENCES - len(seqs))
         last = [s[-1] for s in seqs] + [0] * (MAX_SEQUENCES - len(seqs))
-        # A preempted sequence comes back with the tokens it drew so far.
-        seen = (list(request.prompt_token_ids[-k:]) + list(request.output_token_ids))[-k:]
         # One host-to-device copy per tensor, once per request; never per step.
         self.prefix[slot] = torch.tensor(prefix, dtype=torch.long, device=self.device)
         self.last[slot] = torch.tensor(last, dtype=torch.long, device=self.device)
         self.active[slot] = torch.arange(MAX_SEQUENCES, device=self.device) < len(seqs)
-        self.history[slot] = torch.tensor([PAD] * (k - len(seen)) + seen, dtype=torch.long,
-                                          device=self.device)
 
     def remove_request(self, slot: int) -> None:
         self.active[slot] = False
 
-    def update(self, slots: torch.Tensor, sampled: torch.Tensor) -> None:
-        # Shift each row's window left by one and append its new token, on the device.
-        shifted = torch.cat([self.history[slots, 1:], sampled.unsqueeze(1)], dim=1)
-        self.history[slots] = shifted
-
     def apply(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
+        tokens, length = self.history.window(slots)  # prompt + generated, [B, width], [B]
+        # The last K tokens of each row, PAD before its first token.
+        at = length.unsqueeze(1) - (MAX_LEN - 1) + torch.arange(MAX_LEN - 1,
+                                                                device=tokens.device)
+        seen = torch.where(at >= 0, tokens.gather(1, at.clamp(min=0)), PAD).unsqueeze(1)
         prefix = self.prefix[slots]  # [B, N, K]
-        seen = self.history[slots].unsqueeze(1)  # [B, 1, K]
         matched = ((prefix == seen) | (prefix == PAD)).all(dim=-1) & self.active[slots]
         # -inf where a sequence would be completed, 0 elsewhere: rows and entries that do
         # not match come out unchanged, and duplicate ids add up the same in any order.
