@@ -3,16 +3,19 @@
     python bench/fuzz.py [--model PATH] [--cases 2000] [--seed 0] [--max-model-len 128]
 
 Starts the server on a free loopback port (a tiny random-weight Llama built with
-``tests/tiny_models.make_tiny_model`` unless ``--model``; ``--api-key`` set), loads
+``tests/tiny_models.make_tiny_model`` unless ``--model``: a path, or ``default`` for the
+embedded default model; ``--api-key`` set), loads
 ``/schema/openapi.json`` and, for every operation in it, sends schemathesis-generated
 requests: bodies that fit the schema (positive) and bodies that break it (negative), plus
 one request without the API key. Every response is checked:
 
-- no status >= 500 (``not_a_server_error``);
-- every 4xx is the OpenAI error body ``{"error": {"message", "type", "param", "code"}}``;
-- the status, the content type and the body are those the document declares
-  (``status_code_conformance``, ``content_type_conformance``,
-  ``response_schema_conformance``).
+- every check schemathesis has (its default set: no status >= 500, the status, content
+  type, headers and body the document declares, a 405 with ``Allow`` for an unsupported
+  method, schema-invalid data refused, the API key enforced, ...), except that
+  schema-valid data may be refused (400) only by a rule the document states for the
+  field the error names (``documented_refusal``: its ``x-freetoken-checks``, for what
+  JSON Schema cannot express, such as a prompt that must fit the context);
+- every 4xx is the OpenAI error body ``{"error": {"message", "type", "param", "code"}}``.
 
 Afterwards ``/health`` must be 200 and ``/internal/stats`` show 0 running sequences and
 0 used KV blocks. Prints the number of cases per operation and status, and every failure
@@ -65,6 +68,49 @@ def openai_error_shape(ctx: Any, response: Any, case: Any) -> bool | None:
     return None
 
 
+CHECKS = "x-freetoken-checks"
+
+
+def _checked_fields(document: dict[str, Any]) -> dict[str, set[str]]:
+    """Per operation label (``POST /v1/completions``), the request fields whose schema
+    carries ``x-freetoken-checks`` (rules the server checks beyond the schema)."""
+    schemas = document.get("components", {}).get("schemas", {})
+    out: dict[str, set[str]] = {}
+    for path, item in document.get("paths", {}).items():
+        for method, op in item.items():
+            media = op.get("requestBody", {}).get("content", {}).get("application/json", {})
+            ref = media.get("schema", {}).get("$ref", "")
+            props = schemas.get(ref.rsplit("/", 1)[-1], {}).get("properties", {})
+            out[f"{method.upper()} {path}"] = {name for name, prop in props.items()
+                                               if CHECKS in prop}
+    return out
+
+
+def documented_refusal(checked: dict[str, set[str]]) -> Callable[..., bool | None]:
+    """A schemathesis check in place of ``positive_data_acceptance``: schema-valid data
+    refused with a 400 passes only when the error's ``param`` is (in) a field that
+    ``checked`` says has rules beyond its schema."""
+
+    def check(ctx: Any, response: Any, case: Any) -> bool | None:
+        meta = case.meta
+        if meta is None or not meta.generation.mode.is_positive or response.status_code != 400:
+            return None
+        try:
+            param = json.loads(response.content)["error"]["param"] or ""
+        except (ValueError, KeyError, TypeError):
+            param = ""
+        field_name = param.split(".")[0].split("[")[0]
+        label = f"{case.operation.method.upper()} {case.operation.path}"
+        if field_name not in checked.get(label, set()):
+            raise AssertionError(f"schema-valid data refused with 400 naming {param!r}, a "
+                                 "field for which the document states no rule beyond its "
+                                 f"schema: {response.content[:300]!r}")
+        return None
+
+    check.__name__ = "documented_refusal"
+    return check
+
+
 @dataclass
 class FuzzReport:
     """Status counts per operation (``"POST /v1/completions"``) and the failures seen."""
@@ -105,13 +151,8 @@ def run_fuzz(url: str, api_key: str | None, cases_per_operation: int, seed: int 
     the server's own OpenAPI document (to check that a lying one fails)."""
     import requests
     import schemathesis
-    from schemathesis.checks import not_a_server_error
     from schemathesis.core.failures import FailureGroup
-    from schemathesis.specs.openapi.checks import (
-        content_type_conformance,
-        response_schema_conformance,
-        status_code_conformance,
-    )
+    from schemathesis.specs.openapi.checks import positive_data_acceptance
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     if document is None:
@@ -119,8 +160,7 @@ def run_fuzz(url: str, api_key: str | None, cases_per_operation: int, seed: int 
         answer.raise_for_status()
         document = answer.json()
     schema = schemathesis.openapi.from_dict(document)
-    checks = [not_a_server_error, status_code_conformance, content_type_conformance,
-              response_schema_conformance, openai_error_shape]
+    additional = [openai_error_shape, documented_refusal(_checked_fields(document))]
     report = FuzzReport()
 
     def call(case: Any, label: str, case_headers: dict[str, str]) -> None:
@@ -134,7 +174,10 @@ def run_fuzz(url: str, api_key: str | None, cases_per_operation: int, seed: int 
             return
         report.counts[label][response.status_code] += 1
         try:
-            case.validate_response(response, checks=checks, headers=case_headers)
+            # Every check schemathesis has (its default set), and the OpenAI error body.
+            case.validate_response(response, additional_checks=additional,
+                                   excluded_checks=[positive_data_acceptance],
+                                   headers=case_headers)
         except (AssertionError, FailureGroup) as exc:  # one error naming every failed check
             report.failures.append(
                 f"{label} -> {response.status_code}: {exc}\n    body sent: "
@@ -216,7 +259,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None,
-                        help="model directory or .gguf (default: a tiny random-weight Llama)")
+                        help="model directory or .gguf, or 'default' for the embedded "
+                             "default model (default: a tiny random-weight Llama)")
     parser.add_argument("--cases", type=int, default=2000,
                         help="total cases wanted, spread over the operations (default 2000)")
     parser.add_argument("--seed", type=int, default=0)
@@ -228,10 +272,10 @@ def main() -> int:
         if args.model is None:
             from tiny_models import make_tiny_model
 
-            model: str | Path = make_tiny_model(Path(tmp) / "tiny-llama", "llama")
+            model: Path | None = make_tiny_model(Path(tmp) / "tiny-llama", "llama")
         else:
-            model = args.model
-        srv = start_server(Path(model), "--api-key", API_KEY,
+            model = None if args.model == "default" else Path(args.model)
+        srv = start_server(model, "--api-key", API_KEY,
                            "--max-model-len", str(args.max_model_len), api_key=API_KEY)
         log_lines = drain(srv)
         try:

@@ -10,8 +10,8 @@ keeps undeclared fields as plugin fields), so Litestar sees no body type there.
   ``protocol`` Structs, and every rule the routes check beyond the types
   (``openapi_rules``: ranges, shapes, cross-field ``if``/``then``, and
   ``x-freetoken-checks`` where JSON Schema cannot say it); the generation routes answer
-  ``text/event-stream`` as well when ``stream`` is true, described per event (the
-  ``data:`` payloads as ``x-itemSchema``, OpenAPI 3.2's ``itemSchema`` under 3.1);
+  ``text/event-stream`` as well when ``stream`` is true, its schema that of one event (the
+  3.1 convention; OpenAPI 3.2's ``itemSchema``);
 - the request fields the enabled plugins own, with the JSON Schema of their types (each
   plugin's ``Fields``), on the routes the plugin serves, each described by the plugin's own
   text (the field's docstring, else the plugin's) and marked as checked by the plugin,
@@ -258,25 +258,25 @@ def _responses(bodies: RouteBodies, op: Operation, has_api_key: bool, path: str
 
 
 def _event_stream(chunk: type[msgspec.Struct]) -> dict[str, Any]:
-    """The ``text/event-stream`` answer, event by event (OpenAPI 3.2's ``itemSchema``, as
-    the extension ``x-itemSchema`` in this 3.1 document): every event is one ``data:`` line
-    holding a ``chunk`` as JSON, an error (``ErrorResponse``) after the stream began, or
-    the final ``[DONE]``."""
-    data = {"oneOf": [
-        {"contentMediaType": "application/json", "contentSchema": _ref(chunk).to_schema(),
+    """The schema of one event of the ``text/event-stream`` answer (the 3.1 convention for
+    event streams, which schemathesis checks each event against; OpenAPI 3.2 names it
+    ``itemSchema``): a ``data:`` line holding a ``chunk`` as JSON, an error
+    (``ErrorResponse``) after the stream began, or the final ``[DONE]``."""
+    data = {"anyOf": [
+        {"type": "string", "contentMediaType": "application/json",
+         "contentSchema": _ref(chunk).to_schema(),
          "description": f"One {chunk.__name__}: every choice's new text (the first event of a "
                         "choice carries its role; with stream_options.include_usage the last "
                         "event before [DONE] has no choices and the usage)."},
-        {"contentMediaType": "application/json",
+        {"type": "string", "contentMediaType": "application/json",
          "contentSchema": _ref(p.ErrorResponse).to_schema(),
          "description": "An error after the stream began; [DONE] follows."},
         {"const": "[DONE]", "description": "The end of the stream."}]}
-    return {"type": "string",
-            "description": f"With stream: true: server-sent events, each a `data: <JSON>` line "
+    return {"type": "object", "required": ["data"], "properties": {"data": data},
+            "description": f"With stream: true, server-sent events, each a `data: <JSON>` line "
                            f"and a blank line: {chunk.__name__} events, an ErrorResponse if the "
-                           "request fails after the stream began, then `data: [DONE]`.",
-            "x-itemSchema": {"type": "object", "required": ["data"],
-                             "properties": {"data": data}}}
+                           "request fails after the stream began, then `data: [DONE]`. The "
+                           "schema is that of one event."}
 
 
 def complete_document(openapi: OpenAPI, model_name: str, plugins: dict[str, type[Plugin]],

@@ -5,6 +5,9 @@ the context, a template that refuses a role), a ``description`` and the vendor e
 ``x-freetoken-checks`` on the field that a 400 names: a list of the rules the server checks
 there beyond its schema. A schema-valid request is refused only by such a rule.
 
+At most five conditionals (``if``/``then``, ``not``) go into one schema: schemathesis
+cannot generate data for more (``test_openapi`` holds it).
+
 ``add_request_rules`` runs when the app is built (the limits are known then);
 ``add_model_rules`` when the model has loaded (vocabulary and context).
 """
@@ -23,6 +26,7 @@ CHECKS = "x-freetoken-checks"
 
 _GENERATION = ("CompletionRequest", "ChatCompletionRequest")
 _NULL = {"type": "null"}
+_CONTINUE = "needs the last message to be the assistant's"
 _CONTEXT = ("the prompt plus max_tokens must fit the model's context (400 code "
             "context_length_exceeded)")
 
@@ -44,7 +48,7 @@ def _true_when(name: str) -> dict[str, Any]:
 def add_request_rules(schemas: dict[str, Any], limits: RequestLimits) -> None:
     """State in the body schemas (msgspec's, by component name) the rules the routes check
     that need no model: see the module docstring."""
-    stop_text = {"type": "string", "maxLength": limits.max_stop_string_chars}
+    stop_text = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_string_chars}
     for name in _GENERATION:
         schema = schemas[name]
         props = schema["properties"]
@@ -63,10 +67,10 @@ def add_request_rules(schemas: dict[str, Any], limits: RequestLimits) -> None:
             checks(props[field], _CONTEXT, "0 generates nothing: only with prompt_logprobs "
                    "(or echo on /v1/completions)", "max_tokens and max_completion_tokens "
                    "given together must be equal")
-        schema.setdefault("allOf", []).extend([
-            _set_when("stream_options", _true_when("stream")),
-            _set_when("prompt_logprobs", {"properties": {"stream": {"const": False}}}),
-        ])
+        # Five conditionals at most in one schema: schemathesis (hypothesis-jsonschema)
+        # cannot generate data for more; the rarer rules are stated as checks.
+        schema.setdefault("allOf", []).append(_set_when("stream_options", _true_when("stream")))
+        checks(props["prompt_logprobs"], "not with stream: true")
     _completion_rules(schemas["CompletionRequest"], limits)
     _chat_rules(schemas["ChatCompletionRequest"], schemas["ChatMessage"])
     tokenize = schemas["TokenizeRequest"]
@@ -78,6 +82,7 @@ def add_request_rules(schemas: dict[str, Any], limits: RequestLimits) -> None:
     _template_kwargs(tokenize["properties"])
     checks(tokenize["properties"]["messages"], "the chat template may refuse the messages "
            "(a role it does not know, an order it does not accept)")
+    checks(tokenize["properties"]["continue_final_message"], _CONTINUE)
     schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["minimum"] = 0
 
 
@@ -107,8 +112,8 @@ def _chat_rules(schema: dict[str, Any], message: dict[str, Any]) -> None:
     props["top_logprobs"]["description"] = "Needs logprobs: true."
     _template_kwargs(props)
     checks(props["messages"], "the chat template may refuse the messages (a role it does not "
-           "know, an order it does not accept)", "continue_final_message needs the last "
-           "message to be the assistant's")
+           "know, an order it does not accept)")
+    checks(props["continue_final_message"], _CONTINUE)
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
     message["properties"]["content"] = {
