@@ -654,8 +654,16 @@ struct Type<Q4_K> {
                                                      shift),
                                    table);
 #else
-    bytes_to_floats<false>(_mm256_and_si256(srl(load32(qs), 4 * (sub & 1)), bytes(15)), w);
-    for (int v = 0; v < 4; ++v) w[v] = vfmsub(ds, w[v], dm);
+    // Weights 8v..8v+7 from bytes qs[8v..8v+7] widened straight into lanes (four shuffle-pipe
+    // uops where splitting 32 bytes takes seven), then their nibble: the sub-blocks are
+    // unrolled in the kernels' loops, so sub & 1 is a constant there.
+    const __m256i low4 = _mm256_set1_epi32(15);
+    for (int v = 0; v < 4; ++v) {
+      __m256i b =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * v)));
+      b = (sub & 1) ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, low4);
+      w[v] = vfmsub(ds, _mm256_cvtepi32_ps(b), dm);
+    }
 #endif
   }
 #endif
