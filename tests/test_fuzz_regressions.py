@@ -5,7 +5,8 @@
    where it is (``engine.carry``);
 2. constraints that leave no token (``min_tokens`` with a grammar that must end at once)
    were a 500 ``engine_error`` (every logit masked): now a 400 naming the fields;
-3. a 405 lost its ``Allow`` header in the error handler.
+3. a 405 lost its ``Allow`` header in the error handler;
+4. schema-valid integers written ``5.0`` or ``1e2`` were refused as floats.
 """
 
 from __future__ import annotations
@@ -144,3 +145,15 @@ def test_405_keeps_its_allow_header(plain_server: Server, method: str, path: str
     assert r.status_code == 405
     assert allow in [m.strip() for m in r.headers["allow"].split(",")]
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_integral_numbers_are_integers_as_json_schema_says(plain_server: Server) -> None:
+    """schemathesis writes integers as ``5.0`` or ``1e2`` (JSON Schema's ``integer``)."""
+    r = post(plain_server, "/v1/completions",
+             {"prompt": [5.0, 6], "max_tokens": 2.0, "n": 1e0, "seed": 1e18})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+    error = refused(plain_server, "/v1/completions", {"prompt": "x", "max_tokens": 2.5})
+    assert error["param"] == "max_tokens"
+    error = refused(plain_server, "/v1/completions", {"prompt": "x", "seed": 1e30})
+    assert error["param"] == "seed"

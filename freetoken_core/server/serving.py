@@ -50,13 +50,14 @@ _MESSAGE_KEYS = frozenset(ChatMessage.__struct_fields__)
 
 
 def _json_number(text: str) -> float | int:
-    """A JSON number with a fraction or an exponent: an ``int`` when it is integral (JSON
-    Schema's ``integer`` includes ``5.0`` and ``1e2``) and float64 holds it exactly (at most
-    2**53), else a ``float``; ``ValueError`` when no float64 holds it (``1e400``)."""
+    """A JSON number with a fraction or an exponent: an ``int`` when its float64 value is
+    integral (JSON Schema's ``integer`` includes ``5.0`` and ``1e2``) and below 2**64 in
+    magnitude (larger ones stay floats: as integers the engine could not carry them), else
+    a ``float``; ``ValueError`` when no float64 holds it (``1e400``)."""
     value = float(text)
     if not math.isfinite(value):
         raise ValueError("a number out of range")
-    return int(value) if value.is_integer() and abs(value) <= 2**53 else value
+    return int(value) if value.is_integer() and abs(value) < 2**64 else value
 
 
 _DECODER = msgspec.json.Decoder(float_hook=_json_number)
