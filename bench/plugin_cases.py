@@ -66,16 +66,16 @@ def processor_alone(benchmark, cls: type[LogitsProcessor], bench_params: dict) -
     assert cls.name in params.fields, f"{bench_params} do not use {cls.__name__}"
     # The engine's token history, for a processor that reads it; the step appends to it, as
     # the pipeline does, so its cost counts as the plugin's.
-    history = (TokenHistory(SHAPE.batch, model.max_model_len, device) if cls.reads_history
-               else None)
+    token_history = (TokenHistory(SHAPE.batch, model.max_model_len, device)
+                     if cls.reads_history else None)
     proc = cls(ProcessorContext(SHAPE.batch, model, device, source.tokenizer, manager.options,
-                                manager.hook, history))
+                                manager.hook, token_history))
     gen = torch.Generator().manual_seed(0)
     history = torch.randint(0, COMMON_IDS, (SHAPE.batch, SHAPE.history), generator=gen)
     for slot, tokens in enumerate(history.tolist()):
         view = RequestView(str(slot), 0, params.fields[cls.name], params, tokens, ())
-        if history is not None:
-            history.add(slot, tokens, ())
+        if token_history is not None:
+            token_history.add(slot, tokens, ())
         future = proc.prepare_request(view)
         if future is not None:
             view = dataclasses.replace(view, prepared=future.result())
@@ -89,8 +89,8 @@ def processor_alone(benchmark, cls: type[LogitsProcessor], bench_params: dict) -
     def step() -> None:
         proc.prepare_step(slot_list)
         proc.apply(logits, slots)
-        if history is not None:
-            history.append(slots, sampled)
+        if token_history is not None:
+            token_history.append(slots, sampled)
         proc.update(slots, sampled)
         if device.type == "cuda":
             torch.cuda.synchronize(device)

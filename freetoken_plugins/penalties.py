@@ -30,7 +30,8 @@ tensor          shape, dtype              holds
 ==============  ========================  ================================================
 ``counts``      [S, L] int16 or int32     at a token's first position in the history, how
                                           many times it was generated (0: prompt only);
-                                          ``-1`` at every later position of the same token;
+                                          ``-1`` at every later position of the same token
+                                          and past the slot's length;
                                           int16 when ``max_model_len <= 32768``
 ``is_active``   [S] bool                  the slot's request uses the processor
 ``penalties``   [S, 3] float32            repetition, presence, frequency (neutral 1, 0, 0)
@@ -124,23 +125,22 @@ def penalties_apply_torch(logits: torch.Tensor, slots: torch.Tensor, token_ids: 
     """Penalise ``logits`` [rows, V] in place; row ``i`` uses slot ``slots[i]``; any device.
 
     ``token_ids`` / ``lengths`` are the history's; ``width`` bounds every active slot's
-    length: only the first ``width`` positions are read.
+    length: only the first ``width`` positions are read. ``lengths`` and ``is_active`` are
+    not needed here (an active slot's counts are ``-1`` from its length on, and an inactive
+    slot's penalties are neutral); the Triton path uses them to skip work.
     """
     if width == 0 or logits.shape[0] == 0:
         return
     tok = token_ids[slots, :width].long()
     cnt = counts[slots, :width]
-    n = torch.where(is_active[slots], lengths[slots], 0).unsqueeze(1)
-    first = (torch.arange(width, device=logits.device) < n) & (cnt >= 0)
+    first = cnt >= 0
     # A later position of a token, or one past the end, repeats the row's position 0 (a
     # first one: same token, same count, hence the same new value), so the scatter writes
-    # every touched token one well-defined value.
+    # every touched token one well-defined value. A row of an inactive slot (stale entries)
+    # has neutral penalties, which leave every value bit-identical.
     tok = torch.where(first, tok, tok[:, :1])
     cnt = torch.where(first, cnt, cnt[:, :1]).float()
-    # A row of an inactive slot must not change its stale position 0: neutral penalties
-    # leave every value bit-identical.
-    neutral = torch.tensor([NEUTRAL[f] for f in FIELDS], device=logits.device)
-    pen = torch.where(n > 0, penalties[slots], neutral)
+    pen = penalties[slots]
     x = penalize(logits.gather(1, tok), cnt, pen[:, 0:1], pen[:, 1:2], pen[:, 2:3])
     logits.scatter_(1, tok, x)
 
@@ -148,21 +148,17 @@ def penalties_apply_torch(logits: torch.Tensor, slots: torch.Tensor, token_ids: 
 def penalties_update_torch(slots: torch.Tensor, sampled: torch.Tensor, token_ids: torch.Tensor,
                            lengths: torch.Tensor, counts: torch.Tensor,
                            is_active: torch.Tensor, width: int) -> None:
-    """Count ``sampled[i]``, which the history already ends with, in slot ``slots[i]``, for
-    active slots; any device."""
-    act = is_active[slots]
-    n = lengths[slots]
-    last = (n - 1).clamp(min=0)
-    seen = torch.zeros_like(act)
-    if width:
-        cnt = counts[slots, :width]
-        earlier = torch.arange(width, device=cnt.device) < (n - 1).unsqueeze(1)
-        hit = (token_ids[slots, :width] == sampled.to(torch.int32).unsqueeze(1)) & earlier
-        hit &= (cnt >= 0) & act.unsqueeze(1)
-        counts[slots, :width] = cnt + hit.to(counts.dtype)
-        seen = hit.any(dim=1)
-    new = torch.where(seen, -1, 1).to(counts.dtype)
-    counts[slots, last] = torch.where(act, new, counts[slots, last])
+    """Count ``sampled[i]``, which the history already ends with, in slot ``slots[i]``; any
+    device. The new position's count was ``-1`` (past the length), so the look-up among the
+    first positions skips it. Rows of inactive slots change only stale counts, which
+    ``add_request`` rewrites whole; ``is_active`` is for the Triton path, which skips them."""
+    if width == 0 or slots.shape[0] == 0:
+        return
+    cnt = counts[slots, :width]
+    hit = (token_ids[slots, :width] == sampled.to(torch.int32).unsqueeze(1)) & (cnt >= 0)
+    counts[slots, :width] = cnt + hit.to(counts.dtype)
+    last = (lengths[slots] - 1).clamp(min=0)
+    counts[slots, last] = torch.where(hit.any(dim=1), -1, 1).to(counts.dtype)
 
 
 # -- Triton path ------------------------------------------------------------------------
@@ -312,9 +308,10 @@ class Penalties(LogitsProcessor):
         positions = torch.arange(ids.numel())
         first = torch.full((unique.numel(),), ids.numel()).scatter_reduce_(
             0, inverse, positions, "amin")
-        counts = torch.full((ids.numel(),), -1, dtype=torch.long)
+        # -1 past the length too: the update's look-up and apply skip those positions.
+        counts = torch.full((self.capacity,), -1, dtype=torch.long)
         counts[first] = generated
-        self.counts[slot, :ids.numel()] = counts.to(self.device, self.counts.dtype)
+        self.counts[slot] = counts.to(self.device, self.counts.dtype)
         self.is_active[slot] = True
         fields = request.fields
         values = [NEUTRAL[f] if getattr(fields, f) is None else getattr(fields, f)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,10 +18,15 @@ def pip(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @contextmanager
-def pip_installed(source: Path, distribution: str, module: str) -> Iterator[ModuleType]:
+def pip_installed(source: Path, distribution: str, module: str,
+                  copy_to: Path | None = None) -> Iterator[ModuleType]:
     """``pip install`` the package at ``source`` (a regular install, so this running
     interpreter imports it at once), yield its imported ``module``, and uninstall it at the
-    end whatever happened in between."""
+    end whatever happened in between. With ``copy_to`` (a temporary directory) it installs a
+    copy made there, so that the build leaves no litter beside ``source``."""
+    if copy_to is not None:
+        source = Path(shutil.copytree(source, copy_to / source.name, ignore=shutil.ignore_patterns(
+            "build", "*.egg-info", "__pycache__")))
     try:
         done = pip("install", "--no-deps", "--no-build-isolation", str(source))
         assert done.returncode == 0, done.stdout + done.stderr

@@ -1,6 +1,4 @@
 """examples/freetoken-no-repeat-ngram, pip-installed, equals transformers' processor."""
-
-import shutil
 from pathlib import Path
 
 from pip_packages import pip_installed
@@ -12,7 +10,6 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "freetoken-no-repea
 
 
 def test_equals_transformers(tmp_path: Path) -> None:
-    source = shutil.copytree(EXAMPLE, tmp_path / EXAMPLE.name)  # no build litter in examples/
-    with pip_installed(source, "freetoken-no-repeat-ngram", "freetoken_no_repeat_ngram"):
+    with pip_installed(EXAMPLE, "freetoken-no-repeat-ngram", "freetoken_no_repeat_ngram", tmp_path):
         check_processor("no_repeat_ngram", [{"no_repeat_ngram_size": n} for n in (1, 2, 3, 4)],
                         lambda f: NoRepeatNGramLogitsProcessor(f["no_repeat_ngram_size"]))
