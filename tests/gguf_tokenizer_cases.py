@@ -5,8 +5,9 @@ Vocabularies: the default model's byte-level BPE vocabulary re-labelled with eac
 ``tokenizer.ggml.pre`` type of :data:`PRE_TYPES` (plus two user-defined tokens, as Qwen3's
 ``<think>``), and the SentencePiece model tests/gguf_spm.py trains, with and without
 ``add_space_prefix``. Each is written as a tensor-less GGUF holding only the tokenizer
-fields (what FreeToken's tokenizer is built from) and as a tiny random-weight llama GGUF
-around it (what llama.cpp loads).
+fields (and the few hyper-parameters llama.cpp reads before a vocabulary), which both
+FreeToken and llama.cpp (``vocab_only``) load; a third SentencePiece vocabulary is named
+Phi-3, for llama.cpp's rule that its control tokens swallow the whitespace after them.
 
 Regenerate the fixture, after changing a text or a vocabulary, with llama.cpp's
 ``llama-tokenize`` (``cmake --build ~/.cache/freetoken/llama.cpp/build --target
@@ -33,6 +34,7 @@ GPL3 = Path(__file__).parent / "fixtures" / "GPL-3"
 PRE_TYPES = ("default", "llama-bpe", "llama3", "qwen2", "deepseek-r1-qwen", "smollm",
              "gpt-4o", "tekken", "gpt-2", "starcoder", "falcon", "deepseek-v3", "bloom")
 SPM_PREFIXES = (True, False)
+PHI3_TOKENS = ("<|endoftext|>", "<|end|>", "<|user|>")  # llama.cpp's Phi-3 rule needs the first
 USER_TOKENS = ("<think>", "</think>")  # user-defined (type 4), appended to the BPE vocab
 # Digit merges appended to the BPE vocab (SmolLM2's has single digits only), so that the
 # types that group digits (llama3's \p{N}{1,3}) tokenize differently from the ones that
@@ -89,11 +91,21 @@ def _fields_of(source: Path) -> list[tuple[str, Any, Any]]:
     return _tokenizer_fields(source)
 
 
-def write_tokenizer_gguf(fields: list[tuple[str, Any, Any]], out: Path) -> Path:
-    """A GGUF at ``out`` with no tensors and only ``fields`` (``(key, value, kinds)``)."""
+def write_tokenizer_gguf(fields: list[tuple[str, Any, Any]], out: Path,
+                         name: str | None = None) -> Path:
+    """A GGUF at ``out`` with no tensors: ``fields`` (``(key, value, kinds)``), the few
+    hyper-parameters llama.cpp reads before the vocabulary (it loads such a file with
+    ``vocab_only``, as llama-tokenize does) and ``general.name`` if given."""
     from gguf import GGUFWriter
 
     writer = GGUFWriter(str(out), "llama")
+    if name is not None:
+        writer.add_name(name)
+    for key, value in (("context_length", 2048), ("embedding_length", 64), ("block_count", 2),
+                       ("feed_forward_length", 128), ("attention.head_count", 4),
+                       ("attention.head_count_kv", 2)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
     for key, value, kind in fields:
         writer.add_key_value(key, value, kind[0], sub_type=kind[1] if len(kind) > 1 else None)
     writer.write_header_to_file()
@@ -126,11 +138,13 @@ def bpe_tokenizer_gguf(pre: str, directory: Path) -> Path:
     return write_tokenizer_gguf(fields, directory / f"bpe-{pre}.gguf")
 
 
-def spm_tokenizer_gguf(prefix: bool, directory: Path) -> tuple[Path, str]:
+def spm_tokenizer_gguf(prefix: bool, directory: Path, phi3: bool = False) -> tuple[Path, str]:
     """The SentencePiece model tests/gguf_spm.py trains (``add_dummy_prefix=prefix``) as a
     tokenizer-only GGUF in ``directory`` (``add_space_prefix`` written only when false,
     as llama's converter omits it and Gemma's writes false), and the sha256 of its
-    vocabulary, scores and types (training must give the fixture's vocabulary)."""
+    vocabulary, scores and types (training must give the fixture's vocabulary). ``phi3``:
+    named "Phi-3 Mini", with Phi-3's control tokens :data:`PHI3_TOKENS` appended (llama.cpp
+    then strips the whitespace after control tokens)."""
     from gguf_spm import spm_gguf_fields, train_spm
 
     model = train_spm(directory / f"spm-{prefix}", add_dummy_prefix=prefix)
@@ -138,14 +152,23 @@ def spm_tokenizer_gguf(prefix: bool, directory: Path) -> tuple[Path, str]:
     digest = hashlib.sha256(json.dumps(
         [v for k, v, _ in fields if k in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
                                           "tokenizer.ggml.token_type")]).encode())
+    if phi3:
+        extra = {"tokenizer.ggml.tokens": list(PHI3_TOKENS),
+                 "tokenizer.ggml.token_type": [3] * len(PHI3_TOKENS),
+                 "tokenizer.ggml.scores": [0.0] * len(PHI3_TOKENS)}
+        fields = [(k, v + extra[k] if k in extra else v, kind) for k, v, kind in fields]
+        return (write_tokenizer_gguf(fields, directory / "spm-phi3.gguf", "Phi-3 Mini"),
+                digest.hexdigest())
     return write_tokenizer_gguf(fields, directory / f"spm-{prefix}.gguf"), digest.hexdigest()
 
 
 def vocabularies(directory: Path) -> dict[str, tuple[Path, str]]:
-    """Name (``bpe-<pre>`` / ``spm-<prefix>``) -> (tokenizer-only GGUF, vocabulary hash)."""
+    """Name (``bpe-<pre>`` / ``spm-<prefix>`` / ``spm-phi3``) -> (tokenizer-only GGUF,
+    vocabulary hash)."""
     out = {f"bpe-{pre}": (bpe_tokenizer_gguf(pre, directory), "") for pre in PRE_TYPES}
     for prefix in SPM_PREFIXES:
         out[f"spm-{prefix}"] = spm_tokenizer_gguf(prefix, directory)
+    out["spm-phi3"] = spm_tokenizer_gguf(True, directory, phi3=True)
     return out
 
 
@@ -161,22 +184,20 @@ def _llama_tokenize(binary: Path, model: Path, text: str, scratch: Path) -> list
 
 def regenerate(binary: Path) -> None:
     """Write :data:`FIXTURE` from llama.cpp's ``llama-tokenize`` at ``binary``."""
-    from gguf_models import write_gguf
-
     from freetoken_core.models.gguf_metadata import open_header
     from freetoken_core.models.gguf_tokenizer import read_vocab
+    from freetoken_core.models.resolve import default_gguf_path
 
     cases: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         for name, (path, digest) in vocabularies(scratch).items():
-            model = write_gguf(scratch / f"model-{name}.gguf", "llama", tokenizer_from=path)
             items = texts(special_texts(read_vocab(path, open_header(path))))
             cases[name] = {"vocab_sha256": digest, "texts": items, "ids": {
-                key: _llama_tokenize(binary, model, text, scratch) for key, text in items.items()}}
+                key: _llama_tokenize(binary, path, text, scratch) for key, text in items.items()}}
             print(name, sum(map(len, cases[name]["ids"].values())), "ids", flush=True)
-        model = write_gguf(scratch / "model-default.gguf", "llama")
-        gpl3 = _llama_tokenize(binary, model, GPL3.read_text(encoding="utf-8"), scratch)
+        gpl3 = _llama_tokenize(binary, default_gguf_path(), GPL3.read_text(encoding="utf-8"),
+                               scratch)
     version = subprocess.run([str(binary), "--version"], check=False, capture_output=True,
                              text=True)
     data = {"llama_cpp": (version.stdout + version.stderr).strip().splitlines()[0],
@@ -187,7 +208,6 @@ def regenerate(binary: Path) -> None:
                   + "]", text)
     FIXTURE.write_text(text + "\n", encoding="utf-8")
     print("wrote", FIXTURE, "GPL-3:", len(gpl3), "ids")
-
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))

@@ -80,9 +80,7 @@ def gguf_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 def test_greedy_matches_transformers_gguf_loader(gguf_model: tuple[str, Path]) -> None:
     arch, path = gguf_model
-    # No plugins: the model is under test (and transformers' Gemma tokenizer built from this
-    # BPE vocabulary counts one token more than the vocabulary, which structured outputs'
-    # grammar backend refuses; real Gemma files are SentencePiece).
+    # No plugins: the model is under test.
     llm = LLM(str(path), kv_cache_tokens=2048, dtype="float32", progress=False,
               plugins="none")
     model = llm.engine.core.runner.model
@@ -95,14 +93,18 @@ def test_greedy_matches_transformers_gguf_loader(gguf_model: tuple[str, Path]) -
     distinct = set()
     for ids, out in zip(prompts, outs):
         # (an explicit mask: transformers would take prompt tokens equal to the pad id for
-        # padding, and this tokenizer maps spaces to id 0)
+        # padding)
         prompt = torch.tensor([ids])
         ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20,
                           min_new_tokens=20, do_sample=False, pad_token_id=0)
         ref = ref[0, len(ids):].tolist()
         assert out.outputs[0].token_ids == ref, (arch, ids)
         distinct |= set(ref)
-    assert len(distinct) > 8  # not a degenerate model that repeats one token
+    # Not a degenerate model that repeats one token. (The tiny random Gemma 3 falls into a
+    # loop within a few tokens: 8 distinct over the four prompts as the GGUF's own BPE
+    # tokenizes them, issue #34; more than 8 under transformers' SentencePiece-style
+    # conversion of this BPE vocabulary, whose prompt ids were not the file's.)
+    assert len(distinct) > 4
 
 
 def test_q4_k_on_the_int24_kernel_is_exact_too(tmp_path: Path) -> None:

@@ -75,7 +75,7 @@ def test_fixture_covers_every_listed_pre_type_and_both_spm_prefixes() -> None:
     for pre in ("default", "llama-bpe", "llama3", "qwen2", "deepseek-r1-qwen", "smollm",
                 "gpt-4o", "tekken"):
         assert f"bpe-{pre}" in CASES
-    assert {"spm-True", "spm-False"} <= set(CASES)
+    assert {"spm-True", "spm-False", "spm-phi3"} <= set(CASES)
     assert all(len(c["ids"]) == len(c["texts"]) >= 12 for c in fixture()["cases"].values())
 
 

@@ -18,8 +18,8 @@ generic fast tokenizer loads. How each part of llama.cpp maps onto it:
 * **Special tokens** (``parse_special``): control (3), unknown (2) and user-defined (4)
   tokens are cut out of the text before anything else, matched on their raw text; the
   first two are special (dropped by ``skip_special_tokens``, as llama.cpp renders them only
-  with ``special``). A file named Phi-3 strips the whitespace after them, as llama.cpp
-  sets there.
+  with ``special``). In a file named Phi-3 they swallow the whitespace after them (but
+  ``<unk>``, ``<s>``, ``<|endoftext|>``), as llama.cpp sets there.
 * **BOS / EOS**: added by ``add_special_tokens`` as ``tokenizer.ggml.add_bos_token`` /
   ``add_eos_token`` say, else as llama.cpp's defaults for the vocabulary and pre type.
 * **Decoding** is the concatenation of llama.cpp's pieces (byte-level pieces back to their
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +71,10 @@ class GGUFVocab:
     add_space_prefix: bool | None
     name: str = ""
 
+    @cached_property
     def pre_tokenizer(self) -> PreTokenizer:
-        """The pre type's :class:`PreTokenizer`; a missing or unknown type is logged as a
-        warning that names it, and gets llama.cpp's ``default``."""
+        """The pre type's :class:`PreTokenizer`; a missing or unknown type is logged (once)
+        as a warning that names it, and gets llama.cpp's ``default``."""
         if self.pre is None:
             log.warning("this GGUF has no tokenizer.ggml.pre; splitting its text with "
                         "llama.cpp's 'default' pre-tokenizer")
@@ -99,7 +101,7 @@ class GGUFVocab:
         the file does not name."""
         add_bos = self.add_bos
         if add_bos is None:
-            add_bos = self.is_spm or self.pre_tokenizer().add_bos
+            add_bos = self.is_spm or self.pre_tokenizer.add_bos
         add_eos = bool(self.add_eos)
         return (add_bos and "bos" in self.special_ids, add_eos and "eos" in self.special_ids)
 
@@ -149,7 +151,7 @@ def build_tokenizer(vocab: GGUFVocab) -> Any:
     if vocab.is_spm:
         _set_spm_steps(tokenizer, vocab)
     else:
-        _set_bpe_steps(tokenizer, vocab.pre_tokenizer())
+        _set_bpe_steps(tokenizer, vocab.pre_tokenizer)
     _add_special_tokens(tokenizer, vocab)
     _set_post_processor(tokenizer, vocab)
     return tokenizer
@@ -174,7 +176,7 @@ def _bpe_model(vocab: GGUFVocab) -> Any:
                 and pair[0] + pair[1] in ids:
             seen.add(pair)
             merges.append(pair)
-    return models.BPE(ids, merges, ignore_merges=vocab.pre_tokenizer().ignore_merges)
+    return models.BPE(ids, merges, ignore_merges=vocab.pre_tokenizer.ignore_merges)
 
 
 def _set_bpe_steps(tokenizer: Any, pre: PreTokenizer) -> None:
@@ -233,8 +235,6 @@ def _add_special_tokens(tokenizer: Any, vocab: GGUFVocab) -> None:
         token = AddedToken(text, special=kind != USER_DEFINED, normalized=False,
                            rstrip=rstrip)
         (user if kind == USER_DEFINED else special).append(token)
-    if is_phi3 and "</s>" in vocab.tokens:  # llama.cpp's list for Phi-3 names it too
-        special.append(AddedToken("</s>", special=True, normalized=False, rstrip=True))
     tokenizer.add_special_tokens(special)
     tokenizer.add_tokens(user)
 
