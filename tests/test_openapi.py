@@ -217,6 +217,10 @@ def validator(doc: dict[str, Any], name: str) -> Any:
     ("CompletionRequest", {"prompt": "x", "response_format": {"type": "text"},
                            "structured_outputs": {"regex": "a"}}, True),
     ("CompletionRequest", {"prompt": "x", "response_format": {"type": "json_schema"}}, False),
+    ("CompletionRequest", {"prompt": "x", "response_format": {
+        "type": "json_schema", "json_schema": {"schema": {}}}}, False),
+    ("CompletionRequest", {"prompt": "x", "response_format": {  # not read under text
+        "type": "text", "json_schema": {"schema": {}}}}, True),
     ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}],
                                "top_logprobs": 2}, False),
     ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "x"}],

@@ -178,16 +178,15 @@ class StructuredOutputs(LogitsProcessor):
                         "each other"},
         {"properties": {"response_format": {"anyOf": [{"type": "null"}, {
             "type": "object", "required": ["type"],
-            "properties": {"type": {"enum": ["text", "json_object", "json_schema"]},
-                          "json_schema": {"type": "object", "required": ["name", "schema"],
-                                          "properties": {
-                                              "name": {"type": "string",
-                                                       "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
-                                              "schema": {"type": "object"},
-                                              "strict": {"type": ["boolean", "null"]},
-                                              "description": {"type": ["string", "null"]}}}},
+            "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}},
+            # json_schema is read (and checked) only under type json_schema.
             "if": {"properties": {"type": {"const": "json_schema"}}},
-            "then": {"required": ["json_schema"]}}]}},
+            "then": {"required": ["json_schema"], "properties": {"json_schema": {
+                "type": "object", "required": ["name", "schema"],
+                "properties": {"name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                               "schema": {"type": "object"},
+                               "strict": {"type": ["boolean", "null"]},
+                               "description": {"type": ["string", "null"]}}}}}}]}},
          "description": "response_format's shape"},
     )
 
