@@ -21,7 +21,7 @@ What the core guarantees (``freetoken_core.engine.pipeline``):
 
 Layout (``S`` slots, ``L`` = ``max_model_len``): ``token_ids`` [S, L] int32, entries
 ``[0, lengths[s])`` valid; ``lengths`` [S] int64; ``num_prompt_tokens`` [S] int64 (where
-the generated tokens start). ``4 × S × L + 16 × S`` bytes: 32 MiB at 256 slots and
+the generated tokens start). ``4 × S × L + 24 × S`` bytes: 32 MiB at 256 slots and
 ``max_model_len`` 32,768.
 
 No device→host synchronisation: ``width`` is a host-side upper bound on the length of

@@ -16,7 +16,8 @@ reference:
   often in another slot, with the tokens they drew so far;
 - **rows that skip a step** (a prompt still in prefill): the history bound overshoots.
 
-Tokens are drawn from the *processed* logits (Gumbel-max, seeded), so a processor's bans
+The logits are random, at temperature 1 (a post-temperature processor sees them as
+they are). Tokens are drawn from the *processed* logits (Gumbel-max, seeded), so a processor's bans
 are honoured as in generation, and the prompts lean on a few hot tokens so that repeats
 (n-grams, repetition rules) happen. The kit asserts that the schedule did cover each case and
 that the reference changed some logits (a check of a no-op would prove nothing).
