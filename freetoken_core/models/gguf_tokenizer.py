@@ -9,7 +9,8 @@ generic fast tokenizer loads. How each part of llama.cpp maps onto it:
 
 * **Vocabulary** ``tokenizer.ggml.model = gpt2``: byte-level BPE with the file's merges, the
   text cut by the regexes of its pre type (:mod:`gguf_pretokenizers`; an unknown or missing
-  type warns and uses ``default``, as llama.cpp does for a missing one) and byte-encoded.
+  type warns and uses ``default``, as llama.cpp does for a missing one: it refuses a file
+  of an unknown one) and byte-encoded.
   ``llama``: SentencePiece, a BPE whose merge order is the merged piece's score (llama.cpp
   merges the best-scoring bigram first), byte fallback, spaces written ``▁`` and, when
   ``tokenizer.ggml.add_space_prefix`` (default true) says so, a ``▁`` prefixed to every run
@@ -25,6 +26,11 @@ generic fast tokenizer loads. How each part of llama.cpp maps onto it:
 * **Decoding** is the concatenation of llama.cpp's pieces (byte-level pieces back to their
   bytes, ``▁`` to a space, ``<0xNN>`` to its byte, special tokens as their text), less the
   one space a SentencePiece prefix added at the start, so that decode inverts encode.
+  Not replayed: ``tokenizers`` runs added tokens through the vocabulary's decoder too, so a
+  byte-level vocabulary's user-defined token spelled wholly in GPT-2's byte alphabet with
+  non-ASCII letters ("café") decodes as those bytes, and a SentencePiece control token
+  holding ``▁`` shows a space there; llama.cpp prints both as written. Converters write
+  neither kind in practice (``<think>``, ``<|im_end|>``, ``<start_of_turn>``).
 """
 
 from __future__ import annotations
@@ -54,8 +60,9 @@ _SPECIAL_IDS = ("bos", "eos", "unknown", "padding")
 class GGUFVocab:
     """The ``tokenizer.*`` metadata of a GGUF file that its tokenizer is built from.
 
-    ``types`` holds one gguf-py ``TokenType`` per token (all normal when the file has none),
-    ``scores`` one score per token (empty when absent), ``merges`` the ``"a b"`` strings;
+    ``types`` holds one gguf-py ``TokenType`` per token (all normal when the file has none
+    for each token), ``scores`` one score per token (empty when the file has none for each
+    token), ``merges`` the ``"a b"`` strings;
     ``special_ids`` maps ``bos`` / ``eos`` / ``unknown`` / ``padding`` to the ids the file
     names that lie in the vocabulary; ``add_*`` are None where the file has no such key."""
 
@@ -122,6 +129,7 @@ def read_vocab(gguf_path: Path, reader: Any) -> GGUFVocab:
             f"GGUF tokenizer model {model!r} of {gguf_path} is not supported (supported: "
             "'gpt2' byte-level BPE and 'llama' SentencePiece)")
     types = [int(t) for t in arrays.get("tokenizer.ggml.token_type", [])]
+    scores = [float(s) for s in arrays.get("tokenizer.ggml.scores", [])]
     special_ids = {}
     for kind in _SPECIAL_IDS:
         token_id = field(reader, f"tokenizer.ggml.{kind}_token_id")
@@ -130,7 +138,7 @@ def read_vocab(gguf_path: Path, reader: Any) -> GGUFVocab:
     return GGUFVocab(
         model=model, pre=field(reader, "tokenizer.ggml.pre"), tokens=list(tokens),
         types=types if len(types) == len(tokens) else [NORMAL] * len(tokens),
-        scores=[float(s) for s in arrays.get("tokenizer.ggml.scores", [])],
+        scores=scores if len(scores) == len(tokens) else [],
         merges=list(arrays.get("tokenizer.ggml.merges", [])), special_ids=special_ids,
         add_bos=_flag(field(reader, "tokenizer.ggml.add_bos_token")),
         add_eos=_flag(field(reader, "tokenizer.ggml.add_eos_token")),
