@@ -28,9 +28,10 @@ generic fast tokenizer loads. How each part of llama.cpp maps onto it:
   one space a SentencePiece prefix added at the start, so that decode inverts encode.
   Not replayed: ``tokenizers`` runs added tokens through the vocabulary's decoder too, so a
   byte-level vocabulary's user-defined token spelled wholly in GPT-2's byte alphabet with
-  non-ASCII letters ("café") decodes as those bytes, and a SentencePiece control token
-  holding ``▁`` shows a space there; llama.cpp prints both as written. Converters write
-  neither kind in practice (``<think>``, ``<|im_end|>``, ``<start_of_turn>``).
+  non-ASCII letters ("café") decodes as those bytes (converters write none: ``<think>``,
+  ``<|im_end|>``), and a SentencePiece control token holding ``▁`` (CodeLlama's
+  ``▁<PRE>``), shown by ``skip_special_tokens=False``, has a space there; llama.cpp prints
+  both as written.
 """
 
 from __future__ import annotations
