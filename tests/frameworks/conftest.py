@@ -21,7 +21,7 @@ os.environ["LANGSMITH_TRACING"] = "false"
 os.environ["LANGCHAIN_TRACING_V2"] = "false"
 os.environ["OPENAI_AGENTS_DISABLE_TRACING"] = "1"
 
-from server_fixtures import Server, start_server, stop_server  # noqa: E402
+from server_fixtures import Server, start_server, stop_server
 
 MODEL_NAME = "default"
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})

@@ -136,3 +136,36 @@ def test_forced_tool_call_streamed(client: openai.OpenAI, default_server: Server
     (call,) = final.choices[0].message.tool_calls
     assert call.function.arguments == done[0].arguments
     assert_arguments(call.function.arguments, WEATHER_PARAMETERS)
+
+
+def test_required_with_parallel_calls_streams_as_it_answers(client: openai.OpenAI,
+                                                          default_server: Server) -> None:
+    """``required`` without ``parallel_tool_calls: false`` (what LangChain's ``"any"`` and
+    the Agents SDK send by default) lets the grammar take several calls (a small model
+    may repeat its call until ``max_tokens``). Each call returned holds only the declared keys,
+    and the streamed deltas (one ``index`` per call) rebuild the same calls."""
+    body = {"model": default_server.model, "messages": _user(WEATHER_QUESTION),
+            "tools": [WEATHER_TOOL], "tool_choice": "required", "max_tokens": 40,
+            "temperature": 0}
+    choice = client.chat.completions.create(**body).choices[0]
+    assert choice.finish_reason in ("tool_calls", "length"), choice
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert calls
+    for name, arguments in calls:
+        assert name == "get_weather"
+        assert_arguments(arguments)
+
+    streamed: dict[int, list[str]] = {}
+    finishes = []
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for ch in chunk.choices:
+            for delta in ch.delta.tool_calls or []:
+                if delta.index not in streamed:
+                    assert delta.id and delta.function.name
+                    streamed[delta.index] = [delta.function.name, ""]
+                streamed[delta.index][1] += delta.function.arguments or ""
+            if ch.finish_reason:
+                finishes.append(ch.finish_reason)
+    assert finishes == [choice.finish_reason]
+    assert sorted(streamed) == list(range(len(streamed)))
+    assert [tuple(streamed[i]) for i in sorted(streamed)] == calls
