@@ -204,3 +204,35 @@ def test_fused_regex_cuts_as_llama_cpp_regexes(pre: str) -> None:
     for text in samples:
         assert pieces(spec.steps, text) == pieces(spec.regexes, text), text[:40]
     assert spec.steps != spec.regexes
+
+
+@pytest.mark.parametrize(("case", "keys", "bos", "eos"), [
+    ("spm-True", {"tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": True},
+     False, True),
+    ("spm-True", {"tokenizer.ggml.add_bos_token": None, "tokenizer.ggml.add_eos_token": None},
+     True, False),  # SentencePiece's default in llama.cpp: BOS
+    ("bpe-llama3", {"tokenizer.ggml.add_bos_token": None}, True, False),  # llama3's default
+    ("bpe-qwen2", {"tokenizer.ggml.add_bos_token": None}, False, False),
+    ("bpe-smollm", {"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": True},
+     True, True),
+])
+def test_bos_and_eos_follow_the_add_keys(case: str, keys: dict[str, bool | None], bos: bool,
+                                         eos: bool, tmp_path: Path,
+                                         vocab_files: dict[str, tuple[Path, str]]) -> None:
+    """``add_bos_token`` / ``add_eos_token`` as the file says; absent (None), llama.cpp's
+    default for the vocabulary and pre type. Only ``add_special_tokens`` adds them."""
+    import sys
+
+    from gguf import GGUFValueType
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gguf_models import _tokenizer_fields
+
+    fields = [f for f in _tokenizer_fields(vocab_files[case][0]) if f[0] not in keys]
+    fields += [(k, v, (GGUFValueType.BOOL,)) for k, v in keys.items() if v is not None]
+    path = write_tokenizer_gguf(fields, tmp_path / "keys.gguf")
+    vocab = read_vocab(path, open_header(path))
+    tokenizer = build_tokenizer(vocab)
+    plain = tokenizer.encode("Hello", add_special_tokens=False).ids
+    ids = tokenizer.encode("Hello", add_special_tokens=True).ids
+    assert ids == [vocab.special_ids["bos"]] * bos + plain + [vocab.special_ids["eos"]] * eos
