@@ -16,7 +16,7 @@ from framework_checks import (
     assert_arguments,
     get_weather,
 )
-from langchain_core.messages import AIMessage, AIMessageChunk
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from server_fixtures import Server
@@ -95,3 +95,16 @@ def test_forced_strict_tool_call_streamed(llm_long: ChatOpenAI) -> None:
     (call,) = merged.tool_calls
     assert call["name"] == "get_weather"
     assert_arguments(call["args"], weather_tool.tool_call_schema.model_json_schema())
+
+
+def test_tool_message_round_trip(llm_long: ChatOpenAI) -> None:
+    """The agent loop by hand: the forced call, the tool's ``ToolMessage`` sent back with
+    the call's id, and a free answer to the whole history."""
+    messages = [HumanMessage(WEATHER_QUESTION)]
+    ai = llm_long.bind_tools([weather_tool], tool_choice="get_weather").invoke(messages)
+    (call,) = ai.tool_calls
+    messages += [ai, ToolMessage(weather_tool.invoke(call["args"]), tool_call_id=call["id"])]
+    out = llm_long.bind_tools([weather_tool]).invoke(messages)
+    assert out.response_metadata["finish_reason"] in ("stop", "length", "tool_calls")
+    assert out.invalid_tool_calls == []
+    assert out.content or out.tool_calls

@@ -122,3 +122,18 @@ def test_forced_tool_call_streamed(model: OpenAIChatCompletionsModel) -> None:
     assert item.item.name == "get_weather"
     arguments = assert_arguments(json.loads(item.item.arguments))
     assert run.final_output == get_weather(**arguments)
+
+
+def test_tool_result_goes_back_to_the_model(model: OpenAIChatCompletionsModel) -> None:
+    """The default loop: the forced call runs, the SDK resets ``tool_choice`` and sends the
+    call and its output back (an assistant ``tool_calls`` message and a ``tool`` message),
+    and the model's text ends the run."""
+    agent = Agent(name="assistant", instructions="Use the tools.", model=model,
+                  tools=[weather_tool],
+                  model_settings=_settings(MAX_TOKENS_STRUCTURED, tool_choice="required",
+                                           parallel_tool_calls=False))
+    result = asyncio.run(Runner.run(agent, WEATHER_QUESTION, max_turns=2))
+    kinds = [type(i).__name__ for i in result.new_items]
+    assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"], kinds
+    assert isinstance(result.final_output, str) and result.final_output
+    assert len(result.raw_responses) == 2
