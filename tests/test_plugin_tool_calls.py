@@ -179,6 +179,36 @@ def test_required_schema_accepts_exactly_the_tools_calls() -> None:
             jsonschema.validate(bad, schema)
 
 
+def _with_address(name: str, address: dict[str, Any], key: str = "$defs") -> dict[str, Any]:
+    """A tool as pydantic writes a nested model: the subschema under ``key``, a ``$ref``."""
+    return {"type": "function", "function": {"name": name, "parameters": {
+        key: {"Address": address}, "type": "object",
+        "properties": {"home": {"$ref": f"#/{key}/Address"}}, "required": ["home"]}}}
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+ZIP = {"type": "object", "properties": {"zip": {"type": "integer"}}, "required": ["zip"]}
+
+
+def test_required_schema_resolves_each_tools_definitions() -> None:
+    """Regression (issue 31, pydantic tools with a nested model under ``required``: "invalid
+    JSON schema: Pointer '/$defs/Address' does not exist"): the definitions move to the
+    array's root; a name two tools define differently is renamed, not refused. Through the
+    server: ``test_required_calls_with_definitions``."""
+    tools = [_with_address("a", CITY), _with_address("b", CITY),
+             _with_address("c", ZIP), _with_address("d", ZIP, key="definitions")]
+    schema = forced_schema(fields(tools=tools, tool_choice="required"))
+    assert set(schema["$defs"]) == {"Address", "Address_2"}
+    assert schema["definitions"] == {"Address": ZIP}
+    jsonschema.validate([{"name": "a", "parameters": {"home": {"city": "x"}}},
+                         {"name": "c", "parameters": {"home": {"zip": 1}}},
+                         {"name": "d", "parameters": {"home": {"zip": 2}}}], schema)
+    for bad in ([{"name": "a", "parameters": {"home": {"zip": 1}}}],
+                [{"name": "c", "parameters": {"home": {"city": "x"}}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
 def test_named_answer_is_the_arguments_without_surrounding_whitespace() -> None:
     whole = ' \n{"a": 1, "b": "x y"}\n '
     for cut in range(len(whole) + 1):
@@ -513,3 +543,17 @@ def test_openai_client_refusal_is_a_bad_request(server: Server) -> None:
     with pytest.raises(openai.BadRequestError):
         server.client.chat.completions.create(model=server.model, messages=USER,
                                               tool_choice="required")
+
+
+def test_required_calls_with_definitions(server: Server, bias: dict[str, float]) -> None:
+    """Tools whose arguments reference their own ``$defs`` (two of them defining
+    ``Address`` differently) under ``required``: a 200 whose calls match their own tool."""
+    tools = [_with_address("a", CITY), _with_address("c", ZIP)]
+    own = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    chat = server.client.chat.completions.create(
+        model=server.model, messages=USER, tools=tools, tool_choice="required",
+        parallel_tool_calls=False, temperature=1.0, seed=0, max_tokens=160, logit_bias=bias)
+    (choice,) = chat.choices
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), own[call.function.name])

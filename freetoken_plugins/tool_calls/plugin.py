@@ -55,6 +55,7 @@ from freetoken_core.processors import (
 )
 from freetoken_plugins.structured_outputs.constraints import close_objects
 from freetoken_plugins.tool_calls import prompting
+from freetoken_plugins.tool_calls.definitions import hoist_definitions
 from freetoken_plugins.tool_calls.families import available_parsers, detect_parser
 from freetoken_plugins.tool_calls.parsers import CallDelta, Parsed, ToolParser
 
@@ -176,13 +177,16 @@ def forced_schema(fields: ToolCalls.Fields) -> dict[str, Any] | None:
         return parameters_schema(tools[fields.tool_choice.function.name])
     if choice != "required":
         return None
+    # Each tool's local references ("#/$defs/X") must resolve from the array's root.
+    parameters, definitions = hoist_definitions([parameters_schema(f) for f in tools.values()])
     items = [{"type": "object",
               "properties": {"name": {"type": "string", "enum": [name]},
-                             "parameters": parameters_schema(function)},
+                             "parameters": arguments},
               "required": ["name", "parameters"], "additionalProperties": False}
-             for name, function in tools.items()]
+             for name, arguments in zip(tools, parameters)]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": items[0] if len(items) == 1 else {"anyOf": items}}
+                              "items": items[0] if len(items) == 1 else {"anyOf": items},
+                              **definitions}
     if fields.parallel_tool_calls is False:
         schema["maxItems"] = 1
     return schema

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 QUESTION = "What is the capital of France?"
 WEATHER_QUESTION = "What is the weather like in Paris?"
 PERSON_QUESTION = "Describe a person: a name and an age."
+RESIDENT_QUESTION = "Record Marie, who lives in Paris, France."
 # Small, but room for a forced call ({"city":"Paris","unit":"celsius"} is ~15 tokens) or a
 # two-key answer with its bounded whitespace to finish on its own.
 MAX_TOKENS = 16
@@ -25,6 +26,20 @@ class Person(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     age: int
+
+
+class Address(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    city: str
+    country: str
+
+
+class Resident(BaseModel):
+    """A nested model: pydantic writes ``Address`` under ``$defs`` and a ``$ref`` to it."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    address: Address
 
 
 class GetWeather(BaseModel):

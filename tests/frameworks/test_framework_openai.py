@@ -13,11 +13,13 @@ from framework_checks import (
     MAX_TOKENS_STRUCTURED,
     PERSON_QUESTION,
     QUESTION,
+    RESIDENT_QUESTION,
     WEATHER_PARAMETERS,
     WEATHER_QUESTION,
     WEATHER_TOOL,
     GetWeather,
     Person,
+    Resident,
     assert_arguments,
     assert_person,
 )
@@ -123,6 +125,25 @@ def test_strict_pydantic_tool_parsed(client: openai.OpenAI, default_server: Serv
     (call,) = choice.message.tool_calls
     assert isinstance(call.function.parsed_arguments, GetWeather)
     assert_arguments(call.function.arguments, tool["function"]["parameters"])
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "Resident"}},
+                                         "required"], ids=["named", "required"])
+def test_nested_model_tool(client: openai.OpenAI, default_server: Server,
+                           tool_choice: object) -> None:
+    """A tool whose parameters reference ``$defs`` (every nested pydantic model); under
+    ``required`` the server embeds it in the array grammar, where the references must
+    still resolve (once a 400: "Pointer '/$defs/Address' does not exist")."""
+    tool = openai.pydantic_function_tool(Resident)
+    assert "$defs" in tool["function"]["parameters"]
+    out = client.chat.completions.parse(
+        model=default_server.model, messages=_user(RESIDENT_QUESTION), tools=[tool],
+        tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=MAX_TOKENS_STRUCTURED,
+        temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Resident)
 
 
 def test_forced_tool_call_streamed(client: openai.OpenAI, default_server: Server) -> None:

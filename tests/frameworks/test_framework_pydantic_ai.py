@@ -15,9 +15,11 @@ from framework_checks import (
     MAX_TOKENS_STRUCTURED,
     PERSON_QUESTION,
     QUESTION,
+    RESIDENT_QUESTION,
     WEATHER_PARAMETERS,
     WEATHER_QUESTION,
     Person,
+    Resident,
     assert_arguments,
 )
 from pydantic_ai import Agent, NativeOutput
@@ -78,6 +80,15 @@ def test_output_tool(model: OpenAIChatModel) -> None:
     assert response.finish_reason == "tool_call"
     (call,) = [p for p in response.parts if isinstance(p, ToolCallPart)]
     Person.model_validate(call.args_as_dict())
+
+
+def test_nested_output_tool(model: OpenAIChatModel) -> None:
+    """The output tool of a nested model (``$defs`` in its parameters), forced with
+    ``required``."""
+    agent = Agent(model, output_type=Resident,
+                  model_settings={"max_tokens": MAX_TOKENS_STRUCTURED, "temperature": 0})
+    result = agent.run_sync(RESIDENT_QUESTION)
+    assert isinstance(result.output, Resident)
 
 
 def test_native_output(model: OpenAIChatModel) -> None:
