@@ -33,9 +33,10 @@ def _is_loopback(address: object) -> bool:
     return isinstance(address, tuple) and str(address[0]) in LOOPBACK
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def loopback_only() -> Iterator[None]:
-    """Every connection a framework test opens goes to loopback; any other fails loudly."""
+    """Every connection a framework test opens goes to loopback; any other fails loudly.
+    Module-scoped: a session-scoped one would stay on for the modules of other folders."""
     connect, connect_ex = socket.socket.connect, socket.socket.connect_ex
 
     def guarded(method):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 
 import litellm
 import pytest
@@ -41,6 +42,12 @@ def _user(text: str) -> list[dict]:
 def test_cost_map_is_the_bundled_one() -> None:
     assert os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] == "True"
     assert litellm.model_cost  # loaded from the package, not fetched
+
+
+def test_nothing_leaves_loopback() -> None:
+    """The conftest's guard is on: a connection elsewhere fails before any packet."""
+    with pytest.raises(AssertionError, match="tried to reach"):
+        socket.create_connection(("192.0.2.1", 443), timeout=1)  # TEST-NET-1
 
 
 def test_completion(args: dict) -> None:
