@@ -228,3 +228,31 @@ def test_add_space_prefix_key(add_space_prefix: bool, tmp_path: Path) -> None:
     for text in ("Hello", without_specials(long_text())):
         ours, theirs = tok.encode(text), [BOS] + sp.encode(text)
         assert ours == theirs, first_difference(tok, ours, theirs)
+
+
+def test_completions_add_the_files_bos(spm_files: dict[str, Any], llm: LLM) -> None:
+    """/v1/completions adds the special tokens the file asks for (``add_bos_token`` true
+    here) to a text prompt, as vLLM and llama-server do; ``add_special_tokens: false`` takes
+    the text alone, and token ids are taken as they are."""
+    from server_fixtures import ok, start_server, stop_server
+
+    text = "The tokenizer learns"
+    bare = llm.tokenizer.encode(text, add_special_tokens=False)
+    bos = llm.tokenizer.bos_token_id
+    assert bos is not None and bare[0] != bos
+    srv = start_server(spm_files["gguf"], "--kv-cache-tokens", "2048", "--plugins", "none")
+    try:
+        def prompt_tokens(body: dict[str, Any]) -> int:
+            body = {"max_tokens": 1, "temperature": 0, **body}
+            return ok(srv, "/v1/completions", body)["usage"]["prompt_tokens"]
+
+        assert prompt_tokens({"prompt": text}) == len(bare) + 1
+        assert prompt_tokens({"prompt": text, "add_special_tokens": False}) == len(bare)
+        assert prompt_tokens({"prompt": bare}) == len(bare)
+        # the first prompt token is the BOS: echo with logprobs lists the prompt's tokens
+        body = {"prompt": text, "max_tokens": 1, "echo": True, "logprobs": 0,
+                "temperature": 0}
+        first = ok(srv, "/v1/completions", body)["choices"][0]["logprobs"]["tokens"][0]
+        assert first == llm.tokenizer.convert_ids_to_tokens(bos)
+    finally:
+        stop_server(srv)

@@ -180,7 +180,8 @@ async def run_generation(serving: Serving, request: Request, chat: bool) -> Any:
             return plugins.rewrite_prompt(PromptView(prompt, params, tokenizer))
 
         prompts = await pool.run(completion_prompts, body.prompt, rewrite,
-                                 partial(pool.encode, tokenizer))
+                                 partial(pool.encode, tokenizer,
+                                         add_special_tokens=body.add_special_tokens))
     await pool.run(check_fits, prompts, params, model_info, "messages" if chat else "prompt")
     check_carryable(params)  # what the engine message cannot carry: a 400 naming where
     if params.prompt_logprobs is not None:

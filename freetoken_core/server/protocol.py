@@ -74,6 +74,10 @@ class CompletionRequest(_Sampling, kw_only=True):
     top_logprobs: Any = None  # a chat field: refused here by name
     echo: bool = False
     best_of: int | None = None
+    add_special_tokens: bool = True
+    """Add the tokenizer's special tokens to a text prompt (the BOS a GGUF's
+    ``add_bos_token`` or a tokenizer.json's post-processor asks for), as vLLM and
+    llama-server do; token-id prompts are taken as they are."""
 
 
 class ChatMessage(msgspec.Struct):

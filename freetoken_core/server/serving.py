@@ -207,8 +207,7 @@ def completion_prompts(prompt: str | list[Any],
                        rewrite: Callable[[str | list[int]], str | list[int]],
                        encode: Callable[[str], list[int]]) -> list[list[int]]:
     """One token list per prompt; each prompt goes through ``rewrite`` (the
-    ``freetoken_rewrite_prompt`` hook) before ``encode`` tokenizes it (no special tokens
-    added)."""
+    ``freetoken_rewrite_prompt`` hook) before ``encode`` tokenizes it."""
     parts = [rewrite(part) for part in split_prompt(prompt)]
     return [encode(part) if isinstance(part, str) else list(part) for part in parts]
 
