@@ -13,6 +13,7 @@ import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,3 +77,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.fspath)).parent == here:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Iterator[Any]:
+    """The official ``openai`` client on the shared server (no retries: a failure shows at
+    once)."""
+    import openai
+
+    with openai.OpenAI(base_url=base_url, api_key="sk-dummy", max_retries=0) as c:
+        yield c

@@ -92,3 +92,12 @@ def assert_arguments(arguments: str | dict[str, Any],
 def assert_person(text: str) -> Person:
     """A structured answer: JSON that parses into ``Person`` with no other key."""
     return Person.model_validate_json(text)
+
+
+# A forced call of the one declared tool, as tool_choice names it.
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def user(text: str) -> list[dict]:
+    """One user message, as the chat APIs take it."""
+    return [{"role": "user", "content": text}]

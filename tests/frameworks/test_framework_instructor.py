@@ -6,8 +6,6 @@ and a streamed partial model. ``MD_JSON`` is left out: nothing binds its free te
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import instructor
 import openai
 import pytest
@@ -18,24 +16,15 @@ from framework_checks import (
     QUESTION,
     Person,
     assert_person,
+    user,
 )
 from server_fixtures import Server
-
-
-@pytest.fixture(scope="module")
-def client(base_url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=base_url, api_key="sk-dummy", max_retries=0) as c:
-        yield c
-
-
-def _user(text: str) -> list[dict]:
-    return [{"role": "user", "content": text}]
 
 
 def test_plain_completion(client: openai.OpenAI, default_server: Server) -> None:
     patched = instructor.from_openai(client)
     out = patched.chat.completions.create(model=default_server.model, response_model=None,
-                                          messages=_user(QUESTION), max_tokens=MAX_TOKENS,
+                                          messages=user(QUESTION), max_tokens=MAX_TOKENS,
                                           temperature=0)
     assert out.choices[0].message.content
     assert out.choices[0].finish_reason in ("stop", "length")
@@ -49,7 +38,7 @@ def test_response_model(client: openai.OpenAI, default_server: Server,
                         mode: instructor.Mode, finish_reason: str) -> None:
     patched = instructor.from_openai(client, mode=mode)
     person, raw = patched.chat.completions.create_with_completion(
-        model=default_server.model, response_model=Person, messages=_user(PERSON_QUESTION),
+        model=default_server.model, response_model=Person, messages=user(PERSON_QUESTION),
         max_retries=0, max_tokens=MAX_TOKENS_STRUCTURED, temperature=0)
     assert isinstance(person, Person)
     choice = raw.choices[0]
@@ -68,7 +57,7 @@ def test_tools_request_forces_the_named_tool(client: openai.OpenAI,
     patched = instructor.from_openai(client, mode=instructor.Mode.TOOLS)
     patched.on("completion:kwargs", lambda *args, **kwargs: sent.append(kwargs))
     patched.chat.completions.create(model=default_server.model, response_model=Person,
-                                    messages=_user(PERSON_QUESTION), max_retries=0,
+                                    messages=user(PERSON_QUESTION), max_retries=0,
                                     max_tokens=MAX_TOKENS_STRUCTURED, temperature=0)
     (kwargs,) = sent
     assert kwargs["tool_choice"] == {"type": "function", "function": {"name": "Person"}}
@@ -80,7 +69,7 @@ def test_partial_stream(client: openai.OpenAI, default_server: Server,
                         mode: instructor.Mode) -> None:
     patched = instructor.from_openai(client, mode=mode)
     partials = list(patched.chat.completions.create_partial(
-        model=default_server.model, response_model=Person, messages=_user(PERSON_QUESTION),
+        model=default_server.model, response_model=Person, messages=user(PERSON_QUESTION),
         max_retries=0, max_tokens=MAX_TOKENS_STRUCTURED, temperature=0))
     assert len(partials) > 1
     last = partials[-1]

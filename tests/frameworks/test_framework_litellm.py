@@ -15,6 +15,7 @@ import pytest
 from framework_checks import (
     MAX_TOKENS,
     MAX_TOKENS_STRUCTURED,
+    NAMED,
     PERSON_QUESTION,
     QUESTION,
     WEATHER_QUESTION,
@@ -22,10 +23,9 @@ from framework_checks import (
     Person,
     assert_arguments,
     assert_person,
+    user,
 )
 from server_fixtures import Server
-
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +33,6 @@ def args(base_url: str, default_server: Server) -> dict:
     """What every call sends: the server as an OpenAI-compatible ``api_base``."""
     return {"model": f"openai/{default_server.model}", "api_base": base_url,
             "api_key": "sk-dummy", "temperature": 0, "num_retries": 0}
-
-
-def _user(text: str) -> list[dict]:
-    return [{"role": "user", "content": text}]
 
 
 def test_cost_map_is_the_bundled_one() -> None:
@@ -51,7 +47,7 @@ def test_nothing_leaves_loopback() -> None:
 
 
 def test_completion(args: dict) -> None:
-    out = litellm.completion(**args, messages=_user(QUESTION), max_tokens=MAX_TOKENS)
+    out = litellm.completion(**args, messages=user(QUESTION), max_tokens=MAX_TOKENS)
     assert isinstance(out, litellm.ModelResponse)
     (choice,) = out.choices
     assert choice.message.role == "assistant" and choice.message.content
@@ -60,17 +56,17 @@ def test_completion(args: dict) -> None:
 
 
 def test_stream_rebuilds_the_completion(args: dict) -> None:
-    full = litellm.completion(**args, messages=_user(QUESTION), max_tokens=MAX_TOKENS)
-    chunks = list(litellm.completion(**args, messages=_user(QUESTION), max_tokens=MAX_TOKENS,
+    full = litellm.completion(**args, messages=user(QUESTION), max_tokens=MAX_TOKENS)
+    chunks = list(litellm.completion(**args, messages=user(QUESTION), max_tokens=MAX_TOKENS,
                                      stream=True))
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
     assert finishes == [full.choices[0].finish_reason]
-    rebuilt = litellm.stream_chunk_builder(chunks, messages=_user(QUESTION))
+    rebuilt = litellm.stream_chunk_builder(chunks, messages=user(QUESTION))
     assert rebuilt.choices[0].message.content == full.choices[0].message.content
 
 
 def test_response_format_model(args: dict) -> None:
-    out = litellm.completion(**args, messages=_user(PERSON_QUESTION), response_format=Person,
+    out = litellm.completion(**args, messages=user(PERSON_QUESTION), response_format=Person,
                              max_tokens=MAX_TOKENS_STRUCTURED)
     choice = out.choices[0]
     assert choice.finish_reason == "stop", choice
@@ -79,7 +75,7 @@ def test_response_format_model(args: dict) -> None:
 
 @pytest.mark.parametrize("tool_choice", [NAMED, "required"], ids=["named", "required"])
 def test_forced_tool_call(args: dict, tool_choice: object) -> None:
-    out = litellm.completion(**args, messages=_user(WEATHER_QUESTION), tools=[WEATHER_TOOL],
+    out = litellm.completion(**args, messages=user(WEATHER_QUESTION), tools=[WEATHER_TOOL],
                              tool_choice=tool_choice, parallel_tool_calls=False,
                              max_tokens=MAX_TOKENS_STRUCTURED)
     choice = out.choices[0]
@@ -92,14 +88,14 @@ def test_forced_tool_call(args: dict, tool_choice: object) -> None:
 def test_forced_tool_call_streamed_async(args: dict) -> None:
     async def run() -> list:
         stream = await litellm.acompletion(
-            **args, messages=_user(WEATHER_QUESTION), tools=[WEATHER_TOOL], tool_choice=NAMED,
+            **args, messages=user(WEATHER_QUESTION), tools=[WEATHER_TOOL], tool_choice=NAMED,
             max_tokens=MAX_TOKENS_STRUCTURED, stream=True)
         return [chunk async for chunk in stream]
 
     chunks = asyncio.run(run())
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
     assert finishes == ["tool_calls"]
-    rebuilt = litellm.stream_chunk_builder(chunks, messages=_user(WEATHER_QUESTION))
+    rebuilt = litellm.stream_chunk_builder(chunks, messages=user(WEATHER_QUESTION))
     (call,) = rebuilt.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
     assert_arguments(call.function.arguments)

@@ -4,13 +4,12 @@ forced tool calls (named and ``required``), including the SDK's strict function 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import openai
 import pytest
 from framework_checks import (
     MAX_TOKENS,
     MAX_TOKENS_STRUCTURED,
+    NAMED,
     PERSON_QUESTION,
     QUESTION,
     RESIDENT_QUESTION,
@@ -22,24 +21,13 @@ from framework_checks import (
     Resident,
     assert_arguments,
     assert_person,
+    user,
 )
 from server_fixtures import Server
 
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-@pytest.fixture(scope="module")
-def client(base_url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=base_url, api_key="sk-dummy", max_retries=0) as c:
-        yield c
-
-
-def _user(text: str) -> list[dict]:
-    return [{"role": "user", "content": text}]
-
 
 def test_chat(client: openai.OpenAI, default_server: Server) -> None:
-    out = client.chat.completions.create(model=default_server.model, messages=_user(QUESTION),
+    out = client.chat.completions.create(model=default_server.model, messages=user(QUESTION),
                                          max_tokens=MAX_TOKENS, temperature=0)
     assert out.object == "chat.completion" and out.model == default_server.model
     (choice,) = out.choices
@@ -49,10 +37,10 @@ def test_chat(client: openai.OpenAI, default_server: Server) -> None:
 
 
 def test_chat_stream_ends_cleanly(client: openai.OpenAI, default_server: Server) -> None:
-    full = client.chat.completions.create(model=default_server.model, messages=_user(QUESTION),
+    full = client.chat.completions.create(model=default_server.model, messages=user(QUESTION),
                                           max_tokens=MAX_TOKENS, temperature=0)
     chunks = list(client.chat.completions.create(
-        model=default_server.model, messages=_user(QUESTION), max_tokens=MAX_TOKENS,
+        model=default_server.model, messages=user(QUESTION), max_tokens=MAX_TOKENS,
         temperature=0, stream=True, stream_options={"include_usage": True}))
     assert {c.id for c in chunks} == {chunks[0].id}
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -79,7 +67,7 @@ def test_completions_plain_and_streamed(client: openai.OpenAI,
 def test_parse_into_a_model(client: openai.OpenAI, default_server: Server) -> None:
     """``parse`` sends a strict ``json_schema`` and validates the answer into the model."""
     out = client.chat.completions.parse(
-        model=default_server.model, messages=_user(PERSON_QUESTION), response_format=Person,
+        model=default_server.model, messages=user(PERSON_QUESTION), response_format=Person,
         max_tokens=MAX_TOKENS_STRUCTURED, temperature=0)
     choice = out.choices[0]
     assert choice.finish_reason == "stop", choice
@@ -89,7 +77,7 @@ def test_parse_into_a_model(client: openai.OpenAI, default_server: Server) -> No
 
 def test_parse_streamed(client: openai.OpenAI, default_server: Server) -> None:
     with client.chat.completions.stream(
-            model=default_server.model, messages=_user(PERSON_QUESTION), response_format=Person,
+            model=default_server.model, messages=user(PERSON_QUESTION), response_format=Person,
             max_tokens=MAX_TOKENS_STRUCTURED, temperature=0) as stream:
         kinds = {event.type for event in stream}
         final = stream.get_final_completion()
@@ -102,7 +90,7 @@ def test_parse_streamed(client: openai.OpenAI, default_server: Server) -> None:
 def test_forced_tool_call(client: openai.OpenAI, default_server: Server,
                           tool_choice: object) -> None:
     out = client.chat.completions.create(
-        model=default_server.model, messages=_user(WEATHER_QUESTION), tools=[WEATHER_TOOL],
+        model=default_server.model, messages=user(WEATHER_QUESTION), tools=[WEATHER_TOOL],
         tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=MAX_TOKENS_STRUCTURED,
         temperature=0)
     choice = out.choices[0]
@@ -118,7 +106,7 @@ def test_strict_pydantic_tool_parsed(client: openai.OpenAI, default_server: Serv
     tool = openai.pydantic_function_tool(GetWeather, name="get_weather")
     assert tool["function"]["strict"] is True
     out = client.chat.completions.parse(
-        model=default_server.model, messages=_user(WEATHER_QUESTION), tools=[tool],
+        model=default_server.model, messages=user(WEATHER_QUESTION), tools=[tool],
         tool_choice=NAMED, max_tokens=MAX_TOKENS_STRUCTURED, temperature=0)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls", choice
@@ -137,7 +125,7 @@ def test_nested_model_tool(client: openai.OpenAI, default_server: Server,
     tool = openai.pydantic_function_tool(Resident)
     assert "$defs" in tool["function"]["parameters"]
     out = client.chat.completions.parse(
-        model=default_server.model, messages=_user(RESIDENT_QUESTION), tools=[tool],
+        model=default_server.model, messages=user(RESIDENT_QUESTION), tools=[tool],
         tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=MAX_TOKENS_STRUCTURED,
         temperature=0)
     choice = out.choices[0]
@@ -148,7 +136,7 @@ def test_nested_model_tool(client: openai.OpenAI, default_server: Server,
 
 def test_forced_tool_call_streamed(client: openai.OpenAI, default_server: Server) -> None:
     with client.chat.completions.stream(
-            model=default_server.model, messages=_user(WEATHER_QUESTION), tools=[WEATHER_TOOL],
+            model=default_server.model, messages=user(WEATHER_QUESTION), tools=[WEATHER_TOOL],
             tool_choice=NAMED, max_tokens=MAX_TOKENS_STRUCTURED, temperature=0) as stream:
         done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
         final = stream.get_final_completion()
@@ -165,7 +153,7 @@ def test_required_with_parallel_calls_streams_as_it_answers(client: openai.OpenA
     the Agents SDK send by default) lets the grammar take several calls (a small model
     may repeat its call until ``max_tokens``). Each call returned holds only the declared keys,
     and the streamed deltas (one ``index`` per call) rebuild the same calls."""
-    body = {"model": default_server.model, "messages": _user(WEATHER_QUESTION),
+    body = {"model": default_server.model, "messages": user(WEATHER_QUESTION),
             "tools": [WEATHER_TOOL], "tool_choice": "required", "max_tokens": 40,
             "temperature": 0}
     choice = client.chat.completions.create(**body).choices[0]
