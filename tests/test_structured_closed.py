@@ -30,7 +30,8 @@ from freetoken_plugins.structured_outputs.constraints import (
     parse_constraint,
 )
 from freetoken_plugins.structured_outputs.processor import StructuredOutputs
-from freetoken_plugins.tool_calls.plugin import Function, parameters_schema
+from freetoken_plugins.tool_calls.plugin import parameters_schema
+from freetoken_plugins.tool_calls.shapes import Function
 
 VOCAB, EOS = 672, 2
 OPEN_SCHEMA: dict[str, Any] = {

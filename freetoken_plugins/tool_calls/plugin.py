@@ -37,10 +37,9 @@ from __future__ import annotations
 import argparse
 import secrets
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import msgspec
-from msgspec import Meta
 
 from freetoken_core import hookimpl
 from freetoken_core.errors import InvalidRequest
@@ -58,6 +57,14 @@ from freetoken_plugins.tool_calls import prompting
 from freetoken_plugins.tool_calls.definitions import hoist_definitions
 from freetoken_plugins.tool_calls.families import available_parsers, detect_parser
 from freetoken_plugins.tool_calls.parsers import CallDelta, Parsed, ToolParser
+from freetoken_plugins.tool_calls.shapes import (
+    Function,
+    FunctionDelta,
+    HistoryCall,
+    NamedChoice,
+    Tool,
+    ToolCall,
+)
 
 STATE_KEY = "tool_calls"
 """The plugin's name: its key in ``params.fields`` and ``plugin_state``."""
@@ -66,61 +73,6 @@ GRAMMAR_FIELD = "structured_outputs"
 """The structured_outputs plugin's field that carries the grammar of a forced call."""
 REQUIRED_PARSER = "json"
 """The family that reads the answer of ``tool_choice: "required"`` (a JSON array)."""
-
-_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
-
-
-class Function(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
-    name: Annotated[str, Meta(pattern=_NAME)]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    """A JSON schema of the arguments object (none: the function takes no arguments)."""
-    strict: bool | None = None
-    """true: under ``required`` or a named choice the call's arguments take exactly the
-    declared keys, even under ``--structured-outputs-allow-additional-properties`` (they do
-    by default anyway); under ``auto`` calls are parsed from free text, unconstrained."""
-
-
-class Tool(msgspec.Struct, forbid_unknown_fields=True):
-    type: Literal["function"]
-    function: Function
-
-
-class ChosenFunction(msgspec.Struct, forbid_unknown_fields=True):
-    name: str
-
-
-class NamedChoice(msgspec.Struct, forbid_unknown_fields=True):
-    type: Literal["function"]
-    function: ChosenFunction
-
-
-class CalledFunction(msgspec.Struct, forbid_unknown_fields=True):
-    name: str
-    arguments: str
-    """The arguments object as JSON text, as OpenAI sends it."""
-
-
-class HistoryCall(msgspec.Struct, forbid_unknown_fields=True):
-    id: str
-    type: Literal["function"]
-    function: CalledFunction
-
-
-class FunctionDelta(msgspec.Struct, omit_defaults=True):
-    name: str | msgspec.UnsetType = msgspec.UNSET
-    arguments: str | msgspec.UnsetType = msgspec.UNSET
-
-
-class ToolCall(msgspec.Struct, omit_defaults=True):
-    """A call in a message (``id``, ``type``, ``function``) or a stream delta (``index``,
-    then ``id``/``type``/``function.name`` on its first delta only)."""
-
-    index: int | msgspec.UnsetType = msgspec.UNSET
-    id: str | msgspec.UnsetType = msgspec.UNSET
-    type: str | msgspec.UnsetType = msgspec.UNSET
-    function: FunctionDelta | msgspec.UnsetType = msgspec.UNSET
-
 
 @dataclass
 class _Options:
