@@ -73,10 +73,33 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                         metavar="JSON",
                         help="a JSON object of generation-config keys that win over the "
                              "file's, key by key, e.g. '{\"temperature\": 0.5}'")
+    _add_parallel_options(parser)
     from freetoken_core.plugins import PluginManager
 
     # Every installed plugin's own options (freetoken_add_cli_options), one group each.
     PluginManager().add_cli_options(parser)
+
+
+def _add_parallel_options(parser: argparse.ArgumentParser) -> None:
+    """Tensor parallelism's flags, vLLM's names (docs/operations.md, "Past one machine")."""
+    group = parser.add_argument_group("tensor parallelism")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                       help="split the model over N ranks, one process each (default: 1)")
+    group.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+                       help="mp: rank 0 starts its node's ranks, other nodes run "
+                            "--headless; ray: one actor per rank on the running Ray cluster "
+                            "(default: mp)")
+    group.add_argument("--nnodes", type=int, default=1, metavar="N",
+                       help="nodes the ranks are spread over with mp (default: 1)")
+    group.add_argument("--node-rank", type=int, default=0, metavar="I",
+                       help="this node's index; 0 serves HTTP (default: 0)")
+    group.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
+                       help="rank 0's address for the group to meet (default: 127.0.0.1)")
+    group.add_argument("--master-port", type=int, default=0, metavar="PORT",
+                       help="its port; 0 picks a free one on one node (default: 0)")
+    group.add_argument("--distributed-timeout", type=float, default=60.0, metavar="S",
+                       help="seconds a rank waits for the others in one step or for the "
+                            "group to form before the group counts as broken (default: 60)")
 
 
 def _add_limit_options(serve: argparse.ArgumentParser) -> None:
@@ -122,6 +145,13 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "generation_config": args.generation_config,
         "override_generation_config": args.override_generation_config or {},
         "chat_template": args.chat_template,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "distributed_executor_backend": args.distributed_executor_backend,
+        "nnodes": args.nnodes,
+        "node_rank": args.node_rank,
+        "master_addr": args.master_addr,
+        "master_port": args.master_port,
+        "distributed_timeout": args.distributed_timeout,
     }
 
 
@@ -245,6 +275,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     _set_log_level(args.log_level)
     engine_config = EngineConfig(model=args.model, **_engine_options(args))
+    if args.headless:
+        from freetoken_core.engine.tensor_parallel import run_headless
+
+        return run_headless(engine_config)
     # A bad --plugins, or an option a plugin refuses, fails here.
     PluginManager(engine_config.plugins, engine_config.plugin_options).enabled  # noqa: B018
     failures: list[str] = []
@@ -331,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("--headless", action="store_true",
+                       help="serve no HTTP: run this node's tensor-parallel ranks for the "
+                            "group whose rank 0 is at --master-addr (--node-rank >= 1)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, metavar="NAME",

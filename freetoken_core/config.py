@@ -86,6 +86,25 @@ class EngineConfig:
     needs a CPU with AVX-512 VNNI); ``auto`` (default) takes int24 where the CPU has it,
     else float32. Opt-in, not exact: ``q8`` (llama.cpp's arithmetic: activations quantized
     to 8 bits per block of 32; bench/q8_quality.py measures it)."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (``sharding``): one process each, rank 0 the engine's;
+    docs/operations.md's "Past one machine"."""
+    distributed_executor_backend: str = "mp"
+    """How the other ranks start: ``mp`` (processes started by rank 0 on its node; the
+    ranks of other nodes by ``freetoken serve --headless`` there) or ``ray`` (one Ray
+    actor per rank in a placement group of the running Ray cluster)."""
+    nnodes: int = 1
+    """Nodes the ranks are spread over (``mp``); ``tensor_parallel_size / nnodes`` ranks
+    each."""
+    node_rank: int = 0
+    """This node's index (0: the node that serves HTTP)."""
+    master_addr: str = "127.0.0.1"
+    """Where rank 0's rendezvous listens (``torch.distributed``'s TCP store)."""
+    master_port: int = 0
+    """Its port; 0 picks a free one (one node only)."""
+    distributed_timeout: float = 60.0
+    """Seconds a rank waits for another in one collective (or for the group to form)
+    before the group counts as broken; a rank that dies is noticed within a second."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
@@ -105,6 +124,16 @@ class EngineConfig:
         check(self.block_size >= 1, "block_size", "must be >= 1")
         check(self.kv_cache_tokens >= self.block_size, "kv_cache_tokens",
               "must hold at least one block")
+        check(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        check(self.distributed_executor_backend in ("mp", "ray"),
+              "distributed_executor_backend", "must be mp or ray")
+        check(self.nnodes >= 1 and self.tensor_parallel_size % self.nnodes == 0, "nnodes",
+              "must be >= 1 and divide tensor_parallel_size")
+        check(0 <= self.node_rank < self.nnodes, "node_rank", "must be in 0..nnodes-1")
+        check(0 <= self.master_port < 65536, "master_port", "must be a port (0: a free one)")
+        check(self.nnodes == 1 or self.master_port > 0, "master_port",
+              "must be given when nnodes > 1")
+        check(self.distributed_timeout > 0, "distributed_timeout", "must be > 0")
         if isinstance(self.generation_config, os.PathLike):
             object.__setattr__(self, "generation_config", os.fspath(self.generation_config))
         if self.override_generation_config is None:

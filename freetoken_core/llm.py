@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 from freetoken_core.config import EngineConfig
 from freetoken_core.engine.llm_engine import LLMEngine
@@ -35,12 +35,25 @@ class LLM:
     to the fields a ``SamplingParams`` leaves unset (``SamplingParams()`` sets none;
     ``SamplingParams(temperature=1.0)`` sets the temperature); ``engine.generation_defaults``
     shows them. A bad default raises ``GenerationConfigError`` here.
+    ``tensor_parallel_size=N`` splits the model over N processes (``close()`` or a ``with``
+    block stops them).
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         progress = engine_options.pop("progress", True)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options), progress=progress)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the other ranks of a ``tensor_parallel_size > 1`` engine (they also die
+        with this process); nothing otherwise."""
+        self.engine.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:

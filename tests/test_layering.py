@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("contract", ("sampling_params", "processors", "hookspecs", "plugins", "outputs",
                   "history")),
     ("kernels", ("kernels",)),
+    ("distributed", ("distributed",)),
     ("models", ("models",)),
     ("engine", ("engine",)),
     ("server", ("server",)),

@@ -16,6 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from freetoken_core.config import EngineLimits
+from freetoken_core.distributed.comm import CommunicationError
 from freetoken_core.engine.model_runner import ModelRunner
 from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.sampler import INVALID_TOKEN, NO_TOKEN
@@ -273,6 +274,8 @@ class EngineCore:
     def _run(self, batch: ScheduledBatch) -> list[SeqUpdate]:
         try:
             result = self.runner.execute(batch)
+        except CommunicationError:
+            raise  # a broken tensor-parallel group: the engine process ends (process.py)
         except Exception as exc:  # fails this step's requests, not the engine
             log.error("the model step failed", exc_info=exc)
             error = RequestError("model", f"the model step failed: {type(exc).__name__}: {exc}")

@@ -18,11 +18,14 @@ from freetoken_core.engine.model_runner import ModelRunner
 from freetoken_core.engine.output_processor import RequestState
 from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.scheduler import Scheduler
+from freetoken_core.engine.tensor_parallel import TensorParallelGroup, start_group
 from freetoken_core.errors import InvalidRequest, ModelLoadError
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models.config import ModelConfig
+from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.loader import load_model, return_freed_memory
 from freetoken_core.models.resolve import gguf_source, resolve_model
+from freetoken_core.models.sharding import Shard
 from freetoken_core.outputs import RequestOutput
 from freetoken_core.plugins import PluginManager
 from freetoken_core.processors import ModelInfo, ProcessorContext, PromptView
@@ -70,6 +73,8 @@ class EngineParts:
     limits: EngineLimits
     generation_defaults: GenerationDefaults
     """What requests that leave a field unset get (``--generation-config``)."""
+    group: TensorParallelGroup | None = None
+    """The other ranks of a tensor-parallel engine (``close()`` them when done)."""
 
 
 def build_engine(config: EngineConfig, progress: bool = True,
@@ -95,8 +100,38 @@ def build_engine(config: EngineConfig, progress: bool = True,
     defaults = generation_defaults.resolve(generation_config, plugins, model_info)
     pipeline = ProcessorPipeline(plugins.processor_classes(), ProcessorContext(
         config.max_num_seqs, model_info, device, tokenizer, plugins.options, plugins.hook))
-    model = load_model(model_dir, dtype, device, limits.max_model_len,
-                       gguf_source(config.model), int24=wants_int24(config))
+    group = start_group(config) if config.tensor_parallel_size > 1 else None
+    try:
+        model = load_engine_model(config, model_dir, limits,
+                                  None if group is None else group.shard)
+        runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size, dtype, device,
+                             pipeline)
+        if group is not None:
+            group.wait_ready()
+            runner.send_plan = group.send_plan
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
+    block_manager = BlockManager(limits.num_kv_blocks, limits.block_size,
+                                 config.enable_prefix_caching)
+    # The core keeps processor state in step with the scheduler's slots (and fails a
+    # request whose plugin raises while it is admitted).
+    scheduler = Scheduler(
+        block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+        on_admit=lambda seq: core.admit(seq), on_release=lambda seq: core.release(seq))
+    core = EngineCore(runner, scheduler, limits, pipeline, plugins.stop_hooks())
+    return EngineParts(core, tokenizer, model_info, plugins, model_dir, model_config, limits,
+                       defaults, group)
+
+
+def load_engine_model(config: EngineConfig, model_dir: Path, limits: EngineLimits,
+                      shard: Shard | None = None) -> LlamaForCausalLM:
+    """``config``'s model (this rank's part of it where ``shard`` is given), its linears
+    switched to the activations ``config`` asks for."""
+    device = config.torch_device()
+    model = load_model(model_dir, config.torch_dtype(device), device, limits.max_model_len,
+                       gguf_source(config.model), int24=wants_int24(config), shard=shard)
     if config.activations == "q8":
         model.use_q8_activations()
     elif config.activations in ("auto", "int24"):
@@ -107,18 +142,7 @@ def build_engine(config: EngineConfig, progress: bool = True,
                 "--activations int24 needs a GGUF model with Q4_1/Q8_0 weights, dtype "
                 "float32, on a CPU with AVX-512 VNNI and the native kernels "
                 f"(here: GGUF blocks {model.uses_gguf_blocks}, native {model.native})")
-    runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size, dtype, device,
-                         pipeline)
-    block_manager = BlockManager(limits.num_kv_blocks, limits.block_size,
-                                 config.enable_prefix_caching)
-    # The core keeps processor state in step with the scheduler's slots (and fails a
-    # request whose plugin raises while it is admitted).
-    scheduler = Scheduler(
-        block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-        on_admit=lambda seq: core.admit(seq), on_release=lambda seq: core.release(seq))
-    core = EngineCore(runner, scheduler, limits, pipeline, plugins.stop_hooks())
-    return EngineParts(core, tokenizer, model_info, plugins, model_dir, model_config, limits,
-                       defaults)
+    return model
 
 
 def wants_int24(config: EngineConfig) -> bool:
@@ -154,7 +178,15 @@ class LLMEngine:
         self.core = parts.core
         self.generation_defaults = parts.generation_defaults
         self.generation_defaults.log(log)
+        self.group = parts.group
         self._requests: dict[str, RequestState] = {}
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing otherwise); the engine
+        cannot step afterwards. They also die with this process."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False)

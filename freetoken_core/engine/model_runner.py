@@ -3,8 +3,10 @@ logprobs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from freetoken_core import hugepages
@@ -57,6 +59,33 @@ class _Scoring:
             self.seqs.append((seq, hi - lo))
 
 
+class StepPlan(msgspec.Struct, array_like=True):
+    """A step's model inputs: what ``run_plan`` computes, and what rank 0 sends the other
+    ranks of a tensor-parallel group each step (lists of ints, not sequences)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    block_tables: list[list[int]]
+    context_lens: list[int]
+    query_lens: list[int]
+    """Per sequence, in step order (decodes first): its cache blocks, keys after the step,
+    and tokens in the step."""
+    logits_rows: list[list[int] | None]
+    """The hidden-state rows of each ``compute_logits`` call, in order (``None``: all)."""
+
+
+def run_plan(model: LlamaForCausalLM, kv_caches: torch.Tensor, plan: StepPlan,
+             block_size: int, device: torch.device) -> list[torch.Tensor]:
+    """Run ``plan``'s forward pass and its logits calls; the logits of each call, in order
+    (on the other ranks of a tensor-parallel group: empty ones)."""
+    meta = AttentionMetadata.build(plan.block_tables, plan.context_lens, plan.query_lens,
+                                   block_size, device, native=model.native)
+    ids, pos = torch.tensor([plan.input_ids, plan.positions], dtype=torch.long, device=device)
+    hidden = model.forward(ids, pos, kv_caches, meta)
+    return [model.compute_logits(hidden if rows is None else hidden[
+        torch.tensor(rows, dtype=torch.long, device=device)]) for rows in plan.logits_rows]
+
+
 class ModelRunner:
     """Builds a step's flat inputs from the scheduled batch, runs the model, samples, and
     scores the prompt positions of the sequences that collect prompt logprobs (and only
@@ -73,13 +102,15 @@ class ModelRunner:
         # zeros, not empty: padded decode rows read stale slots under a mask, and NaN
         # garbage would poison the masked softmax.
         # [layer, slot, key/value, kv head, head dim]: a slot's key and value are adjacent.
-        shape = (cfg.num_layers, num_slots, 2, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, num_slots, 2, model.num_kv_heads, cfg.head_dim)
         if device.type == "cpu":
             # In huge pages: attention reads each sequence's cache blocks wherever they lie.
             self.kv_caches = hugepages.zeros(shape, dtype)
         else:
             self.kv_caches = torch.zeros(shape, dtype=dtype, device=device)
         self.sampler = Sampler(pipeline)
+        self.send_plan: Callable[[StepPlan], None] | None = None
+        """Tensor parallelism: hands each step's plan to the other ranks before it runs."""
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
@@ -105,35 +136,36 @@ class ModelRunner:
                 else:
                     sample_rows.append(len(input_ids) - 1)
                     sampling.append(seq)
-        meta = AttentionMetadata.build(
-            [s.block_table for s in seqs],
-            [s.num_computed_tokens + n for s, n in zip(seqs, counts)],
-            counts, self.block_size, self.device, native=self.model.native)
-        ids, pos = torch.tensor([input_ids, positions], dtype=torch.long, device=self.device)
-        hidden = self.model.forward(ids, pos, self.kv_caches, meta)
-        prompt_logprobs = self._score_prompts(hidden, scoring) if scoring.seqs else []
+        logits_rows: list[list[int] | None] = [
+            scoring.rows[i:i + PROMPT_LOGPROBS_ROWS]
+            for i in range(0, len(scoring.rows), PROMPT_LOGPROBS_ROWS)]
+        if sampling:  # every row samples (decoding): all of the hidden states
+            logits_rows.append(None if len(sample_rows) == len(input_ids) else sample_rows)
+        plan = StepPlan(input_ids, positions, [s.block_table for s in seqs],
+                        [s.num_computed_tokens + n for s, n in zip(seqs, counts)], counts,
+                        logits_rows)
+        if self.send_plan is not None:
+            self.send_plan(plan)
+        logits = run_plan(self.model, self.kv_caches, plan, self.block_size, self.device)
+        prompt_logprobs = (self._score_prompts(logits[:len(logits) - bool(sampling)], scoring)
+                           if scoring.seqs else [])
         if not sampling:
             return StepResult([], SamplerOutput([], []), prefilled, prompt_logprobs)
-        if len(sample_rows) == len(input_ids):  # every row samples (decoding): all of hidden
-            logits = self.model.compute_logits(hidden)
-        else:
-            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
-        output = self.sampler(logits, SamplingBatch.from_seqs(sampling, self.device))
+        output = self.sampler(logits[-1], SamplingBatch.from_seqs(sampling, self.device))
         return StepResult(sampling, output, prefilled, prompt_logprobs)
 
-    def _score_prompts(self, hidden: torch.Tensor, scoring: _Scoring
+    def _score_prompts(self, chunks: list[torch.Tensor], scoring: _Scoring
                        ) -> list[tuple[Sequence, PromptLogprobs]]:
         """Logprob, rank and top alternatives of each scored row's next prompt token, from
-        float32 log-softmax over ``PROMPT_LOGPROBS_ROWS`` rows at a time."""
+        float32 log-softmax over the logits of ``PROMPT_LOGPROBS_ROWS`` rows at a time
+        (``chunks``)."""
         num_top = max(seq.params.prompt_logprobs or 0 for seq, _ in scoring.seqs)
         scored = PromptLogprobs()
-        for i in range(0, len(scoring.rows), PROMPT_LOGPROBS_ROWS):
-            rows = torch.tensor(scoring.rows[i:i + PROMPT_LOGPROBS_ROWS], dtype=torch.long,
-                                device=self.device)
+        for i, chunk in zip(range(0, len(scoring.rows), PROMPT_LOGPROBS_ROWS), chunks):
+            rows = scoring.rows[i:i + PROMPT_LOGPROBS_ROWS]
             targets = torch.tensor(scoring.targets[i:i + PROMPT_LOGPROBS_ROWS],
                                    dtype=torch.long, device=self.device).unsqueeze(1)
-            lp = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)  # float32
+            lp = chunk.log_softmax(dim=-1)  # float32
             chosen = lp.gather(1, targets)
             scored.logprobs.extend(chosen.squeeze(1).tolist())
             scored.ranks.extend(((lp > chosen).sum(dim=-1) + 1).tolist())

@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import logging
 import signal
+import sys
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ import msgspec
 
 from freetoken_core.affinity import CpuPlan, pin_engine_threads
 from freetoken_core.config import EngineConfig
+from freetoken_core.distributed.comm import CommunicationError
 from freetoken_core.engine.generation_defaults import GenerationDefaults
 from freetoken_core.errors import FreeTokenError, InvalidRequest
 from freetoken_core.faults import RequestError
@@ -247,6 +249,13 @@ class _Engine:
                 continue
             try:
                 updates = self.core.step()
+            except CommunicationError as exc:  # the group cannot step again: end here
+                log.error("the tensor-parallel group broke (%s); failing every live request "
+                          "and stopping the engine", exc)
+                self.core.fail_all(RequestError("engine", f"a tensor-parallel rank failed: {exc}"))
+                for request_id, error in self.core.take_failures():
+                    self.send(RequestFailed.of(request_id, error))
+                raise
             except Exception as exc:  # a bug in the step: fail what is live
                 log.error("the engine step failed; failing every live request", exc_info=exc)
                 updates = []
@@ -288,7 +297,7 @@ def run_engine_process(config: EngineConfig, conn_in: Connection, conn_out: Conn
     # collector's way, a full collection no longer stalls a step for a few hundred ms.
     gc.collect()
     gc.freeze()
-    if cpu_plan is not None:
+    if cpu_plan is not None and parts.group is None:  # a group's ranks pinned themselves
         try:
             pin_engine_threads(cpu_plan)
         except OSError as exc:  # e.g. a CPU taken away meanwhile: serve unpinned
@@ -300,3 +309,8 @@ def run_engine_process(config: EngineConfig, conn_in: Connection, conn_out: Conn
         engine.loop()
     except (EOFError, BrokenPipeError, OSError):
         pass  # the server went away: nothing left to serve
+    except CommunicationError:
+        sys.exit(1)  # the supervisor starts a new engine and group
+    finally:
+        if parts.group is not None:
+            parts.group.close()

@@ -33,6 +33,7 @@ from freetoken_core.models.layers import (
 )
 from freetoken_core.models.linear import BlockArena
 from freetoken_core.models.llama import DecoderLayer, LlamaForCausalLM, Weights
+from freetoken_core.models.sharding import Shard
 
 
 def norm_weight(w: torch.Tensor) -> torch.Tensor:
@@ -86,8 +87,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     layer_class = Gemma3DecoderLayer
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int) -> None:
-        super().__init__(cfg, weights, max_positions)  # self.rotary: the global layers'
+    def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
+                 shard: Shard | None = None) -> None:
+        super().__init__(cfg, weights, max_positions, shard)  # self.rotary: the global layers'
         dtype, device = self.embedding.dtype, self.embedding.device
         self.norm = norm_weight(self.norm)
         # transformers: torch.tensor(sqrt(hidden)) (float32), cast to the weights' dtype.

@@ -6,7 +6,7 @@ blocks, and ``Linear`` itself (GGUF blocks, oneDNN-packed float32, or ``F.linear
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -261,6 +261,7 @@ class Embedding:
                  blocks: tuple[int, torch.Tensor] | None = None) -> None:
         self.blocks = None
         self.weight = None
+        self.vocab_start, self.reduce = 0, None  # shard()
         if isinstance(weight, GGUFWeight) and USE_GGUF_BLOCKS and computes_natively(weight):
             self.num_embeddings, self.embedding_dim = weight.shape
             self.blocks = blocks or (kernel_type(weight.qtype), kernel_blocks(
@@ -280,12 +281,27 @@ class Embedding:
         if self.blocks is not None:
             self.blocks = (self.blocks[0], self.blocks[1].clone())
 
+    def shard(self, start: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Tensor parallelism: this embedding holds the rows of tokens ``start:start +
+        num_embeddings``; a token outside them embeds as zeros, and ``reduce`` (the sum over
+        the ranks) makes every token's row whole (``sharding``)."""
+        self.vocab_start, self.reduce = start, reduce
+
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = None
+        if self.reduce is not None:
+            ids = ids - self.vocab_start
+            outside = (ids < 0) | (ids >= self.num_embeddings)
+            ids = ids.masked_fill(outside, 0)
         if self.blocks is not None:
             qtype, blocks = self.blocks
-            return torch.ops.freetoken.gguf_embedding_blocks(
+            out = torch.ops.freetoken.gguf_embedding_blocks(
                 ids.reshape(-1).contiguous(), blocks, qtype, self.embedding_dim)
-        return F.embedding(ids, self.weight)
+        else:
+            out = F.embedding(ids, self.weight)
+        if outside is None:
+            return out
+        return self.reduce(out.masked_fill_(outside.reshape(-1, 1), 0))
 
 
 
@@ -323,6 +339,9 @@ class Linear:
         self.blocks = None
         self.packed = False
         self.weight = None
+        self.post: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Applied to every output (tensor parallelism's all-reduce or gather:
+        ``sharding``)."""
         if weight is not None:
             self.out_features, self.in_features = weight.shape
         elif blocks[0] == KIND_PARTS:
@@ -345,6 +364,10 @@ class Linear:
             self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._compute(x)
+        return out if self.post is None else self.post(out)
+
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None:
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
             qtype, blocks = self.blocks

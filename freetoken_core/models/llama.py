@@ -12,6 +12,7 @@ could be built (``freetoken_core/kernels``), else as torch operators.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from freetoken_core.models.linear import (
     make_linear,
     narrow_scales,
 )
+from freetoken_core.models.sharding import Shard, all_reduce, gather_logits, shard_weights
 
 # Weights by Hugging Face name: float tensors, or GGUFWeight blocks (gguf_weights).
 Weights = dict[str, Any]
@@ -119,12 +121,20 @@ class LlamaForCausalLM:
 
     layer_class: type[DecoderLayer] = DecoderLayer  # a subclass's blocks (gemma3.py)
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
+                 shard: Shard | None = None) -> None:
         """``weights`` by Hugging Face name: float tensors (a safetensors checkpoint), or
         ``GGUFWeight`` blocks for 2-d weights (a GGUF file read in place; the loader hands
         them over only in float32 on CPU with the native kernels), which the linears keep
-        as blocks. Consumed: the dict is empty afterwards."""
+        as blocks. Consumed: the dict is empty afterwards. ``shard``: this rank's part of a
+        tensor-parallel model (``sharding``; ``forward`` then runs in step with the other
+        ranks and ``compute_logits`` gives the whole vocabulary on rank 0 only)."""
         self.config = cfg
+        layer_cfg, vocab_range = cfg, (0, cfg.vocab_size)
+        if shard is not None:
+            layer_cfg, vocab_range = shard_weights(cfg, weights, shard)
+        self.num_kv_heads = layer_cfg.num_kv_heads
+        """KV heads of this rank's blocks (its KV cache's)."""
         embed = weights.pop("model.embed_tokens.weight")
         head = weights.pop("lm_head.weight", None)
         if head is None or cfg.tie_word_embeddings:
@@ -139,8 +149,8 @@ class LlamaForCausalLM:
         self.native = (self.embedding.device.type == "cpu"
                        and self.embedding.dtype in (torch.float32, torch.bfloat16)
                        and cpu_kernels_available())
-        self.layers = [self.layer_class(cfg, weights, f"model.layers.{i}.", self.native, arena)
-                       for i in range(cfg.num_layers)]
+        self.layers = [self.layer_class(layer_cfg, weights, f"model.layers.{i}.", self.native,
+                                        arena) for i in range(cfg.num_layers)]
         self.norm = weights.pop("model.norm.weight")
         self.uses_gguf_blocks = arena is not None
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
@@ -151,7 +161,21 @@ class LlamaForCausalLM:
             raise ValueError(f"unused weights in checkpoint: {leftover[:5]}")
         if arena is None:
             self.pack_blocks()
+        if shard is not None:
+            self.join_ranks(shard, vocab_range[0])
         self.set_all_layers_args()
+
+    def join_ranks(self, shard: Shard, vocab_start: int) -> None:
+        """Tensor parallelism's communication (``sharding``): the o and down projections'
+        partial sums and the embedding's rows all-reduced, the head's logits gathered on
+        rank 0. The blocks leave the one-call native path, which has no room for them."""
+        reduce = functools.partial(all_reduce, shard)
+        for layer in self.layers:
+            layer.one_call = None
+            layer.o_proj.post = layer.down_proj.post = reduce
+        self.embedding.shard(vocab_start, reduce)
+        self.lm_head.post = functools.partial(gather_logits, shard,
+                                              vocab_size=self.config.vocab_size)
 
     def pack_blocks(self) -> None:
         """Every linear's GGUF blocks moved into one buffer in huge pages (``hugepages``):

@@ -18,6 +18,7 @@ from freetoken_core.models.gguf_metadata import architecture, open_header
 from freetoken_core.models.gguf_weights import GGUFWeight, q4_k_as_q4_1, read_gguf_weights
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.registry import model_class
+from freetoken_core.models.sharding import Shard
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -47,20 +48,21 @@ def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
                max_positions: int, gguf_path: Path | None = None,
-               int24: bool = False) -> LlamaForCausalLM:
+               int24: bool = False, shard: Shard | None = None) -> LlamaForCausalLM:
     """The model described by ``model_dir``'s config.json, its weights from ``gguf_path``
     where given (the GGUF file, read in place: in float32 on CPU with the native kernels the
     linears keep its blocks; elsewhere each weight is dequantized to ``dtype`` as it is
     read), else from ``model_dir``'s safetensors. ``int24``: the linears will use the int24
     kernel (``use_int24_activations``), so Q4_K weights are read as Q4_1 blocks of the same
-    values (``q4_k_as_q4_1``), which it computes."""
+    values (``q4_k_as_q4_1``), which it computes. ``shard``: only this tensor-parallel
+    rank's part of the weights is kept (``sharding``)."""
     cfg = ModelConfig.from_dir(model_dir)
     if gguf_path is None:
         weights = read_weights(model_dir, dtype, device)
     else:
         weights = gguf_weights(gguf_path, cfg, dtype, device, int24)
     try:
-        model = model_class(cfg)(cfg, weights, max_positions)
+        model = model_class(cfg)(cfg, weights, max_positions, shard)
     except KeyError as exc:
         source = gguf_path or model_dir
         raise ModelLoadError(f"checkpoint {source} lacks weight {exc}") from exc

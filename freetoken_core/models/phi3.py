@@ -34,6 +34,7 @@ from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.llama import LlamaForCausalLM, Weights
+from freetoken_core.models.sharding import Shard
 
 
 def split_rows(weight: Any, sizes: list[int]) -> list[Any]:
@@ -147,12 +148,14 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3 as Llama (module docstring); ``forward`` and ``compute_logits`` as
     ``LlamaForCausalLM``'s."""
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
+                 shard: Shard | None = None) -> None:
         rot = rotary_dim(cfg)
         for i in range(cfg.num_layers):
             unfuse_layer(weights, f"model.layers.{i}.", cfg, rot)
         # Llama's rotation tables know no longrope: built without it, then replaced.
-        super().__init__(dataclasses.replace(cfg, rope_scaling=None), weights, max_positions)
+        super().__init__(dataclasses.replace(cfg, rope_scaling=None), weights, max_positions,
+                         shard)
         self.config = cfg
         self.rotary = phi3_rope(cfg, max_positions, rot, self.embedding.dtype,
                                 self.embedding.device)
