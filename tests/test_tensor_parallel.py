@@ -5,12 +5,17 @@ default model and random Qwen3- and Gemma3-shaped models as HF directories and G
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
 from gguf_models import write_gguf
+from server_fixtures import free_port
 from test_model_exactness import PROMPTS
 from tiny_models import make_tiny_model
 
@@ -82,3 +87,61 @@ def test_hf_dir_tp2_equals_tp1(arch: str, tmp_path: Path) -> None:
 def test_gguf_tp2_equals_tp1(arch: str, tmp_path: Path) -> None:
     path = write_gguf(tmp_path / f"{arch}.gguf", arch, ff=256)
     _check_tp_equals_one_rank(str(path))
+
+
+def test_two_nodes_over_mp(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Two "nodes" on 127.0.0.1: node 1 runs ``freetoken serve --headless``, node 0 the
+    engine; the ranks meet at --master-port over gloo (no shared memory between nodes)."""
+    port = free_port()
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+             "--master-port", str(port), "--kv-cache-tokens", "4096"]
+    log = (tmp_path / "headless.log").open("w")
+    headless = subprocess.Popen(
+        [sys.executable, "-m", "freetoken_core.cli", "serve", "--model", str(tiny_model_dir),
+         "--headless", "--node-rank", "1", *flags], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with LLM(str(tiny_model_dir), kv_cache_tokens=4096, progress=False) as llm:
+            prompts = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+            one = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        with LLM(str(tiny_model_dir), tensor_parallel_size=2, nnodes=2, master_port=port,
+                 kv_cache_tokens=4096, progress=False) as llm:
+            two = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        assert two == one
+        assert headless.poll() is None, "the headless node stopped with the group"
+    finally:
+        headless.send_signal(signal.SIGTERM)
+        assert headless.wait(15) == 0, (tmp_path / "headless.log").read_text()
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if str(port) in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A local Ray cluster (``ray start --head``) for the module; its address."""
+    ray_bin = Path(sys.executable).parent / "ray"
+    if not ray_bin.exists():
+        pytest.skip("Ray is not installed (pip install ray)")
+    port = free_port()
+    temp = tmp_path_factory.mktemp("ray")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    subprocess.run([str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2",
+                    "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats"],
+                   check=True, env=env, capture_output=True, timeout=120)
+    yield f"127.0.0.1:{port}"
+    import ray
+
+    ray.shutdown()  # this process's driver, before its cluster goes
+    subprocess.run([str(ray_bin), "stop", "--force"], check=False, env=env, capture_output=True,
+                   timeout=60)
+
+
+def test_ray_actors_run_the_other_ranks(ray_head: str, tiny_model_dir: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAY_ADDRESS", ray_head)
+    with LLM(str(tiny_model_dir), kv_cache_tokens=4096, progress=False) as llm:
+        prompts = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+        one = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    with LLM(str(tiny_model_dir), tensor_parallel_size=2, distributed_executor_backend="ray",
+             kv_cache_tokens=4096, progress=False) as llm:
+        two = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert two == one
