@@ -1,0 +1,1 @@
+"""Tensor parallelism across processes: ``comm`` is how the ranks talk (issue #32)."""
