@@ -154,6 +154,9 @@ class Stats(msgspec.Struct, tag=True):
     step_bucket_counts: list[int] = []
     num_decode_steps: int = 0
     decode_step_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    """Tensor parallelism: rank 0's time in the group's collectives (``CommTimes``)."""
+    num_comm_calls: int = 0
 
 
 ToEngine = AddRequest | AbortRequest | StopSequence | StatsQuery | Shutdown
@@ -209,6 +212,11 @@ class _Engine:
     def send(self, message: FromEngine) -> None:
         self.conn_out.send_bytes(self.encoder.encode(message))
 
+    def comm_times(self) -> tuple[float, int]:
+        group = self.parts.group
+        return (0.0, 0) if group is None else (group.shard.times.seconds,
+                                               group.shard.times.calls)
+
     def handle(self, message: Any) -> None:
         if type(message).__name__ == "AddRequest":
             try:
@@ -235,7 +243,8 @@ class _Engine:
                             self.core.num_requests, scheduler.block_manager.num_used_blocks,
                             scheduler.block_manager.num_blocks, self.num_aborted,
                             times.count, times.seconds, list(times.bucket_counts),
-                            times.decode_count, times.decode_seconds))
+                            times.decode_count, times.decode_seconds,
+                            *self.comm_times()))
         elif isinstance(message, Shutdown):
             self.running = False
 

@@ -139,7 +139,10 @@ class TensorParallelGroup:
                                  ) from exc
 
     def send_plan(self, plan: StepPlan) -> None:
+        start = time.perf_counter()
         self.comm.broadcast_bytes(self._encoder.encode(plan))
+        self.shard.times.seconds += time.perf_counter() - start
+        self.shard.times.calls += 1
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the other ranks (tell them, then wait, then kill) and leave the group."""

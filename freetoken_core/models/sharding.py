@@ -27,7 +27,8 @@ in the last bits (greedy tokens are compared in the tests).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,15 @@ from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.gguf_weights import GGUF_TYPES, Q4_1_WIDE
 
 
+@dataclass
+class CommTimes:
+    """Wall time this rank spent in the group's collectives (waiting for the slowest rank
+    included), and how many: the cost of tensor parallelism (``/internal/stats``)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+
 @dataclass(frozen=True)
 class Shard:
     """This process's part of a tensor-parallel group: ``comm`` has ``all_reduce`` and
@@ -46,6 +56,7 @@ class Shard:
     rank: int
     world_size: int
     comm: Any
+    times: CommTimes = field(default_factory=CommTimes)
 
 
 @dataclass(frozen=True)
@@ -183,7 +194,10 @@ def gather_logits(shard: Shard, logits: torch.Tensor, vocab_size: int) -> torch.
     if logits.shape[1] < widest:
         padded = torch.zeros(logits.shape[0], widest, dtype=logits.dtype, device=logits.device)
         padded[:, :logits.shape[1]] = logits
+    start = time.perf_counter()
     parts = shard.comm.gather_to_first(padded.contiguous())
+    shard.times.seconds += time.perf_counter() - start
+    shard.times.calls += 1
     if parts is None:
         return logits[:, :0]
     return torch.cat([part[:, :b - a] for part, (a, b) in zip(parts, ranges)], dim=1)
@@ -191,5 +205,8 @@ def gather_logits(shard: Shard, logits: torch.Tensor, vocab_size: int) -> torch.
 
 def all_reduce(shard: Shard, x: torch.Tensor) -> torch.Tensor:
     """``x`` summed over the ranks, in place."""
+    start = time.perf_counter()
     shard.comm.all_reduce(x)
+    shard.times.seconds += time.perf_counter() - start
+    shard.times.calls += 1
     return x
