@@ -271,7 +271,7 @@ def test_no_segment_is_left_in_dev_shm_after_close_even_over_a_stale_one() -> No
 
 
 def test_broadcast_bytes_refuses_a_message_past_the_maximum() -> None:
-    comm = init_communicator(0, 1, "127.0.0.1", _free_port(), torch.device("cpu"), True)
+    comm = _alone()
     try:
         with pytest.raises(ValueError, match="at most"):
             comm.broadcast_bytes(bytes(MAX_MESSAGE_BYTES + 1))
@@ -280,6 +280,57 @@ def test_broadcast_bytes_refuses_a_message_past_the_maximum() -> None:
         assert comm.broadcast_bytes(b"alone") == b"alone"
     finally:
         comm.close()
+
+
+def _alone() -> Communicator:
+    """A group of one rank in this process, on the shared-memory path."""
+    return init_communicator(0, 1, "127.0.0.1", _free_port(), torch.device("cpu"), True)
+
+
+def test_collectives_run_in_and_out_of_inference_mode_alike() -> None:
+    comm = _alone()
+    try:
+        with torch.inference_mode():
+            comm.all_reduce(torch.ones(4))
+        t = torch.ones(4)
+        comm.all_reduce(t)  # the same shape's slots, first seen in inference mode
+        assert t.tolist() == [1.0] * 4
+        assert comm.gather_to_first(t)[0].tolist() == [1.0] * 4
+    finally:
+        comm.close()
+
+
+def _statvfs_with_free(free_bytes: int) -> Callable[[str], os.statvfs_result]:
+    real = os.statvfs
+
+    def statvfs(path: str) -> os.statvfs_result:
+        stat = list(real(path))
+        stat[0], stat[1], stat[4] = 4096, 4096, free_bytes // 4096  # f_bsize, f_frsize, f_bavail
+        return os.statvfs_result(stat)
+
+    return statvfs
+
+
+def test_a_small_dev_shm_gets_smaller_slots_and_a_warning(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(os, "statvfs", _statvfs_with_free(20 << 20))
+    comm = _alone()
+    try:
+        assert "tensors above 1022 KiB go over gloo" in caplog.text
+        for size in (1000, 1 << 20):  # through the slot, and past it
+            t = torch.arange(size, dtype=torch.float32)
+            comm.all_reduce(t)
+            assert torch.equal(t, torch.arange(size, dtype=torch.float32))
+    finally:
+        comm.close()
+
+
+def test_a_dev_shm_too_small_for_the_messages_fails_the_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "statvfs", _statvfs_with_free(8 << 20))
+    with pytest.raises(CommunicationError, match="enlarge it"):
+        _alone()
+    assert not torch.distributed.is_initialized()
 
 
 def test_backend_for_names_nccl_for_cuda_and_gloo_otherwise() -> None:

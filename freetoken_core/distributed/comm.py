@@ -51,9 +51,11 @@ __all__ = [
 
 DEFAULT_TIMEOUT_S = 60.0
 """How long an all-reduce or gather waits for a peer that is alive but does not arrive."""
-DEFAULT_SHM_SLOT_BYTES = 4 << 20
-"""The largest tensor the shared-memory path takes (a [64, 4096] float32 is 1 MiB); larger
-ones go over gloo. The segment holds 2 x world_size slots, paged in as they are used."""
+DEFAULT_SHM_SLOT_BYTES = 16 << 20
+"""The largest tensor the shared-memory path takes (a rank's part of 64 rows of logits over a
+49152-token vocabulary, for rank 0's gather, is 6 MiB at TP=2); larger ones go over gloo.
+The segment holds 2 x world_size slots, paged in as they are used, smaller where /dev/shm
+is short of space."""
 MESSAGE_BUFFER_BYTES = 4 << 20
 """The longest message the shared-memory path takes; longer ones go over gloo."""
 MAX_MESSAGE_BYTES = 64 << 20

@@ -39,6 +39,7 @@ be a zombie or a new process); a dead or closed peer, or a wait past its timeout
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import platform
@@ -50,6 +51,8 @@ import numpy as np
 import torch
 
 from freetoken_core.errors import FreeTokenError
+
+log = logging.getLogger("freetoken.distributed")
 
 BUSY_WAIT_S = 0.002
 """How long a wait spins and yields before it sleeps between looks."""
@@ -204,8 +207,9 @@ class ShmChannel:
         k = self._begin(what)
         if self._views_key != (t.shape, t.dtype):
             self._views_key = (t.shape, t.dtype)
-            self._views = [[s[: t.nbytes].view(t.dtype).view(t.shape) for s in parity]
-                           for parity in self._slots]
+            with torch.inference_mode(False):  # views made in it could not be written outside
+                self._views = [[s[: t.nbytes].view(t.dtype).view(t.shape) for s in parity]
+                               for parity in self._slots]
         slots = self._views[k % 2]
         slots[self.rank].copy_(t)
         self._publish(k)
@@ -264,15 +268,19 @@ class ShmChannel:
 def open_channel(path: str, rank: int, world_size: int, barrier: Callable[[], None], *,
                  slot_bytes: int, message_bytes: int, timeout_s: float) -> ShmChannel:
     """Every rank calls this together: rank 0 creates the segment at ``path`` (a file in
-    /dev/shm), the others map it after ``barrier()``, and rank 0 unlinks it after the
-    next one, or when any of this fails."""
-    size = _segment_bytes(world_size, slot_bytes, message_bytes)
+    /dev/shm), with slots of ``slot_bytes`` or smaller where the free space is short (the
+    others learn the size from the file's), the others map it after ``barrier()``, and
+    rank 0 unlinks it after the next one, or when any of this fails."""
     if rank == 0:
-        _create(path, size)
+        slot_bytes = _fitting_slot_bytes(os.path.dirname(path), world_size, slot_bytes,
+                                         message_bytes)
+        _create(path, _segment_bytes(world_size, slot_bytes, message_bytes))
     try:
         barrier()
         fd = os.open(path, os.O_RDWR)
         try:
+            size = os.fstat(fd).st_size
+            slot_bytes = (size - _segment_bytes(world_size, 0, message_bytes)) // (2 * world_size)
             channel = ShmChannel(mmap.mmap(fd, size), rank, world_size, slot_bytes,
                                  message_bytes, timeout_s)
         finally:
@@ -286,15 +294,29 @@ def open_channel(path: str, rank: int, world_size: int, barrier: Callable[[], No
     return channel
 
 
+def _fitting_slot_bytes(directory: str, world_size: int, slot_bytes: int,
+                        message_bytes: int) -> int:
+    """``slot_bytes``, or the most that leaves half of ``directory``'s free space to others (a
+    container's /dev/shm is 64 MiB unless told otherwise: docker's --shm-size); larger
+    tensors then go over gloo. Raises where not even the message buffers fit."""
+    stat = os.statvfs(directory)
+    room = stat.f_bavail * stat.f_frsize // 2
+    fixed = _segment_bytes(world_size, 0, message_bytes)
+    if room < fixed:
+        raise CommunicationError(
+            f"rank 0: {directory} has {2 * room} bytes free; the shared-memory channel needs "
+            f"twice {fixed}: enlarge it (docker: --shm-size) or use same_node=False")
+    fitting = min(slot_bytes, (room - fixed) // (2 * world_size) // _LINE * _LINE)
+    if fitting < slot_bytes:
+        log.warning("%s has %d MiB free: tensors above %d KiB go over gloo instead of shared "
+                    "memory (enlarge it: docker's --shm-size)", directory, 2 * room >> 20,
+                    fitting >> 10)
+    return fitting
+
+
 def _create(path: str, size: int) -> None:
     """A fresh zero-filled file of ``size`` bytes at ``path`` (pages are allocated as they
     are first written), replacing one a crashed group left."""
-    free = os.statvfs(os.path.dirname(path))
-    if free.f_bavail * free.f_frsize < size:
-        raise CommunicationError(
-            f"rank 0: {os.path.dirname(path)} has {free.f_bavail * free.f_frsize} bytes "
-            f"free, the shared-memory channel needs {size}: enlarge it (docker: --shm-size) "
-            "or lower shm_slot_bytes")
     try:
         os.unlink(path)
     except FileNotFoundError:
