@@ -179,6 +179,19 @@ def fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def step_note(n: int, one: dict, two: dict) -> list[str]:
+    """TP=2's step cut into compute and communication, against TP=1's step."""
+    step, comm, calls = two["step_ms"], two["comm_ms_per_step"], two["comm_calls_per_step"]
+    if not step or comm is None or not calls or not one["step_ms"] or step <= comm:
+        return []
+    compute = step - comm
+    note = (f"{n} clients: TP=2 step {step:.2f} ms = compute {compute:.2f} + comm {comm:.2f} "
+            f"ms ({calls:g} collectives/step, {comm / calls * 1000:.0f} us each); TP=1 step "
+            f"{one['step_ms']:.2f} ms: with free communication TP=2 would step at "
+            f"{one['step_ms'] / compute:.2f}x TP=1's speed")
+    return [note]
+
+
 def report(args: argparse.Namespace, sides: dict[int, Side]) -> None:
     figures = {tp: {n: c.figures(n) for n, c in side.counts.items()}
                for tp, side in sides.items()}
@@ -198,16 +211,8 @@ def report(args: argparse.Namespace, sides: dict[int, Side]) -> None:
               f"| {fmt(ratio, '.2f')} | {fmt(one.get('step_ms'), '.2f')} "
               f"| {fmt(two.get('step_ms'), '.2f')} | {fmt(two.get('comm_ms_per_step'), '.2f')} "
               f"| {'-' if share is None else f'{share * 100:.0f} %'} |")
-        if one and two and two.get("step_ms") and two.get("comm_ms_per_step") is not None:
-            compute = two["step_ms"] - two["comm_ms_per_step"]
-            notes.append(
-                f"{n} clients: TP=2 step {two['step_ms']:.2f} ms = compute {compute:.2f} + "
-                f"comm {two['comm_ms_per_step']:.2f} ms ({two['comm_calls_per_step']} "
-                f"collectives/step, {two['comm_ms_per_step'] / two['comm_calls_per_step'] * 1000:.0f}"
-                f" us each); TP=1 step {one['step_ms']:.2f} ms: with free communication TP=2 "
-                f"would step at {one['step_ms'] / compute:.2f}x TP=1's speed"
-                if two.get("comm_calls_per_step") and one.get("step_ms") and compute > 0
-                else f"{n} clients: TP=2 compute {compute:.2f} ms/step")
+        if one and two:
+            notes += step_note(n, one, two)
         if args.passes > 1 and one and two:
             per_pass = [f"{b / a:.2f}" for a, b in zip(one["per_pass_tok_s"],
                                                        two["per_pass_tok_s"]) if a]
