@@ -51,6 +51,7 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -199,6 +200,11 @@ def report(args: argparse.Namespace, sides: dict[int, Side]) -> None:
           f"{args.max_tokens} tokens per request (ignore_eos, greedy), streaming "
           f"/v1/completions, {args.rounds} round(s) per client, {args.passes} pass(es) per "
           f"server, alternating; {os.cpu_count()} CPUs")
+    git = git_state()
+    if git is not None:
+        print(f"freetoken at {git['head'][:7]}"
+              + (f" with uncommitted changes in {', '.join(git['changed'])}"
+                 if git["changed"] else ""))
     print("| clients | TP=1 tok/s | TP=2 tok/s | TP2/TP1 | TP=1 step ms | TP=2 step ms "
           "| TP=2 comm ms/step | comm share |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -232,11 +238,26 @@ def report(args: argparse.Namespace, sides: dict[int, Side]) -> None:
     if args.json:
         meta = {k: v for k, v in vars(args).items()}
         meta["cpus"] = os.cpu_count()
+        meta["git"] = git
         meta["busy_cpus_before"] = {tp: s.busy for tp, s in sides.items()}
         meta["failures"] = {tp: s.failure for tp, s in sides.items() if s.failure}
         out = {"meta": meta, **{f"tp{tp}": [figures[tp][n] for n in sorted(figures[tp])]
                                 for tp in sides}}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+def git_state() -> dict[str, object] | None:
+    """The commit measured and the files it differs in (uncommitted changes count too)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "freetoken_core"],
+                               cwd=root, capture_output=True, text=True, timeout=10,
+                               check=True).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"head": head, "changed": [line[3:] for line in dirty]}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
