@@ -70,7 +70,7 @@ def _check_tp_equals_one_rank(model: str, **options) -> None:
 
 def _children() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True)
-            if "tensor_parallel" in " ".join(p.cmdline())]
+            if "tp_rank" in " ".join(p.cmdline())]
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,11 +76,12 @@ class Communicator:
     rank's part is done. After a ``CommunicationError`` the group is broken: ``close()``
     and end the process."""
 
-    def __init__(self, rank: int, world_size: int, backend: str, bytes_group: dist.ProcessGroup,
+    def __init__(self, rank: int, world_size: int, backend: str, group: Any, bytes_group: Any,
                  channel: ShmChannel | None) -> None:
         self.rank = rank
         self.world_size = world_size
         self._backend = backend
+        self._group = group
         self._bytes_group = bytes_group
         self._channel = channel
 
@@ -89,11 +91,11 @@ class Communicator:
             self._channel.all_reduce(t)
         elif self._backend == "nccl":
             with self._failing("all_reduce"):
-                dist.all_reduce(t)
+                self._group.allreduce([t]).wait()
         else:
             parts = [torch.empty_like(t) for _ in range(self.world_size)]
             with self._failing("all_reduce"):
-                dist.all_gather(parts, t)
+                self._group.allgather([parts], [t]).wait()
             _sum_in_rank_order(parts, out=t)
 
     def gather_to_first(self, t: torch.Tensor) -> list[torch.Tensor] | None:
@@ -102,7 +104,10 @@ class Communicator:
             return self._channel.gather_to_first(t)
         parts = [torch.empty_like(t) for _ in range(self.world_size)] if self.rank == 0 else None
         with self._failing("gather_to_first"):
-            dist.gather(t.contiguous(), parts, dst=0)
+            options = dist.GatherOptions()
+            options.rootRank = 0
+            self._group.gather([parts] if parts is not None else [], [t.contiguous()],
+                               options).wait()
         return parts
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
@@ -127,19 +132,20 @@ class Communicator:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
-        _leave_group()
+        # Dropped, the groups close their connections (their peers' collectives fail).
+        self._group = self._bytes_group = None
 
     def _broadcast_over_gloo(self, data: bytes | None) -> bytes:
         length = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64)
-        dist.broadcast(length, src=0, group=self._bytes_group)
+        self._bytes_group.broadcast(length, 0).wait()
         if not length.item():
             return b""
         if self.rank == 0:
-            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0,
-                           group=self._bytes_group)
+            self._bytes_group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                                        0).wait()
             return data
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
-        dist.broadcast(payload, src=0, group=self._bytes_group)
+        self._bytes_group.broadcast(payload, 0).wait()
         return payload.numpy().tobytes()
 
     @contextmanager
@@ -173,30 +179,35 @@ def init_communicator(rank: int, world_size: int, master_addr: str, master_port:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend_for(device)
+    timeout = timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
-        bytes_group = dist.new_group(backend="gloo", timeout=_FOREVER)
+        store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout)
+        group = _process_group(backend, dist.PrefixStore("steps", store), rank, world_size,
+                               timeout)
+        bytes_group = _process_group("gloo", dist.PrefixStore("bytes", store), rank,
+                                     world_size, _FOREVER)
         channel = None
         if same_node and is_supported():
             channel = open_channel(
                 shm_path(master_addr, master_port), rank, world_size,
-                lambda: dist.barrier(group=bytes_group),
+                lambda: bytes_group.barrier().wait(),
                 slot_bytes=0 if backend == "nccl" else -(-shm_slot_bytes // 64) * 64,
                 message_bytes=MESSAGE_BUFFER_BYTES, timeout_s=timeout_s)
-    except CommunicationError:
-        _leave_group()
-        raise
     except (RuntimeError, OSError) as e:
-        _leave_group()
         raise CommunicationError(f"rank {rank}: joining the group failed: {e}") from e
-    return Communicator(rank, world_size, backend, bytes_group, channel)
+    return Communicator(rank, world_size, backend, group, bytes_group, channel)
 
 
-def _leave_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _process_group(backend: str, store: Any, rank: int, world_size: int,
+                   timeout: timedelta) -> Any:
+    """A process group of its own over ``store``, not torch.distributed's default group: a
+    process may hold several (two tensor-parallel engines in one Python process), and
+    leaving one is dropping it (its connections close, and its peers' collectives fail)."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
 def shm_path(master_addr: str, master_port: int) -> str:

@@ -259,11 +259,9 @@ class _Engine:
             try:
                 updates = self.core.step()
             except CommunicationError as exc:  # the group cannot step again: end here
-                log.error("the tensor-parallel group broke (%s); failing every live request "
-                          "and stopping the engine", exc)
-                self.core.fail_all(RequestError("engine", f"a tensor-parallel rank failed: {exc}"))
-                for request_id, error in self.core.take_failures():
-                    self.send(RequestFailed.of(request_id, error))
+                # The server fails what is in flight (503: engine unavailable) and starts a
+                # new engine, which starts a new group.
+                log.error("the tensor-parallel group broke (%s); stopping the engine", exc)
                 raise
             except Exception as exc:  # a bug in the step: fail what is live
                 log.error("the engine step failed; failing every live request", exc_info=exc)

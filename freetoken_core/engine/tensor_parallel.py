@@ -11,7 +11,7 @@ forward pass, meeting in the all-reduces, and rank 0 gathers the logits and samp
 The other ranks are started by the backend:
 
 - ``mp``: rank 0 starts its node's ranks as child processes (``python -m
-  freetoken_core.engine.tensor_parallel``, which die with it: ``PR_SET_PDEATHSIG``); the
+  freetoken_core.engine.tp_rank``, which die with it: ``PR_SET_PDEATHSIG``); the
   ranks of the other nodes are started there by ``freetoken serve --headless``;
 - ``ray``: one Ray actor per rank in a placement group of the running cluster.
 
@@ -224,7 +224,7 @@ def _start_child(spec: RankSpec) -> tuple[subprocess.Popen, int]:
     """A rank of this node as a child process: the spec goes over its stdin."""
     read_fd, write_fd = os.pipe()
     spec = RankSpec(**{**spec.__dict__, "status_fd": write_fd})
-    process = subprocess.Popen([sys.executable, "-m", "freetoken_core.engine.tensor_parallel"],
+    process = subprocess.Popen([sys.executable, "-m", "freetoken_core.engine.tp_rank"],
                                stdin=subprocess.PIPE, pass_fds=(write_fd,))
     os.close(write_fd)
     assert process.stdin is not None
@@ -322,8 +322,8 @@ def run_headless(config: EngineConfig) -> int:
 
 
 def main() -> None:
-    """``python -m freetoken_core.engine.tensor_parallel``: an mp child rank, its
-    ``RankSpec`` pickled on stdin (from its parent only)."""
+    """``python -m freetoken_core.engine.tp_rank``: an mp child rank, its ``RankSpec``
+    pickled on stdin (from its parent only)."""
     spec: RankSpec = pickle.loads(sys.stdin.buffer.read())
     if spec.parent_pid is not None:
         _die_with_parent(spec.parent_pid)
@@ -336,6 +336,3 @@ def main() -> None:
         log.error("rank %d stopped: %s: %s", spec.rank, type(exc).__name__, exc)
         sys.exit(1)
 
-
-if __name__ == "__main__":
-    main()
