@@ -38,9 +38,12 @@ How to read it: on 2 cores TP=2 cannot win, the two ranks do the work TP=1's two
 only split by layer outputs instead of by the rows of each matmul, and they must meet twice
 per layer. The figure is what that meeting costs: TP=2's step less its communication (the
 "compute" in the notes) against TP=1's step says how much of the gap is communication and
-how much the split itself. The bench's clients and the server's HTTP process run on the same
-CPUs as the ranks (unpinned), as they do for TP=1. Server logs go to a temporary directory
-named at the start; the script exits 1 when a server fails, after printing what ran.
+how much the split itself. Nothing else has a CPU of its own: the bench's clients run
+unpinned, and ``--pin-threads`` (the default) puts the server's HTTP process on every CPU but
+the lowest, at TP=1 beside the engine's OpenMP worker, at TP=2 on 2 cores beside rank 1. Its
+work per token (16 streams at 16 clients) then slows rank 1, and rank 0's wait for it in the
+collectives counts as communication. Server logs go to a temporary directory named at the
+start; the script exits 1 when a server fails, after printing what ran.
 """
 
 from __future__ import annotations
