@@ -1,6 +1,6 @@
 """GPU readiness: the checks of ``bench/gpu_check.sh`` and their one table.
 
-On a CUDA machine (expected: a few minutes; each check has a time limit, 460 s all together,
+On a CUDA machine (expected: a few minutes; each check has a time limit, 520 s all together,
 so the run stays under 8 minutes):
 
 1. every Triton kernel test on CUDA tensors: ``pytest -m gpu`` over the test modules that
@@ -8,7 +8,9 @@ so the run stays under 8 minutes):
 2. the engine against transformers, greedy, float32 on CUDA (``pytest -m gpu
    tests/test_model_exactness.py``);
 3. decode tok/s at 1, 16 and 64 sequences, bfloat16, for the default model and for a
-   1B-shaped random-weight Llama (``bench/gpu_decode.py``, each in its own process).
+   1B-shaped random-weight Llama (``bench/gpu_decode.py``, each in its own process);
+4. tensor parallelism's group of one rank over NCCL: its collectives, and a model built as
+   a rank's part equal to the plain one (``bench/gpu_nccl.py``).
 
 Without CUDA each of those says ``skipped: no CUDA device``, and what proves this script
 works runs on the CPU instead: a few kernel tests under ``TRITON_INTERPRET=1``, the CUDA
@@ -106,6 +108,20 @@ def decode_check(name: str, device: str, args: list[str], timeout: float,
     return Result(name, device, status, seconds, figures)
 
 
+def nccl_check(name: str, device: str, timeout: float, env: dict[str, str]) -> Result:
+    status, seconds, out = run(name, ["bench/gpu_nccl.py", "--device", device], timeout, env)
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    if not last.startswith("{"):
+        return Result(name, device, "failed" if status == "passed" else status, seconds,
+                      last[-200:] or "no output")
+    report = json.loads(last)
+    figures = (f"{report['backend']}; collectives {'ok' if report['collectives_ok'] else 'WRONG'}"
+               f", logits diff {report['logits_max_diff']}; all_reduce "
+               f"{report['all_reduce_us']} us, gather {report['gather_us']} us, broadcast "
+               f"{report['broadcast_us']} us")
+    return Result(name, device, status, seconds, figures)
+
+
 def skipped(name: str) -> Result:
     print(f"[{name}] skipped: {NO_CUDA}", flush=True)
     return Result(name, "cuda", "skipped", None, NO_CUDA)
@@ -121,6 +137,7 @@ def cuda_checks(env: dict[str, str]) -> list[Result]:
         # The default model's first use converts its GGUF file into the cache (~15 s).
         decode_check("decode, default model", "cuda", ["--model", "default"], 90, env),
         decode_check("decode, 1B-shaped Llama", "cuda", ["--model", "1b"], 110, env),
+        nccl_check("tensor-parallel group, TP=1", "cuda", 60, env),
     ]
 
 
@@ -137,7 +154,9 @@ def cpu_checks(env: dict[str, str], quick: bool) -> list[Result]:
     results += [exactness, skipped("decode, default model"), skipped("decode, 1B-shaped Llama"),
                 decode_check("decode code path, tiny model", "cpu",
                              ["--model", "tiny", "--dtype", "float32", "--prompt-len", "8",
-                              "--warmup", "2", "--steps", "4"], 120, env)]
+                              "--warmup", "2", "--steps", "4"], 120, env),
+                skipped("tensor-parallel group, TP=1"),
+                nccl_check("tensor-parallel group code path", "cpu", 60, env)]
     return results
 
 

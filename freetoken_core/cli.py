@@ -152,6 +152,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "master_addr": args.master_addr,
         "master_port": args.master_port,
         "distributed_timeout": args.distributed_timeout,
+        "pin_ranks": getattr(args, "pin_threads", True),
     }
 
 
@@ -251,7 +252,8 @@ def _add_restart_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pin-threads", action=argparse.BooleanOptionalAction, default=True,
                         help="the engine's main thread on a CPU of its own, its OpenMP workers "
                              "and the HTTP process on the others (needs 2+ CPUs; Linux; "
-                             "default: on)")
+                             "default: on); with --tensor-parallel-size, each rank on CPUs "
+                             "of its own")
 
 
 def _set_log_level(level: str) -> None:

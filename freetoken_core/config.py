@@ -102,6 +102,9 @@ class EngineConfig:
     """Where rank 0's rendezvous listens (``torch.distributed``'s TCP store)."""
     master_port: int = 0
     """Its port; 0 picks a free one (one node only)."""
+    pin_ranks: bool = True
+    """Each tensor-parallel rank of a node on CPUs of its own, one torch thread per CPU
+    (``--pin-threads``; where the node has at least as many CPUs as ranks)."""
     distributed_timeout: float = 60.0
     """Seconds a rank waits for another in one collective (or for the group to form)
     before the group counts as broken; a rank that dies is noticed within a second."""

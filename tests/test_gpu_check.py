@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check
 
 CUDA_PARTS = ("kernel tests", "exactness vs transformers (fp32)", "decode, default model",
-              "decode, 1B-shaped Llama")
+              "decode, 1B-shaped Llama", "tensor-parallel group, TP=1")
 
 
 def test_kernel_test_files_are_the_modules_with_triton_kernel_tests() -> None:
@@ -41,6 +41,8 @@ def test_without_cuda_the_cuda_parts_are_skipped_and_the_check_passes() -> None:
     assert re.search(r"no CUDA device \(\d+ skipped", out)
     assert re.search(r"^decode code path, tiny model\s+cpu\s+passed\s.*tok/s 1: \d+, 16: \d+, "
                      r"64: \d+", out, re.MULTILINE)
+    assert re.search(r"^tensor-parallel group code path\s+cpu\s+passed\s+\d+ s\s+gloo; collectives ok, "
+                     r"logits diff 0.0", out, re.MULTILINE)
     assert ", 0 failed, in " in out
 
 

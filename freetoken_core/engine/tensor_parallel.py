@@ -82,11 +82,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_cpus(num_ranks: int) -> list[tuple[int, ...] | None]:
+def rank_cpus(num_ranks: int, pin: bool = True) -> list[tuple[int, ...] | None]:
     """This node's CPUs cut into ``num_ranks`` contiguous runs, one per local rank (each
     rank's threads on cores of their own, as ``--pin-threads`` gives the engine); all
-    ``None`` where there are fewer CPUs than ranks or no way to pin."""
-    if not hasattr(os, "sched_getaffinity"):
+    ``None`` where ``pin`` is off, there are fewer CPUs than ranks or no way to pin."""
+    if not pin or not hasattr(os, "sched_getaffinity"):
         return [None] * num_ranks
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < num_ranks:
@@ -189,7 +189,8 @@ def start_group(config: EngineConfig) -> TensorParallelGroup:
     per_node = world // config.nnodes
     port = config.master_port or free_port()
     device = config.torch_device()
-    cpus = rank_cpus(per_node if config.distributed_executor_backend == "mp" else 1)
+    cpus = rank_cpus(per_node if config.distributed_executor_backend == "mp" else 1,
+                     config.pin_ranks)
     children: list[tuple[subprocess.Popen, int]] = []
     ray_ranks = None
     addr = config.master_addr
@@ -294,7 +295,7 @@ def run_headless(config: EngineConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="freetoken headless: %(message)s")
     per_node = config.tensor_parallel_size // config.nnodes
     first = config.node_rank * per_node
-    cpus = rank_cpus(per_node)
+    cpus = rank_cpus(per_node, config.pin_ranks)
     stopping = []
 
     def stop(signum: int, frame: object) -> None:
