@@ -152,3 +152,22 @@ def test_ray_actors_run_the_other_ranks(ray_head: str, tiny_model_dir: Path,
              kv_cache_tokens=4096, progress=False) as llm:
         two = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     assert two == one
+
+
+def test_logprobs_and_prompt_logprobs_on_tp2(tiny_model_dir: Path) -> None:
+    """Rank 0 scores prompt positions and sampled tokens from the gathered logits: the
+    same tokens and ranks as one rank, logprobs within float32 rounding."""
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, prompt_logprobs=2)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 40  # > 256 rows: 2 chunks
+    outs = {}
+    for tp in (1, 2):
+        with LLM(str(tiny_model_dir), tensor_parallel_size=tp, kv_cache_tokens=4096,
+                 progress=False) as llm:
+            outs[tp] = llm.generate(prompt, params)[0]
+    one, two = outs[1], outs[2]
+    assert two.outputs[0].token_ids == one.outputs[0].token_ids
+    for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        for token in a:
+            assert a[token].rank == b[token].rank
+            assert abs(a[token].logprob - b[token].logprob) < 1e-4

@@ -25,6 +25,7 @@ in flight, its children die with it, and the server's supervisor starts a new gr
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import pickle
@@ -108,6 +109,20 @@ def pin(cpus: tuple[int, ...] | None) -> None:
     torch.set_num_threads(len(cpus))
 
 
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """``config`` for ``rank``: on CUDA, the node's GPU of its local rank (``cuda:i``; NCCL
+    takes one GPU per rank); raises ``ModelLoadError`` where the node has too few."""
+    device = config.torch_device()
+    if device.type != "cuda" or ":" in config.device:
+        return config
+    local = rank % (config.tensor_parallel_size // config.nnodes)
+    if local >= torch.cuda.device_count():
+        raise ModelLoadError(
+            f"tensor-parallel rank {rank} needs GPU {local} of its node, which has "
+            f"{torch.cuda.device_count()}: one GPU per rank")
+    return dataclasses.replace(config, device=f"cuda:{local}")
+
+
 class TensorParallelGroup:
     """Rank 0's side of the group: ``shard`` for the model, ``send_plan`` each step."""
 
@@ -187,6 +202,7 @@ def start_group(config: EngineConfig) -> TensorParallelGroup:
     loaded yet (``shard`` is for that), ``wait_ready`` then waits for theirs."""
     world = config.tensor_parallel_size
     per_node = world // config.nnodes
+    rank_config(config, per_node - 1)  # a GPU for each of this node's ranks
     port = config.master_port or free_port()
     device = config.torch_device()
     cpus = rank_cpus(per_node if config.distributed_executor_backend == "mp" else 1,
@@ -256,7 +272,7 @@ def run_rank(spec: RankSpec) -> None:
     from freetoken_core.models.config import ModelConfig
     from freetoken_core.models.resolve import resolve_model
 
-    config = spec.config
+    config = rank_config(spec.config, spec.rank)
     pin(spec.cpus)
     device = config.torch_device()
     comm = init_communicator(spec.rank, config.tensor_parallel_size, spec.master_addr,
