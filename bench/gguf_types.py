@@ -8,8 +8,12 @@ at each row count. Prints milliseconds per call of the block's four linears, the
 GB/s (bytes of weights read per second) and the time against Q8_0's, the type llama.cpp's
 CPU backend also computes fastest per byte.
 
+``--activations q8`` times the 8-bit-activation kernel instead (``gguf_linear_q8``, the types
+it has: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), ``both`` each type with both kernels (rows
+``Q4_K q8`` beside ``Q4_K``), in the same alternation.
+
     python bench/gguf_types.py [--shape 1b] [--rows 1,4,16,64] [--repeat 10]
-        [--types Q4_0,Q4_K,...]
+        [--types Q4_0,Q4_K,...] [--activations float32|q8|both]
 """
 
 from __future__ import annotations
@@ -38,13 +42,19 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16,64")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--types", default=None, help="comma-separated type names")
+    parser.add_argument("--activations", choices=["float32", "q8", "both"], default="float32")
     args = parser.parse_args()
     from gguf import GGMLQuantizationType
     from gguf_models import random_blocks
 
     from freetoken_core.kernels import cpu_kernels_available
     from freetoken_core.models.gguf_weights import GGUF_TYPES
-    from freetoken_core.models.linear import NATIVE_UNITS, kernel_blocks
+    from freetoken_core.models.linear import (
+        NATIVE_UNITS,
+        Q8_ACTIVATION_TYPES,
+        kernel_blocks,
+        narrow_scales,
+    )
 
     assert cpu_kernels_available(), "the native kernels could not be built"
     shape = SHAPES[args.shape]
@@ -58,29 +68,34 @@ def main() -> None:
             continue
         blocks = [kernel_blocks(torch.from_numpy(random_blocks(rng, qtype, n, k)), qtype)
                   for n, k in shape]
-        weights[name] = (qtype, blocks)
+        if args.activations != "q8":
+            weights[name] = (qtype, blocks, torch.ops.freetoken.gguf_linear)
+        if args.activations != "float32" and qtype in Q8_ACTIVATION_TYPES:
+            weights[f"{name} q8" if args.activations == "both" else name] = (
+                qtype, [narrow_scales(b, qtype) for b in blocks],
+                torch.ops.freetoken.gguf_linear_q8)
     rows_list = [int(r) for r in args.rows.split(",")]
     xs = {r: [torch.randn(r, k) for _, k in shape] for r in rows_list}
     outs = {r: [torch.empty(r, n) for n, _ in shape] for r in rows_list}
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.repeat):
-        for name, (qtype, blocks) in weights.items():
+        for name, (qtype, blocks, kernel) in weights.items():
             for r in rows_list:
                 start = time.perf_counter()
                 for x, b, out in zip(xs[r], blocks, outs[r]):
-                    torch.ops.freetoken.gguf_linear(x, b, qtype, out)
+                    kernel(x, b, qtype, out)
                 times.setdefault((name, r), []).append(time.perf_counter() - start)
     print(f"shape {args.shape}, {torch.get_num_threads()} threads, ms per block's four "
           "linears (median), GB/s of blocks, time / Q8_0's")
-    print(f"{'type':8}" + "".join(f"{f'{r} rows':>26}" for r in rows_list))
-    for name, (_, blocks) in weights.items():
+    print(f"{'type':10}" + "".join(f"{f'{r} rows':>26}" for r in rows_list))
+    for name, (_, blocks, _) in weights.items():
         nbytes = sum(b.numel() for b in blocks)
         cells = []
         for r in rows_list:
             ms = statistics.median(times[(name, r)]) * 1e3
             base = statistics.median(times.get(("Q8_0", r), [float("nan")])) * 1e3
             cells.append(f"{ms:9.2f} {nbytes / ms / 1e6:7.1f} {ms / base:7.2f}x")
-        print(f"{name:8}" + "".join(f"{c:>26}" for c in cells))
+        print(f"{name:10}" + "".join(f"{c:>26}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -133,7 +133,10 @@ def load_engine_model(config: EngineConfig, model_dir: Path, limits: EngineLimit
     model = load_model(model_dir, config.torch_dtype(device), device, limits.max_model_len,
                        gguf_source(config.model), int24=wants_int24(config), shard=shard)
     if config.activations == "q8":
-        model.use_q8_activations()
+        kept = model.use_q8_activations()
+        if kept:
+            log.warning("--activations q8: %d linear(s) have no 8-bit kernel and keep the "
+                        "float32 one: %s", len(kept), ", ".join(sorted(set(kept))))
     elif config.activations in ("auto", "int24"):
         switched = model.use_int24_activations()
         return_freed_memory()  # the re-layout's temporaries, which the heap would keep

@@ -45,8 +45,13 @@ def _can_pack(weight: torch.Tensor) -> bool:
 USE_GGUF_BLOCKS = True
 
 # Set on a linear's ggml type id: the native kernel quantizes the activations to 8 bits per
-# block of 32 and multiplies in integers (gguf_linear_q8; opt-in, `--activations q8`).
+# block of 32 (per 256 for the K-quants) and multiplies in integers (gguf_linear_q8; opt-in,
+# `--activations q8`).
 ACTIVATIONS_Q8 = 1 << 8
+
+# The ggml types gguf_linear_q8 computes with (q8_linear.cpp): Q4_0, Q4_1, Q5_0, Q8_0, Q4_K,
+# Q6_K, by name for messages.
+Q8_ACTIVATION_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
 
 # Set on a linear's ggml type id: the blocks are in the integer kernel's layout
 # (``int_blocks``), and gguf_linear_int computes from them: the activations in 24-bit fixed
@@ -79,6 +84,13 @@ def parts_blocks(parts: list[tuple[int, torch.Tensor]], arena: BlockArena | None
         out[0, offset:offset + blocks.numel()] = blocks.reshape(-1)
     out[0, :8 * len(values)] = torch.tensor(values, dtype=torch.int64).view(torch.uint8)
     return out
+
+
+def parts_types(blocks: torch.Tensor) -> list[int]:
+    """The ggml types of a ``parts_blocks`` buffer's parts, in order."""
+    count = int(blocks[0, :16].view(torch.int64)[1])
+    values = blocks[0, :16 + 32 * count].view(torch.int64)
+    return [int(values[2 + 4 * p]) for p in range(count)]
 
 
 def parts_features(blocks: torch.Tensor) -> int:

@@ -22,6 +22,7 @@ from freetoken_core.errors import ModelLoadError
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
+from freetoken_core.models.gguf_weights import GGUF_TYPES
 from freetoken_core.models.layers import (
     RotaryEmbedding,
     add_rms_norm,
@@ -33,12 +34,15 @@ from freetoken_core.models.linear import (
     ACTIVATIONS_INT24,
     ACTIVATIONS_Q8,
     GGUF_BLOCK_TYPES,
+    KIND_PARTS,
+    Q8_ACTIVATION_TYPES,
     BlockArena,
     Embedding,
     int_blocks,
     int_linear_available,
     make_linear,
     narrow_scales,
+    parts_types,
 )
 from freetoken_core.models.sharding import Shard, all_reduce, gather_logits, shard_weights
 
@@ -233,27 +237,51 @@ class LlamaForCausalLM:
         self.set_all_layers_args()
         return True
 
-    def use_q8_activations(self) -> None:
-        """Switch every linear to 8-bit activations (``--activations q8``): llama.cpp's
-        arithmetic, not exact. Needs every linear and the head as GGUF blocks (a GGUF model
-        with Q4_1/Q8_0 weights, float32, on CPU with the native kernels)."""
+    def use_q8_activations(self) -> list[str]:
+        """Switch the linears whose GGUF blocks have an 8-bit kernel (Q4_0, Q4_1, Q5_0, Q8_0,
+        Q4_K, Q6_K; a linear of parts where every part has) to 8-bit activations
+        (``--activations q8``): llama.cpp's arithmetic, not exact. The others keep the
+        float32 kernel; their descriptions are returned (empty when every linear
+        switched). Needs at least one such linear: a GGUF model, float32, on CPU with the
+        native kernels."""
         linears = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
-        if not all(lin.blocks is not None and lin.blocks[0] & 0xFF in GGUF_BLOCK_TYPES
-                   for lin in linears):
+        if any(lin.blocks is not None and lin.blocks[0] & ACTIVATIONS_INT24 for lin in linears):
+            raise ModelLoadError("--activations q8: the linears already use the int24 kernel")
+
+        def types(lin: Any) -> list[int]:
+            qtype, blocks = lin.blocks
+            return parts_types(blocks) if qtype == KIND_PARTS else [qtype]
+
+        def switches(lin: Any) -> bool:
+            # (Q4_1 inside a linear of parts has the float32 kernel's widened scales.)
+            return lin.blocks is not None and all(
+                t in Q8_ACTIVATION_TYPES and not (t == 3 and lin.blocks[0] == KIND_PARTS)
+                for t in types(lin))
+
+        chosen = [lin for lin in linears if switches(lin)]
+        if not chosen:
             raise ModelLoadError(
-                "--activations q8 needs every linear as Q4_1/Q8_0 GGUF blocks: a GGUF model "
-                "of those types, dtype float32, on CPU with the native kernels "
+                "--activations q8 needs linears as GGUF blocks of "
+                f"{'/'.join(Q8_ACTIVATION_TYPES.values())}: a GGUF model of those types, "
+                "dtype float32, on CPU with the native kernels "
                 f"(here: native={self.native}, dtype={self.embedding.dtype}, GGUF blocks "
                 f"for {sum(lin.blocks is not None for lin in linears)} of {len(linears)} "
                 "linears)")
-        if any(lin.blocks[0] & ACTIVATIONS_INT24 for lin in linears):
-            raise ModelLoadError("--activations q8: the linears already use the int24 kernel")
-        self.embedding.own_blocks()
+        kept = []
         for lin in linears:
+            if lin.blocks is None:
+                kept.append("a float linear")
+            elif not switches(lin):
+                names = "+".join(GGUF_TYPES[t][0] if t in GGUF_TYPES else str(t)
+                                 for t in types(lin))
+                kept.append(f"{lin.out_features}x{lin.in_features} {names}")
+        self.embedding.own_blocks()
+        for lin in chosen:
             qtype, blocks = lin.blocks
             lin.blocks = (qtype | ACTIVATIONS_Q8, narrow_scales(blocks, qtype))
         self.pack_blocks()  # the narrowed blocks into a new huge-page buffer (and one_call)
         self.set_all_layers_args()
+        return kept
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -1,10 +1,24 @@
-// y[M, N] = x[M, K] @ W[N, K]^T from GGUF blocks (Q4_1 or Q8_0) with 8-bit activations, the
-// arithmetic of llama.cpp's CPU backend: each row of x is cut into blocks of 32, each block
-// quantized to int8 with one float32 scale (dx = max|x| / 127, q = round(x / dx)), and every
-// product of a weight block and an activation block is one integer dot product, scaled once:
+// y[M, N] = x[M, K] @ W[N, K]^T from GGUF blocks with 8-bit activations, the arithmetic of
+// llama.cpp's CPU backend: x is quantized once per call into the weight type's activation
+// type (llama.cpp's vec_dot_type), and every product of a weight block and an activation
+// block is an integer dot product, scaled once.
 //
-//   Q8_0:  d * dx * sum_j q_j qx_j
-//   Q4_1:  d * dx * sum_j q_j qx_j + m * dx * sum_j qx_j      (w_j = d q_j + m)
+// Blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0; activations as llama.cpp's Q8_0 / Q8_1: each block
+// of 32 rounded to int8 with one float32 scale dx = max|x| / 127):
+//
+//   Q4_0, Q5_0, Q8_0:  d * dx * sum_j q_j qx_j                 (q signed: nibble - 8, ...)
+//   Q4_1:              d * dx * sum_j q_j qx_j + m * dx * sum_j qx_j      (w_j = d q_j + m)
+//
+// Super-blocks of 256 (Q4_K, Q6_K; activations as llama.cpp's Q8_K: each run of 256 rounded
+// to int8 with one float32 scale, plus the sums of every 16 of them): the sub-block scales
+// are integers, so a whole super-block is one integer sum and one float scaling,
+//
+//   Q4_K:  d * dx * sum_s sc_s sum_{j in s} q_j qx_j  -  dmin * dx * sum_s m_s sum_{j in s} qx_j
+//   Q6_K:  d * dx * sum_s sc_s sum_{j in s} (q_j - 32) qx_j
+//
+// (Q4_K: 8 sub-blocks of 32, 6-bit scales and mins; Q6_K: 16 of 16, int8 scales.) These are
+// llama.cpp's ggml_vec_dot_*_q8_* on AVX2 (ggml-cpu/arch/x86/quants.c), with float32 where
+// it keeps Q8_0/Q8_1 scales in float16.
 //
 // Three to four times fewer instructions per weight than dequantizing to float32
 // (gguf_linear.cpp), so one sequence's decode step is bound by reading the weights rather
@@ -13,12 +27,12 @@
 // (`--activations q8`), measured against the exact path by bench/q8_quality.py.
 //
 // Batch invariance holds as in gguf_linear: each output y[m, n] is summed in one order
-// whatever M is (per block: the integer dot product, exact; then acc = fma(d * dx, sum, acc)
-// in 8 float lanes, block after block; the m terms, one product a block, added block after
-// block; the two added last),
-// and a row's quantization depends on that row alone.
+// whatever M is (per block or super-block: the integer dot product, exact; then acc =
+// fma(d * dx, sum, acc) in 8 float lanes, block after block; the m terms, one product a
+// block, added block after block; the two added last), and a row's quantization depends on
+// that row alone.
 //
-// The blocks are the file's (20-byte Q4_1, file_block_bytes) in the kernels' interleaved
+// The blocks are the file's (20-byte Q4_1, q8_block_bytes) in the kernels' interleaved
 // layout (gguf_blocks.h): groups of four features, their blocks interleaved.
 
 #include <ATen/Parallel.h>
@@ -40,7 +54,27 @@ namespace {
 
 using namespace freetoken::gguf;
 
-// x quantized: per row, K int8 values and, per block of 32, the scale and the scaled sum.
+constexpr int64_t kQ4_0 = 2, kQ5_0 = 6, kQ4_K = 12, kQ6_K = 14;  // ggml type ids
+constexpr int64_t kSuper = 256;  // weights per K-quant super-block
+
+// Bytes of a block (or super-block) as the file stores it; 0 for a type without an 8-bit
+// kernel.
+constexpr int64_t q8_block_bytes(int64_t qt) {
+  switch (qt) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ6_K: return 210;
+    default: return 0;
+  }
+}
+constexpr bool is_k_quant(int64_t qt) { return qt == kQ4_K || qt == kQ6_K; }
+constexpr int64_t q8_block_weights(int64_t qt) { return is_k_quant(qt) ? kSuper : kBlock; }
+
+// x quantized for blocks of 32: per row, K int8 values and, per block of 32, the scale and
+// the scaled sum.
 struct QuantRows {
   std::vector<int8_t> q;   // [M, K]
   std::vector<float> ds;   // [M, K / 32, 2]: the scale dx, then dx * sum of the block's q
@@ -48,29 +82,24 @@ struct QuantRows {
   int64_t k = 0, nb = 0;
 };
 
-// One row's block of 32: its scale, its int8 values, the scale times their sum. Both kept in
-// float32, where llama.cpp's block_q8_1 keeps them as float16: rounding them to float16 here
-// measured worse against the exact path (bench/q8_quality.py: perplexity +0.52 % instead of
-// +0.05 %, 11 greedy answers of 64 identical instead of 13) and no closer to llama-server's
-// answers (which differ in more than this: its KV cache is float16).
-inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+// x quantized for super-blocks of 256 (llama.cpp's block_q8_K): per row, K int8 values and,
+// per super-block, its scale and the sums of its q by 16 (Q6_K's offset) and by 32 (Q4_K's
+// mins).
+struct QuantRowsK {
+  std::vector<int8_t> q;          // [M, K]
+  std::vector<float> d;           // [M, K / 256]
+  std::vector<int16_t> sums16;    // [M, K / 256, 16]
+  std::vector<int16_t> sums32;    // [M, K / 256, 8]
+  int64_t k = 0, nb = 0;
+};
+
+// 32 values rounded to int8 as q = round(x * id); returns their sum.
+inline int quantize_32(const float* x, float id, int8_t* q) {
 #ifdef FREETOKEN_AVX2
-  __m256 v[4];
-  __m256 amax = _mm256_setzero_ps();
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int j = 0; j < 4; ++j) {
-    v[j] = _mm256_loadu_ps(x + 8 * j);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-  }
-  __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float max_abs = _mm_cvtss_f32(m4);
-  const float dx = max_abs / 127.f;
-  const __m256 id = _mm256_set1_ps(max_abs != 0.f ? 127.f / max_abs : 0.f);
+  const __m256 vid = _mm256_set1_ps(id);
   __m256i i[4];
   for (int j = 0; j < 4; ++j)
-    i[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id),
+    i[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), vid),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
   __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
@@ -81,20 +110,63 @@ inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
   const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
                       _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  *d = dx;
-  *s = dx * static_cast<float>(_mm_cvtsi128_si32(t));
+  return _mm_cvtsi128_si32(t);
 #else
-  float max_abs = 0.f;
-  for (int j = 0; j < kBlock; ++j) max_abs = std::max(max_abs, std::fabs(x[j]));
-  const float dx = max_abs / 127.f, id = max_abs != 0.f ? 127.f / max_abs : 0.f;
   int sum = 0;
   for (int j = 0; j < kBlock; ++j) {
     q[j] = static_cast<int8_t>(std::nearbyint(x[j] * id));
     sum += q[j];
   }
+  return sum;
+#endif
+}
+
+// The largest |x| of n values (n a multiple of 8).
+inline float max_abs(const float* x, int64_t n) {
+#ifdef FREETOKEN_AVX2
+  __m256 amax = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t j = 0; j < n; j += 8)
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+  __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  return _mm_cvtss_f32(m4);
+#else
+  float m = 0.f;
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, std::fabs(x[j]));
+  return m;
+#endif
+}
+
+// One row's block of 32: its scale, its int8 values, the scale times their sum. Both kept in
+// float32, where llama.cpp's block_q8_1 keeps them as float16: rounding them to float16 here
+// measured worse against the exact path (bench/q8_quality.py: perplexity +0.52 % instead of
+// +0.05 %, 11 greedy answers of 64 identical instead of 13) and no closer to llama-server's
+// answers (which differ in more than this: its KV cache is float16).
+inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+  const float m = max_abs(x, kBlock);
+  const float dx = m / 127.f;
+  const int sum = quantize_32(x, m != 0.f ? 127.f / m : 0.f, q);
   *d = dx;
   *s = dx * static_cast<float>(sum);
-#endif
+}
+
+// One row's super-block of 256: one scale over all of it (llama.cpp's quantize_row_q8_K,
+// symmetric: dx = max|x| / 127), the int8 values and their sums by 16 and by 32.
+inline void quantize_super(const float* x, int8_t* q, float* d, int16_t* sums16,
+                           int16_t* sums32) {
+  const float m = max_abs(x, kSuper);
+  const float id = m != 0.f ? 127.f / m : 0.f;
+  for (int c = 0; c < kSuper / kBlock; ++c) {
+    sums32[c] = static_cast<int16_t>(quantize_32(x + c * kBlock, id, q + c * kBlock));
+    for (int h = 0; h < 2; ++h) {
+      int s = 0;
+      for (int j = 0; j < 16; ++j) s += q[c * kBlock + 16 * h + j];
+      sums16[2 * c + h] = static_cast<int16_t>(s);
+    }
+  }
+  *d = m / 127.f;
 }
 
 void quantize_rows(const float* x, int64_t rows, int64_t k, QuantRows& out) {
@@ -116,9 +188,29 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, QuantRows& out) {
   }
 }
 
+void quantize_rows_k(const float* x, int64_t rows, int64_t k, QuantRowsK& out) {
+  out.k = k;
+  out.nb = k / kSuper;
+  out.q.resize(rows * k);
+  out.d.resize(rows * out.nb);
+  out.sums16.resize(rows * out.nb * 16);
+  out.sums32.resize(rows * out.nb * 8);
+  auto quantize = [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      quantize_super(x + b * kSuper, out.q.data() + b * kSuper, &out.d[b],
+                     &out.sums16[16 * b], &out.sums32[8 * b]);
+  };
+  if (freetoken::in_team()) {
+    quantize(0, rows * out.nb);
+  } else {
+    at::parallel_for(0, rows * out.nb, 32, quantize);
+  }
+}
+
 #ifdef FREETOKEN_AVX2
-// The weight block's 32 quants in one register: Q4_1 as unsigned bytes 0..15 in weight order
-// (low nibbles are weights 0..15, high nibbles 16..31), Q8_0 as signed bytes.
+// The weight block's 32 quants in one register, in weight order (low nibbles are weights
+// 0..15, high nibbles 16..31): Q4_1 as unsigned bytes 0..15, the others as signed bytes
+// (Q4_0: nibble - 8; Q5_0: nibble + 16 * fifth bit - 16; Q8_0 as stored).
 template <int64_t QT>
 inline __m256i block_quants(const uint8_t* block) {
   if constexpr (QT == kQ4_1) {
@@ -128,14 +220,33 @@ inline __m256i block_quants(const uint8_t* block) {
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
     const __m256i both = _mm256_blend_epi32(q, _mm256_srli_epi16(q, 4), 0xF0);
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+  } else if constexpr (QT == kQ4_0 || QT == kQ5_0) {
+    constexpr int offset = QT == kQ4_0 ? 2 : 6;
+    const __m256i q = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + offset)));
+    const __m256i nibbles = _mm256_and_si256(_mm256_blend_epi32(q, _mm256_srli_epi16(q, 4), 0xF0),
+                                             _mm256_set1_epi8(0x0F));
+    if constexpr (QT == kQ4_0) return _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
+    // Q5_0: byte j of the fifth bits' 32-bit word spread to bytes 8j..8j+7, each byte's own
+    // bit tested (llama.cpp's bytes_from_bits_32); where it is clear the byte is nibble - 16,
+    // i.e. the nibble with its high four bits set.
+    uint32_t bits;
+    std::memcpy(&bits, block + 2, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int32_t>(bits)),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i set = _mm256_cmpeq_epi8(
+        _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
+    return _mm256_or_si256(nibbles, _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xF0))));
   } else {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
   }
 }
 
 // sum_j w_j qx_j of one block as 8 int32 lanes (their total is the dot product). maddubs
-// multiplies unsigned by signed bytes: Q4_1 quants are unsigned already; for Q8_0 the signs
-// move onto the activations (|w| * sign(w) qx). No pair sum overflows int16: 2 * 128 * 127.
+// multiplies unsigned by signed bytes: Q4_1 quants are unsigned already; for the signed types
+// the signs move onto the activations (|w| * sign(w) qx). No pair sum overflows int16: 2 *
+// 128 * 127.
 template <int64_t QT>
 inline __m256i block_dot(__m256i w, __m256i wabs, __m256i qx) {
   const __m256i ones = _mm256_set1_epi16(1);
@@ -147,13 +258,13 @@ inline __m256i block_dot(__m256i w, __m256i wabs, __m256i qx) {
 }
 
 // The float16 scales of F (1 to 4) consecutive blocks (block b of F features of one group)
-// as float32, in one conversion: d of feature 0, its m (Q4_1; the first quants for Q8_0), d
-// of feature 1, ...
+// as float32, in one conversion: d of feature 0, its m (Q4_1; the next two bytes for the
+// others), d of feature 1, ...
 template <int64_t QT, int F>
 inline __m256 block_scales_of(const uint8_t* first) {
   static_assert(F >= 1 && F <= 4, "one conversion holds four blocks' scales");
   int32_t head[F];
-  for (int f = 0; f < F; ++f) std::memcpy(&head[f], first + f * file_block_bytes(QT), 4);
+  for (int f = 0; f < F; ++f) std::memcpy(&head[f], first + f * q8_block_bytes(QT), 4);
   __m128i h = _mm_cvtsi32_si128(head[0]);
   if constexpr (F > 1) h = _mm_insert_epi32(h, head[1], 1);
   if constexpr (F > 2) h = _mm_insert_epi32(h, head[2], 2);
@@ -195,7 +306,7 @@ void rows_q8(const QuantRows& x, int64_t r0, const uint8_t* blocks, int64_t feat
   const int8_t* qx_rows = x.q.data() + r0 * x.k;
   const float* dxs_rows = x.ds.data() + r0 * nb * 2;
   for (; n + F <= n1; n += F) {
-    const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, file_block_bytes(QT), n);
+    const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, q8_block_bytes(QT), n);
     __m256 acc[R][F];
     __m256 mt[R];  // lane 2f + 1: feature f's m term (the even lanes are not used)
     for (int r = 0; r < R; ++r) {
@@ -206,10 +317,10 @@ void rows_q8(const QuantRows& x, int64_t r0, const uint8_t* blocks, int64_t feat
       __m256i w[F], wabs[F];
       const uint8_t* first = fb.first + b * fb.stride;
       for (int f = 0; f < F; ++f) {
-        const uint8_t* block = first + f * file_block_bytes(QT);
+        const uint8_t* block = first + f * q8_block_bytes(QT);
         _mm_prefetch(reinterpret_cast<const char*>(block + ahead), _MM_HINT_T0);
         w[f] = block_quants<QT>(block);
-        if constexpr (QT == kQ8_0) wabs[f] = _mm256_sign_epi8(w[f], w[f]);
+        if constexpr (QT != kQ4_1) wabs[f] = _mm256_sign_epi8(w[f], w[f]);
       }
       const __m256 dm = block_scales_of<QT, F>(first);
       for (int r = 0; r < R; ++r) {
@@ -257,82 +368,424 @@ constexpr int64_t kChunk = 32;
 
 template <int64_t QT>
 void q8_impl(const QuantRows& x, int64_t rows, const uint8_t* bp, int64_t row_bytes, float* op,
-             int64_t n) {
+             int64_t n, int64_t ostride) {
   // Chunks handed out in shrinking pieces (parallel.h), as gguf_linear's: a thread that is
   // slowed does less of the product instead of holding up the step.
   freetoken::guided_for((n + kChunk - 1) / kChunk, 1, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = c * kChunk, n1 = std::min(n, n0 + kChunk);
       int64_t r = 0;
-      for (; r + 4 <= rows; r += 4) rows_q8<QT, 4, 2>(x, r, bp, n, row_bytes, op, n, n0, n1);
+      for (; r + 4 <= rows; r += 4) rows_q8<QT, 4, 2>(x, r, bp, n, row_bytes, op, ostride, n0, n1);
       switch (rows - r) {
-        case 1: rows_q8<QT, 1, kFewRowFeatures>(x, r, bp, n, row_bytes, op, n, n0, n1); break;
-        case 2: rows_q8<QT, 2, kFewRowFeatures>(x, r, bp, n, row_bytes, op, n, n0, n1); break;
-        case 3: rows_q8<QT, 3, 2>(x, r, bp, n, row_bytes, op, n, n0, n1); break;
+        case 1: rows_q8<QT, 1, kFewRowFeatures>(x, r, bp, n, row_bytes, op, ostride, n0, n1); break;
+        case 2: rows_q8<QT, 2, kFewRowFeatures>(x, r, bp, n, row_bytes, op, ostride, n0, n1); break;
+        case 3: rows_q8<QT, 3, 2>(x, r, bp, n, row_bytes, op, ostride, n0, n1); break;
         default: break;
       }
     }
   });
 }
+
+// ---- K-quant super-blocks (Q4_K, Q6_K) against Q8_K activations.
+//
+// A super-block is read as 8 chunks of 32 weights, each as 32 unsigned bytes (Q4_K: 0..15;
+// Q6_K: 0..63, its offset of 32 taken off through the activations' sums) and 16 int16
+// scales, one for each pair of weights that maddubs sums (Q4_K: the chunk's sub-block scale
+// in all 16; Q6_K: the scales of its two sub-blocks of 16, 8 each). A row's integer sum over
+// the super-block is then sum_c madd(scales_c, maddubs(w_c, qx_c)) in 8 int32 lanes, which
+// no path orders differently (integers), so one row alone and many rows together give the
+// same bits.
+
+// Bytes 2c, 2c + 1 (the int16 scale of sub-block c) in every pair: Q4_K's chunk scales.
+inline __m256i q4k_scale_shuffle(int c) {
+  const int lo = 2 * c, hi = 2 * c + 1;
+  return _mm256_set1_epi16(static_cast<int16_t>(lo | (hi << 8)));
+}
+// Bytes 2c eight times, then 2c + 1 eight times: Q6_K's sub-block scales of chunk c.
+inline __m128i q6k_scale_shuffle(int c) {
+  return _mm_set_epi64x(0x0101010101010101LL * (2 * c + 1), 0x0101010101010101LL * (2 * c));
+}
+
+// A super-block's scales, decoded once for every row that reads it.
+struct SuperHead {
+  float d, dmin;       // dmin: Q4_K only
+  __m256i scales;      // Q4_K: its 8 sub-block scales as int16, in both 128-bit halves;
+                       // Q6_K: its 16 int8 scales widened to int16
+  __m128i mins;        // Q4_K: its 8 sub-block mins as int16
+  __m128i scales8;     // Q6_K: its 16 int8 scales
+};
+
+template <int64_t QT>
+inline SuperHead super_head(const uint8_t* blk) {
+  SuperHead h;
+  if constexpr (QT == kQ4_K) {
+    // llama.cpp's unpacking of the 12 bytes of 6-bit scales and mins (get_scale_min_k4).
+    constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    h.d = half_to_float(blk);
+    h.dmin = half_to_float(blk + 2);
+    uint32_t u[4];
+    std::memcpy(u, blk + 4, 12);
+    u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
+    const uint32_t aux = u[1] & kmask1;
+    u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
+    u[2] = aux;
+    u[0] &= kmask1;
+    const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(static_cast<int32_t>(u[3]),
+        static_cast<int32_t>(u[2]), static_cast<int32_t>(u[1]), static_cast<int32_t>(u[0])));
+    h.mins = _mm256_extracti128_si256(ms, 1);
+    h.scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms));
+  } else {
+    h.d = half_to_float(blk + 208);
+    h.dmin = 0.f;
+    h.scales8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+    h.scales = _mm256_cvtepi8_epi16(h.scales8);
+  }
+  return h;
+}
+
+// Chunk c (weights 32c..32c+31) of a super-block: its unsigned quants and pair scales.
+template <int64_t QT>
+inline void super_chunk(const uint8_t* blk, const SuperHead& h, int c, __m256i& w, __m256i& sc) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  if constexpr (QT == kQ4_K) {
+    // qs[32 j .. 32 j + 31]: low nibbles are weights 64 j.., high nibbles 64 j + 32..
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * (c / 2)));
+    w = _mm256_and_si256(c % 2 == 0 ? bits : _mm256_srli_epi16(bits, 4), m4);
+    sc = _mm256_shuffle_epi8(h.scales, q4k_scale_shuffle(c));
+  } else {
+    // 128 weights per half j: ql[64 j ..] low and high nibbles of two runs of 32 bytes, qh[32
+    // j ..] two bits each (llama.cpp's order).
+    const int j = c / 4, t = c % 4;
+    const __m256i ql = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * (t % 2)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * j));
+    const __m256i low = _mm256_and_si256(t < 2 ? ql : _mm256_srli_epi16(ql, 4), m4);
+    // the two bits 2t, 2t + 1 of each qh byte, moved to bits 4 and 5
+    __m256i high = _mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(3 << (2 * t))));
+    if (t == 0) high = _mm256_slli_epi16(high, 4);
+    else if (t == 1) high = _mm256_slli_epi16(high, 2);
+    else if (t == 3) high = _mm256_srli_epi16(high, 2);
+    w = _mm256_or_si256(low, high);
+    sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(h.scales8, q6k_scale_shuffle(c)));
+  }
+}
+
+// One row's scaled super-block into its accumulators: acc += (d dx) * sum, and for Q4_K
+// accm += (-dmin dx) * (its mins against the row's sums by 32).
+template <int64_t QT>
+inline void super_finish(const SuperHead& h, __m256i sumi, float dx, const int16_t* sums16,
+                         const int16_t* sums32, __m256& acc, __m128& accm) {
+  if constexpr (QT == kQ6_K) {
+    const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums16));
+    sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(s16, h.scales), 5));
+  } else {
+    const __m128i s32 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums32));
+    accm = _mm_fmadd_ps(_mm_set1_ps(-h.dmin * dx), _mm_cvtepi32_ps(_mm_madd_epi16(h.mins, s32)),
+                        accm);
+  }
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(h.d * dx), _mm256_cvtepi32_ps(sumi), acc);
+}
+
+inline float hsum128(__m128 v) {
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_movehdup_ps(v));
+  return _mm_cvtss_f32(v);
+}
+
+// Rows at a time against a group's features: up to this many rows' accumulators per pass.
+constexpr int64_t kSuperRows = 16;
+
+// Rows [0, rows) of the quantized x against features [n0, n1) (a chunk of whole groups):
+// each group's features side by side, super-block after super-block, in address order. One
+// row decodes each chunk as it multiplies it; more rows decode a super-block once into
+// registers spilled to the stack and read it back for every row.
+template <int64_t QT>
+void rows_q8k(const QuantRowsK& x, int64_t rows, const uint8_t* blocks, int64_t features,
+              int64_t row_bytes, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
+  constexpr int64_t kBytes = q8_block_bytes(QT);
+  const int64_t nb = x.nb;
+  const int64_t ahead = std::max<int64_t>(kPrefetchBytes, kGroup * row_bytes);
+  prefetch_range(blocks + n0 * row_bytes, kPrefetchBytes);
+  for (int64_t n = n0; n < n1; n += kGroup) {
+    const int64_t nf = std::min(kGroup, n1 - n);
+    const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, kBytes, n);
+    for (int64_t r0 = 0; r0 < rows; r0 += kSuperRows) {
+      const int64_t nr = std::min(kSuperRows, rows - r0);
+      __m256 acc[kSuperRows][kGroup];
+      __m128 accm[kSuperRows][kGroup];
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t f = 0; f < nf; ++f) {
+          acc[r][f] = _mm256_setzero_ps();
+          accm[r][f] = _mm_setzero_ps();
+        }
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* first = fb.first + b * fb.stride;
+        for (int64_t f = 0; f < nf; ++f) {
+          const uint8_t* blk = first + f * kBytes;
+          for (int64_t p = 0; p < kBytes; p += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(blk + ahead + p), _MM_HINT_T0);
+          const SuperHead h = super_head<QT>(blk);
+          if (nr == 1) {
+            const int8_t* qx = x.q.data() + r0 * x.k + b * kSuper;
+            __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; ++c) {
+              __m256i w, sc;
+              super_chunk<QT>(blk, h, c, w, sc);
+              const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 32 * c));
+              sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(sc, _mm256_maddubs_epi16(w, q)));
+            }
+            const int64_t i = r0 * nb + b;
+            super_finish<QT>(h, sumi, x.d[i], &x.sums16[16 * i], &x.sums32[8 * i], acc[0][f],
+                             accm[0][f]);
+          } else {
+            __m256i w[8], sc[8];
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; ++c) super_chunk<QT>(blk, h, c, w[c], sc[c]);
+            for (int64_t r = 0; r < nr; ++r) {
+              const int8_t* qx = x.q.data() + (r0 + r) * x.k + b * kSuper;
+              __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 8
+              for (int c = 0; c < 8; ++c) {
+                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 32 * c));
+                sumi = _mm256_add_epi32(sumi,
+                                        _mm256_madd_epi16(sc[c], _mm256_maddubs_epi16(w[c], q)));
+              }
+              const int64_t i = (r0 + r) * nb + b;
+              super_finish<QT>(h, sumi, x.d[i], &x.sums16[16 * i], &x.sums32[8 * i], acc[r][f],
+                               accm[r][f]);
+            }
+          }
+        }
+      }
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t f = 0; f < nf; ++f)
+          out[(r0 + r) * out_stride + n + f] =
+              freetoken::vec::hsum(acc[r][f]) + hsum128(accm[r][f]);
+    }
+  }
+}
+
+template <int64_t QT>
+void q8k_impl(const QuantRowsK& x, int64_t rows, const uint8_t* bp, int64_t row_bytes, float* op,
+              int64_t n, int64_t ostride) {
+  freetoken::guided_for((n + kChunk - 1) / kChunk, 1, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * kChunk, n1 = std::min(n, n0 + kChunk);
+      rows_q8k<QT>(x, rows, bp, n, row_bytes, op, ostride, n0, n1);
+    }
+  });
+}
 #else
-// Without AVX2: the same formula, one output at a time (invariant too).
+// Without AVX2: the same formulas, one output at a time (invariant too).
+
+// Block b's 32 integer quants (Q4_1 unsigned, the others signed).
+template <int64_t QT>
+inline void block_ints(const uint8_t* block, int q[32]) {
+  if constexpr (QT == kQ8_0) {
+    for (int j = 0; j < 32; ++j) q[j] = reinterpret_cast<const int8_t*>(block + 2)[j];
+  } else {
+    const uint8_t* qs = block + (QT == kQ4_0 ? 2 : QT == kQ4_1 ? 4 : 6);
+    uint32_t bits = 0;
+    if constexpr (QT == kQ5_0) std::memcpy(&bits, block + 2, 4);
+    for (int j = 0; j < 16; ++j) {
+      q[j] = qs[j] & 0x0F;
+      q[j + 16] = qs[j] >> 4;
+    }
+    for (int j = 0; j < 32; ++j) {
+      if constexpr (QT == kQ4_0) q[j] -= 8;
+      if constexpr (QT == kQ5_0) q[j] += static_cast<int>((bits >> j) & 1) * 16 - 16;
+    }
+  }
+}
+
 template <int64_t QT>
 void q8_impl(const QuantRows& x, int64_t rows, const uint8_t* bp, int64_t row_bytes, float* op,
-             int64_t n) {
+             int64_t n, int64_t ostride) {
   const int64_t nb = x.nb;
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t f = n0; f < n1; ++f) {
-      const FeatureBlocks fb = feature_blocks(bp, n, row_bytes, file_block_bytes(QT), f);
+      const FeatureBlocks fb = feature_blocks(bp, n, row_bytes, q8_block_bytes(QT), f);
       for (int64_t r = 0; r < rows; ++r) {
         float y = 0.f, mt = 0.f;
         const int8_t* qx = x.q.data() + r * x.k;
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* block = fb.first + b * fb.stride;
-          const float d = half_to_float(block);
+          int q[32];
+          block_ints<QT>(block, q);
           int dot = 0;
-          if constexpr (QT == kQ4_1) {
-            for (int j = 0; j < 16; ++j)
-              dot += (block[4 + j] & 0x0F) * qx[b * kBlock + j] +
-                     (block[4 + j] >> 4) * qx[b * kBlock + 16 + j];
-            mt += half_to_float(block + 2) * x.ds[(r * nb + b) * 2 + 1];
-          } else {
-            const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
-            for (int j = 0; j < kBlock; ++j) dot += q[j] * qx[b * kBlock + j];
-          }
-          y += d * x.ds[(r * nb + b) * 2] * static_cast<float>(dot);
+          for (int j = 0; j < kBlock; ++j) dot += q[j] * qx[b * kBlock + j];
+          if constexpr (QT == kQ4_1) mt += half_to_float(block + 2) * x.ds[(r * nb + b) * 2 + 1];
+          y += half_to_float(block) * x.ds[(r * nb + b) * 2] * static_cast<float>(dot);
         }
-        op[r * n + f] = y + mt;
+        op[r * ostride + f] = y + mt;
+      }
+    }
+  });
+}
+
+// A super-block's 256 unsigned quants and its scales (Q4_K: 8 of 32, with 8 mins; Q6_K: 16
+// of 16).
+template <int64_t QT>
+inline void super_ints(const uint8_t* blk, int q[256], int sc[16], int mn[8], float& d,
+                       float& dmin) {
+  if constexpr (QT == kQ4_K) {
+    d = half_to_float(blk);
+    dmin = half_to_float(blk + 2);
+    const uint8_t* s = blk + 4;
+    for (int j = 0; j < 8; ++j) {
+      if (j < 4) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+      } else {
+        sc[j] = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+      }
+    }
+    for (int c = 0; c < 8; ++c)
+      for (int i = 0; i < 32; ++i) {
+        const uint8_t byte = blk[16 + 32 * (c / 2) + i];
+        q[32 * c + i] = c % 2 == 0 ? byte & 0x0F : byte >> 4;
+      }
+  } else {
+    d = half_to_float(blk + 208);
+    dmin = 0.f;
+    for (int j = 0; j < 16; ++j) sc[j] = reinterpret_cast<const int8_t*>(blk + 192)[j];
+    for (int c = 0; c < 8; ++c) {
+      const int j = c / 4, t = c % 4;
+      for (int i = 0; i < 32; ++i) {
+        const uint8_t l = blk[64 * j + 32 * (t % 2) + i], h = blk[128 + 32 * j + i];
+        q[32 * c + i] = (t < 2 ? l & 0x0F : l >> 4) | (((h >> (2 * t)) & 3) << 4);
+      }
+    }
+  }
+}
+
+template <int64_t QT>
+void q8k_impl(const QuantRowsK& x, int64_t rows, const uint8_t* bp, int64_t row_bytes, float* op,
+              int64_t n, int64_t ostride) {
+  const int64_t nb = x.nb;
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t f = n0; f < n1; ++f) {
+      const FeatureBlocks fb = feature_blocks(bp, n, row_bytes, q8_block_bytes(QT), f);
+      for (int64_t r = 0; r < rows; ++r) {
+        float y = 0.f, m = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          int q[256], sc[16], mn[8];
+          float d, dmin;
+          super_ints<QT>(fb.first + b * fb.stride, q, sc, mn, d, dmin);
+          const int8_t* qx = x.q.data() + r * x.k + b * kSuper;
+          const int64_t i = r * nb + b;
+          int64_t sum = 0, msum = 0;
+          for (int j = 0; j < 256; ++j) {
+            const int s = QT == kQ4_K ? sc[j / 32] : sc[j / 16];
+            sum += static_cast<int64_t>(s) * (QT == kQ6_K ? q[j] - 32 : q[j]) * qx[j];
+          }
+          if constexpr (QT == kQ4_K)
+            for (int s = 0; s < 8; ++s) msum += mn[s] * x.sums32[8 * i + s];
+          y += d * x.d[i] * static_cast<float>(sum);
+          m += -dmin * x.d[i] * static_cast<float>(msum);
+        }
+        op[r * ostride + f] = y + m;
       }
     }
   });
 }
 #endif
 
+// One part (or the whole) of a product: n features of type qt, their blocks at bp, into out
+// columns starting at op (row stride ostride). The rows are quantized at most once per call
+// into each activation type the parts need.
+struct Activations {
+  const float* x;
+  int64_t rows, k;
+  QuantRows* q = nullptr;
+  QuantRowsK* qk = nullptr;
+  bool have_q = false, have_qk = false;
+};
+
+void q8_part(Activations& a, const uint8_t* bp, int64_t n, int64_t row_bytes, int64_t qt,
+             float* op, int64_t ostride) {
+  if (is_k_quant(qt)) {
+    if (!a.have_qk) quantize_rows_k(a.x, a.rows, a.k, *a.qk);
+    a.have_qk = true;
+  } else {
+    if (!a.have_q) quantize_rows(a.x, a.rows, a.k, *a.q);
+    a.have_q = true;
+  }
+  switch (qt) {
+    case kQ4_0: q8_impl<kQ4_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ4_1: q8_impl<kQ4_1>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ5_0: q8_impl<kQ5_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ8_0: q8_impl<kQ8_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ4_K: q8k_impl<kQ4_K>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ6_K: q8k_impl<kQ6_K>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
+    default: TORCH_CHECK(false, "gguf_linear_q8: no 8-bit kernel for ggml type ", qt);
+  }
+}
+
+void check_part(int64_t qt, int64_t k, int64_t row_bytes) {
+  TORCH_CHECK(q8_block_bytes(qt) != 0, "gguf_linear_q8: no 8-bit kernel for ggml type ", qt,
+              " (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K have one)");
+  TORCH_CHECK(k % q8_block_weights(qt) == 0, "gguf_linear_q8: K must be a multiple of ",
+              q8_block_weights(qt), " for ggml type ", qt);
+  TORCH_CHECK(row_bytes == k / q8_block_weights(qt) * q8_block_bytes(qt),
+              "gguf_linear_q8: blocks must be uint8 [N, K / block weights * block bytes]");
+}
+
 }  // namespace
 
 namespace freetoken {
 
+bool q8_linear_supports(int64_t qtype) { return q8_block_bytes(qtype) != 0; }
+
 void gguf_linear_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, at::Tensor out) {
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "gguf_linear_q8: Q4_1 (3) or Q8_0 (8) blocks only");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
               x.is_contiguous(), "gguf_linear_q8: x must be a contiguous float32 [M, K] CPU tensor");
-  TORCH_CHECK(x.size(1) % kBlock == 0, "gguf_linear_q8: K must be a multiple of 32");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-              blocks.size(1) == x.size(1) / kBlock * file_block_bytes(qtype),
-              "gguf_linear_q8: blocks must be uint8 [N, K / 32 * block bytes]");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
-              out.size(1) == blocks.size(0), "gguf_linear_q8: out must be float32 [M, N]");
-  const int64_t rows = x.size(0), n = blocks.size(0);
-  if (rows == 0) return;
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "gguf_linear_q8: blocks must be a contiguous uint8 [N, row bytes] tensor");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0),
+              "gguf_linear_q8: out must be float32 [M, N]");
+  const int64_t rows = x.size(0), k = x.size(1);
   // Reused across calls (120 linears a decode step); one per thread, as a team's members each
   // quantize the rows for themselves.
   thread_local QuantRows q;
-  quantize_rows(x.data_ptr<float>(), rows, x.size(1), q);
-  if (qtype == kQ4_1) {
-    q8_impl<kQ4_1>(q, rows, blocks.data_ptr<uint8_t>(), blocks.size(1), out.data_ptr<float>(), n);
-  } else {
-    q8_impl<kQ8_0>(q, rows, blocks.data_ptr<uint8_t>(), blocks.size(1), out.data_ptr<float>(), n);
+  thread_local QuantRowsK qk;
+  Activations a{x.data_ptr<float>(), rows, k, &q, &qk};
+  float* op = out.data_ptr<float>();
+  const uint8_t* base = blocks.data_ptr<uint8_t>();
+  if (qtype == kParts) {
+    // A linear of parts of different types side by side in the output (gguf_linear's
+    // header: kParts, part count, then per part type, features, row bytes, byte offset).
+    TORCH_CHECK(blocks.size(0) == 1 && blocks.size(1) >= 16, "gguf_linear_q8: bad parts blocks");
+    int64_t head[2];
+    std::memcpy(head, base, sizeof head);
+    TORCH_CHECK(head[0] == kParts && head[1] >= 1 && blocks.size(1) >= 16 + 32 * head[1],
+                "gguf_linear_q8: bad parts header");
+    int64_t col = 0;
+    for (int64_t p = 0; p < head[1]; ++p) {
+      int64_t part[4];
+      std::memcpy(part, base + 16 + 32 * p, sizeof part);
+      check_part(part[0], k, part[2]);
+      TORCH_CHECK(part[3] + part[1] * part[2] <= blocks.size(1),
+                  "gguf_linear_q8: a part's blocks do not fit the buffer");
+      col += part[1];
+    }
+    TORCH_CHECK(col == out.size(1), "gguf_linear_q8: the parts' features do not fill out");
+    if (rows == 0) return;
+    col = 0;
+    for (int64_t p = 0; p < head[1]; ++p) {
+      int64_t part[4];
+      std::memcpy(part, base + 16 + 32 * p, sizeof part);
+      q8_part(a, base + part[3], part[1], part[2], part[0], op + col, out.size(1));
+      col += part[1];
+    }
+    return;
   }
+  check_part(qtype, k, blocks.size(1));
+  TORCH_CHECK(out.size(1) == blocks.size(0), "gguf_linear_q8: out must be float32 [M, N]");
+  if (rows == 0) return;
+  q8_part(a, base, blocks.size(0), blocks.size(1), qtype, op, out.size(1));
 }
 
 }  // namespace freetoken
@@ -340,4 +793,6 @@ void gguf_linear_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype
 TORCH_LIBRARY_FRAGMENT(freetoken, m) {
   m.def("gguf_linear_q8(Tensor x, Tensor blocks, int qtype, Tensor(a!) out) -> ()",
         &freetoken::gguf_linear_q8);
+  m.def("q8_linear_supports(int qtype) -> bool",
+        [](int64_t qtype) { return freetoken::q8_linear_supports(qtype); });
 }

@@ -1,0 +1,142 @@
+"""The 8-bit-activation kernel (``gguf_linear_q8``, ``--activations q8``) on every block type
+it computes with: Q4_0, Q4_1, Q5_0, Q8_0 against activations quantized by 32 (llama.cpp's
+Q8_0 / Q8_1), Q4_K and Q6_K against activations quantized by 256 (llama.cpp's Q8_K).
+
+For each type: random blocks (tests/gguf_models.py) in the kernels' interleaved layout; the
+kernel's output against a float64 product of the activations as the kernel rounds them
+(computed here from first principles) and gguf-py's dequantized weights; the same bits for a
+row alone as among others; a linear of parts of different types."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+from gguf_models import random_blocks
+
+from freetoken_core.kernels import cpu_kernels_available
+from freetoken_core.models.linear import KIND_PARTS, interleave_blocks, parts_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no native kernels")
+
+Q8_TYPES = [2, 3, 6, 8, 12, 14]  # Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K
+
+
+def _name(qtype: int) -> str:
+    return GGMLQuantizationType(qtype).name
+
+
+def _case(qtype: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(interleaved blocks [n, bytes], float64 weights [n, k]) of random blocks of ``qtype``."""
+    rng = np.random.default_rng(seed)
+    rows = random_blocks(rng, qtype, n, k, scale=0.1)
+    weights = dequantize(rows.reshape(-1), GGMLQuantizationType(qtype))
+    block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
+    return (interleave_blocks(torch.from_numpy(rows.copy()), block_bytes),
+            torch.from_numpy(np.asarray(weights, dtype=np.float64).reshape(n, k)))
+
+
+def _quantized_activations(x: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x as the kernel rounds it, in float64: each run of 32 (256 for the K-quants) scaled by
+    max|x| / 127 and rounded to the nearest integer (ties to even), in float32 arithmetic."""
+    run = 256 if qtype in (12, 14) else 32
+    xb = x.numpy().reshape(x.shape[0], -1, run)
+    amax = np.abs(xb).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inverse)
+    dx = (amax / np.float32(127)).astype(np.float32)
+    return torch.from_numpy((q.astype(np.float64) * dx.astype(np.float64)).reshape(x.shape))
+
+
+def _q8(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
+    out = torch.empty(x.shape[0], n)
+    torch.ops.freetoken.gguf_linear_q8(x.contiguous(), blocks, qtype, out)
+    return out
+
+
+@pytest.mark.parametrize("qtype", Q8_TYPES, ids=_name)
+def test_q8_kernel_is_the_product_of_the_rounded_activations(qtype: int) -> None:
+    k, n = 768, 37  # three super-blocks or 24 blocks a row; a partial group and chunk
+    blocks, w64 = _case(qtype, n, k, qtype)
+    gen = torch.Generator().manual_seed(qtype)
+    x = torch.randn(40, k, generator=gen)
+    x[0, :256] = 0  # an all-zero run: scale 0, no division by zero
+    out = _q8(x, blocks, qtype, n)
+    xq = _quantized_activations(x, qtype)
+    ref = xq @ w64.T
+    # float32 sums of exact integer products (one rounding of each block's scale product
+    # and of each accumulation); Q4_K's two terms (scales, mins) may each exceed the sum
+    bound = 1e-5 * (xq.abs() @ w64.abs().T) + 2e-6 * ref.abs().max()
+    assert torch.all((out.double() - ref).abs() <= bound), _name(qtype)
+    # and the model's product up to the activations' rounding
+    exact = x.double() @ w64.T
+    assert (out.double() - exact).norm() / exact.norm() < 0.02
+    # a row's output is the same bits alone as among others (the one-row path and the
+    # decoded-once path of the K-quants, the 4-row groups and remainders of the others)
+    for rows in (1, 2, 3, 5, 16, 17):
+        assert torch.equal(_q8(x[:rows], blocks, qtype, n), out[:rows]), rows
+    alone = torch.cat([_q8(x[i:i + 1], blocks, qtype, n) for i in range(len(x))])
+    assert torch.equal(alone, out)
+    assert _q8(x[:0], blocks, qtype, n).shape == (0, n)
+
+
+def test_q8_linear_of_parts_is_its_parts_side_by_side() -> None:
+    """A Q4_K_M file's fused q/k/v: Q4_K q and k, a Q6_K v; and a Q5_0 / Q8_0 one (the
+    SmolLM2 Q4_K_M file's 576-wide rows)."""
+    for k, parts in ((512, [(12, 64), (12, 32), (14, 32)]), (576, [(6, 40), (8, 24)])):
+        laid_out = [(qtype, _case(qtype, n, k, 100 + i)[0]) for i, (qtype, n) in enumerate(parts)]
+        blocks = parts_blocks(laid_out)
+        total = sum(n for _, n in parts)
+        for rows in (1, 3, 16):
+            x = torch.randn(rows, k)
+            whole = _q8(x, blocks, KIND_PARTS, total)
+            singles = torch.cat([_q8(x, b, qtype, b.shape[0]) for qtype, b in laid_out], dim=1)
+            assert torch.equal(whole, singles), (k, rows)
+
+
+def test_q8_kernel_names_what_it_cannot_compute() -> None:
+    blocks, _ = _case(12, 4, 256, 0)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        _q8(torch.randn(1, 128), blocks[:, :72].contiguous(), 12, 4)
+    q5k, _ = _case(13, 4, 256, 0)
+    with pytest.raises(RuntimeError, match="no 8-bit kernel for ggml type 13"):
+        _q8(torch.randn(1, 256), q5k, 13, 4)
+    assert torch.ops.freetoken.q8_linear_supports(14)
+    assert not torch.ops.freetoken.q8_linear_supports(13)
+
+
+def test_a_q4_k_m_model_switches_the_linears_that_have_an_8_bit_kernel(tmp_path) -> None:
+    """A Q4_K_M-like file (Q4_K; Q6_K v, down and tied embedding) with a Q5_K up projection:
+    ``activations="q8"`` moves every linear but the gate/up (Q4_K + Q5_K parts) to 8-bit
+    activations, and the model's prompt logprobs stay close to the exact path's without
+    equalling them."""
+    from gguf_models import Q4_K, Q5_K, Q6_K, write_gguf
+
+    from freetoken_core import LLM, SamplingParams
+    from freetoken_core.models.linear import ACTIVATIONS_Q8
+
+    path = write_gguf(tmp_path / "mix.gguf", "llama", hidden=256, layers=2, heads=4,
+                      kv_heads=2, ff=512, weight_type=Q4_K,
+                      types={"attn_v.weight": Q6_K, "ffn_down.weight": Q6_K,
+                             "token_embd.weight": Q6_K, "ffn_up.weight": Q5_K})
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0)
+    prompt = "The quick brown fox jumps over the lazy dog, twice: " * 4
+    results = {}
+    for mode in ("float32", "q8"):
+        with LLM(str(path), activations=mode, kv_cache_tokens=2048, progress=False) as llm:
+            model = llm.engine.core.runner.model
+            switched = [[bool(lin.blocks[0] & ACTIVATIONS_Q8) for lin in layer.linears]
+                        for layer in model.layers] + [[bool(model.lm_head.blocks[0]
+                                                            & ACTIVATIONS_Q8)]]
+            out = llm.generate(prompt, params)[0]
+            results[mode] = (switched, [next(iter(p.values())).logprob
+                                        for p in out.prompt_logprobs[1:]])
+    assert results["float32"][0] == [[False] * 4] * 2 + [[False]]
+    assert results["q8"][0] == [[True, True, False, True]] * 2 + [[True]]  # qkv, o, gate_up, down
+    exact, q8 = (torch.tensor(results[m][1]) for m in ("float32", "q8"))
+    assert not torch.equal(exact, q8)
+    assert (exact - q8).abs().mean() < 0.05 * exact.abs().mean()
