@@ -53,7 +53,7 @@ def main() -> None:
         NATIVE_UNITS,
         Q8_ACTIVATION_TYPES,
         kernel_blocks,
-        narrow_scales,
+        q8_blocks,
     )
 
     assert cpu_kernels_available(), "the native kernels could not be built"
@@ -72,7 +72,7 @@ def main() -> None:
             weights[name] = (qtype, blocks, torch.ops.freetoken.gguf_linear)
         if args.activations != "float32" and qtype in Q8_ACTIVATION_TYPES:
             weights[f"{name} q8" if args.activations == "both" else name] = (
-                qtype, [narrow_scales(b, qtype) for b in blocks],
+                qtype, [q8_blocks(b, qtype) for b in blocks],
                 torch.ops.freetoken.gguf_linear_q8)
     rows_list = [int(r) for r in args.rows.split(",")]
     xs = {r: [torch.randn(r, k) for _, k in shape] for r in rows_list}

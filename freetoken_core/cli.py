@@ -51,8 +51,9 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "int24 (24-bit fixed-point activations, integer dot products on "
                              "AVX-512 VNNI / AMX); auto (default): int24 where the CPU has "
                              "AVX-512 VNNI, else float32. Opt-in, not exact: q8 (8-bit "
-                             "activations as llama.cpp computes them). int24 and q8 need "
-                             "Q4_1/Q8_0 weights and the native kernels")
+                             "activations as llama.cpp computes them; Q4_0, Q4_1, Q5_0, "
+                             "Q8_0, Q4_K and Q6_K linears, the others keep float32). int24 "
+                             "needs Q4_1/Q8_0 weights; both need the native kernels")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)

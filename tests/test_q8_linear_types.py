@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 from gguf_models import random_blocks
 
 from freetoken_core.kernels import cpu_kernels_available
-from freetoken_core.models.linear import KIND_PARTS, interleave_blocks, parts_blocks
+from freetoken_core.models.linear import KIND_PARTS, kernel_blocks, parts_blocks, q8_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no native kernels")
 
@@ -30,12 +29,13 @@ def _name(qtype: int) -> str:
 
 
 def _case(qtype: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(interleaved blocks [n, bytes], float64 weights [n, k]) of random blocks of ``qtype``."""
+    """(blocks [n, bytes] as the kernel reads them, float64 weights [n, k]) of random blocks
+    of ``qtype``."""
     rng = np.random.default_rng(seed)
     rows = random_blocks(rng, qtype, n, k, scale=0.1)
     weights = dequantize(rows.reshape(-1), GGMLQuantizationType(qtype))
-    block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][1]
-    return (interleave_blocks(torch.from_numpy(rows.copy()), block_bytes),
+    # as a model lays them out for the float32 kernel, then for this one
+    return (q8_blocks(kernel_blocks(torch.from_numpy(rows.copy()), qtype), qtype),
             torch.from_numpy(np.asarray(weights, dtype=np.float64).reshape(n, k)))
 
 
@@ -101,7 +101,7 @@ def test_q8_linear_of_parts_is_its_parts_side_by_side() -> None:
 def test_q8_kernel_names_what_it_cannot_compute() -> None:
     blocks, _ = _case(12, 4, 256, 0)
     with pytest.raises(RuntimeError, match="multiple of 256"):
-        _q8(torch.randn(1, 128), blocks[:, :72].contiguous(), 12, 4)
+        _q8(torch.randn(1, 128), blocks[:, :74].contiguous(), 12, 4)
     q5k, _ = _case(13, 4, 256, 0)
     with pytest.raises(RuntimeError, match="no 8-bit kernel for ggml type 13"):
         _q8(torch.randn(1, 256), q5k, 13, 4)

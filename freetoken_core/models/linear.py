@@ -140,6 +140,25 @@ def narrow_scales(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     return _recast_scales(blocks, KERNEL_BLOCK_BYTES[qtype], 8, torch.float32, torch.float16)
 
 
+def q8_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Kernel-layout blocks (``kernel_blocks``, or a ``parts_blocks`` buffer) in the layout
+    the 8-bit-activation kernel reads (gguf_linear_q8): Q4_1 with the file's float16 scales
+    (``narrow_scales``), Q4_K with its scales and mins unpacked to a byte each (148 bytes a
+    super-block instead of 144), every other type as it is."""
+    if qtype == KIND_PARTS:
+        count = int(blocks[0, :16].view(torch.int64)[1])
+        values = blocks[0, :16 + 32 * count].view(torch.int64).tolist()
+        parts = []
+        for p in range(count):
+            part_type, n, row_bytes, offset = values[2 + 4 * p:6 + 4 * p]
+            rows = blocks[0, offset:offset + n * row_bytes].view(n, row_bytes)
+            parts.append((part_type, q8_blocks(rows, part_type)))
+        return parts_blocks(parts)
+    if qtype == 3:
+        return narrow_scales(blocks, qtype)
+    return torch.ops.freetoken.gguf_q8_blocks(blocks, qtype)
+
+
 def interleave_blocks(rows: torch.Tensor, block_bytes: int,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of ``block_bytes``-byte blocks in the native kernels' layout (a copy).

@@ -41,8 +41,8 @@ from freetoken_core.models.linear import (
     int_blocks,
     int_linear_available,
     make_linear,
-    narrow_scales,
     parts_types,
+    q8_blocks,
 )
 from freetoken_core.models.sharding import Shard, all_reduce, gather_logits, shard_weights
 
@@ -278,8 +278,8 @@ class LlamaForCausalLM:
         self.embedding.own_blocks()
         for lin in chosen:
             qtype, blocks = lin.blocks
-            lin.blocks = (qtype | ACTIVATIONS_Q8, narrow_scales(blocks, qtype))
-        self.pack_blocks()  # the narrowed blocks into a new huge-page buffer (and one_call)
+            lin.blocks = (qtype | ACTIVATIONS_Q8, q8_blocks(blocks, qtype))
+        self.pack_blocks()  # the re-laid blocks into a new huge-page buffer (and one_call)
         self.set_all_layers_args()
         return kept
 

@@ -35,8 +35,8 @@
 // The blocks are the file's (20-byte Q4_1, q8_block_bytes) in the kernels' interleaved
 // layout (gguf_blocks.h): groups of four features, their blocks interleaved.
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -57,15 +57,15 @@ using namespace freetoken::gguf;
 constexpr int64_t kQ4_0 = 2, kQ5_0 = 6, kQ4_K = 12, kQ6_K = 14;  // ggml type ids
 constexpr int64_t kSuper = 256;  // weights per K-quant super-block
 
-// Bytes of a block (or super-block) as the file stores it; 0 for a type without an 8-bit
-// kernel.
+// Bytes of a block (or super-block) as this kernel reads it, as the file stores it but for
+// Q4_K (q8_layout); 0 for a type without an 8-bit kernel.
 constexpr int64_t q8_block_bytes(int64_t qt) {
   switch (qt) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
     case kQ5_0: return 22;
     case kQ8_0: return 34;
-    case kQ4_K: return 144;
+    case kQ4_K: return 148;  // the file's 144, its scales and mins unpacked (q8_layout)
     case kQ6_K: return 210;
     default: return 0;
   }
@@ -419,19 +419,10 @@ template <int64_t QT>
 inline SuperHead super_head(const uint8_t* blk) {
   SuperHead h;
   if constexpr (QT == kQ4_K) {
-    // llama.cpp's unpacking of the 12 bytes of 6-bit scales and mins (get_scale_min_k4).
-    constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    // 8 scales, then 8 mins, one byte each (q8_layout unpacked them at load)
     h.d = half_to_float(blk);
     h.dmin = half_to_float(blk + 2);
-    uint32_t u[4];
-    std::memcpy(u, blk + 4, 12);
-    u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
-    const uint32_t aux = u[1] & kmask1;
-    u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
-    u[2] = aux;
-    u[0] &= kmask1;
-    const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32(static_cast<int32_t>(u[3]),
-        static_cast<int32_t>(u[2]), static_cast<int32_t>(u[1]), static_cast<int32_t>(u[0])));
+    const __m256i ms = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
     h.mins = _mm256_extracti128_si256(ms, 1);
     h.scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms));
   } else {
@@ -449,7 +440,7 @@ inline void super_chunk(const uint8_t* blk, const SuperHead& h, int c, __m256i& 
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   if constexpr (QT == kQ4_K) {
     // qs[32 j .. 32 j + 31]: low nibbles are weights 64 j.., high nibbles 64 j + 32..
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * (c / 2)));
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 20 + 32 * (c / 2)));
     w = _mm256_and_si256(c % 2 == 0 ? bits : _mm256_srli_epi16(bits, 4), m4);
     sc = _mm256_shuffle_epi8(h.scales, q4k_scale_shuffle(c));
   } else {
@@ -632,19 +623,13 @@ inline void super_ints(const uint8_t* blk, int q[256], int sc[16], int mn[8], fl
   if constexpr (QT == kQ4_K) {
     d = half_to_float(blk);
     dmin = half_to_float(blk + 2);
-    const uint8_t* s = blk + 4;
     for (int j = 0; j < 8; ++j) {
-      if (j < 4) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-      } else {
-        sc[j] = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-        mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-      }
+      sc[j] = blk[4 + j];
+      mn[j] = blk[12 + j];
     }
     for (int c = 0; c < 8; ++c)
       for (int i = 0; i < 32; ++i) {
-        const uint8_t byte = blk[16 + 32 * (c / 2) + i];
+        const uint8_t byte = blk[20 + 32 * (c / 2) + i];
         q[32 * c + i] = c % 2 == 0 ? byte & 0x0F : byte >> 4;
       }
   } else {
@@ -733,9 +718,47 @@ void check_part(int64_t qt, int64_t k, int64_t row_bytes) {
               "gguf_linear_q8: blocks must be uint8 [N, K / block weights * block bytes]");
 }
 
+// The file's Q4_K super-block (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
+// nibbles) with its scales and mins unpacked to a byte each (llama.cpp's get_scale_min_k4),
+// 8 scales then 8 mins: 148 bytes. Unpacking took ~25 of the ~90 instructions of a
+// super-block at one row, for 3 % more bytes.
+void unpack_q4_k(const uint8_t* in, uint8_t* out) {
+  std::memcpy(out, in, 4);
+  const uint8_t* s = in + 4;
+  for (int j = 0; j < 8; ++j) {
+    if (j < 4) {
+      out[4 + j] = s[j] & 63;
+      out[12 + j] = s[j + 4] & 63;
+    } else {
+      out[4 + j] = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+      out[12 + j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+  }
+  std::memcpy(out + 20, in + 16, 128);
+}
+
 }  // namespace
 
 namespace freetoken {
+
+// Kernel-layout blocks (interleaved, the file's bytes; Q4_1 with the file's float16 scales)
+// in the layout gguf_linear_q8 reads: the same for every type but Q4_K, whose super-blocks
+// grow from 144 to 148 bytes (unpack_q4_k) in place of each, so the groups' interleaving
+// holds.
+at::Tensor gguf_q8_blocks(const at::Tensor& blocks, int64_t qtype) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "gguf_q8_blocks: blocks must be a contiguous uint8 [N, row bytes] tensor");
+  if (qtype != kQ4_K) return blocks;
+  TORCH_CHECK(blocks.size(1) % 144 == 0, "gguf_q8_blocks: Q4_K rows must be whole super-blocks");
+  const int64_t units = blocks.size(0) * (blocks.size(1) / 144);
+  at::Tensor out = at::empty({blocks.size(0), blocks.size(1) / 144 * 148}, blocks.options());
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, units, 4096, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) unpack_q4_k(in + u * 144, op + u * 148);
+  });
+  return out;
+}
 
 bool q8_linear_supports(int64_t qtype) { return q8_block_bytes(qtype) != 0; }
 
@@ -793,6 +816,7 @@ void gguf_linear_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype
 TORCH_LIBRARY_FRAGMENT(freetoken, m) {
   m.def("gguf_linear_q8(Tensor x, Tensor blocks, int qtype, Tensor(a!) out) -> ()",
         &freetoken::gguf_linear_q8);
+  m.def("gguf_q8_blocks(Tensor blocks, int qtype) -> Tensor", &freetoken::gguf_q8_blocks);
   m.def("q8_linear_supports(int qtype) -> bool",
         [](int64_t qtype) { return freetoken::q8_linear_supports(qtype); });
 }
