@@ -495,7 +495,7 @@ void rows_q8k(const QuantRowsK& x, int64_t rows, const uint8_t* blocks, int64_t 
               int64_t row_bytes, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
   constexpr int64_t kBytes = q8_block_bytes(QT);
   const int64_t nb = x.nb;
-  const int64_t ahead = std::max<int64_t>(kPrefetchBytes, kGroup * row_bytes);
+  const int64_t ahead = kPrefetchBytes;
   prefetch_range(blocks + n0 * row_bytes, kPrefetchBytes);
   for (int64_t n = n0; n < n1; n += kGroup) {
     const int64_t nf = std::min(kGroup, n1 - n);
