@@ -145,8 +145,8 @@ def q8_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     the 8-bit-activation kernel reads (gguf_linear_q8): Q4_1 with the file's float16 scales
     (``narrow_scales``), Q4_K with its scales and mins unpacked to a byte each (148 bytes a
     super-block instead of 144), every other type as it is; where the kernels have AVX-512
-    VNNI, Q4_K and Q6_K in groups of 16 features side by side, four weights of a feature a
-    32-bit lane (q8_linear.cpp; the same 148 and 210 bytes a super-block)."""
+    VNNI, every type in groups of 16 features side by side, four weights of a feature a
+    32-bit lane (q8_linear.cpp; the same bytes a block as above)."""
     if qtype == KIND_PARTS:
         count = int(blocks[0, :16].view(torch.int64)[1])
         values = blocks[0, :16 + 32 * count].view(torch.int64).tolist()
@@ -156,9 +156,7 @@ def q8_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
             rows = blocks[0, offset:offset + n * row_bytes].view(n, row_bytes)
             parts.append((part_type, q8_blocks(rows, part_type)))
         return parts_blocks(parts)
-    if qtype == 3:
-        return narrow_scales(blocks, qtype)
-    return torch.ops.freetoken.gguf_q8_blocks(blocks, qtype)
+    return torch.ops.freetoken.gguf_q8_blocks(narrow_scales(blocks, qtype), qtype)
 
 
 def interleave_blocks(rows: torch.Tensor, block_bytes: int,

@@ -88,6 +88,8 @@ struct QuantRows {
   std::vector<int8_t> q;   // [M, K]
   std::vector<float> ds;   // [M, K / 32, 2]: the scale dx, then dx * sum of the block's q
                            // (the Q4_1 m term's factor)
+  std::vector<int32_t> sums;  // [M, K / 32]: the sum of the block's q (the VNNI kernel's
+                              // offsets of unsigned weights)
   int64_t k = 0, nb = 0;
 };
 
@@ -153,12 +155,13 @@ inline float max_abs(const float* x, int64_t n) {
 // measured worse against the exact path (bench/q8_quality.py: perplexity +0.52 % instead of
 // +0.05 %, 11 greedy answers of 64 identical instead of 13) and no closer to llama-server's
 // answers (which differ in more than this: its KV cache is float16).
-inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+inline void quantize_block(const float* x, int8_t* q, float* d, float* s, int32_t* sum_out) {
   const float m = max_abs(x, kBlock);
   const float dx = m / 127.f;
   const int sum = quantize_32(x, m != 0.f ? 127.f / m : 0.f, q);
   *d = dx;
   *s = dx * static_cast<float>(sum);
+  *sum_out = sum;
 }
 
 // One row's super-block of 256: one scale over all of it (llama.cpp's quantize_row_q8_K,
@@ -183,10 +186,11 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, QuantRows& out) {
   out.nb = k / kBlock;
   out.q.resize(rows * k);
   out.ds.resize(rows * out.nb * 2);
+  out.sums.resize(rows * out.nb);
   auto quantize = [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       quantize_block(x + b * kBlock, out.q.data() + b * kBlock, &out.ds[2 * b],
-                     &out.ds[2 * b + 1]);
+                     &out.ds[2 * b + 1], &out.sums[b]);
   };
   // In a team every member quantizes all rows into its own copy (`out` is thread-local):
   // rows x K values, a few microseconds, instead of a barrier and a shared buffer.
@@ -847,6 +851,95 @@ void group_rows_vnni(const QuantRowsK& x, int64_t r0, const uint8_t* group, int6
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * out_stride, lanes, y[r]);
 }
 
+// Blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0) in the VNNI layout, a block of a group of s
+// features:
+//
+//   Q4_0: d[s] (float16), then 4 vectors of 4s bytes of nibbles as Q4_K's         (18s)
+//   Q4_1: d[s], m[s] (float16), then the nibbles                                  (20s)
+//   Q5_0: d[s], then 4s bytes of the fifth bits: bit p of byte 4f + e is that of weight
+//         4p + e of feature f; then the nibbles                                   (22s)
+//   Q8_0: d[s], then 8 vectors of 4s bytes: byte 4f + e of vector p is weight 4p + e plus
+//         128 (unsigned, as vpdpbusd takes its first operand)                     (34s)
+//
+// vpdpbusd multiplies unsigned weights (Q4_0 / Q4_1 nibbles 0..15, Q5_0 0..31, Q8_0 0..255)
+// by the signed activations; the offsets of the signed types (8, 16, 128) come off once per
+// block as the offset times the row's sum of the block's q. Then y += (d dx) * sum (and for
+// Q4_1 m * (dx * sum of q)), block after block.
+template <int64_t QT, int R>
+void group_rows_vnni32(const QuantRows& x, int64_t r0, const uint8_t* group, int64_t s,
+                       float* out, int64_t out_stride) {
+  constexpr int64_t kBytes = q8_block_bytes(QT);
+  constexpr int32_t kOffset = QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : QT == kQ8_0 ? 128 : 0;
+  constexpr int64_t kWeights = QT == kQ4_1 ? 4 : 2;  // the scales' bytes per feature
+  const int64_t nb = x.nb;
+  const __mmask16 lanes = lane_mask(s);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* gb = group + b * kBytes * s;
+    prefetch_range(gb + kPrefetchBytes, kBytes * s);
+    __m512i w[8];
+    const uint8_t* wq = gb + kWeights * s;
+    if constexpr (QT == kQ8_0) {
+      for (int p = 0; p < 8; ++p) w[p] = _mm512_maskz_loadu_epi32(lanes, wq + 4 * p * s);
+    } else {
+      const uint8_t* nib = QT == kQ5_0 ? wq + 4 * s : wq;
+      for (int v = 0; v < 4; ++v) {
+        const __m512i raw = _mm512_maskz_loadu_epi32(lanes, nib + 4 * v * s);
+        w[2 * v] = _mm512_and_si512(raw, low4);
+        w[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+      }
+      if constexpr (QT == kQ5_0) {
+        // bit p of each byte to bit 4: the fifth bit of quad p's weights
+        const __m512i bits = _mm512_maskz_loadu_epi32(lanes, wq);
+        const __m512i bit4 = _mm512_set1_epi8(0x10);
+        w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(bits, 4), bit4));
+        w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(bits, 3), bit4));
+        w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(bits, 2), bit4));
+        w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(bits, 1), bit4));
+        w[4] = _mm512_or_si512(w[4], _mm512_and_si512(bits, bit4));
+        w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_srli_epi16(bits, 1), bit4));
+        w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(bits, 2), bit4));
+        w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(bits, 3), bit4));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, gb));
+    __m512 m = _mm512_setzero_ps();
+    if constexpr (QT == kQ4_1) m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, gb + 2 * s));
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+      const int8_t* xr = x.q.data() + (r0 + r) * x.k + b * kBlock;
+      __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(xr));
+      for (int p = 1; p < 8; ++p) sum = _mm512_dpbusd_epi32(sum, w[p], broadcast4(xr + 4 * p));
+      if constexpr (kOffset != 0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(kOffset * x.sums[i]));
+      y[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.ds[2 * i])), _mm512_cvtepi32_ps(sum),
+                             y[r]);
+      if constexpr (QT == kQ4_1) y[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.ds[2 * i + 1]), y[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * out_stride, lanes, y[r]);
+}
+
+template <int64_t QT>
+void q8_vnni_impl(const QuantRows& x, int64_t rows, const uint8_t* bp, int64_t row_bytes,
+                  float* op, int64_t n, int64_t ostride) {
+  const int64_t groups = (n + kVnniGroup - 1) / kVnniGroup;
+  freetoken::guided_for(groups, 1, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t s = std::min(kVnniGroup, n - g * kVnniGroup);
+      const uint8_t* group = bp + g * kVnniGroup * row_bytes;
+      float* o = op + g * kVnniGroup;
+      int64_t r = 0;
+      for (; r + 16 <= rows; r += 16) group_rows_vnni32<QT, 16>(x, r, group, s, o, ostride);
+      if (rows - r >= 8) group_rows_vnni32<QT, 8>(x, r, group, s, o, ostride), r += 8;
+      if (rows - r >= 4) group_rows_vnni32<QT, 4>(x, r, group, s, o, ostride), r += 4;
+      if (rows - r >= 2) group_rows_vnni32<QT, 2>(x, r, group, s, o, ostride), r += 2;
+      if (rows - r >= 1) group_rows_vnni32<QT, 1>(x, r, group, s, o, ostride), r += 1;
+    }
+  });
+}
+
 template <int64_t QT>
 void q8k_vnni_impl(const QuantRowsK& x, int64_t rows, const uint8_t* bp, int64_t row_bytes,
                    float* op, int64_t n, int64_t ostride) {
@@ -888,10 +981,17 @@ void q8_part(Activations& a, const uint8_t* bp, int64_t n, int64_t row_bytes, in
     a.have_q = true;
   }
   switch (qt) {
+#ifdef FREETOKEN_Q8_VNNI
+    case kQ4_0: q8_vnni_impl<kQ4_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ4_1: q8_vnni_impl<kQ4_1>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ5_0: q8_vnni_impl<kQ5_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ8_0: q8_vnni_impl<kQ8_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+#else
     case kQ4_0: q8_impl<kQ4_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ4_1: q8_impl<kQ4_1>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ5_0: q8_impl<kQ5_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ8_0: q8_impl<kQ8_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+#endif
 #ifdef FREETOKEN_Q8_VNNI
     case kQ4_K: q8k_vnni_impl<kQ4_K>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ6_K: q8k_vnni_impl<kQ6_K>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
@@ -1006,6 +1106,64 @@ at::Tensor vnni_layout(const at::Tensor& blocks) {
   });
   return out;
 }
+// One feature's block of 32 of the file (Q4_1 with its float16 scales) into its place in a
+// group of s features of the VNNI layout (group_rows_vnni32).
+template <int64_t QT>
+void vnni_layout32_one(const uint8_t* blk, int64_t f, int64_t s, uint8_t* gb) {
+  int q[32];  // the unsigned quants
+  std::memcpy(gb + 2 * f, blk, 2);
+  if constexpr (QT == kQ8_0) {
+    for (int j = 0; j < 32; ++j) q[j] = blk[2 + j] ^ 0x80;
+    for (int p = 0; p < 8; ++p)
+      for (int e = 0; e < 4; ++e) gb[(2 + 4 * p) * s + 4 * f + e] = static_cast<uint8_t>(q[4 * p + e]);
+    return;
+  }
+  const uint8_t* qs = blk + (QT == kQ4_0 ? 2 : QT == kQ4_1 ? 4 : 6);
+  for (int j = 0; j < 16; ++j) {
+    q[j] = qs[j] & 0x0F;
+    q[j + 16] = qs[j] >> 4;
+  }
+  int64_t nibbles = 2;
+  if constexpr (QT == kQ4_1) {
+    std::memcpy(gb + 2 * s + 2 * f, blk + 2, 2);
+    nibbles = 4;
+  } else if constexpr (QT == kQ5_0) {
+    uint32_t bits;
+    std::memcpy(&bits, blk + 2, 4);
+    for (int e = 0; e < 4; ++e) {
+      uint8_t byte = 0;
+      for (int p = 0; p < 8; ++p) byte |= static_cast<uint8_t>(((bits >> (4 * p + e)) & 1) << p);
+      gb[2 * s + 4 * f + e] = byte;
+    }
+    nibbles = 6;
+  }
+  for (int v = 0; v < 4; ++v)
+    for (int e = 0; e < 4; ++e)
+      gb[(nibbles + 4 * v) * s + 4 * f + e] =
+          static_cast<uint8_t>(q[8 * v + e] | q[8 * v + 4 + e] << 4);
+}
+
+template <int64_t QT>
+at::Tensor vnni_layout32(const at::Tensor& blocks) {
+  constexpr int64_t kBytes = q8_block_bytes(QT);
+  const int64_t n = blocks.size(0), nb = blocks.size(1) / kBytes, row_bytes = blocks.size(1);
+  at::Tensor out = at::zeros({n, row_bytes}, blocks.options());
+  const uint8_t* in = blocks.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  const int64_t groups = (n + kVnniGroup - 1) / kVnniGroup;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t s = std::min(kVnniGroup, n - g * kVnniGroup);
+      uint8_t* group = op + g * kVnniGroup * row_bytes;
+      for (int64_t f = 0; f < s; ++f) {
+        const FeatureBlocks fb = feature_blocks(in, n, row_bytes, kBytes, g * kVnniGroup + f);
+        for (int64_t b = 0; b < nb; ++b)
+          vnni_layout32_one<QT>(fb.first + b * fb.stride, f, s, group + b * kBytes * s);
+      }
+    }
+  });
+  return out;
+}
 #endif
 
 }  // namespace
@@ -1024,6 +1182,16 @@ at::Tensor gguf_q8_blocks(const at::Tensor& blocks, int64_t qtype) {
     TORCH_CHECK(blocks.size(1) % (qtype == kQ4_K ? 144 : 210) == 0,
                 "gguf_q8_blocks: K-quant rows must be whole super-blocks");
     return qtype == kQ4_K ? vnni_layout<kQ4_K>(blocks) : vnni_layout<kQ6_K>(blocks);
+  }
+  if (q8_block_bytes(qtype) != 0) {
+    TORCH_CHECK(blocks.size(1) % q8_block_bytes(qtype) == 0,
+                "gguf_q8_blocks: rows must be whole blocks");
+    switch (qtype) {
+      case kQ4_0: return vnni_layout32<kQ4_0>(blocks);
+      case kQ4_1: return vnni_layout32<kQ4_1>(blocks);
+      case kQ5_0: return vnni_layout32<kQ5_0>(blocks);
+      default: return vnni_layout32<kQ8_0>(blocks);
+    }
   }
 #endif
   if (qtype != kQ4_K) return blocks;
