@@ -1,4 +1,5 @@
-"""The AVX2 build of the float32 linear kernel, on a machine whose default build is AVX-512.
+"""The AVX2 build of the linear kernels (float32 and 8-bit activations), on a machine whose
+default build is AVX-512.
 
 The native kernels are built for the CPU at hand (``-march=native``), so on an AVX-512
 machine the 8-lane AVX2 paths of gguf_linear.cpp (and of gguf_types.h's decoders) never run
@@ -35,7 +36,8 @@ from torch.utils import cpp_extension
 build, csrc = Path(sys.argv[1]), Path(sys.argv[2])
 build.mkdir(parents=True, exist_ok=True)
 cpp_extension.load(name="ft_avx2_linear", build_directory=str(build),
-                   sources=[str(csrc / "gguf_linear.cpp"), str(csrc / "gguf_dequant.cpp")],
+                   sources=[str(csrc / "gguf_linear.cpp"), str(csrc / "gguf_dequant.cpp"),
+                            str(csrc / "q8_linear.cpp")],
                    extra_cflags=["-O3", "-march=haswell", "-mfma", "-fopenmp",
                                  "-ffp-contract=off"],
                    extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
@@ -67,6 +69,39 @@ for qtype in sorted(GGUF_TYPES):
     ok = ok and torch.equal(emb.double(), w64)
     if not ok:
         failed.append(GGMLQuantizationType(qtype).name)
+
+# The 8-bit-activation kernel's AVX2 path (the lanes layout through vpmaddubsw): against the
+# float64 product of the activations as the kernel rounds them (as test_q8_linear_types
+# checks the main build), and the same bits for a row alone as among others.
+from freetoken_core.models.linear import q8_blocks  # noqa: E402
+
+for qtype in (2, 3, 6, 8, 12, 14):
+    run = 256 if qtype in (12, 14) else 32
+    k, n = 768, 37
+    rows = random_blocks(np.random.default_rng(qtype), qtype, n, k, scale=0.1)
+    w64 = torch.from_numpy(np.asarray(dequantize(rows.reshape(-1), GGMLQuantizationType(qtype)),
+                                      dtype=np.float64).reshape(n, k))
+    blocks = q8_blocks(kernel_blocks(torch.from_numpy(rows.copy()), qtype), qtype)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(qtype))
+    x[0, :256] = 0
+    out = torch.empty(40, n)
+    torch.ops.freetoken.gguf_linear_q8(x, blocks, qtype, out)
+    xb = x.numpy().reshape(40, -1, run)
+    amax = np.abs(xb).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    xq = torch.from_numpy((np.rint(xb * inverse).astype(np.float64)
+                           * (amax / np.float32(127)).astype(np.float32).astype(np.float64)
+                           ).reshape(40, k))
+    ref = xq @ w64.T
+    bound = 1e-5 * (xq.abs() @ w64.abs().T) + 2e-6 * ref.abs().max()
+    ok = bool(torch.all((out.double() - ref).abs() <= bound))
+    for r in (1, 2, 3, 5, 16, 17):
+        part = torch.empty(r, n)
+        torch.ops.freetoken.gguf_linear_q8(x[:r].contiguous(), blocks, qtype, part)
+        ok = ok and torch.equal(part, out[:r])
+    if not ok:
+        failed.append(GGMLQuantizationType(qtype).name + " q8")
 print("failed:", ",".join(failed) or "none")
 '''
 
@@ -80,7 +115,7 @@ def _has_avx2() -> bool:
 
 
 @pytest.mark.skipif(not _has_avx2(), reason="the CPU has no AVX2 + FMA")
-def test_avx2_build_of_the_linear_kernel_on_every_type() -> None:
+def test_avx2_build_of_the_linear_kernels_on_every_type() -> None:
     digest = hashlib.sha256()
     for path in sorted(CSRC.glob("*")):
         digest.update(path.read_bytes())

@@ -220,367 +220,7 @@ void quantize_rows_k(const float* x, int64_t rows, int64_t k, QuantRowsK& out) {
   }
 }
 
-#ifdef FREETOKEN_AVX2
-// The weight block's 32 quants in one register, in weight order (low nibbles are weights
-// 0..15, high nibbles 16..31): Q4_1 as unsigned bytes 0..15, the others as signed bytes
-// (Q4_0: nibble - 8; Q5_0: nibble + 16 * fifth bit - 16; Q8_0 as stored).
-template <int64_t QT>
-inline __m256i block_quants(const uint8_t* block) {
-  if constexpr (QT == kQ4_1) {
-    // The 16 bytes in both halves (a load), the high half shifted (a blend keeps each half's
-    // own): ~8 % fewer cycles a block than an insert of the shifted copy into the high half.
-    const __m256i q = _mm256_broadcastsi128_si256(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
-    const __m256i both = _mm256_blend_epi32(q, _mm256_srli_epi16(q, 4), 0xF0);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-  } else if constexpr (QT == kQ4_0 || QT == kQ5_0) {
-    constexpr int offset = QT == kQ4_0 ? 2 : 6;
-    const __m256i q = _mm256_broadcastsi128_si256(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + offset)));
-    const __m256i nibbles = _mm256_and_si256(_mm256_blend_epi32(q, _mm256_srli_epi16(q, 4), 0xF0),
-                                             _mm256_set1_epi8(0x0F));
-    if constexpr (QT == kQ4_0) return _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
-    // Q5_0: byte j of the fifth bits' 32-bit word spread to bytes 8j..8j+7, each byte's own
-    // bit tested (llama.cpp's bytes_from_bits_32); where it is clear the byte is nibble - 16,
-    // i.e. the nibble with its high four bits set.
-    uint32_t bits;
-    std::memcpy(&bits, block + 2, 4);
-    const __m256i spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32(static_cast<int32_t>(bits)),
-        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-    const __m256i set = _mm256_cmpeq_epi8(
-        _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
-    return _mm256_or_si256(nibbles, _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xF0))));
-  } else {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-  }
-}
-
-// sum_j w_j qx_j of one block as 8 int32 lanes (their total is the dot product). maddubs
-// multiplies unsigned by signed bytes: Q4_1 quants are unsigned already; for the signed types
-// the signs move onto the activations (|w| * sign(w) qx). No pair sum overflows int16: 2 *
-// 128 * 127.
-template <int64_t QT>
-inline __m256i block_dot(__m256i w, __m256i wabs, __m256i qx) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (QT == kQ4_1) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, qx), ones);
-  } else {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(qx, w)), ones);
-  }
-}
-
-// The float16 scales of F (1 to 4) consecutive blocks (block b of F features of one group)
-// as float32, in one conversion: d of feature 0, its m (Q4_1; the next two bytes for the
-// others), d of feature 1, ...
-template <int64_t QT, int F>
-inline __m256 block_scales_of(const uint8_t* first) {
-  static_assert(F >= 1 && F <= 4, "one conversion holds four blocks' scales");
-  int32_t head[F];
-  for (int f = 0; f < F; ++f) std::memcpy(&head[f], first + f * q8_block_bytes(QT), 4);
-  __m128i h = _mm_cvtsi32_si128(head[0]);
-  if constexpr (F > 1) h = _mm_insert_epi32(h, head[1], 1);
-  if constexpr (F > 2) h = _mm_insert_epi32(h, head[2], 2);
-  if constexpr (F > 3) h = _mm_insert_epi32(h, head[3], 3);
-  return _mm256_cvtph_ps(h);
-}
-
-// out[f] = lane 2f of v in all 8 lanes, for f < F <= 4, by in-register shuffles.
-template <int F>
-inline void broadcast_even_lanes(__m256 v, __m256 out[F]) {
-  const __m256 even0 = _mm256_permute_ps(v, 0x00);  // lane 0 of each half: features 0, 2
-  out[0] = _mm256_permute2f128_ps(even0, even0, 0x00);
-  if constexpr (F > 1) {
-    const __m256 even2 = _mm256_permute_ps(v, 0xAA);  // lane 2 of each half: features 1, 3
-    out[1] = _mm256_permute2f128_ps(even2, even2, 0x00);
-    if constexpr (F > 2) out[2] = _mm256_permute2f128_ps(even0, even0, 0x11);
-    if constexpr (F > 3) out[3] = _mm256_permute2f128_ps(even2, even2, 0x11);
-  }
-}
-
-// Rows r0..r0+R of the quantized x against features [n0, n1), F at a time: R x F float
-// accumulators, block after block: acc[r][f] = fma(d_f,b * dx_r,b, dot, acc[r][f]) in 8
-// lanes; for Q4_1 the m term of each output summed block after block, mt += m_f,b * xs_r,b;
-// y = hsum(acc) + mt. The F blocks' scales are converted together as the blocks are read and
-// multiplied by the row's (dx, xs) pairs in one vector (d * dx and m * xs for every feature
-// at once), instead of gathered ahead into arrays for 32 blocks and multiplied there. On the
-// Zen 3 reference, one thread, one row, 1024 x 576 Q4_1 blocks in L2: ~7 cycles a block
-// instead of ~10-13 (the exact kernel: ~10-12); the 30 layers' linears of one row from
-// memory on two threads: 5.9 ms instead of 7.2 (exact: 7.0), paired in one process; the Q4_1
-// unpacking of block_quants then took ~8 % off (5.6 against 6.1 cycles a block in L2).
-template <int64_t QT, int R, int F>
-void rows_q8(const QuantRows& x, int64_t r0, const uint8_t* blocks, int64_t features,
-             int64_t row_bytes, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
-  static_assert(kGroup % F == 0, "a pass's features must lie in one group");
-  const int64_t nb = x.nb;
-  const int64_t ahead = std::max<int64_t>(kPrefetchBytes, F * row_bytes);
-  int64_t n = n0;
-  if constexpr (F > 1) prefetch_range(blocks + n0 * row_bytes, kPrefetchBytes);
-  const int8_t* qx_rows = x.q.data() + r0 * x.k;
-  const float* dxs_rows = x.ds.data() + r0 * nb * 2;
-  for (; n + F <= n1; n += F) {
-    const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, q8_block_bytes(QT), n);
-    __m256 acc[R][F];
-    __m256 mt[R];  // lane 2f + 1: feature f's m term (the even lanes are not used)
-    for (int r = 0; r < R; ++r) {
-      mt[r] = _mm256_setzero_ps();
-      for (int f = 0; f < F; ++f) acc[r][f] = _mm256_setzero_ps();
-    }
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256i w[F], wabs[F];
-      const uint8_t* first = fb.first + b * fb.stride;
-      for (int f = 0; f < F; ++f) {
-        const uint8_t* block = first + f * q8_block_bytes(QT);
-        _mm_prefetch(reinterpret_cast<const char*>(block + ahead), _MM_HINT_T0);
-        w[f] = block_quants<QT>(block);
-        if constexpr (QT != kQ4_1) wabs[f] = _mm256_sign_epi8(w[f], w[f]);
-      }
-      const __m256 dm = block_scales_of<QT, F>(first);
-      for (int r = 0; r < R; ++r) {
-        const __m256i qx = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(qx_rows + r * x.k + b * kBlock));
-        // (d_f * dx, m_f * xs) for every feature f: the row's (dx, xs) pair in every two lanes
-        double pair;
-        std::memcpy(&pair, dxs_rows + (r * nb + b) * 2, sizeof pair);
-        const __m256 scaled = _mm256_mul_ps(dm, _mm256_castpd_ps(_mm256_set1_pd(pair)));
-        if constexpr (QT == kQ4_1) mt[r] = _mm256_add_ps(mt[r], scaled);
-        __m256 ds[F];
-        broadcast_even_lanes<F>(scaled, ds);
-        for (int f = 0; f < F; ++f) {
-          const __m256 dot = _mm256_cvtepi32_ps(block_dot<QT>(w[f], wabs[f], qx));
-          acc[r][f] = _mm256_fmadd_ps(ds[f], dot, acc[r][f]);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      alignas(32) float m_terms[8];
-      _mm256_store_ps(m_terms, mt[r]);
-      for (int f = 0; f < F; ++f) {
-        float y = freetoken::vec::hsum(acc[r][f]);
-        if constexpr (QT == kQ4_1) y += m_terms[2 * f + 1];
-        out[(r0 + r) * out_stride + n + f] = y;
-      }
-    }
-  }
-  if constexpr (F > 1) {
-    if (n < n1) rows_q8<QT, R, 1>(x, r0, blocks, features, row_bytes, out, out_stride, n, n1);
-  }
-}
-
-// Features read side by side for one or two rows: four, a whole group of the blocks' layout,
-// so that the blocks stream from memory in address order. Before the layout interleaved
-// them, Q8_0 read one feature at a time for that reason (the tied head, 49,152 x 576, 30 MB,
-// at one row: 1.5 ms against 2.2 with four rows a row apart); interleaved, four side by side
-// take the same time for the head and the Q4_1 layers' linears ~15 % less (6.5 against 7.8
-// ms, 30 layers at one row, paired in one process).
-constexpr int kFewRowFeatures = 4;
-
-// Features per chunk of work: their blocks (chunk x K / 32 x 20-34 bytes) stay in L1/L2
-// while every group of rows passes over them.
-constexpr int64_t kChunk = 32;
-
-template <int64_t QT>
-void q8_impl(const QuantRows& x, int64_t rows, const uint8_t* bp, int64_t row_bytes, float* op,
-             int64_t n, int64_t ostride) {
-  // Chunks handed out in shrinking pieces (parallel.h), as gguf_linear's: a thread that is
-  // slowed does less of the product instead of holding up the step.
-  freetoken::guided_for((n + kChunk - 1) / kChunk, 1, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t n0 = c * kChunk, n1 = std::min(n, n0 + kChunk);
-      int64_t r = 0;
-      for (; r + 4 <= rows; r += 4) rows_q8<QT, 4, 2>(x, r, bp, n, row_bytes, op, ostride, n0, n1);
-      switch (rows - r) {
-        case 1: rows_q8<QT, 1, kFewRowFeatures>(x, r, bp, n, row_bytes, op, ostride, n0, n1); break;
-        case 2: rows_q8<QT, 2, kFewRowFeatures>(x, r, bp, n, row_bytes, op, ostride, n0, n1); break;
-        case 3: rows_q8<QT, 3, 2>(x, r, bp, n, row_bytes, op, ostride, n0, n1); break;
-        default: break;
-      }
-    }
-  });
-}
-
-// ---- K-quant super-blocks (Q4_K, Q6_K) against Q8_K activations.
-//
-// A super-block is read as 8 chunks of 32 weights, each as 32 unsigned bytes (Q4_K: 0..15;
-// Q6_K: 0..63, its offset of 32 taken off through the activations' sums) and 16 int16
-// scales, one for each pair of weights that maddubs sums (Q4_K: the chunk's sub-block scale
-// in all 16; Q6_K: the scales of its two sub-blocks of 16, 8 each). A row's integer sum over
-// the super-block is then sum_c madd(scales_c, maddubs(w_c, qx_c)) in 8 int32 lanes, which
-// no path orders differently (integers), so one row alone and many rows together give the
-// same bits.
-
-// Bytes 2c, 2c + 1 (the int16 scale of sub-block c) in every pair: Q4_K's chunk scales.
-inline __m256i q4k_scale_shuffle(int c) {
-  const int lo = 2 * c, hi = 2 * c + 1;
-  return _mm256_set1_epi16(static_cast<int16_t>(lo | (hi << 8)));
-}
-// Bytes 2c eight times, then 2c + 1 eight times: Q6_K's sub-block scales of chunk c.
-inline __m128i q6k_scale_shuffle(int c) {
-  return _mm_set_epi64x(0x0101010101010101LL * (2 * c + 1), 0x0101010101010101LL * (2 * c));
-}
-
-// A super-block's scales, decoded once for every row that reads it.
-struct SuperHead {
-  float d, dmin;       // dmin: Q4_K only
-  __m256i scales;      // Q4_K: its 8 sub-block scales as int16, in both 128-bit halves;
-                       // Q6_K: its 16 int8 scales widened to int16
-  __m128i mins;        // Q4_K: its 8 sub-block mins as int16
-  __m128i scales8;     // Q6_K: its 16 int8 scales
-};
-
-template <int64_t QT>
-inline SuperHead super_head(const uint8_t* blk) {
-  SuperHead h;
-  if constexpr (QT == kQ4_K) {
-    // 8 scales, then 8 mins, one byte each (q8_layout unpacked them at load)
-    h.d = half_to_float(blk);
-    h.dmin = half_to_float(blk + 2);
-    const __m256i ms = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
-    h.mins = _mm256_extracti128_si256(ms, 1);
-    h.scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms));
-  } else {
-    h.d = half_to_float(blk + 208);
-    h.dmin = 0.f;
-    h.scales8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-    h.scales = _mm256_cvtepi8_epi16(h.scales8);
-  }
-  return h;
-}
-
-// Chunk c (weights 32c..32c+31) of a super-block: its unsigned quants and pair scales.
-template <int64_t QT>
-inline void super_chunk(const uint8_t* blk, const SuperHead& h, int c, __m256i& w, __m256i& sc) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  if constexpr (QT == kQ4_K) {
-    // qs[32 j .. 32 j + 31]: low nibbles are weights 64 j.., high nibbles 64 j + 32..
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 20 + 32 * (c / 2)));
-    w = _mm256_and_si256(c % 2 == 0 ? bits : _mm256_srli_epi16(bits, 4), m4);
-    sc = _mm256_shuffle_epi8(h.scales, q4k_scale_shuffle(c));
-  } else {
-    // 128 weights per half j: ql[64 j ..] low and high nibbles of two runs of 32 bytes, qh[32
-    // j ..] two bits each (llama.cpp's order).
-    const int j = c / 4, t = c % 4;
-    const __m256i ql = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * (t % 2)));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * j));
-    const __m256i low = _mm256_and_si256(t < 2 ? ql : _mm256_srli_epi16(ql, 4), m4);
-    // the two bits 2t, 2t + 1 of each qh byte, moved to bits 4 and 5
-    __m256i high = _mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(3 << (2 * t))));
-    if (t == 0) high = _mm256_slli_epi16(high, 4);
-    else if (t == 1) high = _mm256_slli_epi16(high, 2);
-    else if (t == 3) high = _mm256_srli_epi16(high, 2);
-    w = _mm256_or_si256(low, high);
-    sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(h.scales8, q6k_scale_shuffle(c)));
-  }
-}
-
-// One row's scaled super-block into its accumulators: acc += (d dx) * sum, and for Q4_K
-// accm += (-dmin dx) * (its mins against the row's sums by 32).
-template <int64_t QT>
-inline void super_finish(const SuperHead& h, __m256i sumi, float dx, const int16_t* sums16,
-                         const int16_t* sums32, __m256& acc, __m128& accm) {
-  if constexpr (QT == kQ6_K) {
-    const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums16));
-    sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(s16, h.scales), 5));
-  } else {
-    const __m128i s32 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums32));
-    accm = _mm_fmadd_ps(_mm_set1_ps(-h.dmin * dx), _mm_cvtepi32_ps(_mm_madd_epi16(h.mins, s32)),
-                        accm);
-  }
-  acc = _mm256_fmadd_ps(_mm256_set1_ps(h.d * dx), _mm256_cvtepi32_ps(sumi), acc);
-}
-
-inline float hsum128(__m128 v) {
-  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-  v = _mm_add_ss(v, _mm_movehdup_ps(v));
-  return _mm_cvtss_f32(v);
-}
-
-// Rows at a time against a group's features: up to this many rows' accumulators per pass.
-constexpr int64_t kSuperRows = 16;
-
-// Rows [0, rows) of the quantized x against features [n0, n1) (a chunk of whole groups):
-// each group's features side by side, super-block after super-block, in address order. One
-// row decodes each chunk as it multiplies it; more rows decode a super-block once into
-// registers spilled to the stack and read it back for every row.
-template <int64_t QT>
-void rows_q8k(const QuantRowsK& x, int64_t rows, const uint8_t* blocks, int64_t features,
-              int64_t row_bytes, float* out, int64_t out_stride, int64_t n0, int64_t n1) {
-  constexpr int64_t kBytes = q8_block_bytes(QT);
-  const int64_t nb = x.nb;
-  const int64_t ahead = kPrefetchBytes;
-  prefetch_range(blocks + n0 * row_bytes, kPrefetchBytes);
-  for (int64_t n = n0; n < n1; n += kGroup) {
-    const int64_t nf = std::min(kGroup, n1 - n);
-    const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes, kBytes, n);
-    for (int64_t r0 = 0; r0 < rows; r0 += kSuperRows) {
-      const int64_t nr = std::min(kSuperRows, rows - r0);
-      __m256 acc[kSuperRows][kGroup];
-      __m128 accm[kSuperRows][kGroup];
-      for (int64_t r = 0; r < nr; ++r)
-        for (int64_t f = 0; f < nf; ++f) {
-          acc[r][f] = _mm256_setzero_ps();
-          accm[r][f] = _mm_setzero_ps();
-        }
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* first = fb.first + b * fb.stride;
-        for (int64_t f = 0; f < nf; ++f) {
-          const uint8_t* blk = first + f * kBytes;
-          for (int64_t p = 0; p < kBytes; p += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(blk + ahead + p), _MM_HINT_T0);
-          const SuperHead h = super_head<QT>(blk);
-          if (nr == 1) {
-            const int8_t* qx = x.q.data() + r0 * x.k + b * kSuper;
-            __m256i sumi = _mm256_setzero_si256();
-#pragma GCC unroll 8
-            for (int c = 0; c < 8; ++c) {
-              __m256i w, sc;
-              super_chunk<QT>(blk, h, c, w, sc);
-              const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 32 * c));
-              sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(sc, _mm256_maddubs_epi16(w, q)));
-            }
-            const int64_t i = r0 * nb + b;
-            super_finish<QT>(h, sumi, x.d[i], &x.sums16[16 * i], &x.sums32[8 * i], acc[0][f],
-                             accm[0][f]);
-          } else {
-            __m256i w[8], sc[8];
-#pragma GCC unroll 8
-            for (int c = 0; c < 8; ++c) super_chunk<QT>(blk, h, c, w[c], sc[c]);
-            for (int64_t r = 0; r < nr; ++r) {
-              const int8_t* qx = x.q.data() + (r0 + r) * x.k + b * kSuper;
-              __m256i sumi = _mm256_setzero_si256();
-#pragma GCC unroll 8
-              for (int c = 0; c < 8; ++c) {
-                const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 32 * c));
-                sumi = _mm256_add_epi32(sumi,
-                                        _mm256_madd_epi16(sc[c], _mm256_maddubs_epi16(w[c], q)));
-              }
-              const int64_t i = (r0 + r) * nb + b;
-              super_finish<QT>(h, sumi, x.d[i], &x.sums16[16 * i], &x.sums32[8 * i], acc[r][f],
-                               accm[r][f]);
-            }
-          }
-        }
-      }
-      for (int64_t r = 0; r < nr; ++r)
-        for (int64_t f = 0; f < nf; ++f)
-          out[(r0 + r) * out_stride + n + f] =
-              freetoken::vec::hsum(acc[r][f]) + hsum128(accm[r][f]);
-    }
-  }
-}
-
-template <int64_t QT>
-void q8k_impl(const QuantRowsK& x, int64_t rows, const uint8_t* bp, int64_t row_bytes, float* op,
-              int64_t n, int64_t ostride) {
-  freetoken::guided_for((n + kChunk - 1) / kChunk, 1, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t n0 = c * kChunk, n1 = std::min(n, n0 + kChunk);
-      rows_q8k<QT>(x, rows, bp, n, row_bytes, op, ostride, n0, n1);
-    }
-  });
-}
-#else
+#ifndef FREETOKEN_AVX2
 // Without AVX2: the same formulas, one output at a time (invariant too).
 
 // Block b's 32 integer quants (Q4_1 unsigned, the others signed).
@@ -691,21 +331,21 @@ void q8k_impl(const QuantRowsK& x, int64_t rows, const uint8_t* bp, int64_t row_
 }
 #endif
 
-#ifdef FREETOKEN_Q8_VNNI
-// ---- K-quants with AVX-512 VNNI: the features in the vector lanes.
+#ifdef FREETOKEN_AVX2
+// ---- The lanes layout: the features in the vector lanes.
 //
-// On CPUs with AVX-512 VNNI, gguf_q8_blocks lays each Q4_K / Q6_K weight out anew at load
-// (the same bytes per super-block as above: 148 for Q4_K, 210 for Q6_K, so a weight keeps
-// its size): the output features in groups of 16 (the last group what is left, s
-// features), a group's super-blocks one after the other, and in each the group's features
-// side by side, four consecutive weights of a feature in one 32-bit lane, as vpdpbusd takes
-// them. One vpdpbusd then multiplies four weights of 16 features by the same four
-// activations of a row (broadcast) and adds them into the 16 features' int32 sums: 64
-// products in one instruction, where the interleaved-by-four kernel above takes three
-// (maddubs, madd, add) for 32 of one feature. The sub-block scales then multiply 16
-// features' sums at once (vpmulld), the Q4_K mins and the Q6_K offset are 16 features'
-// pair products with the row's sums (vpdpwssd), and the float scaling is one multiply-add
-// of 16 lanes per row and super-block. A super-block of a group of s features:
+// gguf_q8_blocks lays each weight out anew at load (the same bytes per block as the file's,
+// 148 for Q4_K's super-blocks: a weight keeps its size): the output features in groups of
+// 16 (the last group what is left, s features), a group's blocks one after the other, and
+// in each the group's features side by side, four consecutive weights of a feature in one
+// 32-bit lane. One instruction then multiplies four weights of many features by the same
+// four activations of a row (broadcast): vpdpbusd, 64 products of 16 features into their
+// int32 sums (AVX-512 VNNI), or vpmaddubsw, 32 of 8 features into 16-bit pair sums (AVX2),
+// where a layout of one feature's weights side by side needs a horizontal sum per feature
+// and block. The block's scales then apply to all the features at once, per row and block:
+// the integer sums' scales (the K-quants' sub-blocks) by one multiply, the offsets of
+// unsigned weights (Q4_0's 8, ...) and Q4_K's mins by the row's sums, the float scaling by
+// one multiply-add of all the lanes. A block (super-block) of a group of s features:
 //
 //   Q4_K: d[s], dmin[s] (float16); sc[8][s] (bytes); m[4][s][2] (bytes: the mins of
 //         sub-blocks 2t and 2t + 1 side by side); then for each sub-block j (32 weights) 4
@@ -716,13 +356,21 @@ void q8k_impl(const QuantRowsK& x, int64_t rows, const uint8_t* bp, int64_t row_
 //         4s bytes of the low four bits, as Q4_K's, and 2 vectors of 4s bytes of the high two:
 //         byte 4f + e of vector h holds those of weight 4p + e at bits 2i, 2i + 1, for the
 //         chunk's quads p = 4h + i (i < 4).
+//   Q4_0: d[s] (float16), then 4 vectors of 4s bytes of nibbles as Q4_K's         (18s)
+//   Q4_1: d[s], m[s] (float16), then the nibbles                                  (20s)
+//   Q5_0: d[s], then 4s bytes of the fifth bits: bit p of byte 4f + e is that of weight
+//         4p + e of feature f; then the nibbles                                   (22s)
+//   Q8_0: d[s], then 8 vectors of 4s bytes: byte 4f + e of vector p is weight 4p + e plus
+//         128 (unsigned, as vpdpbusd takes its first operand)                     (34s)
 //
-// Each row's sums are integers until the super-block's float scaling, which every row
-// count computes alike (a row is one lane of its own accumulators; the rows share only the
-// decoded weights), so a row gives the same bits alone as among others.
+// Each row's sums are integers until the block's float scaling, which every row count
+// computes alike (a row has accumulators of its own; the rows share only the decoded
+// weights), so a row gives the same bits alone as among others.
+constexpr int64_t kLaneGroup = 16;
+#endif
 
-constexpr int64_t kVnniGroup = 16;
-
+#ifdef FREETOKEN_Q8_VNNI
+// With AVX-512 VNNI: a group's 16 features in the lanes of one register.
 inline __mmask16 lane_mask(int64_t s) { return static_cast<__mmask16>((1u << s) - 1u); }
 inline __mmask32 byte_pair_mask(int64_t s) {
   return s >= 16 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (2 * s)) - 1u);
@@ -851,20 +499,11 @@ void group_rows_vnni(const QuantRowsK& x, int64_t r0, const uint8_t* group, int6
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * out_stride, lanes, y[r]);
 }
 
-// Blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0) in the VNNI layout, a block of a group of s
-// features:
-//
-//   Q4_0: d[s] (float16), then 4 vectors of 4s bytes of nibbles as Q4_K's         (18s)
-//   Q4_1: d[s], m[s] (float16), then the nibbles                                  (20s)
-//   Q5_0: d[s], then 4s bytes of the fifth bits: bit p of byte 4f + e is that of weight
-//         4p + e of feature f; then the nibbles                                   (22s)
-//   Q8_0: d[s], then 8 vectors of 4s bytes: byte 4f + e of vector p is weight 4p + e plus
-//         128 (unsigned, as vpdpbusd takes its first operand)                     (34s)
-//
-// vpdpbusd multiplies unsigned weights (Q4_0 / Q4_1 nibbles 0..15, Q5_0 0..31, Q8_0 0..255)
-// by the signed activations; the offsets of the signed types (8, 16, 128) come off once per
-// block as the offset times the row's sum of the block's q. Then y += (d dx) * sum (and for
-// Q4_1 m * (dx * sum of q)), block after block.
+// Blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0): vpdpbusd multiplies the unsigned weights (Q4_0 /
+// Q4_1 nibbles 0..15, Q5_0 0..31, Q8_0 0..255) by the signed activations; the offsets of
+// the signed types (8, 16, 128) come off once per block as the offset times the row's sum
+// of the block's q. Then y += (d dx) * sum (and for Q4_1 m * (dx * sum of q)), block after
+// block.
 template <int64_t QT, int R>
 void group_rows_vnni32(const QuantRows& x, int64_t r0, const uint8_t* group, int64_t s,
                        float* out, int64_t out_stride) {
@@ -924,12 +563,12 @@ void group_rows_vnni32(const QuantRows& x, int64_t r0, const uint8_t* group, int
 template <int64_t QT>
 void q8_vnni_impl(const QuantRows& x, int64_t rows, const uint8_t* bp, int64_t row_bytes,
                   float* op, int64_t n, int64_t ostride) {
-  const int64_t groups = (n + kVnniGroup - 1) / kVnniGroup;
+  const int64_t groups = (n + kLaneGroup - 1) / kLaneGroup;
   freetoken::guided_for(groups, 1, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t s = std::min(kVnniGroup, n - g * kVnniGroup);
-      const uint8_t* group = bp + g * kVnniGroup * row_bytes;
-      float* o = op + g * kVnniGroup;
+      const int64_t s = std::min(kLaneGroup, n - g * kLaneGroup);
+      const uint8_t* group = bp + g * kLaneGroup * row_bytes;
+      float* o = op + g * kLaneGroup;
       int64_t r = 0;
       for (; r + 16 <= rows; r += 16) group_rows_vnni32<QT, 16>(x, r, group, s, o, ostride);
       if (rows - r >= 8) group_rows_vnni32<QT, 8>(x, r, group, s, o, ostride), r += 8;
@@ -943,12 +582,12 @@ void q8_vnni_impl(const QuantRows& x, int64_t rows, const uint8_t* bp, int64_t r
 template <int64_t QT>
 void q8k_vnni_impl(const QuantRowsK& x, int64_t rows, const uint8_t* bp, int64_t row_bytes,
                    float* op, int64_t n, int64_t ostride) {
-  const int64_t groups = (n + kVnniGroup - 1) / kVnniGroup;
+  const int64_t groups = (n + kLaneGroup - 1) / kLaneGroup;
   freetoken::guided_for(groups, 1, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t s = std::min(kVnniGroup, n - g * kVnniGroup);
-      const uint8_t* group = bp + g * kVnniGroup * row_bytes;
-      float* o = op + g * kVnniGroup;
+      const int64_t s = std::min(kLaneGroup, n - g * kLaneGroup);
+      const uint8_t* group = bp + g * kLaneGroup * row_bytes;
+      float* o = op + g * kLaneGroup;
       int64_t r = 0;
       for (; r + 16 <= rows; r += 16) group_rows_vnni<QT, 16>(x, r, group, s, o, ostride);
       if (rows - r >= 8) group_rows_vnni<QT, 8>(x, r, group, s, o, ostride), r += 8;
@@ -957,6 +596,316 @@ void q8k_vnni_impl(const QuantRowsK& x, int64_t rows, const uint8_t* bp, int64_t
       if (rows - r >= 1) group_rows_vnni<QT, 1>(x, r, group, s, o, ostride), r += 1;
     }
   });
+}
+#endif
+
+#if defined(FREETOKEN_AVX2) && !defined(FREETOKEN_Q8_VNNI)
+// ---- The same layout with AVX2 alone (no VNNI): a group's features eight at a time (a
+// half of the group), each quad of weights through vpmaddubsw (32 products of 8 features by
+// 4 broadcast activations into 16-bit pair sums), the pair sums of several quads added as
+// 16-bit integers while they cannot overflow (a nibble times an activation: 2 x 15 x 127 a
+// pair, 8 quads 30,480; Q5_0 4 quads, Q6_K 2), then one vpmaddwd into the 8 features' int32
+// sums: with ones, or with the sub-block scales of the K-quants in both 16-bit halves of a
+// feature's lane, which applies them in the same instruction. Q8_0's signed weights take
+// llama.cpp's sign trick (|w| times x with w's sign) and no offset. Then, per row and block,
+// the same float steps as the VNNI kernel for 8 lanes.
+
+// Up to 32 (16) bytes at p, zeros past `bytes`: a partial group's half is shorter.
+inline __m256i load_upto32(const uint8_t* p, int64_t bytes) {
+  if (bytes >= 32) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  alignas(32) uint8_t buf[32] = {};
+  std::memcpy(buf, p, bytes);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+}
+inline __m128i load_upto16(const uint8_t* p, int64_t bytes) {
+  if (bytes >= 16) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  alignas(16) uint8_t buf[16] = {};
+  std::memcpy(buf, p, bytes);
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+}
+inline __m128i load_upto8(const uint8_t* p, int64_t bytes) {  // into the low 8 bytes
+  if (bytes >= 8) return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return load_upto16(p, bytes);
+}
+inline __m256i broadcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline void store_lanes(float* out, int64_t lanes, __m256 v) {
+  if (lanes >= 8) return _mm256_storeu_ps(out, v);
+  alignas(32) float buf[8];
+  _mm256_store_ps(buf, v);
+  std::memcpy(out, buf, lanes * sizeof(float));
+}
+template <int I>
+inline __m256i high_bits(__m256i v) {  // bits 2i, 2i + 1 of each byte to bits 4, 5
+  const __m256i mask = _mm256_set1_epi8(0x30);
+  if constexpr (I == 0) return _mm256_and_si256(_mm256_slli_epi16(v, 4), mask);
+  else if constexpr (I == 1) return _mm256_and_si256(_mm256_slli_epi16(v, 2), mask);
+  else if constexpr (I == 2) return _mm256_and_si256(v, mask);
+  else return _mm256_and_si256(_mm256_srli_epi16(v, 2), mask);
+}
+
+// Rows that a pass takes together: their accumulators, the 8 decoded quads and the
+// temporaries fit AVX2's 16 registers.
+constexpr int kLaneRows = 4;
+
+// R rows against half `half` of a group of s features (blocks of 32).
+template <int64_t QT, int R, int H = 1>
+void half_rows_32(const QuantRows& x, int64_t r0, const uint8_t* group, int64_t s, int64_t half0,
+                  float* out, int64_t out_stride) {
+  constexpr int64_t kBytes = q8_block_bytes(QT);
+  constexpr int32_t kOffset = QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : 0;
+  constexpr int64_t kScales = QT == kQ4_1 ? 4 : 2;
+  const int64_t nb = x.nb;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 y[H][R];
+  for (int hh = 0; hh < H; ++hh)
+    for (int r = 0; r < R; ++r) y[hh][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* gb = group + b * kBytes * s;
+    prefetch_range(gb + kPrefetchBytes, kBytes * s);
+    const uint8_t* wq = gb + kScales * s;
+    for (int hh = 0; hh < H; ++hh) {  // the halves this pass takes
+      const int64_t half = half0 + hh, sh = std::min<int64_t>(8, s - 8 * half);
+      __m256i w[8], wabs[8];
+      if constexpr (QT == kQ8_0) {
+        for (int p = 0; p < 8; ++p) {
+          w[p] = _mm256_xor_si256(load_upto32(wq + 4 * p * s + 32 * half, 4 * sh),
+                                  _mm256_set1_epi8(static_cast<char>(0x80)));  // signed again
+          wabs[p] = _mm256_sign_epi8(w[p], w[p]);
+        }
+      } else {
+        const uint8_t* nib = QT == kQ5_0 ? wq + 4 * s : wq;
+        for (int v = 0; v < 4; ++v) {
+          const __m256i raw = load_upto32(nib + 4 * v * s + 32 * half, 4 * sh);
+          w[2 * v] = _mm256_and_si256(raw, low4);
+          w[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        }
+        if constexpr (QT == kQ5_0) {
+          const __m256i bits = load_upto32(wq + 32 * half, 4 * sh), bit4 = _mm256_set1_epi8(0x10);
+          w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(bits, 4), bit4));
+          w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(bits, 3), bit4));
+          w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(bits, 2), bit4));
+          w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(bits, 1), bit4));
+          w[4] = _mm256_or_si256(w[4], _mm256_and_si256(bits, bit4));
+          w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_srli_epi16(bits, 1), bit4));
+          w[6] = _mm256_or_si256(w[6], _mm256_and_si256(_mm256_srli_epi16(bits, 2), bit4));
+          w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(bits, 3), bit4));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(load_upto16(gb + 16 * half, 2 * sh));
+      __m256 m = _mm256_setzero_ps();
+      if constexpr (QT == kQ4_1) m = _mm256_cvtph_ps(load_upto16(gb + 2 * s + 16 * half, 2 * sh));
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * nb + b;
+        const int8_t* xr = x.q.data() + (r0 + r) * x.k + b * kBlock;
+        __m256i sum;
+        if constexpr (QT == kQ8_0) {
+          sum = _mm256_setzero_si256();
+          for (int p = 0; p < 8; ++p)
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                            wabs[p], _mm256_sign_epi8(broadcast4(xr + 4 * p), w[p])),
+                                        ones));
+        } else if constexpr (QT == kQ5_0) {
+          __m256i a = _mm256_maddubs_epi16(w[0], broadcast4(xr));
+          __m256i c = _mm256_maddubs_epi16(w[4], broadcast4(xr + 16));
+          for (int p = 1; p < 4; ++p) {
+            a = _mm256_add_epi16(a, _mm256_maddubs_epi16(w[p], broadcast4(xr + 4 * p)));
+            c = _mm256_add_epi16(c, _mm256_maddubs_epi16(w[4 + p], broadcast4(xr + 16 + 4 * p)));
+          }
+          sum = _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(c, ones));
+        } else {
+          __m256i a = _mm256_maddubs_epi16(w[0], broadcast4(xr));
+          for (int p = 1; p < 8; ++p)
+            a = _mm256_add_epi16(a, _mm256_maddubs_epi16(w[p], broadcast4(xr + 4 * p)));
+          sum = _mm256_madd_epi16(a, ones);
+        }
+        if constexpr (kOffset != 0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(kOffset * x.sums[i]));
+        y[hh][r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.ds[2 * i])), _mm256_cvtepi32_ps(sum),
+                               y[hh][r]);
+        if constexpr (QT == kQ4_1) y[hh][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.ds[2 * i + 1]), y[hh][r]);
+      }
+    }
+  }
+  for (int hh = 0; hh < H; ++hh)
+    for (int r = 0; r < R; ++r)
+      store_lanes(out + (r0 + r) * out_stride + 8 * (half0 + hh),
+                  std::min<int64_t>(8, s - 8 * (half0 + hh)), y[hh][r]);
+}
+
+// R rows against half `half` of a group of s features (Q4_K, Q6_K).
+template <int64_t QT, int R, int H = 1>
+void half_rows_k(const QuantRowsK& x, int64_t r0, const uint8_t* group, int64_t s, int64_t half0,
+                 float* out, int64_t out_stride) {
+  constexpr int64_t kBytes = q8_block_bytes(QT);
+  const int64_t nb = x.nb;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 y[H][R];
+  for (int hh = 0; hh < H; ++hh)
+    for (int r = 0; r < R; ++r) y[hh][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* sb = group + b * kBytes * s;
+    prefetch_range(sb + kPrefetchBytes, kBytes * s);
+    const int8_t* qx = x.q.data() + r0 * x.k + b * kSuper;
+    for (int hh = 0; hh < H; ++hh) {  // the halves this pass takes
+      const int64_t half = half0 + hh, sh = std::min<int64_t>(8, s - 8 * half);
+      __m256i sumi[R];
+      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+      if constexpr (QT == kQ4_K) {
+  #pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          // each feature's sub-block scale in both 16-bit halves of its lane
+          const __m256i sc32 = _mm256_cvtepu8_epi32(load_upto8(sb + (4 + j) * s + 8 * half, sh));
+          const __m256i sc = _mm256_or_si256(sc32, _mm256_slli_epi32(sc32, 16));
+          const uint8_t* wj = sb + (20 + 16 * j) * s;
+          __m256i w[8];
+          for (int v = 0; v < 4; ++v) {
+            const __m256i raw = load_upto32(wj + 4 * v * s + 32 * half, 4 * sh);
+            w[2 * v] = _mm256_and_si256(raw, low4);
+            w[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+          }
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = qx + r * x.k + 32 * j;
+            __m256i a = _mm256_maddubs_epi16(w[0], broadcast4(xr));
+            for (int p = 1; p < 8; ++p)
+              a = _mm256_add_epi16(a, _mm256_maddubs_epi16(w[p], broadcast4(xr + 4 * p)));
+            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(a, sc));
+          }
+        }
+        const __m256 d = _mm256_cvtph_ps(load_upto16(sb + 16 * half, 2 * sh));
+        const __m256 dmin = _mm256_cvtph_ps(load_upto16(sb + 2 * s + 16 * half, 2 * sh));
+        __m256i m[4];
+        for (int t = 0; t < 4; ++t)
+          m[t] = _mm256_cvtepu8_epi16(load_upto16(sb + (12 + 2 * t) * s + 16 * half, 2 * sh));
+        for (int r = 0; r < R; ++r) {
+          const int64_t i = (r0 + r) * nb + b;
+          const int16_t* s32 = &x.sums32[8 * i];
+          __m256i mins = _mm256_madd_epi16(m[0], broadcast4(s32));
+          for (int t = 1; t < 4; ++t)
+            mins = _mm256_add_epi32(mins, _mm256_madd_epi16(m[t], broadcast4(s32 + 2 * t)));
+          const __m256 dx = _mm256_set1_ps(x.d[i]);
+          y[hh][r] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sumi[r]), y[hh][r]);
+          y[hh][r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(mins), y[hh][r]);
+        }
+      } else {
+        // scale pairs (sub-blocks 2c, 2c + 1) duplicated: each in both halves of the lane
+        const __m256i dup0 = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                              0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+        const __m256i dup1 = _mm256_add_epi8(dup0, _mm256_set1_epi8(2));
+        __m256i sp[8];
+  #pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) {
+          sp[c] = _mm256_cvtepi8_epi16(load_upto16(sb + (2 + 2 * c) * s + 16 * half, 2 * sh));
+          const __m256i sc0 = _mm256_shuffle_epi8(sp[c], dup0), sc1 = _mm256_shuffle_epi8(sp[c], dup1);
+          const uint8_t* wc = sb + (18 + 24 * c) * s;
+          const __m256i h0 = load_upto32(wc + 16 * s + 32 * half, 4 * sh);
+          const __m256i h1 = load_upto32(wc + 20 * s + 32 * half, 4 * sh);
+          __m256i w[8];
+          for (int v = 0; v < 4; ++v) {
+            const __m256i raw = load_upto32(wc + 4 * v * s + 32 * half, 4 * sh);
+            const __m256i lo = _mm256_and_si256(raw, low4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            const __m256i hb = v < 2 ? h0 : h1;
+            if (v % 2 == 0) {
+              w[2 * v] = _mm256_or_si256(lo, high_bits<0>(hb));
+              w[2 * v + 1] = _mm256_or_si256(hi, high_bits<1>(hb));
+            } else {
+              w[2 * v] = _mm256_or_si256(lo, high_bits<2>(hb));
+              w[2 * v + 1] = _mm256_or_si256(hi, high_bits<3>(hb));
+            }
+          }
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = qx + r * x.k + 32 * c;
+            __m256i t[4];  // quads 0-1, 2-3 (sub-block 2c), 4-5, 6-7 (2c + 1): 2 x 16,002 at most
+            for (int q = 0; q < 4; ++q)
+              t[q] = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * q], broadcast4(xr + 8 * q)),
+                                      _mm256_maddubs_epi16(w[2 * q + 1], broadcast4(xr + 8 * q + 4)));
+            sumi[r] = _mm256_add_epi32(
+                sumi[r], _mm256_add_epi32(
+                             _mm256_add_epi32(_mm256_madd_epi16(t[0], sc0), _mm256_madd_epi16(t[1], sc0)),
+                             _mm256_add_epi32(_mm256_madd_epi16(t[2], sc1), _mm256_madd_epi16(t[3], sc1))));
+          }
+        }
+        const __m256 d = _mm256_cvtph_ps(load_upto16(sb + 16 * half, 2 * sh));
+        for (int r = 0; r < R; ++r) {
+          const int64_t i = (r0 + r) * nb + b;
+          const int16_t* s16 = &x.sums16[16 * i];
+          __m256i offset = _mm256_madd_epi16(sp[0], broadcast4(s16));
+          for (int t = 1; t < 8; ++t)
+            offset = _mm256_add_epi32(offset, _mm256_madd_epi16(sp[t], broadcast4(s16 + 2 * t)));
+          const __m256i sum = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(offset, 5));
+          y[hh][r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[i])), _mm256_cvtepi32_ps(sum),
+                                 y[hh][r]);
+        }
+      }
+    }
+  }
+  for (int hh = 0; hh < H; ++hh)
+    for (int r = 0; r < R; ++r)
+      store_lanes(out + (r0 + r) * out_stride + 8 * (half0 + hh),
+                  std::min<int64_t>(8, s - 8 * (half0 + hh)), y[hh][r]);
+}
+
+template <typename Rows, typename Half>
+void lanes_impl(const Rows& x, int64_t rows, const uint8_t* bp, int64_t row_bytes, float* op,
+                int64_t n, int64_t ostride, const Half& half_rows) {
+  const int64_t groups = (n + kLaneGroup - 1) / kLaneGroup;
+  freetoken::guided_for(groups, 1, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t s = std::min(kLaneGroup, n - g * kLaneGroup);
+      const uint8_t* group = bp + g * kLaneGroup * row_bytes;
+      float* o = op + g * kLaneGroup;
+      half_rows(x, rows, group, s, o, ostride);
+    }
+  });
+}
+
+template <int64_t QT>
+void q8_lanes_impl(const QuantRows& x, int64_t rows, const uint8_t* bp, int64_t row_bytes,
+                   float* op, int64_t n, int64_t ostride) {
+  lanes_impl(x, rows, bp, row_bytes, op, n, ostride,
+             [](const QuantRows& q, int64_t m, const uint8_t* group, int64_t s, float* o,
+                int64_t stride) {
+               // A row alone takes both halves of the group in one pass over its blocks;
+               // more rows take a half at a time (their accumulators and the decoded quads
+               // fill the 16 registers).
+               const int64_t paired = m - m % 2;  // the rows taken a half at a time
+               for (int64_t half = 0; paired > 0 && 8 * half < s; ++half) {
+                 int64_t r = 0;
+                 for (; r + kLaneRows <= paired; r += kLaneRows)
+                   half_rows_32<QT, kLaneRows>(q, r, group, s, half, o, stride);
+                 if (r < paired) half_rows_32<QT, 2>(q, r, group, s, half, o, stride);
+               }
+               if (m % 2 != 0) {
+                 if (s > 8) half_rows_32<QT, 1, 2>(q, paired, group, s, 0, o, stride);
+                 else half_rows_32<QT, 1>(q, paired, group, s, 0, o, stride);
+               }
+             });
+}
+
+template <int64_t QT>
+void q8k_lanes_impl(const QuantRowsK& x, int64_t rows, const uint8_t* bp, int64_t row_bytes,
+                    float* op, int64_t n, int64_t ostride) {
+  lanes_impl(x, rows, bp, row_bytes, op, n, ostride,
+             [](const QuantRowsK& q, int64_t m, const uint8_t* group, int64_t s, float* o,
+                int64_t stride) {
+               // A row alone takes both halves of the group in one pass over its blocks;
+               // more rows take a half at a time (their accumulators and the decoded quads
+               // fill the 16 registers).
+               const int64_t paired = m - m % 2;  // the rows taken a half at a time
+               for (int64_t half = 0; paired > 0 && 8 * half < s; ++half) {
+                 int64_t r = 0;
+                 for (; r + kLaneRows <= paired; r += kLaneRows)
+                   half_rows_k<QT, kLaneRows>(q, r, group, s, half, o, stride);
+                 if (r < paired) half_rows_k<QT, 2>(q, r, group, s, half, o, stride);
+               }
+               if (m % 2 != 0) {
+                 if (s > 8) half_rows_k<QT, 1, 2>(q, paired, group, s, 0, o, stride);
+                 else half_rows_k<QT, 1>(q, paired, group, s, 0, o, stride);
+               }
+             });
 }
 #endif
 
@@ -981,21 +930,25 @@ void q8_part(Activations& a, const uint8_t* bp, int64_t n, int64_t row_bytes, in
     a.have_q = true;
   }
   switch (qt) {
-#ifdef FREETOKEN_Q8_VNNI
+#if defined(FREETOKEN_Q8_VNNI)
     case kQ4_0: q8_vnni_impl<kQ4_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ4_1: q8_vnni_impl<kQ4_1>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ5_0: q8_vnni_impl<kQ5_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ8_0: q8_vnni_impl<kQ8_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ4_K: q8k_vnni_impl<kQ4_K>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ6_K: q8k_vnni_impl<kQ6_K>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
+#elif defined(FREETOKEN_AVX2)
+    case kQ4_0: q8_lanes_impl<kQ4_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ4_1: q8_lanes_impl<kQ4_1>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ5_0: q8_lanes_impl<kQ5_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ8_0: q8_lanes_impl<kQ8_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ4_K: q8k_lanes_impl<kQ4_K>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ6_K: q8k_lanes_impl<kQ6_K>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
 #else
     case kQ4_0: q8_impl<kQ4_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ4_1: q8_impl<kQ4_1>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ5_0: q8_impl<kQ5_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ8_0: q8_impl<kQ8_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
-#endif
-#ifdef FREETOKEN_Q8_VNNI
-    case kQ4_K: q8k_vnni_impl<kQ4_K>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
-    case kQ6_K: q8k_vnni_impl<kQ6_K>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
-#else
     case kQ4_K: q8k_impl<kQ4_K>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ6_K: q8k_impl<kQ6_K>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
 #endif
@@ -1032,7 +985,7 @@ void unpack_q4_k(const uint8_t* in, uint8_t* out) {
   std::memcpy(out + 20, in + 16, 128);
 }
 
-#ifdef FREETOKEN_Q8_VNNI
+#ifdef FREETOKEN_AVX2
 // One feature's super-block of the file (q8_layout's input: kernel blocks, the file's
 // bytes) into its place in a group of s features of the VNNI layout.
 template <int64_t QT>
@@ -1091,14 +1044,14 @@ at::Tensor vnni_layout(const at::Tensor& blocks) {
   at::Tensor out = at::zeros({n, row_bytes}, blocks.options());
   const uint8_t* in = blocks.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
-  const int64_t groups = (n + kVnniGroup - 1) / kVnniGroup;
+  const int64_t groups = (n + kLaneGroup - 1) / kLaneGroup;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t s = std::min(kVnniGroup, n - g * kVnniGroup);
-      uint8_t* group = op + g * kVnniGroup * row_bytes;
+      const int64_t s = std::min(kLaneGroup, n - g * kLaneGroup);
+      uint8_t* group = op + g * kLaneGroup * row_bytes;
       for (int64_t f = 0; f < s; ++f) {
         const FeatureBlocks fb =
-            feature_blocks(in, n, blocks.size(1), kFileBytes, g * kVnniGroup + f);
+            feature_blocks(in, n, blocks.size(1), kFileBytes, g * kLaneGroup + f);
         for (int64_t b = 0; b < nb; ++b)
           vnni_layout_one<QT>(fb.first + b * fb.stride, f, s, group + b * q8_block_bytes(QT) * s);
       }
@@ -1150,13 +1103,13 @@ at::Tensor vnni_layout32(const at::Tensor& blocks) {
   at::Tensor out = at::zeros({n, row_bytes}, blocks.options());
   const uint8_t* in = blocks.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
-  const int64_t groups = (n + kVnniGroup - 1) / kVnniGroup;
+  const int64_t groups = (n + kLaneGroup - 1) / kLaneGroup;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t s = std::min(kVnniGroup, n - g * kVnniGroup);
-      uint8_t* group = op + g * kVnniGroup * row_bytes;
+      const int64_t s = std::min(kLaneGroup, n - g * kLaneGroup);
+      uint8_t* group = op + g * kLaneGroup * row_bytes;
       for (int64_t f = 0; f < s; ++f) {
-        const FeatureBlocks fb = feature_blocks(in, n, row_bytes, kBytes, g * kVnniGroup + f);
+        const FeatureBlocks fb = feature_blocks(in, n, row_bytes, kBytes, g * kLaneGroup + f);
         for (int64_t b = 0; b < nb; ++b)
           vnni_layout32_one<QT>(fb.first + b * fb.stride, f, s, group + b * kBytes * s);
       }
@@ -1177,7 +1130,7 @@ namespace freetoken {
 at::Tensor gguf_q8_blocks(const at::Tensor& blocks, int64_t qtype) {
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "gguf_q8_blocks: blocks must be a contiguous uint8 [N, row bytes] tensor");
-#ifdef FREETOKEN_Q8_VNNI
+#ifdef FREETOKEN_AVX2
   if (qtype == kQ4_K || qtype == kQ6_K) {
     TORCH_CHECK(blocks.size(1) % (qtype == kQ4_K ? 144 : 210) == 0,
                 "gguf_q8_blocks: K-quant rows must be whole super-blocks");
