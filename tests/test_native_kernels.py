@@ -308,9 +308,11 @@ def test_gguf_linear_sums_each_row_the_same_way_whatever_the_row_count(op: str,
     n, k = 101, 1344
     raw = torch.from_numpy(quants.quantize(
         torch.randn(n, k, generator=gen).numpy(), GGMLQuantizationType(qtype)))
-    # The exact kernel reads the kernels' blocks, the 8-bit one the file's (interleaved).
+    # The exact kernel reads the kernels' blocks, the 8-bit one the file's (interleaved) in
+    # its own layout.
     blocks = (kernel_blocks(raw, qtype) if op == "gguf_linear"
-              else interleave_blocks(raw, GGUF_BLOCK_TYPES[qtype]))
+              else torch.ops.freetoken.gguf_q8_blocks(
+                  interleave_blocks(raw, GGUF_BLOCK_TYPES[qtype]), qtype))
     x = torch.randn(200, k, generator=gen)
     kernel = getattr(torch.ops.freetoken, op)
 
@@ -357,8 +359,8 @@ def _q8_reference(x: torch.Tensor, blocks: np.ndarray, qtype: int, n: int) -> to
 
 
 @pytest.mark.parametrize("qtype", [3, 8])  # Q4_1, Q8_0
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 13])  # 4-row groups and every remainder
-@pytest.mark.parametrize(("n", "k"), [(70, 96), (37, 1344)])  # 1344: 42 blocks, chunks 32 + 10
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 13, 17])  # the row passes and remainders
+@pytest.mark.parametrize(("n", "k"), [(70, 96), (37, 1344)])  # partial groups of 16 features
 def test_gguf_linear_q8_computes_llama_cpp_arithmetic(qtype: int, rows: int, n: int,
                                                       k: int) -> None:
     from gguf import quants
@@ -369,8 +371,10 @@ def test_gguf_linear_q8_computes_llama_cpp_arithmetic(qtype: int, rows: int, n: 
     x = torch.randn(rows, k, generator=gen)
     x[0, :32] = 0  # an all-zero block: scale 0, no division by zero
     out = torch.empty(rows, n)
-    torch.ops.freetoken.gguf_linear_q8(
-        x, interleave_blocks(torch.from_numpy(blocks), GGUF_BLOCK_TYPES[qtype]), qtype, out)
+    # the file's blocks interleaved, then in the kernel's own layout (gguf_q8_blocks)
+    laid = torch.ops.freetoken.gguf_q8_blocks(
+        interleave_blocks(torch.from_numpy(blocks), GGUF_BLOCK_TYPES[qtype]), qtype)
+    torch.ops.freetoken.gguf_linear_q8(x, laid, qtype, out)
     want = _q8_reference(x, blocks, qtype, n)
     torch.testing.assert_close(out.double(), want, atol=2e-4, rtol=1e-5)
     # and it is the model's product up to the activations' rounding

@@ -20,24 +20,26 @@
 // llama.cpp's ggml_vec_dot_*_q8_* on AVX2 (ggml-cpu/arch/x86/quants.c), with float32 where
 // it keeps Q8_0/Q8_1 scales in float16.
 //
-// Three to four times fewer instructions per weight than dequantizing to float32
+// Several times fewer instructions per weight than dequantizing to float32
 // (gguf_linear.cpp), so one sequence's decode step is bound by reading the weights rather
-// than by arithmetic. The price is the rounding of the activations to 8 bits (a relative
-// error of up to 1/254 of each block's largest value): an opt-in numeric mode
-// (`--activations q8`), measured against the exact path by bench/q8_quality.py.
+// than by arithmetic, and many rows' steps go 2-4x faster. The price is the rounding of the
+// activations to 8 bits (a relative error of up to 1/254 of each block's largest value): an
+// opt-in numeric mode (`--activations q8`), measured against the exact path by
+// bench/q8_quality.py.
 //
-// Batch invariance holds as in gguf_linear: each output y[m, n] is summed in one order
-// whatever M is (per block or super-block: the integer dot product, exact; then acc =
-// fma(d * dx, sum, acc) in 8 float lanes, block after block; the m terms, one product a
-// block, added block after block; the two added last), and a row's quantization depends on
-// that row alone.
+// The weights are laid out anew at load, the features side by side in the vector lanes
+// (the lanes layout, below: the same bytes per block as the file's, Q4_K's 148 a super-block
+// with its scales and mins unpacked), and computed with vpdpbusd where the CPU has AVX-512
+// VNNI (16 features a register, 64 products an instruction), else vpmaddubsw (8 features
+// a register). Without AVX2 a scalar loop reads the kernels' interleaved layout
+// (gguf_blocks.h) one output at a time. bench/gguf_types.py --activations q8, a 1B block's
+// linears at 16 rows on Zen 4, against the interleaved AVX2 kernels these replaced: Q4_K 6.5
+// -> 2.0 ms (VNNI), Q6_K 6.5 -> 2.4; an AVX2 build 9.3 -> 4.4 and 8.4 -> 6.3.
 //
-// The blocks are the file's (20-byte Q4_1, q8_block_bytes) in the kernels' interleaved
-// layout (gguf_blocks.h): groups of four features, their blocks interleaved; with AVX-512
-// VNNI the K-quants are laid out anew, 16 features side by side (below), and computed with
-// vpdpbusd: 64 products an instruction, 3-4x the interleaved kernel's speed from 4 rows up
-// (bench/gguf_types.py --activations q8, a 1B block's linears at 16 rows: Q4_K 6.5 -> 2.0
-// ms, Q6_K 6.5 -> 2.5; Zen 4).
+// Batch invariance: a row's outputs are computed alike whatever M is (per block or
+// super-block the integer dot products, exact; then y = fma(d * dx, sum, y) in the row's own
+// lanes, block after block, and Q4_1's m term and Q4_K's mins as a second multiply-add of
+// the block), and a row's quantization depends on that row alone.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
