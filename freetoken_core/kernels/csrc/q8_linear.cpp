@@ -562,28 +562,28 @@ void group_rows_vnni32(const QuantRows& x, int64_t r0, const uint8_t* group, int
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * out_stride, lanes, y[r]);
 }
 
+// A kernel of this layout as a type: Kernel::run<R>(x, r0, group, s, out, stride).
 template <int64_t QT>
-void q8_vnni_impl(const QuantRows& x, int64_t rows, const uint8_t* bp, int64_t row_bytes,
-                  float* op, int64_t n, int64_t ostride) {
-  const int64_t groups = (n + kLaneGroup - 1) / kLaneGroup;
-  freetoken::guided_for(groups, 1, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t s = std::min(kLaneGroup, n - g * kLaneGroup);
-      const uint8_t* group = bp + g * kLaneGroup * row_bytes;
-      float* o = op + g * kLaneGroup;
-      int64_t r = 0;
-      for (; r + 16 <= rows; r += 16) group_rows_vnni32<QT, 16>(x, r, group, s, o, ostride);
-      if (rows - r >= 8) group_rows_vnni32<QT, 8>(x, r, group, s, o, ostride), r += 8;
-      if (rows - r >= 4) group_rows_vnni32<QT, 4>(x, r, group, s, o, ostride), r += 4;
-      if (rows - r >= 2) group_rows_vnni32<QT, 2>(x, r, group, s, o, ostride), r += 2;
-      if (rows - r >= 1) group_rows_vnni32<QT, 1>(x, r, group, s, o, ostride), r += 1;
-    }
-  });
-}
+struct Vnni32 {
+  template <int R>
+  static void run(const QuantRows& x, int64_t r0, const uint8_t* group, int64_t s, float* out,
+                  int64_t stride) {
+    group_rows_vnni32<QT, R>(x, r0, group, s, out, stride);
+  }
+};
+template <int64_t QT>
+struct VnniK {
+  template <int R>
+  static void run(const QuantRowsK& x, int64_t r0, const uint8_t* group, int64_t s, float* out,
+                  int64_t stride) {
+    group_rows_vnni<QT, R>(x, r0, group, s, out, stride);
+  }
+};
 
-template <int64_t QT>
-void q8k_vnni_impl(const QuantRowsK& x, int64_t rows, const uint8_t* bp, int64_t row_bytes,
-                   float* op, int64_t n, int64_t ostride) {
+// The groups shared among the threads; in each, the rows 16 at a time, then 8, 4, 2, 1.
+template <class Kernel, class Rows>
+void vnni_impl(const Rows& x, int64_t rows, const uint8_t* bp, int64_t row_bytes, float* op,
+               int64_t n, int64_t ostride) {
   const int64_t groups = (n + kLaneGroup - 1) / kLaneGroup;
   freetoken::guided_for(groups, 1, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
@@ -591,11 +591,11 @@ void q8k_vnni_impl(const QuantRowsK& x, int64_t rows, const uint8_t* bp, int64_t
       const uint8_t* group = bp + g * kLaneGroup * row_bytes;
       float* o = op + g * kLaneGroup;
       int64_t r = 0;
-      for (; r + 16 <= rows; r += 16) group_rows_vnni<QT, 16>(x, r, group, s, o, ostride);
-      if (rows - r >= 8) group_rows_vnni<QT, 8>(x, r, group, s, o, ostride), r += 8;
-      if (rows - r >= 4) group_rows_vnni<QT, 4>(x, r, group, s, o, ostride), r += 4;
-      if (rows - r >= 2) group_rows_vnni<QT, 2>(x, r, group, s, o, ostride), r += 2;
-      if (rows - r >= 1) group_rows_vnni<QT, 1>(x, r, group, s, o, ostride), r += 1;
+      for (; r + 16 <= rows; r += 16) Kernel::template run<16>(x, r, group, s, o, ostride);
+      if (rows - r >= 8) Kernel::template run<8>(x, r, group, s, o, ostride), r += 8;
+      if (rows - r >= 4) Kernel::template run<4>(x, r, group, s, o, ostride), r += 4;
+      if (rows - r >= 2) Kernel::template run<2>(x, r, group, s, o, ostride), r += 2;
+      if (rows - r >= 1) Kernel::template run<1>(x, r, group, s, o, ostride);
     }
   });
 }
@@ -850,64 +850,49 @@ void half_rows_k(const QuantRowsK& x, int64_t r0, const uint8_t* group, int64_t 
                   std::min<int64_t>(8, s - 8 * (half0 + hh)), y[hh][r]);
 }
 
-template <typename Rows, typename Half>
+// A kernel of this layout as a type: Kernel::run<R, H>(x, r0, group, s, half, out, stride).
+template <int64_t QT>
+struct Lanes32 {
+  template <int R, int H = 1>
+  static void run(const QuantRows& x, int64_t r0, const uint8_t* group, int64_t s, int64_t half,
+                  float* out, int64_t stride) {
+    half_rows_32<QT, R, H>(x, r0, group, s, half, out, stride);
+  }
+};
+template <int64_t QT>
+struct LanesK {
+  template <int R, int H = 1>
+  static void run(const QuantRowsK& x, int64_t r0, const uint8_t* group, int64_t s,
+                  int64_t half, float* out, int64_t stride) {
+    half_rows_k<QT, R, H>(x, r0, group, s, half, out, stride);
+  }
+};
+
+// The groups shared among the threads. In each, pairs of rows take a half of the group at a
+// time (kLaneRows, then 2: their accumulators and the decoded quads fill the 16
+// registers); a row left over takes both halves in one pass over the group's blocks.
+template <class Kernel, class Rows>
 void lanes_impl(const Rows& x, int64_t rows, const uint8_t* bp, int64_t row_bytes, float* op,
-                int64_t n, int64_t ostride, const Half& half_rows) {
+                int64_t n, int64_t ostride) {
   const int64_t groups = (n + kLaneGroup - 1) / kLaneGroup;
   freetoken::guided_for(groups, 1, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t s = std::min(kLaneGroup, n - g * kLaneGroup);
       const uint8_t* group = bp + g * kLaneGroup * row_bytes;
       float* o = op + g * kLaneGroup;
-      half_rows(x, rows, group, s, o, ostride);
+      const int64_t paired = rows - rows % 2;
+      for (int64_t half = 0; paired > 0 && 8 * half < s; ++half) {
+        int64_t r = 0;
+        for (; r + kLaneRows <= paired; r += kLaneRows)
+          Kernel::template run<kLaneRows>(x, r, group, s, half, o, ostride);
+        if (r < paired) Kernel::template run<2>(x, r, group, s, half, o, ostride);
+      }
+      if (rows % 2 != 0) {
+        if (s > 8) Kernel::template run<1, 2>(x, paired, group, s, 0, o, ostride);
+        else Kernel::template run<1>(x, paired, group, s, 0, o, ostride);
+      }
     }
   });
-}
-
-template <int64_t QT>
-void q8_lanes_impl(const QuantRows& x, int64_t rows, const uint8_t* bp, int64_t row_bytes,
-                   float* op, int64_t n, int64_t ostride) {
-  lanes_impl(x, rows, bp, row_bytes, op, n, ostride,
-             [](const QuantRows& q, int64_t m, const uint8_t* group, int64_t s, float* o,
-                int64_t stride) {
-               // A row alone takes both halves of the group in one pass over its blocks;
-               // more rows take a half at a time (their accumulators and the decoded quads
-               // fill the 16 registers).
-               const int64_t paired = m - m % 2;  // the rows taken a half at a time
-               for (int64_t half = 0; paired > 0 && 8 * half < s; ++half) {
-                 int64_t r = 0;
-                 for (; r + kLaneRows <= paired; r += kLaneRows)
-                   half_rows_32<QT, kLaneRows>(q, r, group, s, half, o, stride);
-                 if (r < paired) half_rows_32<QT, 2>(q, r, group, s, half, o, stride);
-               }
-               if (m % 2 != 0) {
-                 if (s > 8) half_rows_32<QT, 1, 2>(q, paired, group, s, 0, o, stride);
-                 else half_rows_32<QT, 1>(q, paired, group, s, 0, o, stride);
-               }
-             });
-}
-
-template <int64_t QT>
-void q8k_lanes_impl(const QuantRowsK& x, int64_t rows, const uint8_t* bp, int64_t row_bytes,
-                    float* op, int64_t n, int64_t ostride) {
-  lanes_impl(x, rows, bp, row_bytes, op, n, ostride,
-             [](const QuantRowsK& q, int64_t m, const uint8_t* group, int64_t s, float* o,
-                int64_t stride) {
-               // A row alone takes both halves of the group in one pass over its blocks;
-               // more rows take a half at a time (their accumulators and the decoded quads
-               // fill the 16 registers).
-               const int64_t paired = m - m % 2;  // the rows taken a half at a time
-               for (int64_t half = 0; paired > 0 && 8 * half < s; ++half) {
-                 int64_t r = 0;
-                 for (; r + kLaneRows <= paired; r += kLaneRows)
-                   half_rows_k<QT, kLaneRows>(q, r, group, s, half, o, stride);
-                 if (r < paired) half_rows_k<QT, 2>(q, r, group, s, half, o, stride);
-               }
-               if (m % 2 != 0) {
-                 if (s > 8) half_rows_k<QT, 1, 2>(q, paired, group, s, 0, o, stride);
-                 else half_rows_k<QT, 1>(q, paired, group, s, 0, o, stride);
-               }
-             });
 }
 #endif
 
@@ -933,19 +918,19 @@ void q8_part(Activations& a, const uint8_t* bp, int64_t n, int64_t row_bytes, in
   }
   switch (qt) {
 #if defined(FREETOKEN_Q8_VNNI)
-    case kQ4_0: q8_vnni_impl<kQ4_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
-    case kQ4_1: q8_vnni_impl<kQ4_1>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
-    case kQ5_0: q8_vnni_impl<kQ5_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
-    case kQ8_0: q8_vnni_impl<kQ8_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
-    case kQ4_K: q8k_vnni_impl<kQ4_K>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
-    case kQ6_K: q8k_vnni_impl<kQ6_K>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ4_0: vnni_impl<Vnni32<kQ4_0>>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ4_1: vnni_impl<Vnni32<kQ4_1>>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ5_0: vnni_impl<Vnni32<kQ5_0>>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ8_0: vnni_impl<Vnni32<kQ8_0>>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ4_K: vnni_impl<VnniK<kQ4_K>>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ6_K: vnni_impl<VnniK<kQ6_K>>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
 #elif defined(FREETOKEN_AVX2)
-    case kQ4_0: q8_lanes_impl<kQ4_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
-    case kQ4_1: q8_lanes_impl<kQ4_1>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
-    case kQ5_0: q8_lanes_impl<kQ5_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
-    case kQ8_0: q8_lanes_impl<kQ8_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
-    case kQ4_K: q8k_lanes_impl<kQ4_K>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
-    case kQ6_K: q8k_lanes_impl<kQ6_K>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ4_0: lanes_impl<Lanes32<kQ4_0>>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ4_1: lanes_impl<Lanes32<kQ4_1>>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ5_0: lanes_impl<Lanes32<kQ5_0>>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ8_0: lanes_impl<Lanes32<kQ8_0>>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ4_K: lanes_impl<LanesK<kQ4_K>>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ6_K: lanes_impl<LanesK<kQ6_K>>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
 #else
     case kQ4_0: q8_impl<kQ4_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ4_1: q8_impl<kQ4_1>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
