@@ -75,8 +75,8 @@ for qtype in sorted(GGUF_TYPES):
 # checks the main build), and the same bits for a row alone as among others.
 from freetoken_core.models.linear import q8_blocks  # noqa: E402
 
-for qtype in (2, 3, 6, 8, 12, 14):
-    run = 256 if qtype in (12, 14) else 32
+for qtype in (2, 3, 6, 8, 12, 13, 14):
+    run = 256 if qtype in (12, 13, 14) else 32
     k, n = 768, 37
     rows = random_blocks(np.random.default_rng(qtype), qtype, n, k, scale=0.1)
     w64 = torch.from_numpy(np.asarray(dequantize(rows.reshape(-1), GGMLQuantizationType(qtype)),

@@ -21,7 +21,8 @@ from freetoken_core.models.linear import KIND_PARTS, kernel_blocks, parts_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no native kernels")
 
-Q8_TYPES = [2, 3, 6, 8, 12, 14]  # Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K
+Q8_TYPES = [2, 3, 6, 8, 12, 14] + (  # Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K; Q5_K with AVX2
+    [13] if cpu_kernels_available() and torch.ops.freetoken.q8_linear_supports(13) else [])
 
 
 def _name(qtype: int) -> str:
@@ -42,7 +43,7 @@ def _case(qtype: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Te
 def _quantized_activations(x: torch.Tensor, qtype: int) -> torch.Tensor:
     """x as the kernel rounds it, in float64: each run of 32 (256 for the K-quants) scaled by
     max|x| / 127 and rounded to the nearest integer (ties to even), in float32 arithmetic."""
-    run = 256 if qtype in (12, 14) else 32
+    run = 256 if qtype in (12, 13, 14) else 32
     xb = x.numpy().reshape(x.shape[0], -1, run)
     amax = np.abs(xb).max(axis=-1, keepdims=True)
     with np.errstate(divide="ignore"):
@@ -102,19 +103,19 @@ def test_q8_kernel_names_what_it_cannot_compute() -> None:
     blocks, _ = _case(12, 4, 256, 0)
     with pytest.raises(RuntimeError, match="multiple of 256"):
         _q8(torch.randn(1, 128), blocks[:, :74].contiguous(), 12, 4)
-    q5k, _ = _case(13, 4, 256, 0)
-    with pytest.raises(RuntimeError, match="no 8-bit kernel for ggml type 13"):
-        _q8(torch.randn(1, 256), q5k, 13, 4)
+    q3k, _ = _case(11, 4, 256, 0)
+    with pytest.raises(RuntimeError, match="no 8-bit kernel for ggml type 11"):
+        _q8(torch.randn(1, 256), q3k, 11, 4)
     assert torch.ops.freetoken.q8_linear_supports(14)
-    assert not torch.ops.freetoken.q8_linear_supports(13)
+    assert not torch.ops.freetoken.q8_linear_supports(11)
 
 
 def test_a_q4_k_m_model_switches_the_linears_that_have_an_8_bit_kernel(tmp_path) -> None:
-    """A Q4_K_M-like file (Q4_K; Q6_K v, down and tied embedding) with a Q5_K up projection:
-    ``activations="q8"`` moves every linear but the gate/up (Q4_K + Q5_K parts) to 8-bit
+    """A Q4_K_M-like file (Q4_K; Q6_K v, down and tied embedding) with a Q3_K up projection:
+    ``activations="q8"`` moves every linear but the gate/up (Q4_K + Q3_K parts) to 8-bit
     activations, and the model's prompt logprobs stay close to the exact path's without
     equalling them."""
-    from gguf_models import Q4_K, Q5_K, Q6_K, write_gguf
+    from gguf_models import Q3_K, Q4_K, Q6_K, write_gguf
 
     from freetoken_core import LLM, SamplingParams
     from freetoken_core.models.linear import ACTIVATIONS_Q8
@@ -122,7 +123,7 @@ def test_a_q4_k_m_model_switches_the_linears_that_have_an_8_bit_kernel(tmp_path)
     path = write_gguf(tmp_path / "mix.gguf", "llama", hidden=256, layers=2, heads=4,
                       kv_heads=2, ff=512, weight_type=Q4_K,
                       types={"attn_v.weight": Q6_K, "ffn_down.weight": Q6_K,
-                             "token_embd.weight": Q6_K, "ffn_up.weight": Q5_K})
+                             "token_embd.weight": Q6_K, "ffn_up.weight": Q3_K})
     params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0)
     prompt = "The quick brown fox jumps over the lazy dog, twice: " * 4
     results = {}

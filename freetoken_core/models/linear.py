@@ -50,8 +50,9 @@ USE_GGUF_BLOCKS = True
 ACTIVATIONS_Q8 = 1 << 8
 
 # The ggml types gguf_linear_q8 computes with (q8_linear.cpp): Q4_0, Q4_1, Q5_0, Q8_0, Q4_K,
-# Q6_K, by name for messages.
-Q8_ACTIVATION_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+# Q6_K, and Q5_K where the kernels have AVX2 (``q8_linear_supports``), by name for messages.
+Q8_ACTIVATION_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
+                       14: "Q6_K"}
 
 # Set on a linear's ggml type id: the blocks are in the integer kernel's layout
 # (``int_blocks``), and gguf_linear_int computes from them: the activations in 24-bit fixed

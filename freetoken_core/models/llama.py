@@ -239,7 +239,7 @@ class LlamaForCausalLM:
 
     def use_q8_activations(self) -> list[str]:
         """Switch the linears whose GGUF blocks have an 8-bit kernel (Q4_0, Q4_1, Q5_0, Q8_0,
-        Q4_K, Q6_K; a linear of parts where every part has) to 8-bit activations
+        Q4_K, Q5_K (AVX2), Q6_K; a linear of parts where every part has) to 8-bit activations
         (``--activations q8``): llama.cpp's arithmetic, not exact. The others keep the
         float32 kernel; their descriptions are returned (empty when every linear
         switched). Needs at least one such linear: a GGUF model, float32, on CPU with the
@@ -255,7 +255,8 @@ class LlamaForCausalLM:
         def switches(lin: Any) -> bool:
             # (Q4_1 inside a linear of parts has the float32 kernel's widened scales.)
             return lin.blocks is not None and all(
-                t in Q8_ACTIVATION_TYPES and not (t == 3 and lin.blocks[0] == KIND_PARTS)
+                t in Q8_ACTIVATION_TYPES and torch.ops.freetoken.q8_linear_supports(t)
+                and not (t == 3 and lin.blocks[0] == KIND_PARTS)
                 for t in types(lin))
 
         chosen = [lin for lin in linears if switches(lin)]

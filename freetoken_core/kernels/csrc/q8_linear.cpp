@@ -65,7 +65,7 @@ namespace {
 
 using namespace freetoken::gguf;
 
-constexpr int64_t kQ4_0 = 2, kQ5_0 = 6, kQ4_K = 12, kQ6_K = 14;  // ggml type ids
+constexpr int64_t kQ4_0 = 2, kQ5_0 = 6, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;  // ggml type ids
 constexpr int64_t kSuper = 256;  // weights per K-quant super-block
 
 // Bytes of a block (or super-block) as this kernel reads it, as the file stores it but for
@@ -77,11 +77,14 @@ constexpr int64_t q8_block_bytes(int64_t qt) {
     case kQ5_0: return 22;
     case kQ8_0: return 34;
     case kQ4_K: return 148;  // the file's 144, its scales and mins unpacked (q8_layout)
+#ifdef FREETOKEN_AVX2
+    case kQ5_K: return 180;  // the file's 176, its scales and mins unpacked (lanes layout)
+#endif
     case kQ6_K: return 210;
     default: return 0;
   }
 }
-constexpr bool is_k_quant(int64_t qt) { return qt == kQ4_K || qt == kQ6_K; }
+constexpr bool is_k_quant(int64_t qt) { return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K; }
 constexpr int64_t q8_block_weights(int64_t qt) { return is_k_quant(qt) ? kSuper : kBlock; }
 
 // x quantized for blocks of 32: per row, K int8 values and, per block of 32, the scale and
@@ -393,6 +396,20 @@ inline __m512i high_bits(__m512i v) {
   else return _mm512_and_si512(_mm512_srli_epi16(v, 2), mask);
 }
 
+// Q5_0's and Q5_K's fifth bits into the decoded quads: bit p of each byte of `bits` is
+// that of quad p's weight in the byte's place, moved to bit 4.
+inline void fifth_bits(__m512i bits, __m512i w[8]) {
+  const __m512i bit4 = _mm512_set1_epi8(0x10);
+  w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(bits, 4), bit4));
+  w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(bits, 3), bit4));
+  w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(bits, 2), bit4));
+  w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(bits, 1), bit4));
+  w[4] = _mm512_or_si512(w[4], _mm512_and_si512(bits, bit4));
+  w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_srli_epi16(bits, 1), bit4));
+  w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(bits, 2), bit4));
+  w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(bits, 3), bit4));
+}
+
 // R rows (from r0) against one group of s features (a group's blocks at `group`), into
 // out[(r0 + r) * out_stride + f].
 template <int64_t QT, int R>
@@ -411,17 +428,19 @@ void group_rows_vnni(const QuantRowsK& x, int64_t r0, const uint8_t* group, int6
     const int8_t* qx = x.q.data() + r0 * x.k + b * kSuper;
     __m512i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
-    if constexpr (QT == kQ4_K) {
+    if constexpr (QT == kQ4_K || QT == kQ5_K) {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         const __m512i sc = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes, sb + (4 + j) * s));
-        const uint8_t* wj = sb + (20 + 16 * j) * s;
+        const uint8_t* wj = sb + ((QT == kQ5_K ? 52 : 20) + 16 * j) * s;
         __m512i w[8];
         for (int v = 0; v < 4; ++v) {
           const __m512i raw = _mm512_maskz_loadu_epi32(lanes, wj + 4 * v * s);
           w[2 * v] = _mm512_and_si512(raw, low4);
           w[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
         }
+        if constexpr (QT == kQ5_K)
+          fifth_bits(_mm512_maskz_loadu_epi32(lanes, sb + (20 + 4 * j) * s), w);
         for (int r = 0; r < R; ++r) {
           const int8_t* xr = qx + r * x.k + 32 * j;
           __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(xr));
@@ -531,19 +550,7 @@ void group_rows_vnni32(const QuantRows& x, int64_t r0, const uint8_t* group, int
         w[2 * v] = _mm512_and_si512(raw, low4);
         w[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
       }
-      if constexpr (QT == kQ5_0) {
-        // bit p of each byte to bit 4: the fifth bit of quad p's weights
-        const __m512i bits = _mm512_maskz_loadu_epi32(lanes, wq);
-        const __m512i bit4 = _mm512_set1_epi8(0x10);
-        w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(bits, 4), bit4));
-        w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(bits, 3), bit4));
-        w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(bits, 2), bit4));
-        w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(bits, 1), bit4));
-        w[4] = _mm512_or_si512(w[4], _mm512_and_si512(bits, bit4));
-        w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_srli_epi16(bits, 1), bit4));
-        w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(bits, 2), bit4));
-        w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(bits, 3), bit4));
-      }
+      if constexpr (QT == kQ5_0) fifth_bits(_mm512_maskz_loadu_epi32(lanes, wq), w);
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, gb));
     __m512 m = _mm512_setzero_ps();
@@ -648,6 +655,17 @@ inline __m256i high_bits(__m256i v) {  // bits 2i, 2i + 1 of each byte to bits 4
   else if constexpr (I == 2) return _mm256_and_si256(v, mask);
   else return _mm256_and_si256(_mm256_srli_epi16(v, 2), mask);
 }
+inline void fifth_bits(__m256i bits, __m256i w[8]) {  // as the AVX-512 one
+  const __m256i bit4 = _mm256_set1_epi8(0x10);
+  w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(bits, 4), bit4));
+  w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(bits, 3), bit4));
+  w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(bits, 2), bit4));
+  w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(bits, 1), bit4));
+  w[4] = _mm256_or_si256(w[4], _mm256_and_si256(bits, bit4));
+  w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_srli_epi16(bits, 1), bit4));
+  w[6] = _mm256_or_si256(w[6], _mm256_and_si256(_mm256_srli_epi16(bits, 2), bit4));
+  w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(bits, 3), bit4));
+}
 
 // Rows that a pass takes together: their accumulators, the 8 decoded quads and the
 // temporaries fit AVX2's 16 registers.
@@ -685,17 +703,7 @@ void half_rows_32(const QuantRows& x, int64_t r0, const uint8_t* group, int64_t 
           w[2 * v] = _mm256_and_si256(raw, low4);
           w[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
         }
-        if constexpr (QT == kQ5_0) {
-          const __m256i bits = load_upto32(wq + 32 * half, 4 * sh), bit4 = _mm256_set1_epi8(0x10);
-          w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(bits, 4), bit4));
-          w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(bits, 3), bit4));
-          w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(bits, 2), bit4));
-          w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(bits, 1), bit4));
-          w[4] = _mm256_or_si256(w[4], _mm256_and_si256(bits, bit4));
-          w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_srli_epi16(bits, 1), bit4));
-          w[6] = _mm256_or_si256(w[6], _mm256_and_si256(_mm256_srli_epi16(bits, 2), bit4));
-          w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(bits, 3), bit4));
-        }
+        if constexpr (QT == kQ5_0) fifth_bits(load_upto32(wq + 32 * half, 4 * sh), w);
       }
       const __m256 d = _mm256_cvtph_ps(load_upto16(gb + 16 * half, 2 * sh));
       __m256 m = _mm256_setzero_ps();
@@ -755,25 +763,36 @@ void half_rows_k(const QuantRowsK& x, int64_t r0, const uint8_t* group, int64_t 
       const int64_t half = half0 + hh, sh = std::min<int64_t>(8, s - 8 * half);
       __m256i sumi[R];
       for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-      if constexpr (QT == kQ4_K) {
+      if constexpr (QT == kQ4_K || QT == kQ5_K) {
   #pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) {
           // each feature's sub-block scale in both 16-bit halves of its lane
           const __m256i sc32 = _mm256_cvtepu8_epi32(load_upto8(sb + (4 + j) * s + 8 * half, sh));
           const __m256i sc = _mm256_or_si256(sc32, _mm256_slli_epi32(sc32, 16));
-          const uint8_t* wj = sb + (20 + 16 * j) * s;
+          const uint8_t* wj = sb + ((QT == kQ5_K ? 52 : 20) + 16 * j) * s;
           __m256i w[8];
           for (int v = 0; v < 4; ++v) {
             const __m256i raw = load_upto32(wj + 4 * v * s + 32 * half, 4 * sh);
             w[2 * v] = _mm256_and_si256(raw, low4);
             w[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
           }
+          if constexpr (QT == kQ5_K)
+            fifth_bits(load_upto32(sb + (20 + 4 * j) * s + 32 * half, 4 * sh), w);
           for (int r = 0; r < R; ++r) {
             const int8_t* xr = qx + r * x.k + 32 * j;
+            // 16-bit pair sums of 8 quads of nibbles (30,480 at most), of 4 of Q5_K's 0..31
             __m256i a = _mm256_maddubs_epi16(w[0], broadcast4(xr));
-            for (int p = 1; p < 8; ++p)
+            __m256i c = _mm256_maddubs_epi16(w[4], broadcast4(xr + 16));
+            for (int p = 1; p < 4; ++p) {
               a = _mm256_add_epi16(a, _mm256_maddubs_epi16(w[p], broadcast4(xr + 4 * p)));
-            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(a, sc));
+              c = _mm256_add_epi16(c, _mm256_maddubs_epi16(w[4 + p], broadcast4(xr + 16 + 4 * p)));
+            }
+            if constexpr (QT == kQ4_K) {
+              sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_add_epi16(a, c), sc));
+            } else {
+              sumi[r] = _mm256_add_epi32(
+                  sumi[r], _mm256_add_epi32(_mm256_madd_epi16(a, sc), _mm256_madd_epi16(c, sc)));
+            }
           }
         }
         const __m256 d = _mm256_cvtph_ps(load_upto16(sb + 16 * half, 2 * sh));
@@ -923,6 +942,7 @@ void q8_part(Activations& a, const uint8_t* bp, int64_t n, int64_t row_bytes, in
     case kQ5_0: vnni_impl<Vnni32<kQ5_0>>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ8_0: vnni_impl<Vnni32<kQ8_0>>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ4_K: vnni_impl<VnniK<kQ4_K>>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ5_K: vnni_impl<VnniK<kQ5_K>>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ6_K: vnni_impl<VnniK<kQ6_K>>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
 #elif defined(FREETOKEN_AVX2)
     case kQ4_0: lanes_impl<Lanes32<kQ4_0>>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
@@ -930,6 +950,7 @@ void q8_part(Activations& a, const uint8_t* bp, int64_t n, int64_t row_bytes, in
     case kQ5_0: lanes_impl<Lanes32<kQ5_0>>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ8_0: lanes_impl<Lanes32<kQ8_0>>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ4_K: lanes_impl<LanesK<kQ4_K>>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
+    case kQ5_K: lanes_impl<LanesK<kQ5_K>>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
     case kQ6_K: lanes_impl<LanesK<kQ6_K>>(*a.qk, a.rows, bp, row_bytes, op, n, ostride); break;
 #else
     case kQ4_0: q8_impl<kQ4_0>(*a.q, a.rows, bp, row_bytes, op, n, ostride); break;
@@ -945,7 +966,7 @@ void q8_part(Activations& a, const uint8_t* bp, int64_t n, int64_t row_bytes, in
 
 void check_part(int64_t qt, int64_t k, int64_t row_bytes) {
   TORCH_CHECK(q8_block_bytes(qt) != 0, "gguf_linear_q8: no 8-bit kernel for ggml type ", qt,
-              " (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K have one)");
+              " (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K have one; Q5_K too with AVX2)");
   TORCH_CHECK(k % q8_block_weights(qt) == 0, "gguf_linear_q8: K must be a multiple of ",
               q8_block_weights(qt), " for ggml type ", qt);
   TORCH_CHECK(row_bytes == k / q8_block_weights(qt) * q8_block_bytes(qt),
@@ -977,9 +998,24 @@ void unpack_q4_k(const uint8_t* in, uint8_t* out) {
 // bytes) into its place in a group of s features of the VNNI layout.
 template <int64_t QT>
 void vnni_layout_one(const uint8_t* blk, int64_t f, int64_t s, uint8_t* sb) {
-  if constexpr (QT == kQ4_K) {
+  if constexpr (QT == kQ4_K || QT == kQ5_K) {
     uint8_t u[148];
-    unpack_q4_k(blk, u);  // d, dmin, 8 scales, 8 mins, the 128 bytes of nibbles
+    if constexpr (QT == kQ4_K) {
+      unpack_q4_k(blk, u);  // d, dmin, 8 scales, 8 mins, the 128 bytes of nibbles
+    } else {
+      // Q5_K: Q4_K's head and nibbles, 32 bytes of fifth bits (qh) between them
+      uint8_t q4k[144];
+      std::memcpy(q4k, blk, 16);
+      std::memcpy(q4k + 16, blk + 48, 128);
+      unpack_q4_k(q4k, u);
+      const uint8_t* qh = blk + 16;  // bit j of qh[l]: weight l of sub-block j
+      for (int j = 0; j < 8; ++j)
+        for (int e = 0; e < 4; ++e) {
+          uint8_t byte = 0;
+          for (int p = 0; p < 8; ++p) byte |= static_cast<uint8_t>(((qh[4 * p + e] >> j) & 1) << p);
+          sb[(20 + 4 * j) * s + 4 * f + e] = byte;
+        }
+    }
     std::memcpy(sb + 2 * f, u, 2);
     std::memcpy(sb + 2 * s + 2 * f, u + 2, 2);
     for (int j = 0; j < 8; ++j) {
@@ -993,7 +1029,7 @@ void vnni_layout_one(const uint8_t* blk, int64_t f, int64_t s, uint8_t* sb) {
             const uint8_t byte = u[20 + 32 * (j / 2) + l];
             return j % 2 == 0 ? byte & 0x0F : byte >> 4;
           };
-          sb[(20 + 16 * j) * s + 4 * v * s + 4 * f + e] =
+          sb[((QT == kQ5_K ? 52 : 20) + 16 * j) * s + 4 * v * s + 4 * f + e] =
               static_cast<uint8_t>(q(8 * v + e) | q(8 * v + 4 + e) << 4);
         }
   } else {
@@ -1025,7 +1061,7 @@ void vnni_layout_one(const uint8_t* blk, int64_t f, int64_t s, uint8_t* sb) {
 // VNNI layout above.
 template <int64_t QT>
 at::Tensor vnni_layout(const at::Tensor& blocks) {
-  constexpr int64_t kFileBytes = QT == kQ4_K ? 144 : 210;
+  constexpr int64_t kFileBytes = QT == kQ4_K ? 144 : QT == kQ5_K ? 176 : 210;
   const int64_t n = blocks.size(0), nb = blocks.size(1) / kFileBytes;
   const int64_t row_bytes = nb * q8_block_bytes(QT);
   at::Tensor out = at::zeros({n, row_bytes}, blocks.options());
@@ -1118,10 +1154,14 @@ at::Tensor gguf_q8_blocks(const at::Tensor& blocks, int64_t qtype) {
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "gguf_q8_blocks: blocks must be a contiguous uint8 [N, row bytes] tensor");
 #ifdef FREETOKEN_AVX2
-  if (qtype == kQ4_K || qtype == kQ6_K) {
-    TORCH_CHECK(blocks.size(1) % (qtype == kQ4_K ? 144 : 210) == 0,
+  if (is_k_quant(qtype)) {
+    TORCH_CHECK(blocks.size(1) % (qtype == kQ4_K ? 144 : qtype == kQ5_K ? 176 : 210) == 0,
                 "gguf_q8_blocks: K-quant rows must be whole super-blocks");
-    return qtype == kQ4_K ? vnni_layout<kQ4_K>(blocks) : vnni_layout<kQ6_K>(blocks);
+    switch (qtype) {
+      case kQ4_K: return vnni_layout<kQ4_K>(blocks);
+      case kQ5_K: return vnni_layout<kQ5_K>(blocks);
+      default: return vnni_layout<kQ6_K>(blocks);
+    }
   }
   if (q8_block_bytes(qtype) != 0) {
     TORCH_CHECK(blocks.size(1) % q8_block_bytes(qtype) == 0,
