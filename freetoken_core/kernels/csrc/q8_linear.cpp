@@ -340,14 +340,14 @@ void q8k_impl(const QuantRowsK& x, int64_t rows, const uint8_t* bp, int64_t row_
 // ---- The lanes layout: the features in the vector lanes.
 //
 // gguf_q8_blocks lays each weight out anew at load (the same bytes per block as the file's,
-// 148 for Q4_K's super-blocks: a weight keeps its size): the output features in groups of
-// 16 (the last group what is left, s features), a group's blocks one after the other, and
-// in each the group's features side by side, four consecutive weights of a feature in one
-// 32-bit lane. One instruction then multiplies four weights of many features by the same
-// four activations of a row (broadcast): vpdpbusd, 64 products of 16 features into their
-// int32 sums (AVX-512 VNNI), or vpmaddubsw, 32 of 8 features into 16-bit pair sums (AVX2),
-// where a layout of one feature's weights side by side needs a horizontal sum per feature
-// and block. The block's scales then apply to all the features at once, per row and block:
+// Q4_K and Q5_K 4 more for their unpacked scales and mins: a weight keeps its size): the
+// output features in groups of 16 (the last group what is left, s features), a group's
+// blocks one after the other, and in each the group's features side by side, four
+// consecutive weights of a feature in one 32-bit lane. One instruction then multiplies four weights
+// of many features by the same four activations of a row (broadcast): vpdpbusd, 64 products of 16
+// features into their int32 sums (AVX-512 VNNI), or vpmaddubsw, 32 of 8 features into 16-bit pair
+// sums (AVX2), where a layout of one feature's weights side by side needs a horizontal sum per
+// feature and block. The block's scales then apply to all the features at once, per row and block:
 // the integer sums' scales (the K-quants' sub-blocks) by one multiply, the offsets of
 // unsigned weights (Q4_0's 8, ...) and Q4_K's mins by the row's sums, the float scaling by
 // one multiply-add of all the lanes. A block (super-block) of a group of s features:
@@ -355,12 +355,14 @@ void q8k_impl(const QuantRowsK& x, int64_t rows, const uint8_t* bp, int64_t row_
 //   Q4_K: d[s], dmin[s] (float16); sc[8][s] (bytes); m[4][s][2] (bytes: the mins of
 //         sub-blocks 2t and 2t + 1 side by side); then for each sub-block j (32 weights) 4
 //         vectors of 4s bytes: byte 4f + e of vector v holds weight 8v + e of the sub-block
-//         of feature f in its low nibble and weight 8v + 4 + e in its high one.
+//         of feature f in its low nibble and weight 8v + 4 + e in its high one.  (148s)
+//   Q5_K: Q4_K's d, dmin, sc and m (20s); then for each sub-block j 4s bytes of its fifth
+//         bits as Q5_0's below; then the nibbles as Q4_K's                       (180s)
 //   Q6_K: d[s] (float16); sc[8][s][2] (int8: the scales of sub-blocks 2t and 2t + 1 side by
 //         side); then for each chunk c of 32 weights (sub-blocks 2c, 2c + 1 of 16) 4 vectors of
 //         4s bytes of the low four bits, as Q4_K's, and 2 vectors of 4s bytes of the high two:
 //         byte 4f + e of vector h holds those of weight 4p + e at bits 2i, 2i + 1, for the
-//         chunk's quads p = 4h + i (i < 4).
+//         chunk's quads p = 4h + i (i < 4).                                       (210s)
 //   Q4_0: d[s] (float16), then 4 vectors of 4s bytes of nibbles as Q4_K's         (18s)
 //   Q4_1: d[s], m[s] (float16), then the nibbles                                  (20s)
 //   Q5_0: d[s], then 4s bytes of the fifth bits: bit p of byte 4f + e is that of weight
@@ -560,7 +562,8 @@ void group_rows_vnni32(const QuantRows& x, int64_t r0, const uint8_t* group, int
       const int8_t* xr = x.q.data() + (r0 + r) * x.k + b * kBlock;
       __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(xr));
       for (int p = 1; p < 8; ++p) sum = _mm512_dpbusd_epi32(sum, w[p], broadcast4(xr + 4 * p));
-      if constexpr (kOffset != 0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(kOffset * x.sums[i]));
+      if constexpr (kOffset != 0)
+        sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(kOffset * x.sums[i]));
       y[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.ds[2 * i])), _mm512_cvtepi32_ps(sum),
                              y[r]);
       if constexpr (QT == kQ4_1) y[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.ds[2 * i + 1]), y[r]);
@@ -715,9 +718,10 @@ void half_rows_32(const QuantRows& x, int64_t r0, const uint8_t* group, int64_t 
         if constexpr (QT == kQ8_0) {
           sum = _mm256_setzero_si256();
           for (int p = 0; p < 8; ++p)
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(
-                                            wabs[p], _mm256_sign_epi8(broadcast4(xr + 4 * p), w[p])),
-                                        ones));
+            sum = _mm256_add_epi32(
+                sum, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                           wabs[p], _mm256_sign_epi8(broadcast4(xr + 4 * p), w[p])),
+                                       ones));
         } else if constexpr (QT == kQ5_0) {
           __m256i a = _mm256_maddubs_epi16(w[0], broadcast4(xr));
           __m256i c = _mm256_maddubs_epi16(w[4], broadcast4(xr + 16));
@@ -732,10 +736,12 @@ void half_rows_32(const QuantRows& x, int64_t r0, const uint8_t* group, int64_t 
             a = _mm256_add_epi16(a, _mm256_maddubs_epi16(w[p], broadcast4(xr + 4 * p)));
           sum = _mm256_madd_epi16(a, ones);
         }
-        if constexpr (kOffset != 0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(kOffset * x.sums[i]));
-        y[hh][r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.ds[2 * i])), _mm256_cvtepi32_ps(sum),
-                               y[hh][r]);
-        if constexpr (QT == kQ4_1) y[hh][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.ds[2 * i + 1]), y[hh][r]);
+        if constexpr (kOffset != 0)
+          sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(kOffset * x.sums[i]));
+        y[hh][r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.ds[2 * i])),
+                                   _mm256_cvtepi32_ps(sum), y[hh][r]);
+        if constexpr (QT == kQ4_1)
+          y[hh][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.ds[2 * i + 1]), y[hh][r]);
       }
     }
   }
@@ -764,7 +770,7 @@ void half_rows_k(const QuantRowsK& x, int64_t r0, const uint8_t* group, int64_t 
       __m256i sumi[R];
       for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
       if constexpr (QT == kQ4_K || QT == kQ5_K) {
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) {
           // each feature's sub-block scale in both 16-bit halves of its lane
           const __m256i sc32 = _mm256_cvtepu8_epi32(load_upto8(sb + (4 + j) * s + 8 * half, sh));
@@ -816,10 +822,11 @@ void half_rows_k(const QuantRowsK& x, int64_t r0, const uint8_t* group, int64_t 
                                               0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
         const __m256i dup1 = _mm256_add_epi8(dup0, _mm256_set1_epi8(2));
         __m256i sp[8];
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int c = 0; c < 8; ++c) {
           sp[c] = _mm256_cvtepi8_epi16(load_upto16(sb + (2 + 2 * c) * s + 16 * half, 2 * sh));
-          const __m256i sc0 = _mm256_shuffle_epi8(sp[c], dup0), sc1 = _mm256_shuffle_epi8(sp[c], dup1);
+          const __m256i sc0 = _mm256_shuffle_epi8(sp[c], dup0),
+                        sc1 = _mm256_shuffle_epi8(sp[c], dup1);
           const uint8_t* wc = sb + (18 + 24 * c) * s;
           const __m256i h0 = load_upto32(wc + 16 * s + 32 * half, 4 * sh);
           const __m256i h1 = load_upto32(wc + 20 * s + 32 * half, 4 * sh);
@@ -841,12 +848,14 @@ void half_rows_k(const QuantRowsK& x, int64_t r0, const uint8_t* group, int64_t 
             const int8_t* xr = qx + r * x.k + 32 * c;
             __m256i t[4];  // quads 0-1, 2-3 (sub-block 2c), 4-5, 6-7 (2c + 1): 2 x 16,002 at most
             for (int q = 0; q < 4; ++q)
-              t[q] = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * q], broadcast4(xr + 8 * q)),
-                                      _mm256_maddubs_epi16(w[2 * q + 1], broadcast4(xr + 8 * q + 4)));
+              t[q] =
+                  _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * q], broadcast4(xr + 8 * q)),
+                                   _mm256_maddubs_epi16(w[2 * q + 1], broadcast4(xr + 8 * q + 4)));
             sumi[r] = _mm256_add_epi32(
-                sumi[r], _mm256_add_epi32(
-                             _mm256_add_epi32(_mm256_madd_epi16(t[0], sc0), _mm256_madd_epi16(t[1], sc0)),
-                             _mm256_add_epi32(_mm256_madd_epi16(t[2], sc1), _mm256_madd_epi16(t[3], sc1))));
+                sumi[r],
+                _mm256_add_epi32(
+                    _mm256_add_epi32(_mm256_madd_epi16(t[0], sc0), _mm256_madd_epi16(t[1], sc0)),
+                    _mm256_add_epi32(_mm256_madd_epi16(t[2], sc1), _mm256_madd_epi16(t[3], sc1))));
           }
         }
         const __m256 d = _mm256_cvtph_ps(load_upto16(sb + 16 * half, 2 * sh));
@@ -857,8 +866,8 @@ void half_rows_k(const QuantRowsK& x, int64_t r0, const uint8_t* group, int64_t 
           for (int t = 1; t < 8; ++t)
             offset = _mm256_add_epi32(offset, _mm256_madd_epi16(sp[t], broadcast4(s16 + 2 * t)));
           const __m256i sum = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(offset, 5));
-          y[hh][r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[i])), _mm256_cvtepi32_ps(sum),
-                                 y[hh][r]);
+          y[hh][r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[i])),
+                                     _mm256_cvtepi32_ps(sum), y[hh][r]);
         }
       }
     }
@@ -1050,7 +1059,8 @@ void vnni_layout_one(const uint8_t* blk, int64_t f, int64_t s, uint8_t* sb) {
       for (int h = 0; h < 2; ++h)
         for (int e = 0; e < 4; ++e) {
           uint8_t byte = 0;
-          for (int i = 0; i < 4; ++i) byte |= static_cast<uint8_t>((q[4 * (4 * h + i) + e] >> 4) << (2 * i));
+          for (int i = 0; i < 4; ++i)
+            byte |= static_cast<uint8_t>((q[4 * (4 * h + i) + e] >> 4) << (2 * i));
           wc[(16 + 4 * h) * s + 4 * f + e] = byte;
         }
     }
@@ -1091,7 +1101,8 @@ void vnni_layout32_one(const uint8_t* blk, int64_t f, int64_t s, uint8_t* gb) {
   if constexpr (QT == kQ8_0) {
     for (int j = 0; j < 32; ++j) q[j] = blk[2 + j] ^ 0x80;
     for (int p = 0; p < 8; ++p)
-      for (int e = 0; e < 4; ++e) gb[(2 + 4 * p) * s + 4 * f + e] = static_cast<uint8_t>(q[4 * p + e]);
+      for (int e = 0; e < 4; ++e)
+        gb[(2 + 4 * p) * s + 4 * f + e] = static_cast<uint8_t>(q[4 * p + e]);
     return;
   }
   const uint8_t* qs = blk + (QT == kQ4_0 ? 2 : QT == kQ4_1 ? 4 : 6);
@@ -1189,8 +1200,9 @@ at::Tensor gguf_q8_blocks(const at::Tensor& blocks, int64_t qtype) {
 bool q8_linear_supports(int64_t qtype) { return q8_block_bytes(qtype) != 0; }
 
 void gguf_linear_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, at::Tensor out) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
-              x.is_contiguous(), "gguf_linear_q8: x must be a contiguous float32 [M, K] CPU tensor");
+  TORCH_CHECK(
+      x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+      "gguf_linear_q8: x must be a contiguous float32 [M, K] CPU tensor");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "gguf_linear_q8: blocks must be a contiguous uint8 [N, row bytes] tensor");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0),
