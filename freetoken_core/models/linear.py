@@ -145,9 +145,10 @@ def q8_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """Kernel-layout blocks (``kernel_blocks``, or a ``parts_blocks`` buffer) in the layout
     the 8-bit-activation kernel reads (gguf_linear_q8): Q4_1 with the file's float16 scales
     (``narrow_scales``), Q4_K with its scales and mins unpacked to a byte each (148 bytes a
-    super-block instead of 144), every other type as it is; where the kernels have AVX-512
-    VNNI, every type in groups of 16 features side by side, four weights of a feature a
-    32-bit lane (q8_linear.cpp; the same bytes a block as above)."""
+    super-block instead of 144), every other type as it is; where the kernels have AVX2
+    (with or without AVX-512 VNNI), every type in groups of 16 features side by side, four
+    weights of a feature a 32-bit lane (q8_linear.cpp's lanes layout; the same bytes a block
+    as above, Q5_K 180 a super-block)."""
     if qtype == KIND_PARTS:
         count = int(blocks[0, :16].view(torch.int64)[1])
         values = blocks[0, :16 + 32 * count].view(torch.int64).tolist()
