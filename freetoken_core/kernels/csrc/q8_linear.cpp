@@ -465,13 +465,13 @@ void group_rows_vnni(const QuantRowsK& x, int64_t r0, const uint8_t* group, int6
         y[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(mins), y[r]);
       }
     } else {
+      __m512i sp[8];  // the scales of sub-blocks 2c, 2c + 1 as int16 pairs, chunk by chunk
 #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
-        // the scales of sub-blocks 2c, 2c + 1: int16 pairs, then each sign-extended alone
-        const __m512i sp =
-            _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(pairs, sb + (2 + 2 * c) * s));
-        const __m512i sc0 = _mm512_srai_epi32(_mm512_slli_epi32(sp, 16), 16);
-        const __m512i sc1 = _mm512_srai_epi32(sp, 16);
+        // each scale of the pair sign-extended alone
+        sp[c] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(pairs, sb + (2 + 2 * c) * s));
+        const __m512i sc0 = _mm512_srai_epi32(_mm512_slli_epi32(sp[c], 16), 16);
+        const __m512i sc1 = _mm512_srai_epi32(sp[c], 16);
         const uint8_t* wc = sb + (18 + 24 * c) * s;
         const __m512i h0 = _mm512_maskz_loadu_epi32(lanes, wc + 16 * s);
         const __m512i h1 = _mm512_maskz_loadu_epi32(lanes, wc + 20 * s);
@@ -504,9 +504,6 @@ void group_rows_vnni(const QuantRowsK& x, int64_t r0, const uint8_t* group, int6
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, sb));
       // the weights' offset of 32: 32 sum_j sc_j (sum of the row's q over sub-block j)
-      __m512i sp[8];
-      for (int t = 0; t < 8; ++t)
-        sp[t] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(pairs, sb + (2 + 2 * t) * s));
       for (int r = 0; r < R; ++r) {
         const int64_t i = (r0 + r) * nb + b;
         const int16_t* s16 = &x.sums16[16 * i];
