@@ -8,6 +8,12 @@ system C++ compiler and ninja, for the CPU at hand (``-march=native``), and run 
 own thread pool. Everything they do has a torch path too: where they cannot be built (no
 compiler) FreeToken logs it once and runs the torch path; ``FREETOKEN_NATIVE_KERNELS=0``
 switches them off.
+
+``FREETOKEN_KERNEL_MARCH`` (default ``native``) builds them for another GCC ``-march``
+target instead, one the CPU runs (e.g. ``x86-64-v3`` or ``znver3``: AVX2 and FMA, no
+AVX-512): the AVX2 kernels and what the engine picks with them (float32 where VNNI would
+give int24, the AVX2 q8 kernels) then run on an AVX-512 machine, to test or time them
+there. Each target gets its own build directory.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -28,7 +35,18 @@ log = logging.getLogger("freetoken.kernels")
 _SOURCES = ("paged_attention.cpp", "layers.cpp", "gguf_linear.cpp", "int_linear.cpp",
             "q8_linear.cpp", "llama_layer.cpp", "sampler.cpp", "gguf_dequant.cpp")
 _ENV = "FREETOKEN_NATIVE_KERNELS"
+_MARCH_ENV = "FREETOKEN_KERNEL_MARCH"
 _NAME = "freetoken_cpu"
+
+
+def kernel_march() -> str:
+    """The ``-march`` the kernels are built for: ``$FREETOKEN_KERNEL_MARCH``, else ``native``.
+    Raises ``ValueError`` for a value that is not a plain target name."""
+    march = os.environ.get(_MARCH_ENV, "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", march):
+        raise ValueError(f"{_MARCH_ENV}={march!r} is not a -march target name "
+                         "(e.g. native, x86-64-v3, znver3)")
+    return march
 
 
 def _cpu_flags() -> str:
@@ -50,6 +68,9 @@ def _build_dir(sources: list[Path]) -> Path:
     digest.update(torch.__version__.encode())
     digest.update(platform.machine().encode())
     digest.update(_cpu_flags().encode())
+    march = kernel_march()
+    if march != "native":  # (native builds keep the directories they had)
+        digest.update(f"-march={march}".encode())
     return cache_dir() / "kernels" / digest.hexdigest()[:16]
 
 
@@ -88,7 +109,8 @@ def cpu_kernels_available() -> bool:
             # -fopenmp: ATen's parallel_for is inline OpenMP; without the flag it runs on
             # one thread. libgomp.so.1 resolves to the copy torch has already loaded.
             # -ffp-contract=off: round where the torch formulas round (no implicit FMA).
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_cflags=["-O3", f"-march={kernel_march()}", "-fopenmp",
+                          "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False, verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
