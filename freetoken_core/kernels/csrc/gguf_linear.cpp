@@ -306,7 +306,7 @@ void rows_direct(const float* x, int64_t x_stride, const uint8_t* blocks, int64_
           const uint8_t* block = fb.first + u * fb.stride + f * U::kBytes;
           // Every cache line of the unit: a K-quant super-block spans 3-4 (144-210 bytes), and
           // with only its first prefetched one row of a 1B block's Q4_K linears took 1.72
-          // ms instead of 1.13 (Q6_K 2.47 -> 1.35; Zen 4, bench/gguf_types.py).
+          // ms instead of 1.13 (Q6_K 2.47 -> 1.35; Zen 5, bench/gguf_types.py).
           if (s * 64 < U::kBytes)
             _mm_prefetch(reinterpret_cast<const char*>(block + ahead + 64 * s), _MM_HINT_T0);
           vf w[kVecs];

@@ -663,7 +663,7 @@ struct Type<Q4_K> {
   // eight sub-blocks (one scalar unpacking of the 12 packed bytes, ggml's, and one product
   // of eight lanes each), then each sub-block from them: the same floats as vec, and per
   // sub-block only the table (or the conversions) and the weights are left. One row of a 1B
-  // block's Q4_K linears 1.13 -> 0.94 ms (bench/gguf_types.py, Zen 4, AVX-512, paired);
+  // block's Q4_K linears 1.13 -> 0.94 ms (bench/gguf_types.py, Zen 5, AVX-512, paired);
   // Q6_K's sixteen d * sc formed the same way measured no gain, so it keeps vec alone.
   struct Head {
     alignas(32) float ds[8];

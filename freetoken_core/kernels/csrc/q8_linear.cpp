@@ -33,7 +33,7 @@
 // VNNI (16 features a register, 64 products an instruction), else vpmaddubsw (8 features
 // a register). Without AVX2 a scalar loop reads the kernels' interleaved layout
 // (gguf_blocks.h) one output at a time. bench/gguf_types.py --activations q8, a 1B block's
-// linears at 16 rows on Zen 4, against the interleaved AVX2 kernels these replaced: Q4_K 6.5
+// linears at 16 rows on Zen 5, against the interleaved AVX2 kernels these replaced: Q4_K 6.5
 // -> 2.0 ms (VNNI), Q6_K 6.5 -> 2.4; an AVX2 build 9.3 -> 4.4 and 8.4 -> 6.3.
 //
 // Batch invariance: a row's outputs are computed alike whatever M is (per block or
