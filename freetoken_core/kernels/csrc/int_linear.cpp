@@ -269,34 +269,26 @@ inline __m512i weight_quad(const uint8_t* gb, int t) {
   }
 }
 
-// R rows x F groups of VNNI dot products: 3 x R x F integer accumulators per block, then the
-// block's update of R x F float accumulators.
-template <int64_t QT, int R, int F>
+// R rows of one group's VNNI dot products: 3 x R integer accumulators per block, then the
+// block's update of R float accumulators.
+template <int64_t QT, int R>
 void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t n, float* out,
                int64_t g) {
   const int64_t nb = x.nb;
-  __m512 y[R][F];
-  for (int r = 0; r < R; ++r)
-    for (int f = 0; f < F; ++f) y[r][f] = _mm512_setzero_ps();
+  __m512 y[R];
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* gb[F];
-    for (int f = 0; f < F; ++f) {
-      gb[f] = blocks + ((g + f) * nb + b) * int_block_bytes(QT);
-      prefetch_range(gb[f] + kPrefetchBytes, int_block_bytes(QT));
-    }
-    __m512i p[R][F][3];
+    const uint8_t* gb = blocks + (g * nb + b) * int_block_bytes(QT);
+    prefetch_range(gb + kPrefetchBytes, int_block_bytes(QT));
+    __m512i p[R][3];
     for (int r = 0; r < R; ++r)
-      for (int f = 0; f < F; ++f)
-        for (int i = 0; i < 3; ++i) p[r][f][i] = _mm512_setzero_si512();
+      for (int i = 0; i < 3; ++i) p[r][i] = _mm512_setzero_si512();
     for (int t = 0; t < 8; ++t) {
       // w: the weights as VNNI's signed operand; wu: as its unsigned one (Q8_0: q + 128,
       // the 128 * sum(h) taken off after the block).
-      __m512i w[F], wu[F];
-      for (int f = 0; f < F; ++f) {
-        w[f] = weight_quad<QT>(gb[f], t);
-        wu[f] = QT == kQ4_1 ? w[f]
-                            : _mm512_xor_si512(w[f], _mm512_set1_epi8(static_cast<char>(0x80)));
-      }
+      const __m512i w = weight_quad<QT>(gb, t);
+      const __m512i wu =
+          QT == kQ4_1 ? w : _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));
       for (int r = 0; r < R; ++r) {
         const uint8_t* dg = x.d.data() + ((r0 + r) * nb + b) * kDigitBytes + 4 * t;
         int32_t hq, mq, lq;
@@ -305,33 +297,33 @@ void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t n, fl
         std::memcpy(&lq, dg + 2 * kBlock, 4);
         const __m512i h = _mm512_set1_epi32(hq), m = _mm512_set1_epi32(mq),
                       l = _mm512_set1_epi32(lq);
-        for (int f = 0; f < F; ++f) {
-          p[r][f][0] = _mm512_dpbusd_epi32(p[r][f][0], wu[f], h);  // q (u8) x h (s8)
-          p[r][f][1] = _mm512_dpbusd_epi32(p[r][f][1], m, w[f]);  // m (u8) x q (s8)
-          p[r][f][2] = _mm512_dpbusd_epi32(p[r][f][2], l, w[f]);
-        }
+        p[r][0] = _mm512_dpbusd_epi32(p[r][0], wu, h);  // q (u8) x h (s8)
+        p[r][1] = _mm512_dpbusd_epi32(p[r][1], m, w);  // m (u8) x q (s8)
+        p[r][2] = _mm512_dpbusd_epi32(p[r][2], l, w);
       }
     }
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * nb + b;
-      for (int f = 0; f < F; ++f) {
-        __m512i ph = p[r][f][0];
-        if constexpr (QT == kQ8_0)
-          ph = _mm512_sub_epi32(ph, _mm512_set1_epi32(128 * x.sh[i]));
-        y[r][f] = block_update<QT>(ph, p[r][f][1], p[r][f][2], gb[f], x.s[i], x.xs[i], y[r][f]);
-      }
+      __m512i ph = p[r][0];
+      if constexpr (QT == kQ8_0) ph = _mm512_sub_epi32(ph, _mm512_set1_epi32(128 * x.sh[i]));
+      y[r] = block_update<QT>(ph, p[r][1], p[r][2], gb, x.s[i], x.xs[i], y[r]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int f = 0; f < F; ++f) _mm512_storeu_ps(out + (r0 + r) * n + (g + f) * kIntGroup, y[r][f]);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * n + g * kIntGroup, y[r]);
 }
 
-template <int64_t QT, int R, int F>
+// Groups [g0, g1) one after the other: a group's blocks are contiguous and the groups follow
+// each other, so a thread reads one stream, which the prefetches ahead of it cover. Four
+// groups side by side for one row (two for two rows), as this read before, made four
+// streams a group's bytes apart, and every pass began with three groups' first 4 KB not
+// prefetched: the default model's 30 layers and head at one row, read cold, 3.56-4.09 ->
+// 2.84-2.92 ms, two rows 3.59-3.75 -> 3.02-3.16 (Zen 5, AVX-512 VNNI, paired; the float32
+// kernel 3.0-3.5); on weights in cache (the default block repeated) one row the same,
+// 0.042-0.045 ms.
+template <int64_t QT, int R>
 void groups_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t n, float* out,
                  int64_t g0, int64_t g1) {
-  int64_t g = g0;
-  for (; g + F <= g1; g += F) rows_vnni<QT, R, F>(x, r0, blocks, n, out, g);
-  for (; g < g1; ++g) rows_vnni<QT, R, 1>(x, r0, blocks, n, out, g);
+  for (int64_t g = g0; g < g1; ++g) rows_vnni<QT, R>(x, r0, blocks, n, out, g);
 }
 #endif
 
@@ -495,20 +487,13 @@ void int_linear_impl(const Digits& x, int64_t rows, const uint8_t* blocks, int64
   }
 #endif
 #ifdef FREETOKEN_VNNI
-  // One group at a time whatever the rows: a group's blocks are contiguous and the groups
-  // follow each other, so a thread's pass reads one stream, which the prefetches ahead of it
-  // cover. With four groups side by side for one row (two for two rows) a pass read four
-  // streams a group's bytes apart, and every pass began with three groups' first 4 KB not
-  // prefetched: the default model's 30 layers and head at one row, read cold, 3.56-4.09 ->
-  // 2.84-2.92 ms, two rows 3.59-3.75 -> 3.02-3.16 (Zen 5, AVX-512 VNNI, paired; the float32
-  // kernel 3.0-3.5). One row still has its three digit sums as independent chains.
   freetoken::guided_for(groups, 2, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       switch (std::min<int64_t>(4, rows - r0)) {
-        case 1: groups_vnni<QT, 1, 1>(x, r0, blocks, n, out, g0, g1); break;
-        case 2: groups_vnni<QT, 2, 1>(x, r0, blocks, n, out, g0, g1); break;
-        case 3: groups_vnni<QT, 3, 1>(x, r0, blocks, n, out, g0, g1); break;
-        default: groups_vnni<QT, 4, 1>(x, r0, blocks, n, out, g0, g1); break;
+        case 1: groups_vnni<QT, 1>(x, r0, blocks, n, out, g0, g1); break;
+        case 2: groups_vnni<QT, 2>(x, r0, blocks, n, out, g0, g1); break;
+        case 3: groups_vnni<QT, 3>(x, r0, blocks, n, out, g0, g1); break;
+        default: groups_vnni<QT, 4>(x, r0, blocks, n, out, g0, g1); break;
       }
     }
   });
