@@ -20,6 +20,7 @@ never fills is not all resident. ``FREETOKEN_HUGE_PAGES=0`` turns it off (plain
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
@@ -49,3 +50,29 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     raw = np.frombuffer(mapping, dtype=np.uint8)  # holds the mapping open
     start = -raw.ctypes.data % HUGE_PAGE
     return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
+
+
+PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4
+
+
+def madvise_dontneed(address: int, length: int) -> None:
+    """``madvise(address, length, MADV_DONTNEED)`` where libc has it (Linux); else nothing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):  # pragma: no cover - not a POSIX libc
+        return
+    libc.madvise(address, length, _MADV_DONTNEED)
+
+
+def release(tensor: torch.Tensor) -> None:
+    """Give back the pages that lie wholly inside ``tensor``'s bytes (``madvise
+    MADV_DONTNEED``; they read as zeros afterwards): for a CPU tensor that nothing reads any
+    more but that shares its memory with tensors still in use (a linear's blocks in an arena
+    of many linears), whose memory dropping the tensor would not return."""
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+    if last > first:
+        madvise_dontneed(first, last - first)

@@ -108,7 +108,7 @@ def test_greedy_matches_transformers_gguf_loader(gguf_model: tuple[str, Path]) -
 
 
 def test_q4_k_on_the_int24_kernel_is_exact_too(tmp_path: Path) -> None:
-    """``--activations int24`` reads Q4_K as Q4_1 blocks of the same values for the integer
+    """``--activations int24`` computes Q4_K (and the Q6_K of a Q4_K_M mix) in the integer
     kernel: greedy tokens still equal transformers'."""
     from freetoken_core.kernels import cpu_kernels_available
     from freetoken_core.models.linear import int_linear_available
@@ -118,8 +118,11 @@ def test_q4_k_on_the_int24_kernel_is_exact_too(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "q4k.gguf", "llama", seed=3, **CASES["llama"])
     llm = LLM(str(path), kv_cache_tokens=2048, progress=False, plugins="none",
               activations="int24")
-    o_proj = llm.engine.core.runner.model.layers[0].o_proj
-    assert o_proj.blocks[0] == 3 | 1 << 9  # Q4_1 on the int24 kernel
+    layer = llm.engine.core.runner.model.layers[0]
+    assert layer.o_proj.blocks[0] == 12 | 1 << 9  # Q4_K on the int24 kernel
+    assert layer.down_proj.blocks[0] == 14 | 1 << 9  # Q6_K
+    assert layer.qkv_proj.blocks[0] == 1 << 10 | 1 << 9  # q, k Q4_K and v Q6_K: parts
+    assert llm.engine.core.runner.model.lm_head.blocks[0] == 14 | 1 << 9  # the tied Q6_K
     prompts = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16,
                                                 ignore_eos=True))

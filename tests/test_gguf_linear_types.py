@@ -84,18 +84,3 @@ def test_a_linear_of_parts_of_different_types_is_their_outputs_side_by_side() ->
             torch.ops.freetoken.gguf_linear(x, b, qtype, y)
             singles.append(y)
         assert torch.equal(out, torch.cat(singles, dim=1))
-
-
-def test_q4_k_as_q4_1_blocks_holds_the_same_values() -> None:
-    """Q4_K read as Q4_1 blocks with float32 scales (for the int24 kernel): every value the
-    same bits as gguf-py's Q4_K decode, through the Q4_1 kernel's own decoder too."""
-    from freetoken_core.models.gguf_weights import Q4_1_WIDE, GGUFWeight, q4_k_as_q4_1
-
-    rows, w64 = _case(12, 40, 768, 7)
-    wide = q4_k_as_q4_1(GGUFWeight("t", 12, (40, 768), rows.numpy()))
-    assert wide.qtype == Q4_1_WIDE and wide.rows.shape == (40, 768 // 32 * 24)
-    expect = w64.float()
-    assert torch.equal(wide.dequantize(), expect)
-    blocks = kernel_blocks(torch.from_numpy(wide.rows.copy()), Q4_1_WIDE)
-    decoded = torch.ops.freetoken.gguf_embedding_blocks(torch.arange(40), blocks, 3, 768)
-    assert torch.equal(decoded, expect)

@@ -508,17 +508,23 @@ needs_int24 = pytest.mark.skipif(
     reason="the int24 kernel needs AVX-512 VNNI (this CPU has the float32 kernel only)")
 
 
-def int24_case(qtype: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random weight's int24 blocks and its dequantized float32 weights."""
+def int24_case(qtype: int, n: int, k: int, seed: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random weight's int24 blocks, its dequantized float32 weights and its kernel blocks
+    (the float32 kernel's layout of the same blocks) (Q4_1, Q8_0:
+    quantized from random floats; Q4_K, Q6_K: random blocks with finite scales)."""
     from gguf import quants
+    from gguf_models import random_blocks
 
-    gen = torch.Generator().manual_seed(seed)
-    raw = quants.quantize(torch.randn(n, k, generator=gen).numpy() * 0.05,
-                          GGMLQuantizationType(qtype))
+    if qtype in (12, 14):
+        raw = random_blocks(np.random.default_rng(seed), qtype, n, k)
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        raw = quants.quantize(torch.randn(n, k, generator=gen).numpy() * 0.05,
+                              GGMLQuantizationType(qtype))
     dequantized = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(qtype)))
-    blocks = torch.ops.freetoken.gguf_int_blocks(kernel_blocks(torch.from_numpy(raw), qtype),
-                                                 qtype)
-    return blocks, dequantized
+    kernel = kernel_blocks(torch.from_numpy(raw), qtype)
+    return torch.ops.freetoken.gguf_int_blocks(kernel, qtype), dequantized, kernel
 
 
 def run_int24(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, mode: int = 0
@@ -528,14 +534,17 @@ def run_int24(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, mode: i
     return out
 
 
+INT24_TYPES = [3, 8, 12, 14]  # Q4_1, Q8_0, Q4_K, Q6_K
+
+
 @needs_int24
-@pytest.mark.parametrize("qtype", [3, 8])  # Q4_1, Q8_0
+@pytest.mark.parametrize("qtype", INT24_TYPES)
 def test_int24_paths_compute_the_same_floats_whatever_the_row_count(qtype: int) -> None:
     """The VNNI path, the AMX tiles (from a few rows, where the CPU has them) and the scalar
     reference give the same floats, and a row's output is the same alone and among 1 to 99
     others (integer sums are exact in any order; the float steps are per row)."""
-    n, k = 80, 1344
-    blocks, _ = int24_case(qtype, n, k, qtype)
+    n, k = 80, 1344 if qtype in (3, 8) else 1280
+    blocks, _, _ = int24_case(qtype, n, k, qtype)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(100, k, generator=gen) * torch.exp(torch.randn(100, k, generator=gen))
     alone = torch.cat([run_int24(x[i:i + 1], blocks, qtype, n) for i in range(len(x))])
@@ -547,39 +556,28 @@ def test_int24_paths_compute_the_same_floats_whatever_the_row_count(qtype: int) 
 
 
 @needs_int24
-@pytest.mark.parametrize("qtype", [3, 8])  # Q4_1, Q8_0
+@pytest.mark.parametrize("qtype", INT24_TYPES)
 def test_int24_rounds_no_more_than_the_float32_kernel(qtype: int) -> None:
     """Against float64 sums of the same weights, the int24 kernel's error is of the float32
     kernel's size: each activation rounded to 24 bits of its block's largest magnitude, the
     dot products exact, a few float32 roundings per block."""
     n, k = 256, 1536
-    blocks, dequantized = int24_case(qtype, n, k, 10 + qtype)
+    blocks, dequantized, kernel = int24_case(qtype, n, k, 10 + qtype)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(24, k, generator=gen)
     exact = x.double() @ dequantized.double().T
     scale = x.double().abs() @ dequantized.double().abs().T
     fp32 = torch.empty(24, n)
-    torch.ops.freetoken.gguf_linear(x, kernel_blocks_from(dequantized, qtype), qtype, fp32)
+    torch.ops.freetoken.gguf_linear(x, kernel, qtype, fp32)
     err_int = ((run_int24(x, blocks, qtype, n).double() - exact).abs() / scale).max().item()
     err_fp32 = ((fp32.double() - exact).abs() / scale).max().item()
     assert err_int < 3e-7 and err_int < 3 * err_fp32, (err_int, err_fp32)
 
 
-def kernel_blocks_from(dequantized: torch.Tensor, qtype: int) -> torch.Tensor:
-    from gguf import quants
-
-    # Requantizing the dequantized weights gives back the same blocks (the values are on
-    # the blocks' grids), so both kernels multiply the same weights.
-    raw = quants.quantize(dequantized.numpy(), GGMLQuantizationType(qtype))
-    assert torch.equal(torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(qtype))),
-                       dequantized)
-    return kernel_blocks(torch.from_numpy(raw), qtype)
-
-
 @needs_int24
 def test_int24_keeps_zeros_and_propagates_what_is_not_finite() -> None:
     n, k = 32, 64
-    blocks, dequantized = int24_case(3, n, k, 5)
+    blocks, dequantized, _ = int24_case(3, n, k, 5)
     x = torch.zeros(4, k)
     x[1, 3] = float("nan")
     x[2, 40] = float("inf")

@@ -20,7 +20,6 @@ from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.scheduler import Scheduler
 from freetoken_core.engine.tensor_parallel import TensorParallelGroup, start_group
 from freetoken_core.errors import InvalidRequest, ModelLoadError
-from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.loader import load_model, return_freed_memory
@@ -131,7 +130,7 @@ def load_engine_model(config: EngineConfig, model_dir: Path, limits: EngineLimit
     switched to the activations ``config`` asks for."""
     device = config.torch_device()
     model = load_model(model_dir, config.torch_dtype(device), device, limits.max_model_len,
-                       gguf_source(config.model), int24=wants_int24(config), shard=shard)
+                       gguf_source(config.model), shard=shard)
     if config.activations == "q8":
         kept = model.use_q8_activations()
         if kept:
@@ -142,23 +141,10 @@ def load_engine_model(config: EngineConfig, model_dir: Path, limits: EngineLimit
         return_freed_memory()  # the re-layout's temporaries, which the heap would keep
         if not switched and config.activations == "int24":
             raise ModelLoadError(
-                "--activations int24 needs a GGUF model with Q4_1/Q8_0 weights, dtype "
+                "--activations int24 needs a GGUF model with Q4_1/Q8_0/Q4_K/Q6_K weights, dtype "
                 "float32, on a CPU with AVX-512 VNNI and the native kernels "
                 f"(here: GGUF blocks {model.uses_gguf_blocks}, native {model.native})")
     return model
-
-
-def wants_int24(config: EngineConfig) -> bool:
-    """Whether Q4_K weights are read as Q4_1 blocks for the int24 kernel: only where
-    ``--activations int24`` asks for it (and the CPU has the kernel). 6 bits a weight instead
-    of 4.5, and the switch to the int24 layout briefly holds the blocks twice, so ``auto``
-    keeps Q4_K on the float32 kernel; a 1B block's four linears at 16 rows take 8.0 ms on
-    int24 against 14.5 (docs/operations.md)."""
-    if config.activations != "int24" or not cpu_kernels_available():
-        return False
-    from freetoken_core.models.linear import int_linear_available
-
-    return int_linear_available()
 
 
 class LLMEngine:

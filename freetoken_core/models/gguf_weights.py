@@ -12,8 +12,6 @@ model's blocks plus the KV cache and activations (docs/operations.md).
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import re
 import warnings
 from dataclasses import dataclass
@@ -24,9 +22,9 @@ import numpy as np
 import torch
 
 from freetoken_core.errors import ModelLoadError
+from freetoken_core.hugepages import PAGE, madvise_dontneed
 
-__all__ = ["GGUF_TYPES", "Q4_1_WIDE", "GGUFWeight", "q4_k_as_q4_1", "read_gguf_weights",
-           "tensor_names"]
+__all__ = ["GGUF_TYPES", "GGUFWeight", "read_gguf_weights", "tensor_names"]
 
 # ggml type id -> (name, weights per block, bytes per block): the types FreeToken computes
 # with (freetoken_core/kernels/csrc/gguf_types.h decodes each, bit for bit as gguf-py does).
@@ -37,10 +35,6 @@ GGUF_TYPES: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
     20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136),
 }
-
-# Not a file's type: Q4_1 blocks of 24 bytes whose d and m are float32 (linear.widen_scales'
-# layout), which a Q4_K weight becomes for the int24 kernel (q4_k_as_q4_1).
-Q4_1_WIDE = 3 | 1 << 12
 
 # GGUF tensor name -> Hugging Face name, per architecture family; ``{i}`` is the layer.
 _GLOBAL = {
@@ -93,20 +87,6 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _IGNORED = frozenset({"rope_freqs.weight"})
 
 
-_PAGE = mmap.PAGESIZE
-_MADV_DONTNEED = 4
-
-
-def _madvise_dontneed(address: int, length: int) -> None:
-    """``madvise(address, length, MADV_DONTNEED)`` where libc has it (Linux); else nothing."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    except (OSError, AttributeError):  # pragma: no cover - not a POSIX libc
-        return
-    libc.madvise(address, length, _MADV_DONTNEED)
-
-
 @dataclass(frozen=True)
 class GGUFWeight:
     """One 2-d weight as its GGUF file stores it.
@@ -125,7 +105,7 @@ class GGUFWeight:
 
     @property
     def type_name(self) -> str:
-        return "Q4_1 (float32 scales)" if self.qtype == Q4_1_WIDE else GGUF_TYPES[self.qtype][0]
+        return GGUF_TYPES[self.qtype][0]
 
     def release(self) -> None:
         """Drop the file pages of ``rows`` from this process (``madvise(MADV_DONTNEED)``)
@@ -136,9 +116,9 @@ class GGUFWeight:
         rows = self.rows
         if rows.flags.owndata or rows.flags.writeable or rows.nbytes == 0:
             return
-        start = rows.ctypes.data // _PAGE * _PAGE
-        end = -(-(rows.ctypes.data + rows.nbytes) // _PAGE) * _PAGE
-        _madvise_dontneed(start, end - start)
+        start = rows.ctypes.data // PAGE * PAGE
+        end = -(-(rows.ctypes.data + rows.nbytes) // PAGE) * PAGE
+        madvise_dontneed(start, end - start)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight ``[out, in]``, each value as gguf-py's ``dequantize`` gives it."""
@@ -147,12 +127,6 @@ class GGUFWeight:
         from freetoken_core.kernels import cpu_kernels_available
 
         rows = torch.from_numpy(np.array(self.rows, dtype=np.uint8))  # a writable copy
-        if self.qtype == Q4_1_WIDE:
-            blocks = rows.reshape(-1, 24)
-            d, m = blocks[:, :4].view(torch.float32), blocks[:, 4:8].view(torch.float32)
-            qs = blocks[:, 8:].to(torch.int32)
-            q = torch.cat([qs & 15, qs >> 4], dim=1).to(torch.float32)
-            return torch.addcmul(m, d, q).reshape(self.shape)
         _, block, size = GGUF_TYPES[self.qtype]
         unit = 32 * size if block == 1 else size  # the native decoders' unit (gguf_types.h)
         if (cpu_kernels_available() and hasattr(torch.ops.freetoken, "gguf_dequantize")
@@ -162,43 +136,6 @@ class GGUFWeight:
             return rows.view(torch.float32).clone().reshape(self.shape)
         values = dequantize(self.rows.reshape(-1), self.qtype)
         return torch.from_numpy(np.asarray(values, dtype=np.float32)).reshape(self.shape)
-
-
-def q4_k_as_q4_1(weight: GGUFWeight) -> GGUFWeight:
-    """A Q4_K weight as Q4_1 blocks with float32 scales (``Q4_1_WIDE``): the same values.
-
-    Each 32-weight sub-block of a Q4_K super-block is ``(d * sc) * q - dmin * m`` with d and
-    dmin float16 and sc, m 6-bit integers: ``d * sc`` and ``dmin * m`` are exact in float32
-    (at most 17 significant bits), so a Q4_1 block with ``d' = d * sc``, ``m' = -(dmin * m)``
-    and the same nibbles gives ``d' * q + m'``, the same rounding of the same exact product
-    (gguf-py rounds ``d * q - dm`` once, and d * q is exact too). 6 bits a weight instead of
-    4.5; in exchange the int24 kernel computes it (bench: a 1B block's four linears at 16
-    rows 8.0 ms against the float32 kernel's 14.5 on Q4_K)."""
-    n, row_bytes = weight.rows.shape
-    sb = np.asarray(weight.rows).reshape(n, row_bytes // 144, 144)
-    d = sb[:, :, 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = sb[:, :, 2:4].copy().view(np.float16).astype(np.float32)
-    sc_bytes = sb[:, :, 4:16].astype(np.uint8)
-    scales = np.empty(sb.shape[:2] + (8,), np.uint8)
-    mins = np.empty_like(scales)
-    for j in range(8):  # ggml's get_scale_min_k4
-        if j < 4:
-            scales[..., j] = sc_bytes[..., j] & 63
-            mins[..., j] = sc_bytes[..., j + 4] & 63
-        else:
-            scales[..., j] = (sc_bytes[..., j + 4] & 15) | ((sc_bytes[..., j - 4] >> 6) << 4)
-            mins[..., j] = (sc_bytes[..., j + 4] >> 4) | ((sc_bytes[..., j] >> 6) << 4)
-    scale = d * scales.astype(np.float32)  # [n, super-blocks, 8], exact
-    minimum = -(dmin * mins.astype(np.float32))
-    qs = sb[:, :, 16:144].reshape(n, -1, 4, 32)
-    # chunk c: low nibbles are sub-block 2c, high nibbles 2c + 1, 32 weights each
-    values = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, -1, 8, 32)
-    packed = values[..., :16] | (values[..., 16:] << 4)  # Q4_1: low nibble j, high j + 16
-    out = np.empty(values.shape[:3] + (24,), np.uint8)
-    out[..., 0:4] = scale[..., None].view(np.uint8).reshape(out.shape[:3] + (4,))
-    out[..., 4:8] = minimum[..., None].view(np.uint8).reshape(out.shape[:3] + (4,))
-    out[..., 8:24] = packed
-    return GGUFWeight(weight.name, Q4_1_WIDE, weight.shape, out.reshape(n, -1))
 
 
 def tensor_names(arch: str, num_layers: int, tied: bool) -> set[str]:

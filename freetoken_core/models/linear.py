@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from freetoken_core import hugepages
 from freetoken_core.errors import ModelLoadError
-from freetoken_core.models.gguf_weights import GGUF_TYPES, Q4_1_WIDE, GGUFWeight
+from freetoken_core.models.gguf_weights import GGUF_TYPES, GGUFWeight
 
 # ggml type id -> bytes per block of 32 weights in the file, for Q4_1 and Q8_0, the types
 # the integer and 8-bit-activation kernels compute with too (int_linear.cpp, q8_linear.cpp).
@@ -26,7 +26,7 @@ GGUF_BLOCK_TYPES: dict[int, int] = {3: 20, 8: 34}  # Q4_1, Q8_0
 NATIVE_UNITS: dict[int, tuple[int, int]] = {
     qtype: (32, 32 * size) if block == 1 else (block, size)
     for qtype, (_, block, size) in GGUF_TYPES.items()
-} | {Q4_1_WIDE: (32, 24)}  # (Q4_K read for the int24 kernel: gguf_weights.q4_k_as_q4_1)
+}
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -72,11 +72,7 @@ def parts_blocks(parts: list[tuple[int, torch.Tensor]], arena: BlockArena | None
     output order) behind a header of int64 values that gguf_linear reads: KIND_PARTS, the
     part count, then per part its type, features, row bytes and the byte offset of its
     blocks (each on a cache line)."""
-    header = 16 + 32 * len(parts)
-    offsets, end = [], (header + 63) // 64 * 64
-    for _, blocks in parts:
-        offsets.append(end)
-        end = (end + blocks.numel() + 63) // 64 * 64
+    offsets, end = _parts_offsets([blocks.numel() for _, blocks in parts])
     out = (arena.take((1, end)) if arena is not None
            else torch.zeros((1, end), dtype=torch.uint8))
     values = [KIND_PARTS, len(parts)]
@@ -87,11 +83,31 @@ def parts_blocks(parts: list[tuple[int, torch.Tensor]], arena: BlockArena | None
     return out
 
 
+def _parts_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """A ``parts_blocks`` buffer of parts of ``sizes`` bytes: each part's offset, and the
+    buffer's bytes."""
+    offsets, end = [], (16 + 32 * len(sizes) + 63) // 64 * 64
+    for size in sizes:
+        offsets.append(end)
+        end = (end + size + 63) // 64 * 64
+    return offsets, end
+
+
+def parts_rows(blocks: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """A ``parts_blocks`` buffer's parts: (type, its blocks ``[features, row bytes]``, a view
+    of the buffer) each, in order."""
+    count = int(blocks[0, :16].view(torch.int64)[1])
+    values = blocks[0, :16 + 32 * count].view(torch.int64).tolist()
+    parts = []
+    for p in range(count):
+        part_type, n, row_bytes, offset = values[2 + 4 * p:6 + 4 * p]
+        parts.append((part_type, blocks[0, offset:offset + n * row_bytes].view(n, row_bytes)))
+    return parts
+
+
 def parts_types(blocks: torch.Tensor) -> list[int]:
     """The ggml types of a ``parts_blocks`` buffer's parts, in order."""
-    count = int(blocks[0, :16].view(torch.int64)[1])
-    values = blocks[0, :16 + 32 * count].view(torch.int64)
-    return [int(values[2 + 4 * p]) for p in range(count)]
+    return [t for t, _ in parts_rows(blocks)]
 
 
 def parts_features(blocks: torch.Tensor) -> int:
@@ -150,14 +166,7 @@ def q8_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     weights of a feature a 32-bit lane (q8_linear.cpp's lanes layout; the same bytes a block
     as above, Q5_K 180 a super-block)."""
     if qtype == KIND_PARTS:
-        count = int(blocks[0, :16].view(torch.int64)[1])
-        values = blocks[0, :16 + 32 * count].view(torch.int64).tolist()
-        parts = []
-        for p in range(count):
-            part_type, n, row_bytes, offset = values[2 + 4 * p:6 + 4 * p]
-            rows = blocks[0, offset:offset + n * row_bytes].view(n, row_bytes)
-            parts.append((part_type, q8_blocks(rows, part_type)))
-        return parts_blocks(parts)
+        return parts_blocks([(t, q8_blocks(rows, t)) for t, rows in parts_rows(blocks)])
     return torch.ops.freetoken.gguf_q8_blocks(narrow_scales(blocks, qtype), qtype)
 
 
@@ -200,12 +209,6 @@ def kernel_blocks(rows: torch.Tensor, qtype: int, arena: BlockArena | None = Non
 def kernel_bytes(rows_bytes: int, qtype: int) -> int:
     """Bytes of a weight's kernel-layout blocks, for ``rows_bytes`` bytes in the file."""
     return rows_bytes // NATIVE_UNITS[qtype][1] * KERNEL_BLOCK_BYTES[qtype]
-
-
-def kernel_type(qtype: int) -> int:
-    """The type id the kernels compute a weight of ``qtype`` as: Q4_1 for ``Q4_1_WIDE`` (its
-    blocks are already in the kernels' Q4_1 layout), else ``qtype``."""
-    return 3 if qtype == Q4_1_WIDE else qtype
 
 
 def computes_natively(weight: GGUFWeight) -> bool:
@@ -264,8 +267,7 @@ def make_linear(parts: Sequence[torch.Tensor | GGUFWeight], bias: torch.Tensor |
             linear = Linear(None, bias, blocks=(runs[0][0].qtype, _stacked_rows(runs[0])),
                             in_features=runs[0][0].shape[1], arena=arena)
         else:
-            laid_out = [(kernel_type(run[0].qtype), kernel_blocks(_stacked_rows(run),
-                                                                 run[0].qtype))
+            laid_out = [(run[0].qtype, kernel_blocks(_stacked_rows(run), run[0].qtype))
                         for run in runs]
             linear = Linear(None, bias, blocks=(KIND_PARTS, parts_blocks(laid_out, arena)),
                             in_features=runs[0][0].shape[1], laid_out=True)
@@ -297,7 +299,7 @@ class Embedding:
         self.vocab_start, self.reduce = 0, None  # shard()
         if isinstance(weight, GGUFWeight) and USE_GGUF_BLOCKS and computes_natively(weight):
             self.num_embeddings, self.embedding_dim = weight.shape
-            self.blocks = blocks or (kernel_type(weight.qtype), kernel_blocks(
+            self.blocks = blocks or (weight.qtype, kernel_blocks(
                 _stacked_rows([weight]), weight.qtype, arena))
             weight.release()
             self.dtype, self.device = torch.float32, torch.device("cpu")
@@ -338,10 +340,42 @@ class Embedding:
 
 
 
+# The ggml types the integer kernel computes with (int_linear.cpp), by name for messages.
+INT24_TYPES = {3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+# ggml type id -> (weights, bytes a feature) of a unit of the integer kernel's layout (a
+# group-unit's bytes over its 16 features: int_linear.cpp's int_unit_bytes / 16).
+INT24_UNITS = {3: (32, 24), 8: (32, 36), 12: (256, 152), 14: (256, 212)}
+
+
 def int_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Kernel blocks (``kernel_blocks``) in the integer kernel's layout (int_linear.cpp: the
-    output features in groups of 16, four weights of a feature per 32-bit lane)."""
+    """Kernel blocks (``kernel_blocks``, or a ``parts_blocks`` buffer of them) in the integer
+    kernel's layout (int_linear.cpp: the output features in groups of 16, four weights of a
+    feature per 32-bit lane; Q4_K 4.75 bits a weight where the file has 4.5, Q6_K 6.625 for
+    6.5625)."""
+    if qtype == KIND_PARTS:
+        return parts_blocks([(t, int_blocks(rows, t)) for t, rows in parts_rows(blocks)])
     return torch.ops.freetoken.gguf_int_blocks(blocks, qtype)
+
+
+def int_shape(qtype: int, blocks: torch.Tensor, in_features: int) -> tuple[int, int]:
+    """The shape ``int_blocks`` gives these kernel blocks of a linear of ``in_features``."""
+    def row_bytes(t: int) -> int:
+        weights, size = INT24_UNITS[t]
+        return in_features // weights * size
+
+    if qtype == KIND_PARTS:
+        return 1, _parts_offsets([rows.shape[0] * row_bytes(t)
+                                  for t, rows in parts_rows(blocks)])[1]
+    return blocks.shape[0], row_bytes(qtype)
+
+
+def int_computes(qtype: int, blocks: torch.Tensor, out_features: int) -> bool:
+    """Whether the integer kernel computes a linear of these kernel blocks: its types (every
+    part's, for a linear of parts) and output features in whole groups of 16 (each part's)."""
+    if qtype == KIND_PARTS:
+        return all(t in INT24_TYPES and rows.shape[0] % 16 == 0
+                   for t, rows in parts_rows(blocks))
+    return qtype in INT24_TYPES and out_features % 16 == 0
 
 
 def int_linear_available() -> bool:
@@ -384,7 +418,7 @@ class Linear:
         if blocks is not None and laid_out:
             self.blocks = blocks
         elif blocks is not None and USE_GGUF_BLOCKS:
-            self.blocks = (kernel_type(blocks[0]), kernel_blocks(blocks[1], blocks[0], arena))
+            self.blocks = (blocks[0], kernel_blocks(blocks[1], blocks[0], arena))
         if self.blocks is not None:
             # The blocks are the weight: no float32 copy is kept (6.4x the memory for Q4_1).
             return

@@ -13,6 +13,8 @@ could be built (``freetoken_core/kernels``), else as torch operators.
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,13 +35,14 @@ from freetoken_core.models.layers import (
 from freetoken_core.models.linear import (
     ACTIVATIONS_INT24,
     ACTIVATIONS_Q8,
-    GGUF_BLOCK_TYPES,
     KIND_PARTS,
     Q8_ACTIVATION_TYPES,
     BlockArena,
     Embedding,
     int_blocks,
+    int_computes,
     int_linear_available,
+    int_shape,
     make_linear,
     parts_types,
     q8_blocks,
@@ -48,6 +51,9 @@ from freetoken_core.models.sharding import Shard, all_reduce, gather_logits, sha
 
 # Weights by Hugging Face name: float tensors, or GGUFWeight blocks (gguf_weights).
 Weights = dict[str, Any]
+# A linear's blocks in another layout (pack_blocks): the new type id, shape, and a function
+# making them.
+Relayout = tuple[int, tuple[int, ...], Callable[[], torch.Tensor]]
 
 
 class DecoderLayer:
@@ -181,23 +187,50 @@ class LlamaForCausalLM:
         self.lm_head.post = functools.partial(gather_logits, shard,
                                               vocab_size=self.config.vocab_size)
 
-    def pack_blocks(self) -> None:
+    def pack_blocks(self, relayout: Callable[[Any], Relayout | None] | None = None) -> None:
         """Every linear's GGUF blocks moved into one buffer in huge pages (``hugepages``):
-        a decode step reads all of them, and in 4 KiB pages each page was a TLB miss."""
+        a decode step reads all of them, and in 4 KiB pages each page was a TLB miss.
+
+        ``relayout``: for a linear whose blocks change layout on the way
+        (``use_int24_activations``), its new type id, the new blocks' shape and a function
+        making them, or None. Each new layout is made and laid into the buffer, and the pages
+        of the temporary and of the old blocks are given back at once (a freed block of the
+        heap stays resident, and the old blocks share their buffer with the others), so that
+        the model's blocks are never held twice: a 1B model's load peaked at the blocks
+        twice over, ~600 MiB past tests/test_gguf_memory.py's bound, without it."""
         linears = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
         linears = [lin for lin in linears if lin.blocks is not None]
         if not linears:
             return
+        plans = [relayout(lin) if relayout is not None else None for lin in linears]
+        shapes = [tuple(lin.blocks[1].shape) if plan is None else plan[1]
+                  for lin, plan in zip(linears, plans)]
+        # The views of the blocks that llama_layers' arguments hold (made again below, and by
+        # set_all_layers_args) would keep every old buffer alive until the end: with them
+        # dropped, each linear's old blocks go as its new ones are laid.
+        self.all_layers_args = None
+        for layer in self.layers:
+            if layer.one_call is not None:
+                layer.one_call = []
         align = 64  # each linear's blocks start on a cache line
-        sizes = [(lin.blocks[1].numel() + align - 1) // align * align for lin in linears]
+        sizes = [(math.prod(shape) + align - 1) // align * align for shape in shapes]
         arena = hugepages.zeros((sum(sizes),), torch.uint8)
         offset = 0
-        for lin, size in zip(linears, sizes):
+        for lin, plan, shape, size in zip(linears, plans, shapes, sizes):
             qtype, blocks = lin.blocks
-            packed = arena[offset:offset + blocks.numel()].view(blocks.shape)
-            packed.copy_(blocks)
+            packed = arena[offset:offset + math.prod(shape)].view(shape)
+            if plan is None:
+                packed.copy_(blocks)
+            else:
+                qtype, _, make = plan
+                laid = make()
+                packed.copy_(laid)
+                hugepages.release(laid)
+                hugepages.release(blocks)
+                del laid
             lin.blocks = (qtype, packed)
             offset += size
+        del plans
         for layer in self.layers:
             if layer.one_call is not None:
                 layer.set_one_call_blocks()
@@ -220,20 +253,26 @@ class LlamaForCausalLM:
         """Switch the linears to the integer kernel (``--activations int24``, the default
         where the CPU has AVX-512 VNNI): activations in 24-bit fixed point per block of 32,
         exact integer dot products (int_linear.cpp); as exact as the float32 kernel, and on
-        AMX tiles from a few rows. Linears whose outputs are not a multiple of 16 keep the
-        float32 kernel. False (nothing changed) where the native kernels lack it or the model
-        has no GGUF blocks."""
+        AMX tiles from a few rows (Q4_1, Q8_0). The linears of Q4_1, Q8_0, Q4_K and Q6_K
+        blocks (or parts of those types) switch; the others, and those whose outputs are not
+        in whole groups of 16, keep the float32 kernel. False (nothing changed) where the
+        native kernels lack it or no linear switches."""
         linears = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
         linears = [lin for lin in linears if lin.blocks is not None
-                   and lin.blocks[0] in GGUF_BLOCK_TYPES]
+                   and int_computes(*lin.blocks, lin.out_features)]
         if not linears or not self.native or not int_linear_available():
             return False
-        self.embedding.own_blocks()
-        for lin in linears:
+        self.embedding.own_blocks()  # (pack_blocks gives the old blocks' pages back)
+        switching = {id(lin) for lin in linears}
+
+        def relayout(lin: Any) -> Relayout | None:
+            if id(lin) not in switching:
+                return None
             qtype, blocks = lin.blocks
-            if lin.out_features % 16 == 0:
-                lin.blocks = (qtype | ACTIVATIONS_INT24, int_blocks(blocks, qtype))
-        self.pack_blocks()
+            return (qtype | ACTIVATIONS_INT24, int_shape(qtype, blocks, lin.in_features),
+                    lambda: int_blocks(blocks, qtype))
+
+        self.pack_blocks(relayout)
         self.set_all_layers_args()
         return True
 

@@ -15,7 +15,7 @@ from freetoken_core.errors import ModelLoadError
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.gguf_metadata import architecture, open_header
-from freetoken_core.models.gguf_weights import GGUFWeight, q4_k_as_q4_1, read_gguf_weights
+from freetoken_core.models.gguf_weights import GGUFWeight, read_gguf_weights
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.registry import model_class
 from freetoken_core.models.sharding import Shard
@@ -48,19 +48,17 @@ def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
                max_positions: int, gguf_path: Path | None = None,
-               int24: bool = False, shard: Shard | None = None) -> LlamaForCausalLM:
+               shard: Shard | None = None) -> LlamaForCausalLM:
     """The model described by ``model_dir``'s config.json, its weights from ``gguf_path``
     where given (the GGUF file, read in place: in float32 on CPU with the native kernels the
     linears keep its blocks; elsewhere each weight is dequantized to ``dtype`` as it is
-    read), else from ``model_dir``'s safetensors. ``int24``: the linears will use the int24
-    kernel (``use_int24_activations``), so Q4_K weights are read as Q4_1 blocks of the same
-    values (``q4_k_as_q4_1``), which it computes. ``shard``: only this tensor-parallel
+    read), else from ``model_dir``'s safetensors. ``shard``: only this tensor-parallel
     rank's part of the weights is kept (``sharding``)."""
     cfg = ModelConfig.from_dir(model_dir)
     if gguf_path is None:
         weights = read_weights(model_dir, dtype, device)
     else:
-        weights = gguf_weights(gguf_path, cfg, dtype, device, int24)
+        weights = gguf_weights(gguf_path, cfg, dtype, device)
     try:
         model = model_class(cfg)(cfg, weights, max_positions, shard)
     except KeyError as exc:
@@ -71,11 +69,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     return model
 
 
-Q4_K = 12
-
-
-def gguf_weights(gguf_path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 int24: bool = False) -> dict[str, object]:
+def gguf_weights(gguf_path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+                 ) -> dict[str, object]:
     """The weights of ``gguf_path`` for the model ``cfg``: 2-d ones as ``GGUFWeight`` blocks
     in float32 on CPU with the native kernels, else dequantized to ``dtype`` on ``device``."""
     reader = open_header(gguf_path)
@@ -86,10 +81,7 @@ def gguf_weights(gguf_path: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
                    and cpu_kernels_available())
     for name, w in weights.items():
         if isinstance(w, GGUFWeight):
-            if keep_blocks and int24 and w.qtype == Q4_K and name != "model.embed_tokens.weight":
-                weights[name] = q4_k_as_q4_1(w)
-                w.release()
-            elif not keep_blocks:
+            if not keep_blocks:
                 weights[name] = w.dequantize().to(device=device, dtype=dtype)
         else:
             weights[name] = w.to(device=device, dtype=dtype)

@@ -36,7 +36,7 @@ import torch
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.config import ModelConfig
-from freetoken_core.models.gguf_weights import GGUF_TYPES, Q4_1_WIDE
+from freetoken_core.models.gguf_weights import GGUF_TYPES
 
 
 @dataclass
@@ -106,8 +106,6 @@ def _unit(weight: Any) -> tuple[int, int]:
     column of a float tensor."""
     if isinstance(weight, torch.Tensor):
         return 1, 0
-    if weight.qtype == Q4_1_WIDE:
-        return 32, 24
     _, block, size = GGUF_TYPES[weight.qtype]
     return (32, 32 * size) if block == 1 else (block, size)
 

@@ -1,5 +1,6 @@
-// y[M, N] = x[M, K] @ W[N, K]^T from GGUF blocks (Q4_1 or Q8_0) in integer arithmetic, on
-// CPUs with AVX-512 VNNI (and AMX where the CPU has it): the exact path's numerics there.
+// y[M, N] = x[M, K] @ W[N, K]^T from GGUF blocks (Q4_1, Q8_0, Q4_K or Q6_K) in integer
+// arithmetic, on CPUs with AVX-512 VNNI (and AMX, for Q4_1 and Q8_0, where the CPU has it):
+// the exact path's numerics there.
 //
 // Each block of 32 activations of a row is written in 24-bit fixed point against its largest
 // magnitude: with 2^e the power of two above max |x|, the scale s = 2^(e - 23) and the
@@ -8,19 +9,24 @@
 // error of at most 2^-24 of the block's largest magnitude, the size of float32's own
 // rounding of that value (24 significant bits). Each X_k is cut into three 8-bit digits,
 // X_k = 65536 h_k + 256 m_k + l_k (h signed, m and l unsigned), and a block of weights
-// (integers q: Q4_1 0..15, Q8_0 -128..127) meets the block of activations in three integer
-// dot products, P_h = sum h_k q_k and likewise P_m, P_l, which are exact. Then, in float32,
-// in this order:
+// (integers q: Q4_1 and Q4_K 0..15, Q8_0 -128..127, Q6_K -32..31) meets the block of
+// activations in three integer dot products, P_h = sum h_k q_k and likewise P_m, P_l, which
+// are exact. Then, in float32, in this order:
 //
 //   S = fma(P_h, 65536, fma(P_m, 256, P_l))                     the block's sum of X_k q_k
 //   y = fma(d, S * s, y)                                         (S * s exact: a power of two)
 //   y = fma(m, float(sum_k X_k) * s, y)                          (Q4_1: w = d q + m)
 //
-// block after block from y = 0. So the only roundings are the activations' (as above) and
-// these few per block, where the float32 path rounds after every one of the 32 products of a
-// block: its error against float64 sums is of the same size (tests/test_native_kernels.py
-// holds it to that; bench/gguf_linear.py times both kernels), and the exactness tests
-// against transformers hold on it.
+// block after block from y = 0. The K-quants' blocks are their sub-blocks: Q4_K's d is the
+// super-block's d times the sub-block's 6-bit scale and m is -(dmin times its 6-bit min),
+// both exact float32 products (the values the float32 kernel multiplies by); Q6_K's two
+// halves of 16 have their own int8 scales, which multiply the halves' dot products in
+// integers, P_h = sc_a P_h,a + sc_b P_h,b (|P_h| < 2^25: exact), and d is the super-block's.
+// So the only roundings are the activations' (as above) and these few per block, where the
+// float32 path rounds after every one of the 32 products of a block: its error against
+// float64 sums is of the same size (tests/test_native_kernels.py holds it to that;
+// bench/gguf_linear.py times both kernels), and the exactness tests against transformers
+// hold on it.
 //
 // Batch invariance: integer sums are exact whatever their order, and the float steps above
 // are the same for every row, so the results do not depend on M, on which path computes them
@@ -28,11 +34,19 @@
 // computes the same floats (test_native_kernels checks all three against each other).
 //
 // The weights in this kernel's layout (int_blocks, made at load from the kernel blocks of
-// gguf_blocks.h; N a multiple of 16, seen as [N, K / 32 * 24 or 36] uint8): output features
-// in groups of 16, group g's blocks one after the other, a group-block holding
+// gguf_blocks.h; N a multiple of 16, seen as [N, K / 32 * 24, 36, 19 or 26.5] uint8): output
+// features in groups of 16, group g's units one after the other (a unit: a block of 32
+// weights, Q4_K's and Q6_K's a super-block of 256), a group-unit holding
 //   Q4_1: d[16], m[16] as float32, then 4 x 64 bytes: byte 4f + e of vector v is
 //         q_f[8v + e] | q_f[8v + 4 + e] << 4                                     (384 bytes)
 //   Q8_0: d[16] as float32, then 8 x 64 bytes: byte 4f + e of vector t is q_f[4t + e]  (576)
+//   Q4_K: d[16], dmin[16] as float32, sc[8][16] and m[8][16] (the 6-bit scales and mins,
+//         a byte each, [sub-block][feature]), then each sub-block's nibbles as Q4_1's
+//         (256 bytes each)                                            (2432 bytes: 4.75 bits)
+//   Q6_K: d[16] as float32, sc[16][16] (int8, [half sub-block][feature]), then per
+//         sub-block of 32 the low nibbles of q + 32 as Q4_1's (256 bytes) and their high two
+//         bits in 2 x 64 bytes: bits 2i, 2i + 1 of byte 4f + e of vector u belong to weight
+//         4 (4u + i) + e                                               (3392 bytes: 6.6 bits)
 // so that 4 consecutive weights of one feature are one 32-bit lane, as VNNI's dot products
 // and AMX's B tiles take them (low nibbles: weights 8v..8v+3, high: 8v+4..8v+7).
 
@@ -47,6 +61,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "gguf_types.h"
 #include "ops.h"
 #include "parallel.h"
 #include "vec.h"
@@ -65,10 +80,27 @@
 namespace {
 
 using namespace freetoken::gguf;
+constexpr int64_t kQ4_K = types::Q4_K, kQ6_K = types::Q6_K;
 
-constexpr int64_t kIntGroup = 16;  // features of a group-block
-constexpr int64_t int_block_bytes(int64_t qt) { return qt == kQ4_1 ? 384 : 576; }
-constexpr int64_t int_weights_offset(int64_t qt) { return qt == kQ4_1 ? 128 : 64; }
+constexpr bool int_type(int64_t qt) {
+  return qt == kQ4_1 || qt == kQ8_0 || qt == kQ4_K || qt == kQ6_K;
+}
+constexpr bool super_blocks(int64_t qt) { return qt == kQ4_K || qt == kQ6_K; }
+constexpr int64_t kIntGroup = 16;  // features of a group-unit
+// Blocks of 32 a unit, and a group-unit's bytes (see above).
+constexpr int64_t unit_blocks(int64_t qt) { return super_blocks(qt) ? 8 : 1; }
+constexpr int64_t int_unit_bytes(int64_t qt) {
+  return qt == kQ4_1 ? 384 : qt == kQ8_0 ? 576 : qt == kQ4_K ? 2432 : 3392;
+}
+// Where block j's weights start in a group-unit.
+constexpr int64_t int_weights_offset(int64_t qt, int64_t j) {
+  return qt == kQ4_1 ? 128 : qt == kQ8_0 ? 64 : qt == kQ4_K ? 384 + 256 * j : 320 + 384 * j;
+}
+// A unit's bytes in the kernel blocks the layout is made from (gguf_blocks.h's for Q4_1 and
+// Q8_0; the K-quants' super-blocks as the file stores them).
+constexpr int64_t kernel_unit_bytes(int64_t qt) {
+  return qt == kQ4_K ? 144 : qt == kQ6_K ? 210 : block_bytes(qt);
+}
 constexpr int64_t kDigitBytes = 3 * kBlock;  // a row's block: h[32], m[32], l[32]
 
 // The activations as digits: per row and block, the 96 digit bytes, and the block's floats.
@@ -76,7 +108,8 @@ struct Digits {
   std::vector<uint8_t> d;    // [rows rounded up to 16, nb, 96]: rows past M are zeros
   std::vector<float> s;      // [rows, nb]: the scale 2^(e - 23)
   std::vector<float> xs;     // [rows, nb]: float(sum of X) * s
-  std::vector<int32_t> sh;   // [rows, nb]: sum of h (Q8_0's correction of the VNNI sums)
+  std::vector<int32_t> sh;   // [rows, nb]: sum of h (the correction of VNNI sums of q + 128)
+  std::vector<int32_t> sh16; // [rows, nb]: the same over the block's first 16 (Q6_K's halves)
   int64_t nb = 0;
 };
 
@@ -91,9 +124,9 @@ inline int block_exponent(float amax) {
   return e;
 }
 
-// One row's block of 32: its digits, scale, scaled sum and sum of h.
+// One row's block of 32: its digits, scale, scaled sum and sums of h.
 inline void digits_block(const float* x, uint8_t* dg, float* s_out, float* xs_out,
-                         int32_t* sh_out) {
+                         int32_t* sh_out, int32_t* sh16_out) {
   float amax = 0.f;
   bool finite = true;
   for (int k = 0; k < kBlock; ++k) {
@@ -105,12 +138,12 @@ inline void digits_block(const float* x, uint8_t* dg, float* s_out, float* xs_ou
     // for an infinite x; NaN here either way).
     std::memset(dg, 0, kDigitBytes);
     *s_out = *xs_out = std::numeric_limits<float>::quiet_NaN();
-    *sh_out = 0;
+    *sh_out = *sh16_out = 0;
     return;
   }
   const int e = block_exponent(amax);
   const float up = std::ldexp(1.0f, 23 - e);
-  int32_t sum = 0, sum_h = 0;
+  int32_t sum = 0, sum_h = 0, sum_h16 = 0;
   for (int k = 0; k < kBlock; ++k) {
     int32_t v = static_cast<int32_t>(std::nearbyint(x[k] * up));
     v = std::min(std::max(v, -(1 << 23)), (1 << 23) - 1);
@@ -121,17 +154,19 @@ inline void digits_block(const float* x, uint8_t* dg, float* s_out, float* xs_ou
     dg[2 * kBlock + k] = static_cast<uint8_t>(u);
     sum += v;
     sum_h += h;
+    if (k == 15) sum_h16 = sum_h;
   }
   const float s = std::ldexp(1.0f, e - 23);
   *s_out = s;
   *xs_out = static_cast<float>(sum) * s;
   *sh_out = sum_h;
+  *sh16_out = sum_h16;
 }
 
 #ifdef FREETOKEN_VNNI
 // digits_block on vectors: the same integers and floats.
 inline void digits_block_avx512(const float* x, uint8_t* dg, float* s_out, float* xs_out,
-                                int32_t* sh_out) {
+                                int32_t* sh_out, int32_t* sh16_out) {
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const __m512 abs_max = _mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b));
   // Not finite (inf or NaN): an exponent field of all ones in a or b.
@@ -139,11 +174,11 @@ inline void digits_block_avx512(const float* x, uint8_t* dg, float* s_out, float
   const __mmask16 bad =
       _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(a), exponent), exponent) |
       _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(b), exponent), exponent);
-  if (bad) return digits_block(x, dg, s_out, xs_out, sh_out);
+  if (bad) return digits_block(x, dg, s_out, xs_out, sh_out, sh16_out);
   const int e = block_exponent(_mm512_reduce_max_ps(abs_max));
   const __m512 up = _mm512_set1_ps(std::ldexp(1.0f, 23 - e));
   const __m512i lo = _mm512_set1_epi32(-(1 << 23)), hi = _mm512_set1_epi32((1 << 23) - 1);
-  __m512i sum = _mm512_setzero_si512(), sum_h = _mm512_setzero_si512();
+  __m512i sum = _mm512_setzero_si512(), sum_h[2];
   for (int half = 0; half < 2; ++half) {
     const __m512 v = half == 0 ? a : b;
     // cvtps_epi32 rounds to nearest even (the default MXCSR mode), as nearbyint does.
@@ -157,12 +192,13 @@ inline void digits_block_avx512(const float* x, uint8_t* dg, float* s_out, float
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dg + 2 * kBlock + 16 * half),
                      _mm512_cvtepi32_epi8(u));
     sum = _mm512_add_epi32(sum, q);
-    sum_h = _mm512_add_epi32(sum_h, h);
+    sum_h[half] = h;
   }
   const float s = std::ldexp(1.0f, e - 23);
   *s_out = s;
   *xs_out = static_cast<float>(_mm512_reduce_add_epi32(sum)) * s;
-  *sh_out = _mm512_reduce_add_epi32(sum_h);
+  *sh16_out = _mm512_reduce_add_epi32(sum_h[0]);
+  *sh_out = *sh16_out + _mm512_reduce_add_epi32(sum_h[1]);
 }
 #endif
 
@@ -173,18 +209,19 @@ void make_digits(const float* x, int64_t rows, int64_t k, Digits& out, bool scal
   out.s.resize(rows * nb);
   out.xs.resize(rows * nb);
   out.sh.resize(rows * nb);
+  out.sh16.resize(rows * nb);
   std::memset(out.d.data() + rows * nb * kDigitBytes, 0, (padded - rows) * nb * kDigitBytes);
   auto run = [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
 #ifdef FREETOKEN_VNNI
       if (!scalar) {
         digits_block_avx512(x + b * kBlock, out.d.data() + b * kDigitBytes, &out.s[b],
-                            &out.xs[b], &out.sh[b]);
+                            &out.xs[b], &out.sh[b], &out.sh16[b]);
         continue;
       }
 #endif
       digits_block(x + b * kBlock, out.d.data() + b * kDigitBytes, &out.s[b], &out.xs[b],
-                   &out.sh[b]);
+                   &out.sh[b], &out.sh16[b]);
     }
   };
   // In a team every member computes all rows' digits into its own copy (thread-local), as
@@ -196,16 +233,42 @@ void make_digits(const float* x, int64_t rows, int64_t k, Digits& out, bool scal
   }
 }
 
-// A group-block's 32 weights of feature f as integers.
+// Group g's unit holding block b, and b's index in it.
 template <int64_t QT>
-inline int32_t weight_int(const uint8_t* gb, int f, int k) {
-  const uint8_t* w = gb + int_weights_offset(QT);
-  if constexpr (QT == kQ4_1) {
-    const uint8_t byte = w[(k / 8) * 64 + 4 * f + k % 4];
-    return (k % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
-  } else {
+inline const uint8_t* group_unit(const uint8_t* blocks, int64_t nb, int64_t g, int64_t b) {
+  constexpr int64_t ub = unit_blocks(QT);
+  return blocks + (g * (nb / ub) + b / ub) * int_unit_bytes(QT);
+}
+
+// Block j's 32 weights of feature f (in a group-unit) as the integers of the dot products.
+template <int64_t QT>
+inline int32_t weight_int(const uint8_t* gu, int64_t j, int f, int k) {
+  const uint8_t* w = gu + int_weights_offset(QT, j);
+  if constexpr (QT == kQ8_0) {
     return static_cast<int8_t>(w[(k / 4) * 64 + 4 * f + k % 4]);
+  } else {
+    const uint8_t byte = w[(k / 8) * 64 + 4 * f + k % 4];
+    const int32_t low = (k % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
+    if constexpr (QT == kQ6_K) {
+      const int32_t high = (w[256 + (k / 16) * 64 + 4 * f + k % 4] >> (2 * ((k / 4) % 4))) & 3;
+      return (low | high << 4) - 32;
+    }
+    return low;
   }
+}
+
+// Block j's d and m of feature f (m: Q4_1's, -(dmin * min) for Q4_K, 0 for the others).
+template <int64_t QT>
+inline float block_d(const uint8_t* gu, int64_t j, int f) {
+  const float d = load_float(gu + 4 * f);
+  if constexpr (QT == kQ4_K) return d * static_cast<float>(gu[128 + 16 * j + f]);
+  return d;
+}
+template <int64_t QT>
+inline float block_m(const uint8_t* gu, int64_t j, int f) {
+  if constexpr (QT == kQ4_1) return load_float(gu + 64 + 4 * f);
+  if constexpr (QT == kQ4_K) return -(load_float(gu + 64 + 4 * f) * static_cast<float>(gu[256 + 16 * j + f]));
+  return 0.f;
 }
 
 inline float block_value(int32_t ph, int32_t pm, int32_t pl) {
@@ -213,8 +276,9 @@ inline float block_value(int32_t ph, int32_t pm, int32_t pl) {
                   std::fma(static_cast<float>(pm), 256.f, static_cast<float>(pl)));
 }
 
+// `ldo`: floats between rows of out (a linear of parts writes into a wider output).
 template <int64_t QT>
-void rows_scalar(const Digits& x, int64_t rows, const uint8_t* blocks, int64_t n, float* out,
+void rows_scalar(const Digits& x, int64_t rows, const uint8_t* blocks, int64_t ldo, float* out,
                  int64_t g0, int64_t g1) {
   const int64_t nb = x.nb;
   for (int64_t g = g0; g < g1; ++g)
@@ -222,73 +286,128 @@ void rows_scalar(const Digits& x, int64_t rows, const uint8_t* blocks, int64_t n
       for (int64_t r = 0; r < rows; ++r) {
         float y = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* gb = blocks + (g * nb + b) * int_block_bytes(QT);
+          const uint8_t* gu = group_unit<QT>(blocks, nb, g, b);
+          const int64_t j = b % unit_blocks(QT);
           const uint8_t* dg = x.d.data() + (r * nb + b) * kDigitBytes;
-          int32_t p[3] = {0, 0, 0};
+          int32_t p[2][3] = {{0, 0, 0}, {0, 0, 0}};  // the halves' dot products
           for (int k = 0; k < kBlock; ++k) {
-            const int32_t q = weight_int<QT>(gb, f, k);
-            p[0] += static_cast<int8_t>(dg[k]) * q;
-            p[1] += dg[kBlock + k] * q;
-            p[2] += dg[2 * kBlock + k] * q;
+            const int32_t q = weight_int<QT>(gu, j, f, k);
+            int32_t* ph = p[k / 16];
+            ph[0] += static_cast<int8_t>(dg[k]) * q;
+            ph[1] += dg[kBlock + k] * q;
+            ph[2] += dg[2 * kBlock + k] * q;
           }
-          const float d = load_float(gb + 4 * f);
-          y = std::fma(d, block_value(p[0], p[1], p[2]) * x.s[r * nb + b], y);
-          if constexpr (QT == kQ4_1) y = std::fma(load_float(gb + 64 + 4 * f), x.xs[r * nb + b], y);
+          int32_t sum[3];
+          for (int i = 0; i < 3; ++i) {
+            if constexpr (QT == kQ6_K) {
+              const int8_t* sc = reinterpret_cast<const int8_t*>(gu + 64 + 16 * (2 * j) + f);
+              sum[i] = sc[0] * p[0][i] + sc[16] * p[1][i];
+            } else {
+              sum[i] = p[0][i] + p[1][i];
+            }
+          }
+          const int64_t i = r * nb + b;
+          y = std::fma(block_d<QT>(gu, j, f), block_value(sum[0], sum[1], sum[2]) * x.s[i], y);
+          if constexpr (QT == kQ4_1 || QT == kQ4_K) y = std::fma(block_m<QT>(gu, j, f), x.xs[i], y);
         }
-        out[r * n + g * kIntGroup + f] = y;
+        out[r * ldo + g * kIntGroup + f] = y;
       }
 }
 
 #ifdef FREETOKEN_VNNI
-// The block's update of y for one row and one group, from the three dot products (the
-// scalar path's operations, lane by lane).
+// Block j's d and m of the 16 features (block_d, block_m lane by lane).
 template <int64_t QT>
-inline __m512 block_update(__m512i ph, __m512i pm, __m512i pl, const uint8_t* gb, float s,
+inline __m512 block_d16(const uint8_t* gu, int64_t j) {
+  const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(gu));
+  if constexpr (QT == kQ4_K) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + 128 + 16 * j));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+  }
+  return d;
+}
+template <int64_t QT>
+inline __m512 block_m16(const uint8_t* gu, int64_t j) {
+  const __m512 m = _mm512_loadu_ps(reinterpret_cast<const float*>(gu) + 16);
+  if constexpr (QT == kQ4_K) {
+    const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + 256 + 16 * j));
+    // -(dmin * min): a product and a sign, as block_m.
+    return _mm512_xor_ps(_mm512_set1_ps(-0.f),
+                         _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))));
+  }
+  return m;
+}
+
+// The block's update of y for one row and one group, from the three dot products (the
+// scalar path's operations, lane by lane); d, m: the block's (block_d16, block_m16).
+template <int64_t QT>
+inline __m512 block_update(__m512i ph, __m512i pm, __m512i pl, __m512 d, __m512 m, float s,
                            float xs, __m512 y) {
   const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ph), _mm512_set1_ps(65536.f),
                                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(pm),
                                                    _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(pl)));
-  y = _mm512_fmadd_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(gb)),
-                      _mm512_mul_ps(v, _mm512_set1_ps(s)), y);
-  if constexpr (QT == kQ4_1)
-    y = _mm512_fmadd_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(gb) + 16),
-                        _mm512_set1_ps(xs), y);
+  y = _mm512_fmadd_ps(d, _mm512_mul_ps(v, _mm512_set1_ps(s)), y);
+  if constexpr (QT == kQ4_1 || QT == kQ4_K) y = _mm512_fmadd_ps(m, _mm512_set1_ps(xs), y);
   return y;
 }
 
-// Weights 4t..4t+3 of the 16 features of a group-block, one feature a 32-bit lane.
+// Weights 4t..4t+3 of the 16 features of a block (w: its weights in a group-unit), one
+// feature a 32-bit lane; Q6_K's as q + 32 (0..63).
 template <int64_t QT>
-inline __m512i weight_quad(const uint8_t* gb, int t) {
-  const uint8_t* w = gb + int_weights_offset(QT);
-  if constexpr (QT == kQ4_1) {
+inline __m512i weight_quad(const uint8_t* w, int t) {
+  if constexpr (QT == kQ8_0) {
+    return _mm512_loadu_si512(w + t * 64);
+  } else {
     const __m512i v = _mm512_loadu_si512(w + (t / 2) * 64);
     const __m512i nib = (t & 1) ? _mm512_srli_epi16(v, 4) : v;
-    return _mm512_and_si512(nib, _mm512_set1_epi8(0x0F));
-  } else {
-    return _mm512_loadu_si512(w + t * 64);
+    __m512i q = _mm512_and_si512(nib, _mm512_set1_epi8(0x0F));
+    if constexpr (QT == kQ6_K) {
+      // Bits 2i, 2i + 1 (i = t % 4) of the high-bit bytes to bits 4, 5.
+      const __m512i hv = _mm512_loadu_si512(w + 256 + (t / 4) * 64);
+      const int i = t % 4;
+      const __m512i moved = i == 0 ? _mm512_slli_epi16(hv, 4)
+                            : i == 1 ? _mm512_slli_epi16(hv, 2)
+                            : i == 2 ? hv
+                                     : _mm512_srli_epi16(hv, 2);
+      q = _mm512_or_si512(q, _mm512_and_si512(moved, _mm512_set1_epi8(0x30)));
+    }
+    return q;
   }
 }
 
-// R rows of one group's VNNI dot products: 3 x R integer accumulators per block, then the
-// block's update of R float accumulators.
+// R rows of one group's VNNI dot products: 3 x R integer accumulators per block (Q6_K: per
+// half), then the block's update of R float accumulators.
 template <int64_t QT, int R>
-void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t n, float* out,
+void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t ldo, float* out,
                int64_t g) {
   const int64_t nb = x.nb;
+  constexpr int64_t ub = unit_blocks(QT), block_share = int_unit_bytes(QT) / ub;
+  constexpr int kHalves = QT == kQ6_K ? 2 : 1;
+  const uint8_t* group = blocks + g * nb * block_share;
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* gb = blocks + (g * nb + b) * int_block_bytes(QT);
-    prefetch_range(gb + kPrefetchBytes, int_block_bytes(QT));
-    __m512i p[R][3];
+    const uint8_t* gu = group + (b / ub) * int_unit_bytes(QT);
+    const int64_t j = b % ub;
+    // The group's units are one stream: a block's share of its bytes, 4 KB ahead.
+    prefetch_range(group + b * block_share + kPrefetchBytes, block_share);
+    const uint8_t* wp = gu + int_weights_offset(QT, j);
+    __m512i p[R][kHalves][3];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < 3; ++i) p[r][i] = _mm512_setzero_si512();
+      for (int hf = 0; hf < kHalves; ++hf)
+        for (int i = 0; i < 3; ++i) p[r][hf][i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
-      // w: the weights as VNNI's signed operand; wu: as its unsigned one (Q8_0: q + 128,
-      // the 128 * sum(h) taken off after the block).
-      const __m512i w = weight_quad<QT>(gb, t);
-      const __m512i wu =
-          QT == kQ4_1 ? w : _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));
+      // w: the weights as VNNI's signed operand; wu: as its unsigned one (Q8_0 and Q6_K:
+      // q + 128, the 128 * sum(h) taken off after the block).
+      const __m512i w8 = weight_quad<QT>(wp, t);
+      __m512i w = w8, wu = w8;
+      if constexpr (QT == kQ8_0) {
+        wu = _mm512_xor_si512(w8, _mm512_set1_epi8(static_cast<char>(0x80)));
+      } else if constexpr (QT == kQ6_K) {
+        w = _mm512_sub_epi8(w8, _mm512_set1_epi8(32));
+        wu = _mm512_add_epi8(w8, _mm512_set1_epi8(96));
+      }
+      const int hf = kHalves == 2 ? t / 4 : 0;
       for (int r = 0; r < R; ++r) {
         const uint8_t* dg = x.d.data() + ((r0 + r) * nb + b) * kDigitBytes + 4 * t;
         int32_t hq, mq, lq;
@@ -297,19 +416,38 @@ void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t n, fl
         std::memcpy(&lq, dg + 2 * kBlock, 4);
         const __m512i h = _mm512_set1_epi32(hq), m = _mm512_set1_epi32(mq),
                       l = _mm512_set1_epi32(lq);
-        p[r][0] = _mm512_dpbusd_epi32(p[r][0], wu, h);  // q (u8) x h (s8)
-        p[r][1] = _mm512_dpbusd_epi32(p[r][1], m, w);  // m (u8) x q (s8)
-        p[r][2] = _mm512_dpbusd_epi32(p[r][2], l, w);
+        p[r][hf][0] = _mm512_dpbusd_epi32(p[r][hf][0], wu, h);  // q (u8) x h (s8)
+        p[r][hf][1] = _mm512_dpbusd_epi32(p[r][hf][1], m, w);  // m (u8) x q (s8)
+        p[r][hf][2] = _mm512_dpbusd_epi32(p[r][hf][2], l, w);
       }
+    }
+    const __m512 d = block_d16<QT>(gu, j);
+    const __m512 mv = QT == kQ4_1 || QT == kQ4_K ? block_m16<QT>(gu, j) : d;
+    __m512i sc[2];
+    if constexpr (QT == kQ6_K) {
+      for (int hf = 0; hf < 2; ++hf)
+        sc[hf] = _mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + 64 + 16 * (2 * j + hf))));
     }
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * nb + b;
-      __m512i ph = p[r][0];
-      if constexpr (QT == kQ8_0) ph = _mm512_sub_epi32(ph, _mm512_set1_epi32(128 * x.sh[i]));
-      y[r] = block_update<QT>(ph, p[r][1], p[r][2], gb, x.s[i], x.xs[i], y[r]);
+      __m512i ps[3];
+      if constexpr (QT == kQ6_K) {
+        const __m512i h0 = _mm512_sub_epi32(p[r][0][0], _mm512_set1_epi32(128 * x.sh16[i]));
+        const __m512i h1 =
+            _mm512_sub_epi32(p[r][1][0], _mm512_set1_epi32(128 * (x.sh[i] - x.sh16[i])));
+        ps[0] = _mm512_add_epi32(_mm512_mullo_epi32(sc[0], h0), _mm512_mullo_epi32(sc[1], h1));
+        for (int k = 1; k < 3; ++k)
+          ps[k] = _mm512_add_epi32(_mm512_mullo_epi32(sc[0], p[r][0][k]),
+                                   _mm512_mullo_epi32(sc[1], p[r][1][k]));
+      } else {
+        for (int k = 0; k < 3; ++k) ps[k] = p[r][0][k];
+        if constexpr (QT == kQ8_0) ps[0] = _mm512_sub_epi32(ps[0], _mm512_set1_epi32(128 * x.sh[i]));
+      }
+      y[r] = block_update<QT>(ps[0], ps[1], ps[2], d, mv, x.s[i], x.xs[i], y[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * n + g * kIntGroup, y[r]);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * ldo + g * kIntGroup, y[r]);
 }
 
 // Groups [g0, g1) one after the other: a group's blocks are contiguous and the groups follow
@@ -321,9 +459,9 @@ void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t n, fl
 // kernel 3.0-3.5); on weights in cache (the default block repeated) one row the same,
 // 0.042-0.045 ms.
 template <int64_t QT, int R>
-void groups_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t n, float* out,
+void groups_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t ldo, float* out,
                  int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g) rows_vnni<QT, R>(x, r0, blocks, n, out, g);
+  for (int64_t g = g0; g < g1; ++g) rows_vnni<QT, R>(x, r0, blocks, ldo, out, g);
 }
 #endif
 
@@ -407,7 +545,8 @@ void group_amx(const Digits& x, int64_t r0, const uint8_t* group, const uint8_t*
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   const uint8_t* dg = x.d.data() + r0 * nb * kDigitBytes;
   auto weights = [&](int64_t b) {
-    return QT == kQ4_1 ? wbuf + b * 512 : group + b * int_block_bytes(QT) + int_weights_offset(QT);
+    return QT == kQ4_1 ? wbuf + b * 512
+                       : group + b * int_unit_bytes(QT) + int_weights_offset(QT, 0);
   };
   tile_products_even<QT>(dg, stride, weights(0), c[0]);
   for (int64_t b = 0; b < nb; ++b) {
@@ -418,13 +557,14 @@ void group_amx(const Digits& x, int64_t r0, const uint8_t* group, const uint8_t*
         tile_products_even<QT>(dg + (b + 1) * kDigitBytes, stride, weights(b + 1), c[0]);
       }
     }
-    const uint8_t* gb = group + b * int_block_bytes(QT);
+    const uint8_t* gb = group + b * int_unit_bytes(QT);
+    const __m512 d = block_d16<QT>(gb, 0), m = block_m16<QT>(gb, 0);
     int32_t (*cb)[16][16] = c[b & 1];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * nb + b;
       y[r] = block_update<QT>(_mm512_load_si512(cb[0][r]), _mm512_load_si512(cb[1][r]),
-                              _mm512_load_si512(cb[2][r]), gb, x.s[i], x.xs[i], y[r]);
+                              _mm512_load_si512(cb[2][r]), d, m, x.s[i], x.xs[i], y[r]);
     }
   }
 #pragma GCC unroll 16
@@ -448,12 +588,12 @@ void rows_amx(const Digits& x, int64_t rows, const uint8_t* blocks, int64_t n, f
               int64_t g0, int64_t g1, uint8_t* wbuf) {
   const int64_t nb = x.nb;
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* group = blocks + g * nb * int_block_bytes(QT);
+    const uint8_t* group = blocks + g * nb * int_unit_bytes(QT);
     if constexpr (QT == kQ4_1) {
       for (int64_t b = 0; b < nb; ++b)
         for (int t = 0; t < 8; ++t)
           _mm512_store_si512(wbuf + (b * 8 + t) * 64,
-                             weight_quad<QT>(group + b * int_block_bytes(QT), t));
+                             weight_quad<QT>(group + b * int_unit_bytes(QT) + int_weights_offset(QT, 0), t));
     }
     for (int64_t r0 = 0; r0 < rows; r0 += 16)
       group_amx_rows<QT>(x, r0, std::min<int64_t>(16, rows - r0), group, wbuf, out, n, g);
@@ -467,73 +607,128 @@ void rows_amx(const Digits& x, int64_t rows, const uint8_t* blocks, int64_t n, f
 #endif
 constexpr int64_t kAmxRows = FREETOKEN_AMX_ROWS;
 
+// Rows [0, rows) of x against the n features of `blocks` (n a multiple of 16) into out,
+// `ldo` floats between its rows.
 template <int64_t QT>
 void int_linear_impl(const Digits& x, int64_t rows, const uint8_t* blocks, int64_t n,
-                     float* out, bool allow_amx) {
-  const int64_t groups = (n + kIntGroup - 1) / kIntGroup;
+                     int64_t ldo, float* out, bool allow_amx) {
+  const int64_t groups = n / kIntGroup;
   (void)allow_amx;
 #ifdef FREETOKEN_AMX
-  if (allow_amx && rows >= kAmxRows && amx_permitted()) {
-    freetoken::guided_for(groups, 1, 1, [&](int64_t g0, int64_t g1) {
-      configure_tiles(static_cast<int>(std::min<int64_t>(16, rows)));
-      thread_local std::vector<uint8_t> wbuf;
-      wbuf.resize(x.nb * 512 + 64);
-      uint8_t* aligned = reinterpret_cast<uint8_t*>(
-          (reinterpret_cast<uintptr_t>(wbuf.data()) + 63) & ~uintptr_t{63});
-      rows_amx<QT>(x, rows, blocks, n, out, g0, g1, aligned);
-      _tile_release();
-    });
-    return;
+  // (The tiles take Q4_1 and Q8_0; the K-quants' sub-block scales run on VNNI.)
+  if constexpr (QT == kQ4_1 || QT == kQ8_0) {
+    if (allow_amx && rows >= kAmxRows && amx_permitted()) {
+      freetoken::guided_for(groups, 1, 1, [&](int64_t g0, int64_t g1) {
+        configure_tiles(static_cast<int>(std::min<int64_t>(16, rows)));
+        thread_local std::vector<uint8_t> wbuf;
+        wbuf.resize(x.nb * 512 + 64);
+        uint8_t* aligned = reinterpret_cast<uint8_t*>(
+            (reinterpret_cast<uintptr_t>(wbuf.data()) + 63) & ~uintptr_t{63});
+        rows_amx<QT>(x, rows, blocks, ldo, out, g0, g1, aligned);
+        _tile_release();
+      });
+      return;
+    }
   }
 #endif
 #ifdef FREETOKEN_VNNI
   freetoken::guided_for(groups, 2, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       switch (std::min<int64_t>(4, rows - r0)) {
-        case 1: groups_vnni<QT, 1>(x, r0, blocks, n, out, g0, g1); break;
-        case 2: groups_vnni<QT, 2>(x, r0, blocks, n, out, g0, g1); break;
-        case 3: groups_vnni<QT, 3>(x, r0, blocks, n, out, g0, g1); break;
-        default: groups_vnni<QT, 4>(x, r0, blocks, n, out, g0, g1); break;
+        case 1: groups_vnni<QT, 1>(x, r0, blocks, ldo, out, g0, g1); break;
+        case 2: groups_vnni<QT, 2>(x, r0, blocks, ldo, out, g0, g1); break;
+        case 3: groups_vnni<QT, 3>(x, r0, blocks, ldo, out, g0, g1); break;
+        default: groups_vnni<QT, 4>(x, r0, blocks, ldo, out, g0, g1); break;
       }
     }
   });
 #else
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-    rows_scalar<QT>(x, rows, blocks, n, out, g0, g1);
+    rows_scalar<QT>(x, rows, blocks, ldo, out, g0, g1);
   });
 #endif
 }
 
+// The layout above from the kernel blocks (gguf_blocks.h's interleaved groups of kGroup
+// features; the K-quants' super-blocks as the file has them).
 template <int64_t QT>
 void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
-                     int64_t num_blocks, uint8_t* out) {
-  const int64_t groups = (features + kIntGroup - 1) / kIntGroup;
+                     int64_t num_units, uint8_t* out) {
+  const int64_t groups = features / kIntGroup;
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        uint8_t* gb = out + (g * num_blocks + b) * int_block_bytes(QT);
-        std::memset(gb, 0, int_block_bytes(QT));  // the nibbles are or-ed in
-        uint8_t* wq = gb + int_weights_offset(QT);
+      for (int64_t u = 0; u < num_units; ++u) {
+        uint8_t* gu = out + (g * num_units + u) * int_unit_bytes(QT);
+        std::memset(gu, 0, int_unit_bytes(QT));  // the nibbles and high bits are or-ed in
         for (int64_t f = 0; f < kIntGroup; ++f) {
-          const FeatureBlocks fb =
-              feature_blocks(blocks, features, row_bytes, block_bytes(QT), g * kIntGroup + f);
-          const uint8_t* block = fb.first + b * fb.stride;
+          const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes,
+                                                  kernel_unit_bytes(QT), g * kIntGroup + f);
+          const uint8_t* unit = fb.first + u * fb.stride;
+          // Weight k of block j (its integer as the VNNI path reads it: Q6_K's q + 32).
+          auto put_nibble = [&](int64_t j, int k, uint8_t q) {
+            uint8_t& byte = gu[int_weights_offset(QT, j) + (k / 8) * 64 + 4 * f + k % 4];
+            byte |= (k % 8) < 4 ? q : static_cast<uint8_t>(q << 4);
+          };
           if constexpr (QT == kQ4_1) {
-            std::memcpy(gb + 4 * f, block, 4);
-            std::memcpy(gb + 64 + 4 * f, block + 4, 4);
-            for (int k = 0; k < kBlock; ++k) {
-              const uint8_t q = k < 16 ? (block[8 + k] & 0x0F) : (block[8 + k - 16] >> 4);
-              uint8_t& byte = wq[(k / 8) * 64 + 4 * f + k % 4];
-              byte |= (k % 8) < 4 ? q : static_cast<uint8_t>(q << 4);
+            std::memcpy(gu + 4 * f, unit, 4);
+            std::memcpy(gu + 64 + 4 * f, unit + 4, 4);
+            for (int k = 0; k < kBlock; ++k)
+              put_nibble(0, k, k < 16 ? (unit[8 + k] & 0x0F) : (unit[8 + k - 16] >> 4));
+          } else if constexpr (QT == kQ8_0) {
+            const float d = half_to_float(unit);
+            std::memcpy(gu + 4 * f, &d, 4);
+            uint8_t* wq = gu + int_weights_offset(QT, 0);
+            for (int k = 0; k < kBlock; ++k) wq[(k / 4) * 64 + 4 * f + k % 4] = unit[2 + k];
+          } else if constexpr (QT == kQ4_K) {
+            // d@0, dmin@2, scales[12]@4, qs[128]@16 (gguf_types.h Type<Q4_K>).
+            const float d = half_to_float(unit), dmin = half_to_float(unit + 2);
+            std::memcpy(gu + 4 * f, &d, 4);
+            std::memcpy(gu + 64 + 4 * f, &dmin, 4);
+            for (int j = 0; j < 8; ++j) {
+              int sc, mn;
+              types::detail::scale_min_k4(unit + 4, j, sc, mn);
+              gu[128 + 16 * j + f] = static_cast<uint8_t>(sc);
+              gu[256 + 16 * j + f] = static_cast<uint8_t>(mn);
+              for (int k = 0; k < kBlock; ++k)
+                put_nibble(j, k, (unit[16 + 32 * (j / 2) + k] >> (4 * (j % 2))) & 15);
             }
           } else {
-            const float d = half_to_float(block);
-            std::memcpy(gb + 4 * f, &d, 4);
-            for (int k = 0; k < kBlock; ++k) wq[(k / 4) * 64 + 4 * f + k % 4] = block[2 + k];
+            // Q6_K: ql[128]@0, qh[64]@128, int8 scales[16]@192, d@208 (Type<Q6_K>).
+            const float d = half_to_float(unit + 208);
+            std::memcpy(gu + 4 * f, &d, 4);
+            for (int s = 0; s < 16; ++s) gu[64 + 16 * s + f] = unit[192 + s];
+            for (int j = 0; j < 8; ++j) {
+              const int h = j / 4, c = j % 4;
+              for (int k = 0; k < kBlock; ++k) {
+                const int q = ((unit[64 * h + 32 * (c % 2) + k] >> (4 * (c / 2))) & 15) |
+                              (((unit[128 + 32 * h + k] >> (2 * c)) & 3) << 4);
+                put_nibble(j, k, static_cast<uint8_t>(q & 15));
+                gu[int_weights_offset(QT, j) + 256 + (k / 16) * 64 + 4 * f + k % 4] |=
+                    static_cast<uint8_t>((q >> 4) << (2 * ((k / 4) % 4)));
+              }
+            }
           }
         }
       }
   });
+}
+
+// Calls f with QT as a compile-time constant for the int24 types.
+template <typename F>
+void int_dispatch(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
+    default: TORCH_CHECK(false, "the int24 kernel takes Q4_1 (3), Q8_0 (8), Q4_K (12) or Q6_K (14),"
+                                " not ggml type ", qtype);
+  }
+}
+
+// A weight's bytes a feature in this layout, for K inputs.
+int64_t int_row_bytes(int64_t qtype, int64_t k) {
+  return k / kBlock / unit_blocks(qtype) * int_unit_bytes(qtype) / kIntGroup;
 }
 
 }  // namespace
@@ -549,64 +744,93 @@ bool int_linear_available() {
 }
 
 at::Tensor gguf_int_blocks(const at::Tensor& blocks, int64_t qtype) {
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "gguf_int_blocks: Q4_1 (3) or Q8_0 (8) only");
+  TORCH_CHECK(int_type(qtype),
+              "gguf_int_blocks: Q4_1 (3), Q8_0 (8), Q4_K (12) or Q6_K (14) only");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-              blocks.size(1) % block_bytes(qtype) == 0,
-              "gguf_int_blocks: blocks must be the kernel blocks, uint8 [N, K / 32 * block bytes]");
+              blocks.size(1) % kernel_unit_bytes(qtype) == 0,
+              "gguf_int_blocks: blocks must be the kernel blocks, uint8 [N, K / unit weights * "
+              "unit bytes]");
   const int64_t n = blocks.size(0), row_bytes = blocks.size(1);
-  const int64_t num_blocks = row_bytes / block_bytes(qtype);
+  const int64_t num_units = row_bytes / kernel_unit_bytes(qtype);
   TORCH_CHECK(n % kIntGroup == 0, "gguf_int_blocks: the output features must be a multiple of ",
               kIntGroup, " (", n, ")");
-  // Seen as [N, bytes a feature] (a group-block's bytes are 16 features' share).
-  at::Tensor out = at::empty({n, num_blocks * int_block_bytes(qtype) / kIntGroup},
+  // Seen as [N, bytes a feature] (a group-unit's bytes are 16 features' share).
+  at::Tensor out = at::empty({n, num_units * int_unit_bytes(qtype) / kIntGroup},
                              blocks.options());
-  if (qtype == kQ4_1) {
-    make_int_blocks<kQ4_1>(blocks.data_ptr<uint8_t>(), n, row_bytes, num_blocks,
-                           out.data_ptr<uint8_t>());
-  } else {
-    make_int_blocks<kQ8_0>(blocks.data_ptr<uint8_t>(), n, row_bytes, num_blocks,
-                           out.data_ptr<uint8_t>());
-  }
+  int_dispatch(qtype, [&](auto qt) {
+    make_int_blocks<decltype(qt)::value>(blocks.data_ptr<uint8_t>(), n, row_bytes, num_units,
+                                         out.data_ptr<uint8_t>());
+  });
   return out;
 }
 
 // mode: 0 the CPU's paths (VNNI below kAmxRows rows, AMX tiles from there where the CPU and
 // the kernel grant them), 1 the scalar reference, 2 VNNI at every row count (tests).
+// qtype kParts: a linear of parts side by side in the output (linear.parts_blocks' header,
+// each part's blocks in this layout), the digits made once for all of them.
 void gguf_linear_int(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, at::Tensor out,
                      int64_t mode) {
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "gguf_linear_int: Q4_1 (3) or Q8_0 (8) only");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
               x.is_contiguous(), "gguf_linear_int: x must be a contiguous float32 [M, K] CPU tensor");
   TORCH_CHECK(x.size(1) % kBlock == 0, "gguf_linear_int: K must be a multiple of 32");
   TORCH_CHECK(mode >= 0 && mode <= 2, "gguf_linear_int: mode 0, 1 or 2");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 &&
               out.size(0) == x.size(0), "gguf_linear_int: out must be float32 [M, N]");
-  const int64_t n = out.size(1), nb = x.size(1) / kBlock;
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.dim() == 2 &&
-              blocks.size(0) == n && n % kIntGroup == 0 &&
-              blocks.size(1) * kIntGroup == nb * int_block_bytes(qtype),
-              "gguf_linear_int: blocks must be gguf_int_blocks [N, K / 32 * ",
-              int_block_bytes(qtype) / kIntGroup, "] (N a multiple of 16)");
-  const int64_t rows = x.size(0);
-  if (rows == 0 || n == 0) return;
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.dim() == 2,
+              "gguf_linear_int: blocks must be a contiguous uint8 tensor");
+  const int64_t k = x.size(1), ldo = out.size(1), rows = x.size(0);
+  // The parts: (type, features, offset of the blocks, bytes a feature).
+  struct Part {
+    int64_t type, n, offset, row_bytes;
+  };
+  std::vector<Part> parts;
+  if (qtype == kParts) {
+    TORCH_CHECK(blocks.size(0) == 1 && blocks.size(1) >= 16, "gguf_linear_int: bad parts blocks");
+    const uint8_t* base = blocks.data_ptr<uint8_t>();
+    int64_t head[2];
+    std::memcpy(head, base, sizeof head);
+    TORCH_CHECK(head[0] == kParts && head[1] >= 1 && blocks.size(1) >= 16 + 32 * head[1],
+                "gguf_linear_int: bad parts header");
+    for (int64_t p = 0; p < head[1]; ++p) {
+      int64_t part[4];
+      std::memcpy(part, base + 16 + 32 * p, sizeof part);
+      parts.push_back({part[0], part[1], part[3], part[2]});
+      TORCH_CHECK(part[3] + part[1] * part[2] <= blocks.size(1),
+                  "gguf_linear_int: a part's blocks do not fit the buffer");
+    }
+  } else {
+    parts.push_back({qtype, blocks.size(0), 0, blocks.size(1)});
+  }
+  int64_t col = 0;
+  for (const Part& p : parts) {
+    TORCH_CHECK(int_type(p.type), "gguf_linear_int: Q4_1 (3), Q8_0 (8), Q4_K (12) or Q6_K (14) "
+                "only, not ggml type ", p.type);
+    TORCH_CHECK(k % (kBlock * unit_blocks(p.type)) == 0, "gguf_linear_int: K must be a multiple "
+                "of ", kBlock * unit_blocks(p.type), " for ggml type ", p.type);
+    TORCH_CHECK(p.n % kIntGroup == 0 && p.row_bytes == int_row_bytes(p.type, k),
+                "gguf_linear_int: blocks must be gguf_int_blocks [N, ", int_row_bytes(p.type, k),
+                "] (N a multiple of 16)");
+    col += p.n;
+  }
+  TORCH_CHECK(col == ldo, "gguf_linear_int: the blocks' features (", col, ") are not out's ",
+              ldo);
+  if (rows == 0 || ldo == 0) return;
   // Reused across calls; one per thread, as a team's members each make the digits.
   thread_local Digits digits;
-  make_digits(x.data_ptr<float>(), rows, x.size(1), digits, mode == 1);
-  const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  if (mode == 1) {
-    const int64_t groups = (n + kIntGroup - 1) / kIntGroup;
-    if (qtype == kQ4_1) {
-      rows_scalar<kQ4_1>(digits, rows, bp, n, op, 0, groups);
-    } else {
-      rows_scalar<kQ8_0>(digits, rows, bp, n, op, 0, groups);
-    }
-    return;
-  }
-  if (qtype == kQ4_1) {
-    int_linear_impl<kQ4_1>(digits, rows, bp, n, op, mode == 0);
-  } else {
-    int_linear_impl<kQ8_0>(digits, rows, bp, n, op, mode == 0);
+  make_digits(x.data_ptr<float>(), rows, k, digits, mode == 1);
+  col = 0;
+  for (const Part& p : parts) {
+    const uint8_t* bp = blocks.data_ptr<uint8_t>() + p.offset;
+    float* op = out.data_ptr<float>() + col;
+    int_dispatch(p.type, [&](auto qt) {
+      constexpr int64_t QT = decltype(qt)::value;
+      if (mode == 1) {
+        rows_scalar<QT>(digits, rows, bp, ldo, op, 0, p.n / kIntGroup);
+      } else {
+        int_linear_impl<QT>(digits, rows, bp, p.n, ldo, op, mode == 0);
+      }
+    });
+    col += p.n;
   }
 }
 
