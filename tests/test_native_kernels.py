@@ -512,11 +512,11 @@ def int24_case(qtype: int, n: int, k: int, seed: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A random weight's int24 blocks, its dequantized float32 weights and its kernel blocks
     (the float32 kernel's layout of the same blocks) (Q4_1, Q8_0:
-    quantized from random floats; Q4_K, Q6_K: random blocks with finite scales)."""
+    quantized from random floats; the others: random blocks with finite scales)."""
     from gguf import quants
     from gguf_models import random_blocks
 
-    if qtype in (12, 14):
+    if qtype not in (3, 8):
         raw = random_blocks(np.random.default_rng(seed), qtype, n, k)
     else:
         gen = torch.Generator().manual_seed(seed)
@@ -534,7 +534,7 @@ def run_int24(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, mode: i
     return out
 
 
-INT24_TYPES = [3, 8, 12, 14]  # Q4_1, Q8_0, Q4_K, Q6_K
+INT24_TYPES = [2, 3, 6, 8, 12, 14]  # Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K
 
 
 @needs_int24
@@ -543,7 +543,7 @@ def test_int24_paths_compute_the_same_floats_whatever_the_row_count(qtype: int) 
     """The VNNI path, the AMX tiles (from a few rows, where the CPU has them) and the scalar
     reference give the same floats, and a row's output is the same alone and among 1 to 99
     others (integer sums are exact in any order; the float steps are per row)."""
-    n, k = 80, 1344 if qtype in (3, 8) else 1280
+    n, k = 80, 1280 if qtype in (12, 14) else 1344
     blocks, _, _ = int24_case(qtype, n, k, qtype)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(100, k, generator=gen) * torch.exp(torch.randn(100, k, generator=gen))

@@ -1,6 +1,6 @@
-// y[M, N] = x[M, K] @ W[N, K]^T from GGUF blocks (Q4_1, Q8_0, Q4_K or Q6_K) in integer
-// arithmetic, on CPUs with AVX-512 VNNI (and AMX, for Q4_1 and Q8_0, where the CPU has it):
-// the exact path's numerics there.
+// y[M, N] = x[M, K] @ W[N, K]^T from GGUF blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K) in
+// integer arithmetic, on CPUs with AVX-512 VNNI (and AMX, for Q4_1 and Q8_0, where the CPU
+// has it): the exact path's numerics there.
 //
 // Each block of 32 activations of a row is written in 24-bit fixed point against its largest
 // magnitude: with 2^e the power of two above max |x|, the scale s = 2^(e - 23) and the
@@ -9,9 +9,9 @@
 // error of at most 2^-24 of the block's largest magnitude, the size of float32's own
 // rounding of that value (24 significant bits). Each X_k is cut into three 8-bit digits,
 // X_k = 65536 h_k + 256 m_k + l_k (h signed, m and l unsigned), and a block of weights
-// (integers q: Q4_1 and Q4_K 0..15, Q8_0 -128..127, Q6_K -32..31) meets the block of
-// activations in three integer dot products, P_h = sum h_k q_k and likewise P_m, P_l, which
-// are exact. Then, in float32, in this order:
+// (integers q: Q4_1 and Q4_K 0..15, Q4_0 -8..7, Q5_0 -16..15, Q8_0 -128..127, Q6_K -32..31)
+// meets the block of activations in three integer dot products, P_h = sum h_k q_k and
+// likewise P_m, P_l, which are exact. Then, in float32, in this order:
 //
 //   S = fma(P_h, 65536, fma(P_m, 256, P_l))                     the block's sum of X_k q_k
 //   y = fma(d, S * s, y)                                         (S * s exact: a power of two)
@@ -34,12 +34,15 @@
 // computes the same floats (test_native_kernels checks all three against each other).
 //
 // The weights in this kernel's layout (int_blocks, made at load from the kernel blocks of
-// gguf_blocks.h; N a multiple of 16, seen as [N, K / 32 * 24, 36, 19 or 26.5] uint8): output
+// gguf_blocks.h; N a multiple of 16, seen as [N, K / 32 * bytes a feature] uint8): output
 // features in groups of 16, group g's units one after the other (a unit: a block of 32
 // weights, Q4_K's and Q6_K's a super-block of 256), a group-unit holding
 //   Q4_1: d[16], m[16] as float32, then 4 x 64 bytes: byte 4f + e of vector v is
 //         q_f[8v + e] | q_f[8v + 4 + e] << 4                                     (384 bytes)
 //   Q8_0: d[16] as float32, then 8 x 64 bytes: byte 4f + e of vector t is q_f[4t + e]  (576)
+//   Q4_0: d[16] as float32, then the nibbles (q + 8) as Q4_1's                         (320)
+//   Q5_0: d[16] as float32, the low nibbles of q + 16 as Q4_1's, then 64 bytes of their high
+//         bits: bit i of byte 4f + e belongs to weight 4i + e                        (384)
 //   Q4_K: d[16], dmin[16] as float32, sc[8][16] and m[8][16] (the 6-bit scales and mins,
 //         a byte each, [sub-block][feature]), then each sub-block's nibbles as Q4_1's
 //         (256 bytes each)                                            (2432 bytes: 4.75 bits)
@@ -80,26 +83,33 @@
 namespace {
 
 using namespace freetoken::gguf;
-constexpr int64_t kQ4_K = types::Q4_K, kQ6_K = types::Q6_K;
+constexpr int64_t kQ4_0 = types::Q4_0, kQ5_0 = types::Q5_0, kQ4_K = types::Q4_K,
+                  kQ6_K = types::Q6_K;
 
 constexpr bool int_type(int64_t qt) {
-  return qt == kQ4_1 || qt == kQ8_0 || qt == kQ4_K || qt == kQ6_K;
+  return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ8_0 || qt == kQ4_K || qt == kQ6_K;
 }
+// The types whose weights are signed (q - 8, q - 16, int8, q - 32): VNNI's unsigned operand
+// against h is then q + 128, and 128 * sum(h) is taken off after the block.
+constexpr bool signed_weights(int64_t qt) { return qt != kQ4_1 && qt != kQ4_K; }
 constexpr bool super_blocks(int64_t qt) { return qt == kQ4_K || qt == kQ6_K; }
 constexpr int64_t kIntGroup = 16;  // features of a group-unit
 // Blocks of 32 a unit, and a group-unit's bytes (see above).
 constexpr int64_t unit_blocks(int64_t qt) { return super_blocks(qt) ? 8 : 1; }
 constexpr int64_t int_unit_bytes(int64_t qt) {
-  return qt == kQ4_1 ? 384 : qt == kQ8_0 ? 576 : qt == kQ4_K ? 2432 : 3392;
+  return qt == kQ4_0 ? 320 : qt == kQ4_1 || qt == kQ5_0 ? 384 : qt == kQ8_0 ? 576
+         : qt == kQ4_K ? 2432 : 3392;
 }
 // Where block j's weights start in a group-unit.
 constexpr int64_t int_weights_offset(int64_t qt, int64_t j) {
-  return qt == kQ4_1 ? 128 : qt == kQ8_0 ? 64 : qt == kQ4_K ? 384 + 256 * j : 320 + 384 * j;
+  return qt == kQ4_1 ? 128 : qt == kQ4_0 || qt == kQ5_0 || qt == kQ8_0 ? 64
+         : qt == kQ4_K ? 384 + 256 * j : 320 + 384 * j;
 }
 // A unit's bytes in the kernel blocks the layout is made from (gguf_blocks.h's for Q4_1 and
 // Q8_0; the K-quants' super-blocks as the file stores them).
 constexpr int64_t kernel_unit_bytes(int64_t qt) {
-  return qt == kQ4_K ? 144 : qt == kQ6_K ? 210 : block_bytes(qt);
+  return qt == kQ4_0 ? 18 : qt == kQ5_0 ? 22 : qt == kQ4_K ? 144 : qt == kQ6_K ? 210
+         : block_bytes(qt);
 }
 constexpr int64_t kDigitBytes = 3 * kBlock;  // a row's block: h[32], m[32], l[32]
 
@@ -253,6 +263,8 @@ inline int32_t weight_int(const uint8_t* gu, int64_t j, int f, int k) {
       const int32_t high = (w[256 + (k / 16) * 64 + 4 * f + k % 4] >> (2 * ((k / 4) % 4))) & 3;
       return (low | high << 4) - 32;
     }
+    if constexpr (QT == kQ5_0) return (low | ((w[256 + 4 * f + k % 4] >> (k / 4)) & 1) << 4) - 16;
+    if constexpr (QT == kQ4_0) return low - 8;
     return low;
   }
 }
@@ -351,7 +363,7 @@ inline __m512 block_update(__m512i ph, __m512i pm, __m512i pl, __m512 d, __m512 
 }
 
 // Weights 4t..4t+3 of the 16 features of a block (w: its weights in a group-unit), one
-// feature a 32-bit lane; Q6_K's as q + 32 (0..63).
+// feature a 32-bit lane; Q4_0's, Q5_0's and Q6_K's as stored, before the - 8, - 16, - 32.
 template <int64_t QT>
 inline __m512i weight_quad(const uint8_t* w, int t) {
   if constexpr (QT == kQ8_0) {
@@ -369,6 +381,12 @@ inline __m512i weight_quad(const uint8_t* w, int t) {
                             : i == 2 ? hv
                                      : _mm512_srli_epi16(hv, 2);
       q = _mm512_or_si512(q, _mm512_and_si512(moved, _mm512_set1_epi8(0x30)));
+    }
+    if constexpr (QT == kQ5_0) {
+      // Bit t of the high-bit bytes to bit 4.
+      const __m512i hv = _mm512_loadu_si512(w + 256);
+      const __m512i moved = t < 4 ? _mm512_slli_epi16(hv, 4 - t) : _mm512_srli_epi16(hv, t - 4);
+      q = _mm512_or_si512(q, _mm512_and_si512(moved, _mm512_set1_epi8(0x10)));
     }
     return q;
   }
@@ -397,15 +415,16 @@ void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t ldo, 
         for (int i = 0; i < 3; ++i) p[r][hf][i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
-      // w: the weights as VNNI's signed operand; wu: as its unsigned one (Q8_0 and Q6_K:
+      // w: the weights as VNNI's signed operand; wu: as its unsigned one (signed weights:
       // q + 128, the 128 * sum(h) taken off after the block).
       const __m512i w8 = weight_quad<QT>(wp, t);
       __m512i w = w8, wu = w8;
       if constexpr (QT == kQ8_0) {
         wu = _mm512_xor_si512(w8, _mm512_set1_epi8(static_cast<char>(0x80)));
-      } else if constexpr (QT == kQ6_K) {
-        w = _mm512_sub_epi8(w8, _mm512_set1_epi8(32));
-        wu = _mm512_add_epi8(w8, _mm512_set1_epi8(96));
+      } else if constexpr (signed_weights(QT)) {
+        constexpr int kZero = QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : 32;  // q - kZero
+        w = _mm512_sub_epi8(w8, _mm512_set1_epi8(kZero));
+        wu = _mm512_add_epi8(w8, _mm512_set1_epi8(128 - kZero));
       }
       const int hf = kHalves == 2 ? t / 4 : 0;
       for (int r = 0; r < R; ++r) {
@@ -442,7 +461,8 @@ void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t ldo, 
                                    _mm512_mullo_epi32(sc[1], p[r][1][k]));
       } else {
         for (int k = 0; k < 3; ++k) ps[k] = p[r][0][k];
-        if constexpr (QT == kQ8_0) ps[0] = _mm512_sub_epi32(ps[0], _mm512_set1_epi32(128 * x.sh[i]));
+        if constexpr (signed_weights(QT))
+          ps[0] = _mm512_sub_epi32(ps[0], _mm512_set1_epi32(128 * x.sh[i]));
       }
       y[r] = block_update<QT>(ps[0], ps[1], ps[2], d, mv, x.s[i], x.xs[i], y[r]);
     }
@@ -674,6 +694,19 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
             std::memcpy(gu + 64 + 4 * f, unit + 4, 4);
             for (int k = 0; k < kBlock; ++k)
               put_nibble(0, k, k < 16 ? (unit[8 + k] & 0x0F) : (unit[8 + k - 16] >> 4));
+          } else if constexpr (QT == kQ4_0 || QT == kQ5_0) {
+            // Q4_0: d@0, qs[16]@2; Q5_0: d@0, qh[4]@2, qs[16]@6 (gguf_types.h).
+            const float d = half_to_float(unit);
+            std::memcpy(gu + 4 * f, &d, 4);
+            const uint8_t* qs = unit + (QT == kQ4_0 ? 2 : 6);
+            uint32_t qh = 0;
+            if constexpr (QT == kQ5_0) std::memcpy(&qh, unit + 2, 4);
+            for (int k = 0; k < kBlock; ++k) {
+              put_nibble(0, k, k < 16 ? (qs[k] & 0x0F) : (qs[k - 16] >> 4));
+              if constexpr (QT == kQ5_0)
+                gu[int_weights_offset(QT, 0) + 256 + 4 * f + k % 4] |=
+                    static_cast<uint8_t>(((qh >> k) & 1) << (k / 4));
+            }
           } else if constexpr (QT == kQ8_0) {
             const float d = half_to_float(unit);
             std::memcpy(gu + 4 * f, &d, 4);
@@ -717,12 +750,14 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
 template <typename F>
 void int_dispatch(int64_t qtype, F&& f) {
   switch (qtype) {
+    case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
     case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>{});
     case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
     case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
     case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
-    default: TORCH_CHECK(false, "the int24 kernel takes Q4_1 (3), Q8_0 (8), Q4_K (12) or Q6_K (14),"
-                                " not ggml type ", qtype);
+    default: TORCH_CHECK(false, "the int24 kernel takes Q4_0 (2), Q4_1 (3), Q5_0 (6), Q8_0 (8), "
+                                "Q4_K (12) or Q6_K (14), not ggml type ", qtype);
   }
 }
 
@@ -745,7 +780,7 @@ bool int_linear_available() {
 
 at::Tensor gguf_int_blocks(const at::Tensor& blocks, int64_t qtype) {
   TORCH_CHECK(int_type(qtype),
-              "gguf_int_blocks: Q4_1 (3), Q8_0 (8), Q4_K (12) or Q6_K (14) only");
+              "gguf_int_blocks: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K only");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
               blocks.size(1) % kernel_unit_bytes(qtype) == 0,
               "gguf_int_blocks: blocks must be the kernel blocks, uint8 [N, K / unit weights * "
@@ -803,8 +838,8 @@ void gguf_linear_int(const at::Tensor& x, const at::Tensor& blocks, int64_t qtyp
   }
   int64_t col = 0;
   for (const Part& p : parts) {
-    TORCH_CHECK(int_type(p.type), "gguf_linear_int: Q4_1 (3), Q8_0 (8), Q4_K (12) or Q6_K (14) "
-                "only, not ggml type ", p.type);
+    TORCH_CHECK(int_type(p.type), "gguf_linear_int: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K only, "
+                "not ggml type ", p.type);
     TORCH_CHECK(k % (kBlock * unit_blocks(p.type)) == 0, "gguf_linear_int: K must be a multiple "
                 "of ", kBlock * unit_blocks(p.type), " for ggml type ", p.type);
     TORCH_CHECK(p.n % kIntGroup == 0 && p.row_bytes == int_row_bytes(p.type, k),
