@@ -83,32 +83,49 @@
 namespace {
 
 using namespace freetoken::gguf;
-constexpr int64_t kQ4_0 = types::Q4_0, kQ5_0 = types::Q5_0, kQ4_K = types::Q4_K,
-                  kQ6_K = types::Q6_K;
+constexpr int64_t kQ4_0 = types::Q4_0, kQ5_0 = types::Q5_0, kQ5_1 = types::Q5_1,
+                  kQ4_K = types::Q4_K, kQ5_K = types::Q5_K, kQ6_K = types::Q6_K,
+                  kIQ4_NL = types::IQ4_NL, kIQ4_XS = types::IQ4_XS;
 
 constexpr bool int_type(int64_t qt) {
-  return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ8_0 || qt == kQ4_K || qt == kQ6_K;
+  return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ5_1 || qt == kQ8_0 ||
+         qt == kQ4_K || qt == kQ5_K || qt == kQ6_K || qt == kIQ4_NL || qt == kIQ4_XS;
 }
-// The types whose weights are signed (q - 8, q - 16, int8, q - 32): VNNI's unsigned operand
-// against h is then q + 128, and 128 * sum(h) is taken off after the block.
-constexpr bool signed_weights(int64_t qt) { return qt != kQ4_1 && qt != kQ4_K; }
-constexpr bool super_blocks(int64_t qt) { return qt == kQ4_K || qt == kQ6_K; }
+// The types whose weights are unsigned (0..15, 0..31) with a min (w = d q + m); the others'
+// are signed (q - 8, q - 16, int8, q - 32, IQ4's levels): VNNI's unsigned operand against h
+// is then q + 128, and 128 * sum(h) is taken off after the block.
+constexpr bool with_min(int64_t qt) {
+  return qt == kQ4_1 || qt == kQ5_1 || qt == kQ4_K || qt == kQ5_K;
+}
+constexpr bool signed_weights(int64_t qt) { return !with_min(qt); }
+constexpr bool super_blocks(int64_t qt) {
+  return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K || qt == kIQ4_XS;
+}
+// Q4_K's and Q5_K's sub-block scales and mins (d, dmin, 6-bit scale and min a byte each).
+constexpr bool k4_scales(int64_t qt) { return qt == kQ4_K || qt == kQ5_K; }
+// A fifth bit a weight, in 64 bytes after the block's nibbles.
+constexpr bool fifth_bit(int64_t qt) { return qt == kQ5_0 || qt == kQ5_1 || qt == kQ5_K; }
+constexpr bool iq4_levels(int64_t qt) { return qt == kIQ4_NL || qt == kIQ4_XS; }
 constexpr int64_t kIntGroup = 16;  // features of a group-unit
 // Blocks of 32 a unit, and a group-unit's bytes (see above).
 constexpr int64_t unit_blocks(int64_t qt) { return super_blocks(qt) ? 8 : 1; }
 constexpr int64_t int_unit_bytes(int64_t qt) {
-  return qt == kQ4_0 ? 320 : qt == kQ4_1 || qt == kQ5_0 ? 384 : qt == kQ8_0 ? 576
-         : qt == kQ4_K ? 2432 : 3392;
+  return qt == kQ4_0 || qt == kIQ4_NL ? 320 : qt == kQ4_1 || qt == kQ5_0 ? 384
+         : qt == kQ5_1 ? 448 : qt == kQ8_0 ? 576 : qt == kQ4_K ? 2432 : qt == kQ5_K ? 2944
+         : qt == kIQ4_XS ? 2240 : 3392;
 }
 // Where block j's weights start in a group-unit.
 constexpr int64_t int_weights_offset(int64_t qt, int64_t j) {
-  return qt == kQ4_1 ? 128 : qt == kQ4_0 || qt == kQ5_0 || qt == kQ8_0 ? 64
-         : qt == kQ4_K ? 384 + 256 * j : 320 + 384 * j;
+  return qt == kQ4_1 || qt == kQ5_1 ? 128
+         : qt == kQ4_0 || qt == kQ5_0 || qt == kQ8_0 || qt == kIQ4_NL ? 64
+         : qt == kQ4_K ? 384 + 256 * j : qt == kQ5_K ? 384 + 320 * j
+         : qt == kIQ4_XS ? 192 + 256 * j : 320 + 384 * j;
 }
 // A unit's bytes in the kernel blocks the layout is made from (gguf_blocks.h's for Q4_1 and
 // Q8_0; the K-quants' super-blocks as the file stores them).
 constexpr int64_t kernel_unit_bytes(int64_t qt) {
-  return qt == kQ4_0 ? 18 : qt == kQ5_0 ? 22 : qt == kQ4_K ? 144 : qt == kQ6_K ? 210
+  return qt == kQ4_0 || qt == kIQ4_NL ? 18 : qt == kQ5_0 ? 22 : qt == kQ5_1 ? 24
+         : qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : qt == kQ6_K ? 210 : qt == kIQ4_XS ? 136
          : block_bytes(qt);
 }
 constexpr int64_t kDigitBytes = 3 * kBlock;  // a row's block: h[32], m[32], l[32]
@@ -263,7 +280,11 @@ inline int32_t weight_int(const uint8_t* gu, int64_t j, int f, int k) {
       const int32_t high = (w[256 + (k / 16) * 64 + 4 * f + k % 4] >> (2 * ((k / 4) % 4))) & 3;
       return (low | high << 4) - 32;
     }
-    if constexpr (QT == kQ5_0) return (low | ((w[256 + 4 * f + k % 4] >> (k / 4)) & 1) << 4) - 16;
+    if constexpr (fifth_bit(QT)) {
+      const int32_t q = low | ((w[256 + 4 * f + k % 4] >> (k / 4)) & 1) << 4;
+      return QT == kQ5_0 ? q - 16 : q;
+    }
+    if constexpr (iq4_levels(QT)) return types::detail::kIQ4Values[low];
     if constexpr (QT == kQ4_0) return low - 8;
     return low;
   }
@@ -273,13 +294,15 @@ inline int32_t weight_int(const uint8_t* gu, int64_t j, int f, int k) {
 template <int64_t QT>
 inline float block_d(const uint8_t* gu, int64_t j, int f) {
   const float d = load_float(gu + 4 * f);
-  if constexpr (QT == kQ4_K) return d * static_cast<float>(gu[128 + 16 * j + f]);
+  if constexpr (k4_scales(QT)) return d * static_cast<float>(gu[128 + 16 * j + f]);
+  if constexpr (QT == kIQ4_XS) return d * static_cast<float>(static_cast<int8_t>(gu[64 + 16 * j + f]));
   return d;
 }
 template <int64_t QT>
 inline float block_m(const uint8_t* gu, int64_t j, int f) {
-  if constexpr (QT == kQ4_1) return load_float(gu + 64 + 4 * f);
-  if constexpr (QT == kQ4_K) return -(load_float(gu + 64 + 4 * f) * static_cast<float>(gu[256 + 16 * j + f]));
+  if constexpr (QT == kQ4_1 || QT == kQ5_1) return load_float(gu + 64 + 4 * f);
+  if constexpr (k4_scales(QT))
+    return -(load_float(gu + 64 + 4 * f) * static_cast<float>(gu[256 + 16 * j + f]));
   return 0.f;
 }
 
@@ -320,7 +343,7 @@ void rows_scalar(const Digits& x, int64_t rows, const uint8_t* blocks, int64_t l
           }
           const int64_t i = r * nb + b;
           y = std::fma(block_d<QT>(gu, j, f), block_value(sum[0], sum[1], sum[2]) * x.s[i], y);
-          if constexpr (QT == kQ4_1 || QT == kQ4_K) y = std::fma(block_m<QT>(gu, j, f), x.xs[i], y);
+          if constexpr (with_min(QT)) y = std::fma(block_m<QT>(gu, j, f), x.xs[i], y);
         }
         out[r * ldo + g * kIntGroup + f] = y;
       }
@@ -331,16 +354,20 @@ void rows_scalar(const Digits& x, int64_t rows, const uint8_t* blocks, int64_t l
 template <int64_t QT>
 inline __m512 block_d16(const uint8_t* gu, int64_t j) {
   const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(gu));
-  if constexpr (QT == kQ4_K) {
+  if constexpr (k4_scales(QT)) {
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + 128 + 16 * j));
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+  }
+  if constexpr (QT == kIQ4_XS) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + 64 + 16 * j));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
   }
   return d;
 }
 template <int64_t QT>
 inline __m512 block_m16(const uint8_t* gu, int64_t j) {
   const __m512 m = _mm512_loadu_ps(reinterpret_cast<const float*>(gu) + 16);
-  if constexpr (QT == kQ4_K) {
+  if constexpr (k4_scales(QT)) {
     const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + 256 + 16 * j));
     // -(dmin * min): a product and a sign, as block_m.
     return _mm512_xor_ps(_mm512_set1_ps(-0.f),
@@ -358,7 +385,7 @@ inline __m512 block_update(__m512i ph, __m512i pm, __m512i pl, __m512 d, __m512 
                                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(pm),
                                                    _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(pl)));
   y = _mm512_fmadd_ps(d, _mm512_mul_ps(v, _mm512_set1_ps(s)), y);
-  if constexpr (QT == kQ4_1 || QT == kQ4_K) y = _mm512_fmadd_ps(m, _mm512_set1_ps(xs), y);
+  if constexpr (with_min(QT)) y = _mm512_fmadd_ps(m, _mm512_set1_ps(xs), y);
   return y;
 }
 
@@ -382,7 +409,13 @@ inline __m512i weight_quad(const uint8_t* w, int t) {
                                      : _mm512_srli_epi16(hv, 2);
       q = _mm512_or_si512(q, _mm512_and_si512(moved, _mm512_set1_epi8(0x30)));
     }
-    if constexpr (QT == kQ5_0) {
+    if constexpr (iq4_levels(QT)) {
+      // The levels (int8), looked up by nibble in each 128-bit lane.
+      const __m512i levels = _mm512_broadcast_i32x4(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(types::detail::kIQ4Values)));
+      q = _mm512_shuffle_epi8(levels, q);
+    }
+    if constexpr (fifth_bit(QT)) {
       // Bit t of the high-bit bytes to bit 4.
       const __m512i hv = _mm512_loadu_si512(w + 256);
       const __m512i moved = t < 4 ? _mm512_slli_epi16(hv, 4 - t) : _mm512_srli_epi16(hv, t - 4);
@@ -419,7 +452,7 @@ void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t ldo, 
       // q + 128, the 128 * sum(h) taken off after the block).
       const __m512i w8 = weight_quad<QT>(wp, t);
       __m512i w = w8, wu = w8;
-      if constexpr (QT == kQ8_0) {
+      if constexpr (QT == kQ8_0 || iq4_levels(QT)) {
         wu = _mm512_xor_si512(w8, _mm512_set1_epi8(static_cast<char>(0x80)));
       } else if constexpr (signed_weights(QT)) {
         constexpr int kZero = QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : 32;  // q - kZero
@@ -441,7 +474,7 @@ void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t ldo, 
       }
     }
     const __m512 d = block_d16<QT>(gu, j);
-    const __m512 mv = QT == kQ4_1 || QT == kQ4_K ? block_m16<QT>(gu, j) : d;
+    const __m512 mv = with_min(QT) ? block_m16<QT>(gu, j) : d;
     __m512i sc[2];
     if constexpr (QT == kQ6_K) {
       for (int hf = 0; hf < 2; ++hf)
@@ -689,41 +722,64 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
             uint8_t& byte = gu[int_weights_offset(QT, j) + (k / 8) * 64 + 4 * f + k % 4];
             byte |= (k % 8) < 4 ? q : static_cast<uint8_t>(q << 4);
           };
+          auto put_fifth = [&](int64_t j, int k, uint32_t bit) {
+            gu[int_weights_offset(QT, j) + 256 + 4 * f + k % 4] |=
+                static_cast<uint8_t>(bit << (k / 4));
+          };
           if constexpr (QT == kQ4_1) {
             std::memcpy(gu + 4 * f, unit, 4);
             std::memcpy(gu + 64 + 4 * f, unit + 4, 4);
             for (int k = 0; k < kBlock; ++k)
               put_nibble(0, k, k < 16 ? (unit[8 + k] & 0x0F) : (unit[8 + k - 16] >> 4));
-          } else if constexpr (QT == kQ4_0 || QT == kQ5_0) {
-            // Q4_0: d@0, qs[16]@2; Q5_0: d@0, qh[4]@2, qs[16]@6 (gguf_types.h).
+          } else if constexpr (QT == kQ4_0 || QT == kQ5_0 || QT == kQ5_1 || QT == kIQ4_NL) {
+            // Q4_0, IQ4_NL: d@0, qs[16]@2; Q5_0: d@0, qh[4]@2, qs[16]@6; Q5_1: d@0, m@2,
+            // qh[4]@4, qs[16]@8 (gguf_types.h).
             const float d = half_to_float(unit);
             std::memcpy(gu + 4 * f, &d, 4);
-            const uint8_t* qs = unit + (QT == kQ4_0 ? 2 : 6);
+            if constexpr (QT == kQ5_1) {
+              const float m = half_to_float(unit + 2);
+              std::memcpy(gu + 64 + 4 * f, &m, 4);
+            }
+            const int qh_at = QT == kQ5_0 ? 2 : 4;
+            const uint8_t* qs = unit + (QT == kQ5_0 ? 6 : QT == kQ5_1 ? 8 : 2);
             uint32_t qh = 0;
-            if constexpr (QT == kQ5_0) std::memcpy(&qh, unit + 2, 4);
+            if constexpr (fifth_bit(QT)) std::memcpy(&qh, unit + qh_at, 4);
             for (int k = 0; k < kBlock; ++k) {
               put_nibble(0, k, k < 16 ? (qs[k] & 0x0F) : (qs[k - 16] >> 4));
-              if constexpr (QT == kQ5_0)
-                gu[int_weights_offset(QT, 0) + 256 + 4 * f + k % 4] |=
-                    static_cast<uint8_t>(((qh >> k) & 1) << (k / 4));
+              if constexpr (fifth_bit(QT)) put_fifth(0, k, (qh >> k) & 1);
             }
           } else if constexpr (QT == kQ8_0) {
             const float d = half_to_float(unit);
             std::memcpy(gu + 4 * f, &d, 4);
             uint8_t* wq = gu + int_weights_offset(QT, 0);
             for (int k = 0; k < kBlock; ++k) wq[(k / 4) * 64 + 4 * f + k % 4] = unit[2 + k];
-          } else if constexpr (QT == kQ4_K) {
-            // d@0, dmin@2, scales[12]@4, qs[128]@16 (gguf_types.h Type<Q4_K>).
+          } else if constexpr (k4_scales(QT)) {
+            // Q4_K: d@0, dmin@2, scales[12]@4, qs[128]@16; Q5_K: qh[32]@16, qs[128]@48, bit j
+            // of qh[k] the fifth of sub-block j's weight k (gguf_types.h).
             const float d = half_to_float(unit), dmin = half_to_float(unit + 2);
             std::memcpy(gu + 4 * f, &d, 4);
             std::memcpy(gu + 64 + 4 * f, &dmin, 4);
+            const uint8_t* qs = unit + (QT == kQ4_K ? 16 : 48);
             for (int j = 0; j < 8; ++j) {
               int sc, mn;
               types::detail::scale_min_k4(unit + 4, j, sc, mn);
               gu[128 + 16 * j + f] = static_cast<uint8_t>(sc);
               gu[256 + 16 * j + f] = static_cast<uint8_t>(mn);
+              for (int k = 0; k < kBlock; ++k) {
+                put_nibble(j, k, (qs[32 * (j / 2) + k] >> (4 * (j % 2))) & 15);
+                if constexpr (QT == kQ5_K) put_fifth(j, k, (unit[16 + k] >> j) & 1);
+              }
+            }
+          } else if constexpr (QT == kIQ4_XS) {
+            // d@0, scales_h@2, scales_l[4]@4, qs[128]@8; sub-block j's scale (6 bits) - 32.
+            const float d = half_to_float(unit);
+            std::memcpy(gu + 4 * f, &d, 4);
+            for (int j = 0; j < 8; ++j) {
+              gu[64 + 16 * j + f] = static_cast<uint8_t>(
+                  static_cast<int8_t>(types::detail::scale_iq4_xs(unit, j) - 32));
+              const uint8_t* qs = unit + 8 + 16 * j;
               for (int k = 0; k < kBlock; ++k)
-                put_nibble(j, k, (unit[16 + 32 * (j / 2) + k] >> (4 * (j % 2))) & 15);
+                put_nibble(j, k, k < 16 ? (qs[k] & 0x0F) : (qs[k - 16] >> 4));
             }
           } else {
             // Q6_K: ql[128]@0, qh[64]@128, int8 scales[16]@192, d@208 (Type<Q6_K>).
@@ -753,11 +809,15 @@ void int_dispatch(int64_t qtype, F&& f) {
     case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
     case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>{});
     case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>{});
+    case kQ5_1: return f(std::integral_constant<int64_t, kQ5_1>{});
     case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
     case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
     case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
-    default: TORCH_CHECK(false, "the int24 kernel takes Q4_0 (2), Q4_1 (3), Q5_0 (6), Q8_0 (8), "
-                                "Q4_K (12) or Q6_K (14), not ggml type ", qtype);
+    case kIQ4_NL: return f(std::integral_constant<int64_t, kIQ4_NL>{});
+    case kIQ4_XS: return f(std::integral_constant<int64_t, kIQ4_XS>{});
+    default: TORCH_CHECK(false, "the int24 kernel takes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
+                                "Q6_K, IQ4_NL and IQ4_XS, not ggml type ", qtype);
   }
 }
 
@@ -780,7 +840,7 @@ bool int_linear_available() {
 
 at::Tensor gguf_int_blocks(const at::Tensor& blocks, int64_t qtype) {
   TORCH_CHECK(int_type(qtype),
-              "gguf_int_blocks: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K only");
+              "gguf_int_blocks: ggml type ", qtype, " is not a type of the int24 kernel");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
               blocks.size(1) % kernel_unit_bytes(qtype) == 0,
               "gguf_int_blocks: blocks must be the kernel blocks, uint8 [N, K / unit weights * "
@@ -838,8 +898,8 @@ void gguf_linear_int(const at::Tensor& x, const at::Tensor& blocks, int64_t qtyp
   }
   int64_t col = 0;
   for (const Part& p : parts) {
-    TORCH_CHECK(int_type(p.type), "gguf_linear_int: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K only, "
-                "not ggml type ", p.type);
+    TORCH_CHECK(int_type(p.type), "gguf_linear_int: ggml type ", p.type,
+                " is not a type of the int24 kernel");
     TORCH_CHECK(k % (kBlock * unit_blocks(p.type)) == 0, "gguf_linear_int: K must be a multiple "
                 "of ", kBlock * unit_blocks(p.type), " for ggml type ", p.type);
     TORCH_CHECK(p.n % kIntGroup == 0 && p.row_bytes == int_row_bytes(p.type, k),
