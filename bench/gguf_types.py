@@ -1,4 +1,4 @@
-"""The native float32 linear kernel on every GGUF block type, one process, alternating.
+"""The native linear kernels on every GGUF block type, one process, alternating.
 
 For each type, the linears of one block of a model shape (``--shape``: ``1b``, a
 Llama-3.2-1B-shaped block, q/k/v fused 3072 x 2048, o 2048 x 2048, gate/up 16384 x 2048,
@@ -9,11 +9,13 @@ GB/s (bytes of weights read per second) and the time against Q8_0's, the type ll
 CPU backend also computes fastest per byte.
 
 ``--activations q8`` times the 8-bit-activation kernel instead (``gguf_linear_q8``, the types
-it has: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), ``both`` each type with both kernels (rows
-``Q4_K q8`` beside ``Q4_K``), in the same alternation.
+it has: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), ``int24`` the exact integer kernel (the default
+where the CPU has AVX-512 VNNI: ``gguf_linear_int``, its types, in its layout), ``both`` each
+type with the float32 and q8 kernels (rows ``Q4_K q8`` beside ``Q4_K``), ``all`` with the
+three (``Q4_K int24`` too), in the same alternation.
 
     python bench/gguf_types.py [--shape 1b] [--rows 1,4,16,64] [--repeat 10]
-        [--types Q4_0,Q4_K,...] [--activations float32|q8|both]
+        [--types Q4_0,Q4_K,...] [--activations float32|q8|int24|both|all]
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16,64")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--types", default=None, help="comma-separated type names")
-    parser.add_argument("--activations", choices=["float32", "q8", "both"], default="float32")
+    parser.add_argument("--activations", choices=["float32", "q8", "int24", "both", "all"],
+                        default="float32")
     args = parser.parse_args()
     from gguf import GGMLQuantizationType
     from gguf_models import random_blocks
@@ -50,8 +53,11 @@ def main() -> None:
     from freetoken_core.kernels import cpu_kernels_available
     from freetoken_core.models.gguf_weights import GGUF_TYPES
     from freetoken_core.models.linear import (
+        INT24_TYPES,
         NATIVE_UNITS,
         Q8_ACTIVATION_TYPES,
+        int_blocks,
+        int_linear_available,
         kernel_blocks,
         q8_blocks,
     )
@@ -68,12 +74,18 @@ def main() -> None:
             continue
         blocks = [kernel_blocks(torch.from_numpy(random_blocks(rng, qtype, n, k)), qtype)
                   for n, k in shape]
-        if args.activations != "q8":
+        several = args.activations in ("both", "all")
+        if args.activations in ("float32", "both", "all"):
             weights[name] = (qtype, blocks, torch.ops.freetoken.gguf_linear)
-        if args.activations != "float32" and qtype in Q8_ACTIVATION_TYPES:
-            weights[f"{name} q8" if args.activations == "both" else name] = (
+        if args.activations in ("q8", "both", "all") and qtype in Q8_ACTIVATION_TYPES:
+            weights[f"{name} q8" if several else name] = (
                 qtype, [q8_blocks(b, qtype) for b in blocks],
                 torch.ops.freetoken.gguf_linear_q8)
+        if (args.activations in ("int24", "all") and qtype in INT24_TYPES
+                and int_linear_available()):
+            weights[f"{name} int24" if several else name] = (
+                qtype, [int_blocks(b, qtype) for b in blocks],
+                torch.ops.freetoken.gguf_linear_int)
     rows_list = [int(r) for r in args.rows.split(",")]
     xs = {r: [torch.randn(r, k) for _, k in shape] for r in rows_list}
     outs = {r: [torch.empty(r, n) for n, _ in shape] for r in rows_list}

@@ -21,6 +21,7 @@ from freetoken_core.engine.scheduler import Scheduler
 from freetoken_core.engine.tensor_parallel import TensorParallelGroup, start_group
 from freetoken_core.errors import InvalidRequest, ModelLoadError
 from freetoken_core.models.config import ModelConfig
+from freetoken_core.models.linear import INT24_TYPES
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.loader import load_model, return_freed_memory
 from freetoken_core.models.resolve import gguf_source, resolve_model
@@ -141,8 +142,9 @@ def load_engine_model(config: EngineConfig, model_dir: Path, limits: EngineLimit
         return_freed_memory()  # the re-layout's temporaries, which the heap would keep
         if not switched and config.activations == "int24":
             raise ModelLoadError(
-                "--activations int24 needs a GGUF model with Q4_1/Q8_0/Q4_K/Q6_K weights, dtype "
-                "float32, on a CPU with AVX-512 VNNI and the native kernels "
+                "--activations int24 needs a GGUF model with weights of the int24 kernel's types "
+                f"({'/'.join(INT24_TYPES.values())}), dtype float32, on a CPU with AVX-512 VNNI "
+                "and the native kernels "
                 f"(here: GGUF blocks {model.uses_gguf_blocks}, native {model.native})")
     return model
 

@@ -1,6 +1,6 @@
-// y[M, N] = x[M, K] @ W[N, K]^T from GGUF blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K) in
-// integer arithmetic, on CPUs with AVX-512 VNNI (and AMX, for Q4_1 and Q8_0, where the CPU
-// has it): the exact path's numerics there.
+// y[M, N] = x[M, K] @ W[N, K]^T from GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+// Q6_K, IQ4_NL or IQ4_XS) in integer arithmetic, on CPUs with AVX-512 VNNI (and AMX, for Q4_1
+// and Q8_0, where the CPU has it): the exact path's numerics there.
 //
 // Each block of 32 activations of a row is written in 24-bit fixed point against its largest
 // magnitude: with 2^e the power of two above max |x|, the scale s = 2^(e - 23) and the
@@ -9,17 +9,19 @@
 // error of at most 2^-24 of the block's largest magnitude, the size of float32's own
 // rounding of that value (24 significant bits). Each X_k is cut into three 8-bit digits,
 // X_k = 65536 h_k + 256 m_k + l_k (h signed, m and l unsigned), and a block of weights
-// (integers q: Q4_1 and Q4_K 0..15, Q4_0 -8..7, Q5_0 -16..15, Q8_0 -128..127, Q6_K -32..31)
-// meets the block of activations in three integer dot products, P_h = sum h_k q_k and
-// likewise P_m, P_l, which are exact. Then, in float32, in this order:
+// (integers q: Q4_1 and Q4_K 0..15, Q5_1 and Q5_K 0..31, Q4_0 -8..7, Q5_0 -16..15, Q8_0
+// -128..127, Q6_K -32..31, IQ4_NL and IQ4_XS their levels -127..113) meets the block of
+// activations in three integer dot products, P_h = sum h_k q_k and likewise P_m, P_l, which
+// are exact. Then, in float32, in this order:
 //
 //   S = fma(P_h, 65536, fma(P_m, 256, P_l))                     the block's sum of X_k q_k
 //   y = fma(d, S * s, y)                                         (S * s exact: a power of two)
-//   y = fma(m, float(sum_k X_k) * s, y)                          (Q4_1: w = d q + m)
+//   y = fma(m, float(sum_k X_k) * s, y)                (Q4_1, Q5_1, Q4_K, Q5_K: w = d q + m)
 //
-// block after block from y = 0. The K-quants' blocks are their sub-blocks: Q4_K's d is the
-// super-block's d times the sub-block's 6-bit scale and m is -(dmin times its 6-bit min),
-// both exact float32 products (the values the float32 kernel multiplies by); Q6_K's two
+// block after block from y = 0. The super-block types' blocks are their sub-blocks: Q4_K's
+// and Q5_K's d is the super-block's d times the sub-block's 6-bit scale and m is -(dmin times
+// its 6-bit min), IQ4_XS's d is d times (its 6-bit scale - 32), all exact float32 products
+// (the values the float32 kernel multiplies by); Q6_K's two
 // halves of 16 have their own int8 scales, which multiply the halves' dot products in
 // integers, P_h = sc_a P_h,a + sc_b P_h,b (|P_h| < 2^25: exact), and d is the super-block's.
 // So the only roundings are the activations' (as above) and these few per block, where the
@@ -36,16 +38,22 @@
 // The weights in this kernel's layout (int_blocks, made at load from the kernel blocks of
 // gguf_blocks.h; N a multiple of 16, seen as [N, K / 32 * bytes a feature] uint8): output
 // features in groups of 16, group g's units one after the other (a unit: a block of 32
-// weights, Q4_K's and Q6_K's a super-block of 256), a group-unit holding
+// weights; Q4_K's, Q5_K's, Q6_K's and IQ4_XS's a super-block of 256), a group-unit holding
 //   Q4_1: d[16], m[16] as float32, then 4 x 64 bytes: byte 4f + e of vector v is
 //         q_f[8v + e] | q_f[8v + 4 + e] << 4                                     (384 bytes)
 //   Q8_0: d[16] as float32, then 8 x 64 bytes: byte 4f + e of vector t is q_f[4t + e]  (576)
 //   Q4_0: d[16] as float32, then the nibbles (q + 8) as Q4_1's                         (320)
 //   Q5_0: d[16] as float32, the low nibbles of q + 16 as Q4_1's, then 64 bytes of their high
 //         bits: bit i of byte 4f + e belongs to weight 4i + e                        (384)
+//   Q5_1: d[16], m[16] as float32, then the nibbles and fifth bits as Q5_0's          (448)
+//   IQ4_NL: d[16] as float32, then the nibbles (level indices) as Q4_1's              (320)
 //   Q4_K: d[16], dmin[16] as float32, sc[8][16] and m[8][16] (the 6-bit scales and mins,
 //         a byte each, [sub-block][feature]), then each sub-block's nibbles as Q4_1's
 //         (256 bytes each)                                            (2432 bytes: 4.75 bits)
+//   Q5_K: as Q4_K, each sub-block's nibbles followed by its fifth bits as Q5_0's
+//         (320 bytes each)                                            (2944 bytes: 5.75 bits)
+//   IQ4_XS: d[16] as float32, sc[8][16] (int8: the 6-bit scales - 32), then each
+//         sub-block's nibbles as Q4_1's                               (2240 bytes: 4.38 bits)
 //   Q6_K: d[16] as float32, sc[16][16] (int8, [half sub-block][feature]), then per
 //         sub-block of 32 the low nibbles of q + 32 as Q4_1's (256 bytes) and their high two
 //         bits in 2 x 64 bytes: bits 2i, 2i + 1 of byte 4f + e of vector u belong to weight
@@ -295,7 +303,8 @@ template <int64_t QT>
 inline float block_d(const uint8_t* gu, int64_t j, int f) {
   const float d = load_float(gu + 4 * f);
   if constexpr (k4_scales(QT)) return d * static_cast<float>(gu[128 + 16 * j + f]);
-  if constexpr (QT == kIQ4_XS) return d * static_cast<float>(static_cast<int8_t>(gu[64 + 16 * j + f]));
+  if constexpr (QT == kIQ4_XS)
+    return d * static_cast<float>(static_cast<int8_t>(gu[64 + 16 * j + f]));
   return d;
 }
 template <int64_t QT>
@@ -646,7 +655,8 @@ void rows_amx(const Digits& x, int64_t rows, const uint8_t* blocks, int64_t n, f
       for (int64_t b = 0; b < nb; ++b)
         for (int t = 0; t < 8; ++t)
           _mm512_store_si512(wbuf + (b * 8 + t) * 64,
-                             weight_quad<QT>(group + b * int_unit_bytes(QT) + int_weights_offset(QT, 0), t));
+                             weight_quad<QT>(group + b * int_unit_bytes(QT) +
+                                             int_weights_offset(QT, 0), t));
     }
     for (int64_t r0 = 0; r0 < rows; r0 += 16)
       group_amx_rows<QT>(x, r0, std::min<int64_t>(16, rows - r0), group, wbuf, out, n, g);
