@@ -345,16 +345,16 @@ INT24_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K"
                14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS"}
 # ggml type id -> (weights, bytes a feature) of a unit of the integer kernel's layout (a
 # group-unit's bytes over its 16 features: int_linear.cpp's int_unit_bytes / 16).
-INT24_UNITS = {2: (32, 20), 3: (32, 24), 6: (32, 24), 7: (32, 28), 8: (32, 36), 12: (256, 152),
-               13: (256, 184), 14: (256, 212), 20: (32, 20), 23: (256, 140)}
+INT24_UNITS = {2: (32, 20), 3: (32, 20), 6: (32, 24), 7: (32, 24), 8: (32, 36), 12: (256, 148),
+               13: (256, 180), 14: (256, 212), 20: (32, 20), 23: (256, 140)}
 
 
 def int_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """Kernel blocks (``kernel_blocks``, or a ``parts_blocks`` buffer of them) in the integer
     kernel's layout (int_linear.cpp: the output features in groups of 16, four weights of a
-    feature per 32-bit lane; bits a weight: Q4_0 and IQ4_NL 5 where the file has 4.5, Q5_0 6
-    for 5.5, Q5_1 7 for 6, Q4_K 4.75 for 4.5, Q5_K 5.75 for 5.5, Q6_K 6.625 for 6.5625, IQ4_XS
-    4.375 for 4.25, Q4_1 6 and Q8_0 9 as the float32 kernel's)."""
+    feature per 32-bit lane; bits a weight against the file's: Q4_0 and IQ4_NL 5 for 4.5,
+    Q4_1 5 as the file, Q5_0 6 for 5.5, Q5_1 6 as the file, Q8_0 9 for 8.5, Q4_K 4.625 for
+    4.5, Q5_K 5.625 for 5.5, Q6_K 6.625 for 6.5625, IQ4_XS 4.375 for 4.25)."""
     if qtype == KIND_PARTS:
         return parts_blocks([(t, int_blocks(rows, t)) for t, rows in parts_rows(blocks)])
     return torch.ops.freetoken.gguf_int_blocks(blocks, qtype)

@@ -39,19 +39,19 @@
 // gguf_blocks.h; N a multiple of 16, seen as [N, K / 32 * bytes a feature] uint8): output
 // features in groups of 16, group g's units one after the other (a unit: a block of 32
 // weights; Q4_K's, Q5_K's, Q6_K's and IQ4_XS's a super-block of 256), a group-unit holding
-//   Q4_1: d[16], m[16] as float32, then 4 x 64 bytes: byte 4f + e of vector v is
-//         q_f[8v + e] | q_f[8v + 4 + e] << 4                                     (384 bytes)
+//   Q4_1: d[16], m[16] as float16, then 4 x 64 bytes: byte 4f + e of vector v is
+//         q_f[8v + e] | q_f[8v + 4 + e] << 4                                     (320 bytes)
 //   Q8_0: d[16] as float32, then 8 x 64 bytes: byte 4f + e of vector t is q_f[4t + e]  (576)
 //   Q4_0: d[16] as float32, then the nibbles (q + 8) as Q4_1's                         (320)
 //   Q5_0: d[16] as float32, the low nibbles of q + 16 as Q4_1's, then 64 bytes of their high
 //         bits: bit i of byte 4f + e belongs to weight 4i + e                        (384)
-//   Q5_1: d[16], m[16] as float32, then the nibbles and fifth bits as Q5_0's          (448)
+//   Q5_1: d[16], m[16] as float16, then the nibbles and fifth bits as Q5_0's          (384)
 //   IQ4_NL: d[16] as float32, then the nibbles (level indices) as Q4_1's              (320)
-//   Q4_K: d[16], dmin[16] as float32, sc[8][16] and m[8][16] (the 6-bit scales and mins,
+//   Q4_K: d[16], dmin[16] as float16, sc[8][16] and m[8][16] (the 6-bit scales and mins,
 //         a byte each, [sub-block][feature]), then each sub-block's nibbles as Q4_1's
-//         (256 bytes each)                                            (2432 bytes: 4.75 bits)
+//         (256 bytes each)                                           (2368 bytes: 4.625 bits)
 //   Q5_K: as Q4_K, each sub-block's nibbles followed by its fifth bits as Q5_0's
-//         (320 bytes each)                                            (2944 bytes: 5.75 bits)
+//         (320 bytes each)                                           (2880 bytes: 5.625 bits)
 //   IQ4_XS: d[16] as float32, sc[8][16] (int8: the 6-bit scales - 32), then each
 //         sub-block's nibbles as Q4_1's                               (2240 bytes: 4.38 bits)
 //   Q6_K: d[16] as float32, sc[16][16] (int8, [half sub-block][feature]), then per
@@ -118,15 +118,15 @@ constexpr int64_t kIntGroup = 16;  // features of a group-unit
 // Blocks of 32 a unit, and a group-unit's bytes (see above).
 constexpr int64_t unit_blocks(int64_t qt) { return super_blocks(qt) ? 8 : 1; }
 constexpr int64_t int_unit_bytes(int64_t qt) {
-  return qt == kQ4_0 || qt == kIQ4_NL ? 320 : qt == kQ4_1 || qt == kQ5_0 ? 384
-         : qt == kQ5_1 ? 448 : qt == kQ8_0 ? 576 : qt == kQ4_K ? 2432 : qt == kQ5_K ? 2944
-         : qt == kIQ4_XS ? 2240 : 3392;
+  return qt == kQ4_0 || qt == kIQ4_NL || qt == kQ4_1 ? 320 : qt == kQ5_0 || qt == kQ5_1 ? 384
+         : qt == kQ8_0 ? 576 : qt == kQ4_K ? 2368 : qt == kQ5_K ? 2880 : qt == kIQ4_XS ? 2240
+         : 3392;
 }
 // Where block j's weights start in a group-unit.
 constexpr int64_t int_weights_offset(int64_t qt, int64_t j) {
-  return qt == kQ4_1 || qt == kQ5_1 ? 128
-         : qt == kQ4_0 || qt == kQ5_0 || qt == kQ8_0 || qt == kIQ4_NL ? 64
-         : qt == kQ4_K ? 384 + 256 * j : qt == kQ5_K ? 384 + 320 * j
+  return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ5_1 || qt == kQ8_0 ||
+                 qt == kIQ4_NL ? 64
+         : qt == kQ4_K ? 320 + 256 * j : qt == kQ5_K ? 320 + 320 * j
          : qt == kIQ4_XS ? 192 + 256 * j : 320 + 384 * j;
 }
 // A unit's bytes in the kernel blocks the layout is made from (gguf_blocks.h's for Q4_1 and
@@ -301,17 +301,17 @@ inline int32_t weight_int(const uint8_t* gu, int64_t j, int f, int k) {
 // Block j's d and m of feature f (m: Q4_1's, -(dmin * min) for Q4_K, 0 for the others).
 template <int64_t QT>
 inline float block_d(const uint8_t* gu, int64_t j, int f) {
-  const float d = load_float(gu + 4 * f);
-  if constexpr (k4_scales(QT)) return d * static_cast<float>(gu[128 + 16 * j + f]);
+  const float d = with_min(QT) ? half_to_float(gu + 2 * f) : load_float(gu + 4 * f);
+  if constexpr (k4_scales(QT)) return d * static_cast<float>(gu[64 + 16 * j + f]);
   if constexpr (QT == kIQ4_XS)
     return d * static_cast<float>(static_cast<int8_t>(gu[64 + 16 * j + f]));
   return d;
 }
 template <int64_t QT>
 inline float block_m(const uint8_t* gu, int64_t j, int f) {
-  if constexpr (QT == kQ4_1 || QT == kQ5_1) return load_float(gu + 64 + 4 * f);
+  if constexpr (QT == kQ4_1 || QT == kQ5_1) return half_to_float(gu + 32 + 2 * f);
   if constexpr (k4_scales(QT))
-    return -(load_float(gu + 64 + 4 * f) * static_cast<float>(gu[256 + 16 * j + f]));
+    return -(half_to_float(gu + 32 + 2 * f) * static_cast<float>(gu[192 + 16 * j + f]));
   return 0.f;
 }
 
@@ -362,9 +362,12 @@ void rows_scalar(const Digits& x, int64_t rows, const uint8_t* blocks, int64_t l
 // Block j's d and m of the 16 features (block_d, block_m lane by lane).
 template <int64_t QT>
 inline __m512 block_d16(const uint8_t* gu, int64_t j) {
-  const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(gu));
+  // (The types with a min keep d and m as float16: one conversion a block.)
+  const __m512 d = with_min(QT)
+      ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gu)))
+      : _mm512_loadu_ps(reinterpret_cast<const float*>(gu));
   if constexpr (k4_scales(QT)) {
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + 128 + 16 * j));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + 64 + 16 * j));
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
   }
   if constexpr (QT == kIQ4_XS) {
@@ -375,9 +378,9 @@ inline __m512 block_d16(const uint8_t* gu, int64_t j) {
 }
 template <int64_t QT>
 inline __m512 block_m16(const uint8_t* gu, int64_t j) {
-  const __m512 m = _mm512_loadu_ps(reinterpret_cast<const float*>(gu) + 16);
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gu + 32)));
   if constexpr (k4_scales(QT)) {
-    const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + 256 + 16 * j));
+    const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + 192 + 16 * j));
     // -(dmin * min): a product and a sign, as block_m.
     return _mm512_xor_ps(_mm512_set1_ps(-0.f),
                          _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))));
@@ -737,18 +740,22 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
                 static_cast<uint8_t>(bit << (k / 4));
           };
           if constexpr (QT == kQ4_1) {
-            std::memcpy(gu + 4 * f, unit, 4);
-            std::memcpy(gu + 64 + 4 * f, unit + 4, 4);
+            // (The kernel blocks' d and m are float16 values widened: narrowed back exactly.)
+            for (int i = 0; i < 2; ++i) {
+              const uint16_t h = c10::Half(load_float(unit + 4 * i)).x;
+              std::memcpy(gu + 32 * i + 2 * f, &h, 2);
+            }
             for (int k = 0; k < kBlock; ++k)
               put_nibble(0, k, k < 16 ? (unit[8 + k] & 0x0F) : (unit[8 + k - 16] >> 4));
           } else if constexpr (QT == kQ4_0 || QT == kQ5_0 || QT == kQ5_1 || QT == kIQ4_NL) {
             // Q4_0, IQ4_NL: d@0, qs[16]@2; Q5_0: d@0, qh[4]@2, qs[16]@6; Q5_1: d@0, m@2,
             // qh[4]@4, qs[16]@8 (gguf_types.h).
-            const float d = half_to_float(unit);
-            std::memcpy(gu + 4 * f, &d, 4);
             if constexpr (QT == kQ5_1) {
-              const float m = half_to_float(unit + 2);
-              std::memcpy(gu + 64 + 4 * f, &m, 4);
+              std::memcpy(gu + 2 * f, unit, 2);
+              std::memcpy(gu + 32 + 2 * f, unit + 2, 2);
+            } else {
+              const float d = half_to_float(unit);
+              std::memcpy(gu + 4 * f, &d, 4);
             }
             const int qh_at = QT == kQ5_0 ? 2 : 4;
             const uint8_t* qs = unit + (QT == kQ5_0 ? 6 : QT == kQ5_1 ? 8 : 2);
@@ -766,15 +773,14 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
           } else if constexpr (k4_scales(QT)) {
             // Q4_K: d@0, dmin@2, scales[12]@4, qs[128]@16; Q5_K: qh[32]@16, qs[128]@48, bit j
             // of qh[k] the fifth of sub-block j's weight k (gguf_types.h).
-            const float d = half_to_float(unit), dmin = half_to_float(unit + 2);
-            std::memcpy(gu + 4 * f, &d, 4);
-            std::memcpy(gu + 64 + 4 * f, &dmin, 4);
+            std::memcpy(gu + 2 * f, unit, 2);        // d
+            std::memcpy(gu + 32 + 2 * f, unit + 2, 2);  // dmin
             const uint8_t* qs = unit + (QT == kQ4_K ? 16 : 48);
             for (int j = 0; j < 8; ++j) {
               int sc, mn;
               types::detail::scale_min_k4(unit + 4, j, sc, mn);
-              gu[128 + 16 * j + f] = static_cast<uint8_t>(sc);
-              gu[256 + 16 * j + f] = static_cast<uint8_t>(mn);
+              gu[64 + 16 * j + f] = static_cast<uint8_t>(sc);
+              gu[192 + 16 * j + f] = static_cast<uint8_t>(mn);
               for (int k = 0; k < kBlock; ++k) {
                 put_nibble(j, k, (qs[32 * (j / 2) + k] >> (4 * (j % 2))) & 15);
                 if constexpr (QT == kQ5_K) put_fifth(j, k, (unit[16 + k] >> j) & 1);
