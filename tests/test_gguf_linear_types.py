@@ -21,7 +21,7 @@ from freetoken_core.models.linear import NATIVE_UNITS, kernel_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no native kernels")
 
-TYPES = sorted(GGUF_TYPES)  # the files' types (NATIVE_UNITS adds Q4_1_WIDE)
+TYPES = sorted(GGUF_TYPES)
 
 
 def _case(qtype: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
