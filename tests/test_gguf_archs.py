@@ -37,6 +37,14 @@ from gguf_reference import hf_from_gguf
 
 from freetoken_core import LLM, SamplingParams
 from freetoken_core.errors import ModelLoadError
+from freetoken_core.kernels import cpu_kernels_available
+from freetoken_core.models.linear import (
+    ACTIVATIONS_INT24,
+    INT24_TYPES,
+    KIND_PARTS,
+    int_linear_available,
+    parts_types,
+)
 
 PROMPTS = [
     "Hello world, this is",
@@ -86,6 +94,15 @@ def test_greedy_matches_transformers_gguf_loader(gguf_model: tuple[str, Path]) -
     model = llm.engine.core.runner.model
     assert model.config.architecture == arch
     assert model.uses_gguf_blocks  # computed from the file's blocks, not a float32 copy
+    if cpu_kernels_available() and int_linear_available():
+        # The default arithmetic there: every linear of the int24 kernel's types (each
+        # part's, for a linear of parts) is on it, the others (F16, Q3_K, ...) are not.
+        for lin in [lin for layer in model.layers for lin in layer.linears] + [model.lm_head]:
+            qtype, blocks = lin.blocks
+            kernel_type = qtype & ~ACTIVATIONS_INT24
+            types = parts_types(blocks) if kernel_type == KIND_PARTS else [kernel_type]
+            expected = all(t in INT24_TYPES for t in types) and lin.out_features % 16 == 0
+            assert bool(qtype & ACTIVATIONS_INT24) == expected, (arch, types)
     prompts = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20,
                                                 ignore_eos=True))
@@ -110,9 +127,6 @@ def test_greedy_matches_transformers_gguf_loader(gguf_model: tuple[str, Path]) -
 def test_q4_k_on_the_int24_kernel_is_exact_too(tmp_path: Path) -> None:
     """``--activations int24`` computes Q4_K (and the Q6_K of a Q4_K_M mix) in the integer
     kernel: greedy tokens still equal transformers'."""
-    from freetoken_core.kernels import cpu_kernels_available
-    from freetoken_core.models.linear import int_linear_available
-
     if not (cpu_kernels_available() and int_linear_available()):
         pytest.skip("no int24 kernel on this CPU")
     path = write_gguf(tmp_path / "q4k.gguf", "llama", seed=3, **CASES["llama"])

@@ -597,3 +597,27 @@ def test_int24_blocks_need_whole_groups_of_16_features() -> None:
     raw = torch.zeros(40, 24, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         torch.ops.freetoken.gguf_int_blocks(raw, 3)
+
+
+@needs_int24
+def test_int24_linear_of_parts_is_its_parts_side_by_side() -> None:
+    """A linear of parts of different types (a Q4_K_M q/k/v: Q4_K q and k, Q6_K v) on the
+    int24 kernel gives each part's own outputs, side by side; a header that does not fit its
+    output is refused with a message, not read past."""
+    from freetoken_core.models.linear import KIND_PARTS, int_blocks, parts_blocks
+
+    k = 512
+    cases = [int24_case(qtype, n, k, seed) for qtype, n, seed in ((12, 64, 1), (12, 32, 2),
+                                                                   (14, 32, 3))]
+    types = [12, 12, 14]
+    kernel_parts = parts_blocks([(t, kernel) for t, (_, _, kernel) in zip(types, cases)])
+    blocks = int_blocks(kernel_parts, KIND_PARTS)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(4))
+    whole = run_int24(x, blocks, KIND_PARTS, 128)
+    singles = [run_int24(x, b, t, b.shape[0]) for t, (b, _, _) in zip(types, cases)]
+    assert torch.equal(whole, torch.cat(singles, dim=1))
+    assert torch.equal(run_int24(x, blocks, KIND_PARTS, 128, mode=1), whole)
+    with pytest.raises(RuntimeError, match="features"):
+        run_int24(x, blocks, KIND_PARTS, 96)
+    with pytest.raises(RuntimeError, match="not a type of the int24 kernel"):
+        run_int24(x, cases[0][0], 1, 64)  # F16

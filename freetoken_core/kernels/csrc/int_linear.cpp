@@ -378,6 +378,7 @@ inline __m512 block_d16(const uint8_t* gu, int64_t j) {
 }
 template <int64_t QT>
 inline __m512 block_m16(const uint8_t* gu, int64_t j) {
+  if constexpr (!with_min(QT)) return _mm512_setzero_ps();  // (not read: no m term)
   const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gu + 32)));
   if constexpr (k4_scales(QT)) {
     const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + 192 + 16 * j));
