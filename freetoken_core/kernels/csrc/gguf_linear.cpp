@@ -675,23 +675,15 @@ void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, a
     // v has another type than q and k): `blocks` is [1, bytes], a header of int64 values
     // (kParts, part count, then per part: type, features, row bytes, byte offset of its
     // blocks) and each part's blocks in the kernels' layout (linear.parts_blocks).
-    TORCH_CHECK(blocks.size(0) == 1 && blocks.size(1) >= 16, "gguf_linear: bad parts blocks");
     const uint8_t* base = blocks.data_ptr<uint8_t>();
-    int64_t head[2];
-    std::memcpy(head, base, sizeof head);
-    TORCH_CHECK(head[0] == kParts && head[1] >= 1 && blocks.size(1) >= 16 + 32 * head[1],
-                "gguf_linear: bad parts header");
     int64_t col = 0;
-    for (int64_t p = 0; p < head[1]; ++p) {
-      int64_t part[4];
-      std::memcpy(part, base + 16 + 32 * p, sizeof part);
-      const int64_t type = part[0], n = part[1], row_bytes = part[2], offset = part[3];
-      TORCH_CHECK(k % kernel_unit_weights(type) == 0 &&
-                  row_bytes == k / kernel_unit_weights(type) * kernel_unit_bytes(type) &&
-                  offset + n * row_bytes <= blocks.size(1),
-                  "gguf_linear: a part's blocks do not fit K or the buffer");
-      linear_part(xp, rows, k, base + offset, n, row_bytes, type, op + col, out.size(1));
-      col += n;
+    for (const LinearPart& p : linear_parts(blocks, "gguf_linear")) {
+      TORCH_CHECK(k % kernel_unit_weights(p.type) == 0 &&
+                  p.row_bytes == k / kernel_unit_weights(p.type) * kernel_unit_bytes(p.type),
+                  "gguf_linear: a part's blocks do not fit K");
+      linear_part(xp, rows, k, base + p.offset, p.n, p.row_bytes, p.type, op + col,
+                  out.size(1));
+      col += p.n;
     }
     TORCH_CHECK(col == out.size(1), "gguf_linear: the parts' features do not fill out");
     return;

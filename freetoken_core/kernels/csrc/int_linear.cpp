@@ -891,30 +891,11 @@ void gguf_linear_int(const at::Tensor& x, const at::Tensor& blocks, int64_t qtyp
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.dim() == 2,
               "gguf_linear_int: blocks must be a contiguous uint8 tensor");
   const int64_t k = x.size(1), ldo = out.size(1), rows = x.size(0);
-  // The parts: (type, features, offset of the blocks, bytes a feature).
-  struct Part {
-    int64_t type, n, offset, row_bytes;
-  };
-  std::vector<Part> parts;
-  if (qtype == kParts) {
-    TORCH_CHECK(blocks.size(0) == 1 && blocks.size(1) >= 16, "gguf_linear_int: bad parts blocks");
-    const uint8_t* base = blocks.data_ptr<uint8_t>();
-    int64_t head[2];
-    std::memcpy(head, base, sizeof head);
-    TORCH_CHECK(head[0] == kParts && head[1] >= 1 && blocks.size(1) >= 16 + 32 * head[1],
-                "gguf_linear_int: bad parts header");
-    for (int64_t p = 0; p < head[1]; ++p) {
-      int64_t part[4];
-      std::memcpy(part, base + 16 + 32 * p, sizeof part);
-      parts.push_back({part[0], part[1], part[3], part[2]});
-      TORCH_CHECK(part[3] + part[1] * part[2] <= blocks.size(1),
-                  "gguf_linear_int: a part's blocks do not fit the buffer");
-    }
-  } else {
-    parts.push_back({qtype, blocks.size(0), 0, blocks.size(1)});
-  }
+  const std::vector<LinearPart> parts =
+      qtype == kParts ? linear_parts(blocks, "gguf_linear_int")
+                      : std::vector<LinearPart>{{qtype, blocks.size(0), blocks.size(1), 0}};
   int64_t col = 0;
-  for (const Part& p : parts) {
+  for (const LinearPart& p : parts) {
     TORCH_CHECK(int_type(p.type), "gguf_linear_int: ggml type ", p.type,
                 " is not a type of the int24 kernel");
     TORCH_CHECK(k % (kBlock * unit_blocks(p.type)) == 0, "gguf_linear_int: K must be a multiple "
@@ -931,7 +912,7 @@ void gguf_linear_int(const at::Tensor& x, const at::Tensor& blocks, int64_t qtyp
   thread_local Digits digits;
   make_digits(x.data_ptr<float>(), rows, k, digits, mode == 1);
   col = 0;
-  for (const Part& p : parts) {
+  for (const LinearPart& p : parts) {
     const uint8_t* bp = blocks.data_ptr<uint8_t>() + p.offset;
     float* op = out.data_ptr<float>() + col;
     int_dispatch(p.type, [&](auto qt) {

@@ -4,6 +4,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstring>
+#include <vector>
+
 namespace freetoken {
 
 void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, at::Tensor out);
@@ -15,6 +18,35 @@ constexpr int64_t kActivationsQ8 = 1 << 8;
 constexpr int64_t kActivationsInt24 = 1 << 9;
 // gguf_linear's type id of a linear made of parts of different types (linear.parts_blocks).
 constexpr int64_t kParts = 1 << 10;
+
+// One part of such a linear: its ggml type, output features, bytes a feature, and where its
+// blocks start in the buffer.
+struct LinearPart {
+  int64_t type, n, row_bytes, offset;
+};
+
+// The parts of a kParts buffer (`blocks` [1, bytes]: a header of int64 values, kParts, the
+// part count, then per part its type, features, row bytes and byte offset; each part's blocks
+// in its kernel's layout), each checked to lie inside the buffer; `op` names the caller in
+// the errors.
+inline std::vector<LinearPart> linear_parts(const at::Tensor& blocks, const char* op) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.size(0) == 1 && blocks.size(1) >= 16, op,
+              ": bad parts blocks");
+  const uint8_t* base = blocks.data_ptr<uint8_t>();
+  int64_t head[2];
+  std::memcpy(head, base, sizeof head);
+  TORCH_CHECK(head[0] == kParts && head[1] >= 1 && blocks.size(1) >= 16 + 32 * head[1], op,
+              ": bad parts header");
+  std::vector<LinearPart> parts;
+  for (int64_t p = 0; p < head[1]; ++p) {
+    int64_t v[4];
+    std::memcpy(v, base + 16 + 32 * p, sizeof v);
+    TORCH_CHECK(v[1] >= 0 && v[2] >= 0 && v[3] >= 0 && v[3] + v[1] * v[2] <= blocks.size(1), op,
+                ": a part's blocks do not fit the buffer");
+    parts.push_back({v[0], v[1], v[2], v[3]});
+  }
+  return parts;
+}
 // The integer-arithmetic exact kernel of CPUs with AVX-512 VNNI (int_linear.cpp): its weight
 // layout, made from the kernel blocks, and the product (mode 1: the scalar reference).
 bool int_linear_available();

@@ -1214,29 +1214,19 @@ void gguf_linear_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype
   const uint8_t* base = blocks.data_ptr<uint8_t>();
   if (qtype == kParts) {
     // A linear of parts of different types side by side in the output (gguf_linear's
-    // header: kParts, part count, then per part type, features, row bytes, byte offset).
-    TORCH_CHECK(blocks.size(0) == 1 && blocks.size(1) >= 16, "gguf_linear_q8: bad parts blocks");
-    int64_t head[2];
-    std::memcpy(head, base, sizeof head);
-    TORCH_CHECK(head[0] == kParts && head[1] >= 1 && blocks.size(1) >= 16 + 32 * head[1],
-                "gguf_linear_q8: bad parts header");
+    // header: ops.h linear_parts).
+    const std::vector<LinearPart> parts = linear_parts(blocks, "gguf_linear_q8");
     int64_t col = 0;
-    for (int64_t p = 0; p < head[1]; ++p) {
-      int64_t part[4];
-      std::memcpy(part, base + 16 + 32 * p, sizeof part);
-      check_part(part[0], k, part[2]);
-      TORCH_CHECK(part[3] + part[1] * part[2] <= blocks.size(1),
-                  "gguf_linear_q8: a part's blocks do not fit the buffer");
-      col += part[1];
+    for (const LinearPart& p : parts) {
+      check_part(p.type, k, p.row_bytes);
+      col += p.n;
     }
     TORCH_CHECK(col == out.size(1), "gguf_linear_q8: the parts' features do not fill out");
     if (rows == 0) return;
     col = 0;
-    for (int64_t p = 0; p < head[1]; ++p) {
-      int64_t part[4];
-      std::memcpy(part, base + 16 + 32 * p, sizeof part);
-      q8_part(a, base + part[3], part[1], part[2], part[0], op + col, out.size(1));
-      col += part[1];
+    for (const LinearPart& p : parts) {
+      q8_part(a, base + p.offset, p.n, p.row_bytes, p.type, op + col, out.size(1));
+      col += p.n;
     }
     return;
   }
