@@ -554,6 +554,7 @@ def test_int24_paths_compute_the_same_floats_whatever_the_row_count(qtype: int) 
     for rows in (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33, 100):
         assert torch.equal(run_int24(x[:rows], blocks, qtype, n), alone[:rows]), rows
     assert run_int24(x[:0], blocks, qtype, n).shape == (0, n)
+    assert blocks.shape == (n, torch.ops.freetoken.gguf_int_row_bytes(qtype, k))
 
 
 @needs_int24
@@ -604,7 +605,7 @@ def test_int24_linear_of_parts_is_its_parts_side_by_side() -> None:
     """A linear of parts of different types (a Q4_K_M q/k/v: Q4_K q and k, Q6_K v) on the
     int24 kernel gives each part's own outputs, side by side; a header that does not fit its
     output is refused with a message, not read past."""
-    from freetoken_core.models.linear import KIND_PARTS, int_blocks, parts_blocks
+    from freetoken_core.models.linear import KIND_PARTS, int_blocks, int_shape, parts_blocks
 
     k = 512
     cases = [int24_case(qtype, n, k, seed) for qtype, n, seed in ((12, 64, 1), (12, 32, 2),
@@ -616,6 +617,7 @@ def test_int24_linear_of_parts_is_its_parts_side_by_side() -> None:
     whole = run_int24(x, blocks, KIND_PARTS, 128)
     singles = [run_int24(x, b, t, b.shape[0]) for t, (b, _, _) in zip(types, cases)]
     assert torch.equal(whole, torch.cat(singles, dim=1))
+    assert tuple(blocks.shape) == int_shape(KIND_PARTS, kernel_parts, k)
     assert torch.equal(run_int24(x, blocks, KIND_PARTS, 128, mode=1), whole)
     with pytest.raises(RuntimeError, match="features"):
         run_int24(x, blocks, KIND_PARTS, 96)

@@ -343,10 +343,6 @@ class Embedding:
 # The ggml types the integer kernel computes with (int_linear.cpp), by name for messages.
 INT24_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
                14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS"}
-# ggml type id -> (weights, bytes a feature) of a unit of the integer kernel's layout (a
-# group-unit's bytes over its 16 features: int_linear.cpp's int_unit_bytes / 16).
-INT24_UNITS = {2: (32, 20), 3: (32, 20), 6: (32, 24), 7: (32, 24), 8: (32, 36), 12: (256, 148),
-               13: (256, 180), 14: (256, 212), 20: (32, 20), 23: (256, 140)}
 
 
 def int_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -361,10 +357,10 @@ def int_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 def int_shape(qtype: int, blocks: torch.Tensor, in_features: int) -> tuple[int, int]:
-    """The shape ``int_blocks`` gives these kernel blocks of a linear of ``in_features``."""
+    """The shape ``int_blocks`` gives these kernel blocks of a linear of ``in_features``
+    (the kernel's bytes a feature, ``gguf_int_row_bytes``)."""
     def row_bytes(t: int) -> int:
-        weights, size = INT24_UNITS[t]
-        return in_features // weights * size
+        return int(torch.ops.freetoken.gguf_int_row_bytes(t, in_features))
 
     if qtype == KIND_PARTS:
         return 1, _parts_offsets([rows.shape[0] * row_bytes(t)

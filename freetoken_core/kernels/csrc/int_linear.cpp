@@ -838,7 +838,7 @@ void int_dispatch(int64_t qtype, F&& f) {
   }
 }
 
-// A weight's bytes a feature in this layout, for K inputs.
+// A weight's bytes a feature in this layout, for K inputs (K whole units).
 int64_t int_row_bytes(int64_t qtype, int64_t k) {
   return k / kBlock / unit_blocks(qtype) * int_unit_bytes(qtype) / kIntGroup;
 }
@@ -853,6 +853,14 @@ bool int_linear_available() {
 #else
   return false;
 #endif
+}
+
+int64_t gguf_int_row_bytes(int64_t qtype, int64_t k) {
+  TORCH_CHECK(int_type(qtype), "gguf_int_row_bytes: ggml type ", qtype,
+              " is not a type of the int24 kernel");
+  TORCH_CHECK(k > 0 && k % (kBlock * unit_blocks(qtype)) == 0, "gguf_int_row_bytes: K must be "
+              "a positive multiple of ", kBlock * unit_blocks(qtype), " for ggml type ", qtype);
+  return int_row_bytes(qtype, k);
 }
 
 at::Tensor gguf_int_blocks(const at::Tensor& blocks, int64_t qtype) {
@@ -931,6 +939,7 @@ void gguf_linear_int(const at::Tensor& x, const at::Tensor& blocks, int64_t qtyp
 
 TORCH_LIBRARY_FRAGMENT(freetoken, m) {
   m.def("gguf_int_blocks(Tensor blocks, int qtype) -> Tensor", &freetoken::gguf_int_blocks);
+  m.def("gguf_int_row_bytes(int qtype, int k) -> int", &freetoken::gguf_int_row_bytes);
   m.def("gguf_linear_int(Tensor x, Tensor blocks, int qtype, Tensor(a!) out, int mode=0) -> ()",
         &freetoken::gguf_linear_int);
   m.def("int_linear_available() -> bool", &freetoken::int_linear_available);

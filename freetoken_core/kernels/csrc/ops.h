@@ -51,6 +51,8 @@ inline std::vector<LinearPart> linear_parts(const at::Tensor& blocks, const char
 // layout, made from the kernel blocks, and the product (mode 1: the scalar reference).
 bool int_linear_available();
 at::Tensor gguf_int_blocks(const at::Tensor& blocks, int64_t qtype);
+// Bytes a feature of a weight of K inputs in that layout (gguf_int_blocks' columns).
+int64_t gguf_int_row_bytes(int64_t qtype, int64_t k);
 void gguf_linear_int(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, at::Tensor out,
                      int64_t mode = 0);
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, double eps);
