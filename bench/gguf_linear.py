@@ -34,7 +34,8 @@ def main() -> None:
     from gguf.constants import GGMLQuantizationType
 
     from freetoken_core.kernels import cpu_kernels_available
-    from freetoken_core.models.linear import Linear, int_blocks, int_linear_available
+    from freetoken_core.models.block_layout import int_blocks, int_linear_available
+    from freetoken_core.models.linear import Linear
 
     assert cpu_kernels_available(), "the native kernels could not be built"
     torch.manual_seed(0)

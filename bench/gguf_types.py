@@ -51,8 +51,7 @@ def main() -> None:
     from gguf_models import random_blocks
 
     from freetoken_core.kernels import cpu_kernels_available
-    from freetoken_core.models.gguf_weights import GGUF_TYPES
-    from freetoken_core.models.linear import (
+    from freetoken_core.models.block_layout import (
         INT24_TYPES,
         NATIVE_UNITS,
         Q8_ACTIVATION_TYPES,
@@ -61,6 +60,7 @@ def main() -> None:
         kernel_blocks,
         q8_blocks,
     )
+    from freetoken_core.models.gguf_weights import GGUF_TYPES
 
     assert cpu_kernels_available(), "the native kernels could not be built"
     shape = SHAPES[args.shape]

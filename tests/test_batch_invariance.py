@@ -145,7 +145,7 @@ def linear_types(llm: LLM) -> set[int]:
 
 
 def test_the_default_arithmetic_is_int24_where_the_cpu_has_it(llm: LLM) -> None:
-    from freetoken_core.models.linear import ACTIVATIONS_INT24, int_linear_available
+    from freetoken_core.models.block_layout import ACTIVATIONS_INT24, int_linear_available
 
     flags = {t & ACTIVATIONS_INT24 for t in linear_types(llm)}
     assert flags == ({ACTIVATIONS_INT24} if int_linear_available() else {0})
@@ -156,7 +156,7 @@ def test_each_exact_kernel_holds_seeds(mode: str) -> None:
     """Both exact kernels, whichever ``auto`` picks on this CPU: a seeded request draws the
     same tokens, with the same logprobs, alone and among 8 others (its prompt cut into
     chunks)."""
-    from freetoken_core.models.linear import ACTIVATIONS_INT24, int_linear_available
+    from freetoken_core.models.block_layout import ACTIVATIONS_INT24, int_linear_available
 
     if mode == "int24" and not int_linear_available():
         pytest.skip("the int24 kernel needs AVX-512 VNNI")

@@ -38,7 +38,7 @@ from gguf_reference import hf_from_gguf
 from freetoken_core import LLM, SamplingParams
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.kernels import cpu_kernels_available
-from freetoken_core.models.linear import (
+from freetoken_core.models.block_layout import (
     ACTIVATIONS_INT24,
     INT24_TYPES,
     KIND_PARTS,

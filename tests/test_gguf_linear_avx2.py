@@ -46,7 +46,7 @@ sys.path.insert(0, sys.argv[3])
 from gguf_models import random_blocks  # noqa: E402
 
 from freetoken_core.models.gguf_weights import GGUF_TYPES  # noqa: E402
-from freetoken_core.models.linear import NATIVE_UNITS, kernel_blocks
+from freetoken_core.models.block_layout import NATIVE_UNITS, kernel_blocks
 
 failed = []
 for qtype in sorted(GGUF_TYPES):
@@ -73,7 +73,7 @@ for qtype in sorted(GGUF_TYPES):
 # The 8-bit-activation kernel's AVX2 path (the lanes layout through vpmaddubsw): against the
 # float64 product of the activations as the kernel rounds them (as test_q8_linear_types
 # checks the main build), and the same bits for a row alone as among others.
-from freetoken_core.models.linear import q8_blocks  # noqa: E402
+from freetoken_core.models.block_layout import q8_blocks  # noqa: E402
 
 for qtype in (2, 3, 6, 8, 12, 13, 14):
     run = 256 if qtype in (12, 13, 14) else 32

@@ -16,8 +16,8 @@ from gguf.quants import dequantize
 from gguf_models import random_blocks
 
 from freetoken_core.kernels import cpu_kernels_available
+from freetoken_core.models.block_layout import NATIVE_UNITS, kernel_blocks
 from freetoken_core.models.gguf_weights import GGUF_TYPES
-from freetoken_core.models.linear import NATIVE_UNITS, kernel_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no native kernels")
 
@@ -64,7 +64,7 @@ def test_gguf_linear_names_a_row_width_that_is_not_whole_units() -> None:
 def test_a_linear_of_parts_of_different_types_is_their_outputs_side_by_side() -> None:
     """A fused q/k/v of Q4_K q and k and a Q6_K v (a Q4_K_M file's): one linear of parts
     gives each part's own floats, in order, at every row count."""
-    from freetoken_core.models.linear import KIND_PARTS, parts_blocks, parts_features
+    from freetoken_core.models.block_layout import KIND_PARTS, parts_blocks, parts_features
 
     k = 512
     parts = [(12, 64), (12, 32), (14, 32)]

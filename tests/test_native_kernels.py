@@ -17,14 +17,14 @@ from freetoken_core.engine.sampler import counter_uniform
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models import llama
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
-from freetoken_core.models.layers import add_rms_norm, apply_rope, rms_norm, silu_and_mul
-from freetoken_core.models.linear import (
+from freetoken_core.models.block_layout import (
     GGUF_BLOCK_TYPES,
     KERNEL_GROUP,
     interleave_blocks,
     kernel_blocks,
     narrow_scales,
 )
+from freetoken_core.models.layers import add_rms_norm, apply_rope, rms_norm, silu_and_mul
 
 DISABLED = os.environ.get("FREETOKEN_NATIVE_KERNELS", "1").lower() in ("0", "false", "no", "off")
 pytestmark = pytest.mark.skipif(DISABLED, reason="FREETOKEN_NATIVE_KERNELS=0")
@@ -605,7 +605,7 @@ def test_int24_linear_of_parts_is_its_parts_side_by_side() -> None:
     """A linear of parts of different types (a Q4_K_M q/k/v: Q4_K q and k, Q6_K v) on the
     int24 kernel gives each part's own outputs, side by side; a header that does not fit its
     output is refused with a message, not read past."""
-    from freetoken_core.models.linear import KIND_PARTS, int_blocks, int_shape, parts_blocks
+    from freetoken_core.models.block_layout import KIND_PARTS, int_blocks, int_shape, parts_blocks
 
     k = 512
     cases = [int24_case(qtype, n, k, seed) for qtype, n, seed in ((12, 64, 1), (12, 32, 2),

@@ -17,7 +17,7 @@ from gguf.quants import dequantize
 from gguf_models import random_blocks
 
 from freetoken_core.kernels import cpu_kernels_available
-from freetoken_core.models.linear import KIND_PARTS, kernel_blocks, parts_blocks, q8_blocks
+from freetoken_core.models.block_layout import KIND_PARTS, kernel_blocks, parts_blocks, q8_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no native kernels")
 
@@ -118,7 +118,7 @@ def test_a_q4_k_m_model_switches_the_linears_that_have_an_8_bit_kernel(tmp_path)
     from gguf_models import Q3_K, Q4_K, Q6_K, write_gguf
 
     from freetoken_core import LLM, SamplingParams
-    from freetoken_core.models.linear import ACTIVATIONS_Q8
+    from freetoken_core.models.block_layout import ACTIVATIONS_Q8
 
     path = write_gguf(tmp_path / "mix.gguf", "llama", hidden=256, layers=2, heads=4,
                       kv_heads=2, ff=512, weight_type=Q4_K,

@@ -20,8 +20,8 @@ from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.scheduler import Scheduler
 from freetoken_core.engine.tensor_parallel import TensorParallelGroup, start_group
 from freetoken_core.errors import InvalidRequest, ModelLoadError
+from freetoken_core.models.block_layout import INT24_TYPES
 from freetoken_core.models.config import ModelConfig
-from freetoken_core.models.linear import INT24_TYPES
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.loader import load_model, return_freed_memory
 from freetoken_core.models.resolve import gguf_source, resolve_model

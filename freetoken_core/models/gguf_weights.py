@@ -4,7 +4,7 @@
 against its type and shape before anything is allocated, and hands each 2-d weight to the
 model as a :class:`GGUFWeight`: the file's blocks of that tensor, under its Hugging Face
 name, rows in Hugging Face order. The model keeps them as they are (in the native kernels'
-layout, ``linear.kernel_blocks``: the same bytes, interleaved) and never makes a float32
+layout, ``block_layout.kernel_blocks``: the same bytes, interleaved) and never makes a float32
 copy; 1-d tensors (norms, biases) become small float32 tensors. Once the model is built
 nothing refers to the mapping any more and its pages leave the process: peak RSS is the
 model's blocks plus the KV cache and activations (docs/operations.md).

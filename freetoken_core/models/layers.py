@@ -1,5 +1,5 @@
 """Building blocks of the native models: RMSNorm, RoPE, gated activations (the linears and
-their GGUF blocks are ``linear.py``'s)."""
+their GGUF blocks are ``linear.py``'s and ``block_layout.py``'s)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Linear layers of the native models and the GGUF blocks they compute from: the kernels'
-block layout (widened Q4_1 scales, interleaved features), the huge-page arena the blocks are
-laid into at load, linears of several block types side by side, the embedding decoded from
-blocks, and ``Linear`` itself (GGUF blocks, oneDNN-packed float32, or ``F.linear``)."""
+"""Linear layers of the native models and the GGUF blocks they compute from: the huge-page
+arena the blocks are laid into at load, linears of several block types side by side, the
+embedding decoded from blocks, and ``Linear`` itself (GGUF blocks, oneDNN-packed float32, or
+``F.linear``). The blocks' layouts are ``block_layout``'s."""
 
 from __future__ import annotations
 
@@ -14,19 +14,17 @@ import torch.nn.functional as F
 
 from freetoken_core import hugepages
 from freetoken_core.errors import ModelLoadError
-from freetoken_core.models.gguf_weights import GGUF_TYPES, GGUFWeight
-
-# ggml type id -> bytes per block of 32 weights in the file, for Q4_1 and Q8_0, the types
-# the integer and 8-bit-activation kernels compute with too (int_linear.cpp, q8_linear.cpp).
-GGUF_BLOCK_TYPES: dict[int, int] = {3: 20, 8: 34}  # Q4_1, Q8_0
-
-# ggml type id -> (weights, bytes) of a unit of the kernels' layout as the file stores it,
-# for every type the float32 linear kernel computes with (gguf_linear.cpp, gguf_types.h):
-# the file's blocks, and for F32 / F16 / BF16 runs of 32 values.
-NATIVE_UNITS: dict[int, tuple[int, int]] = {
-    qtype: (32, 32 * size) if block == 1 else (block, size)
-    for qtype, (_, block, size) in GGUF_TYPES.items()
-}
+from freetoken_core.models.block_layout import (
+    ACTIVATIONS_INT24,
+    ACTIVATIONS_Q8,
+    KIND_PARTS,
+    computes_natively,
+    kernel_blocks,
+    kernel_bytes,
+    parts_blocks,
+    parts_features,
+)
+from freetoken_core.models.gguf_weights import GGUFWeight
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -43,179 +41,6 @@ def _can_pack(weight: torch.Tensor) -> bool:
 # a row's output never depends on how many rows share its step. False: the float32 oneDNN
 # GEMM instead (bench/decode_step.py builds a model each way and compares them).
 USE_GGUF_BLOCKS = True
-
-# Set on a linear's ggml type id: the native kernel quantizes the activations to 8 bits per
-# block of 32 (per 256 for the K-quants) and multiplies in integers (gguf_linear_q8; opt-in,
-# `--activations q8`).
-ACTIVATIONS_Q8 = 1 << 8
-
-# The ggml types gguf_linear_q8 computes with (q8_linear.cpp): Q4_0, Q4_1, Q5_0, Q8_0, Q4_K,
-# Q6_K, and Q5_K where the kernels have AVX2 (``q8_linear_supports``), by name for messages.
-Q8_ACTIVATION_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
-                       14: "Q6_K"}
-
-# Set on a linear's ggml type id: the blocks are in the integer kernel's layout
-# (``int_blocks``), and gguf_linear_int computes from them: the activations in 24-bit fixed
-# point per block of 32, exact integer dot products (``--activations int24``; the default
-# where the CPU has AVX-512 VNNI).
-ACTIVATIONS_INT24 = 1 << 9
-
-
-# gguf_linear's type id of a linear of parts of different block types (ops.h kParts): a
-# fused q/k/v whose v has another type than q and k, as Q4_K_M files have it.
-KIND_PARTS = 1 << 10
-
-
-def parts_blocks(parts: list[tuple[int, torch.Tensor]], arena: BlockArena | None = None
-                 ) -> torch.Tensor:
-    """uint8 ``[1, bytes]``: the kernel-layout blocks of ``parts`` ((type, blocks) each, in
-    output order) behind a header of int64 values that gguf_linear reads: KIND_PARTS, the
-    part count, then per part its type, features, row bytes and the byte offset of its
-    blocks (each on a cache line)."""
-    offsets, end = _parts_offsets([blocks.numel() for _, blocks in parts])
-    out = (arena.take((1, end)) if arena is not None
-           else torch.zeros((1, end), dtype=torch.uint8))
-    values = [KIND_PARTS, len(parts)]
-    for (qtype, blocks), offset in zip(parts, offsets):
-        values += [qtype, blocks.shape[0], blocks.shape[1], offset]
-        out[0, offset:offset + blocks.numel()] = blocks.reshape(-1)
-    out[0, :8 * len(values)] = torch.tensor(values, dtype=torch.int64).view(torch.uint8)
-    return out
-
-
-def _parts_offsets(sizes: list[int]) -> tuple[list[int], int]:
-    """A ``parts_blocks`` buffer of parts of ``sizes`` bytes: each part's offset, and the
-    buffer's bytes."""
-    offsets, end = [], (16 + 32 * len(sizes) + 63) // 64 * 64
-    for size in sizes:
-        offsets.append(end)
-        end = (end + size + 63) // 64 * 64
-    return offsets, end
-
-
-def parts_rows(blocks: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """A ``parts_blocks`` buffer's parts: (type, its blocks ``[features, row bytes]``, a view
-    of the buffer) each, in order."""
-    count = int(blocks[0, :16].view(torch.int64)[1])
-    values = blocks[0, :16 + 32 * count].view(torch.int64).tolist()
-    parts = []
-    for p in range(count):
-        part_type, n, row_bytes, offset = values[2 + 4 * p:6 + 4 * p]
-        parts.append((part_type, blocks[0, offset:offset + n * row_bytes].view(n, row_bytes)))
-    return parts
-
-
-def parts_types(blocks: torch.Tensor) -> list[int]:
-    """The ggml types of a ``parts_blocks`` buffer's parts, in order."""
-    return [t for t, _ in parts_rows(blocks)]
-
-
-def parts_features(blocks: torch.Tensor) -> int:
-    """The output features of a ``parts_blocks`` buffer: its parts' added up."""
-    count = int(blocks[0, :16].view(torch.int64)[1])
-    values = blocks[0, :16 + 32 * count].view(torch.int64)
-    return int(sum(values[2 + 4 * p + 1] for p in range(count)))
-
-
-# Features per group of the native kernels' block layout (gguf_blocks.h kGroup).
-KERNEL_GROUP = 4
-
-# Bytes of one unit of weights in the native kernels' layout (gguf_blocks.h block_bytes):
-# Q4_1's two float16 scales widened to float32 (4 + 4 + 16 nibble bytes, where the file has
-# 2 + 2 + 16), every other type as in the file (NATIVE_UNITS).
-KERNEL_BLOCK_BYTES = {qtype: size for qtype, (_, size) in NATIVE_UNITS.items()} | {3: 24}
-
-
-def _recast_scales(blocks: torch.Tensor, block_bytes: int, scale_bytes: int,
-                   source: torch.dtype, target: torch.dtype) -> torch.Tensor:
-    """Each ``block_bytes``-byte block's leading ``scale_bytes`` (its scales, of ``source``)
-    rewritten as ``target``, block by block in place of each: the rest of the block as it
-    was, the blocks in the order they were (interleaved or not)."""
-    n = blocks.shape[0]
-    split = blocks.reshape(n, -1, block_bytes)
-    scales = split[:, :, :scale_bytes].contiguous().view(source).to(target)
-    return torch.cat([scales.view(torch.uint8), split[:, :, scale_bytes:]], dim=2).reshape(n, -1)
-
-
-def widen_scales(rows: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Q4_1 blocks with d and m as float32 (the same values: every float16 is a float32),
-    ``[out, in / 32 * 24]``; Q8_0 rows as they are. The kernels then broadcast each scale
-    with one load instead of converting and shuffling it: one row of the 30 layers' linears
-    on the Zen 3 reference 8 % faster on two threads and 14 % on one (paired), for 20 % more
-    bytes of weights (gguf_blocks.h)."""
-    if qtype != 3:
-        return rows
-    return _recast_scales(rows, GGUF_BLOCK_TYPES[qtype], 4, torch.float16, torch.float32)
-
-
-def narrow_scales(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """``widen_scales`` undone (Q4_1 scales back to float16, exactly: they were float16
-    values), in either layout. The 8-bit-activation kernel reads the file's 20-byte Q4_1
-    blocks."""
-    if qtype != 3:
-        return blocks
-    return _recast_scales(blocks, KERNEL_BLOCK_BYTES[qtype], 8, torch.float32, torch.float16)
-
-
-def q8_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Kernel-layout blocks (``kernel_blocks``, or a ``parts_blocks`` buffer) in the layout
-    the 8-bit-activation kernel reads (gguf_linear_q8): Q4_1 with the file's float16 scales
-    (``narrow_scales``), Q4_K with its scales and mins unpacked to a byte each (148 bytes a
-    super-block instead of 144), every other type as it is; where the kernels have AVX2
-    (with or without AVX-512 VNNI), every type in groups of 16 features side by side, four
-    weights of a feature a 32-bit lane (q8_linear.cpp's lanes layout; the same bytes a block
-    as above, Q5_K 180 a super-block)."""
-    if qtype == KIND_PARTS:
-        return parts_blocks([(t, q8_blocks(rows, t)) for t, rows in parts_rows(blocks)])
-    return torch.ops.freetoken.gguf_q8_blocks(narrow_scales(blocks, qtype), qtype)
-
-
-def interleave_blocks(rows: torch.Tensor, block_bytes: int,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows of ``block_bytes``-byte blocks in the native kernels' layout (a copy).
-
-    ``rows``: uint8 ``[out, num blocks * block_bytes]``, one row of blocks per output
-    feature. The result has the same shape and bytes, with the features in groups of
-    ``KERNEL_GROUP`` (the last group what is left) and each group's blocks interleaved by
-    block index: block ``b`` of the group's feature ``i`` at ``(b * group size + i) *
-    block_bytes`` from the group's start. The kernels read a group's features side by side,
-    so they read its bytes in address order (gguf_blocks.h).
-    """
-    n, row_bytes = rows.shape
-    num_blocks = row_bytes // block_bytes
-    if out is None:
-        out = torch.empty((n, row_bytes), dtype=torch.uint8)
-    full = n - n % KERNEL_GROUP
-    for start, stop in ((0, full), (full, n)):
-        size = min(KERNEL_GROUP, stop - start)
-        if size == 0:
-            continue
-        groups = (stop - start) // size
-        out[start:stop].view(groups, num_blocks, size, block_bytes).copy_(
-            rows[start:stop].reshape(groups, size, num_blocks, block_bytes).transpose(1, 2))
-    return out
-
-
-def kernel_blocks(rows: torch.Tensor, qtype: int, arena: BlockArena | None = None
-                  ) -> torch.Tensor:
-    """A weight's GGUF blocks (``[out, in / 32 * block bytes]`` uint8, as the file stores
-    them) as the native kernels read them: scales widened (``widen_scales``), then
-    interleaved (``interleave_blocks``), into ``arena`` where given."""
-    wide = widen_scales(rows, qtype)
-    out = None if arena is None else arena.take(tuple(wide.shape))
-    return interleave_blocks(wide, KERNEL_BLOCK_BYTES[qtype], out)
-
-
-def kernel_bytes(rows_bytes: int, qtype: int) -> int:
-    """Bytes of a weight's kernel-layout blocks, for ``rows_bytes`` bytes in the file."""
-    return rows_bytes // NATIVE_UNITS[qtype][1] * KERNEL_BLOCK_BYTES[qtype]
-
-
-def computes_natively(weight: GGUFWeight) -> bool:
-    """Whether the native linear kernel computes with ``weight``'s blocks: a type it has and
-    rows of whole units (F16 rows of a width that is not a multiple of 32 do not)."""
-    return weight.qtype in NATIVE_UNITS and weight.shape[1] % NATIVE_UNITS[weight.qtype][0] == 0
-
 
 class BlockArena:
     """One buffer in huge pages (``hugepages``) that the linears' kernel-layout blocks are
@@ -338,48 +163,6 @@ class Embedding:
             return out
         return self.reduce(out.masked_fill_(outside.reshape(-1, 1), 0))
 
-
-
-# The ggml types the integer kernel computes with (int_linear.cpp), by name for messages.
-INT24_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
-               14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS"}
-
-
-def int_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Kernel blocks (``kernel_blocks``, or a ``parts_blocks`` buffer of them) in the integer
-    kernel's layout (int_linear.cpp: the output features in groups of 16, four weights of a
-    feature per 32-bit lane; bits a weight against the file's: Q4_0 and IQ4_NL 5 for 4.5,
-    Q4_1 5 as the file, Q5_0 6 for 5.5, Q5_1 6 as the file, Q8_0 9 for 8.5, Q4_K 4.625 for
-    4.5, Q5_K 5.625 for 5.5, Q6_K 6.625 for 6.5625, IQ4_XS 4.375 for 4.25)."""
-    if qtype == KIND_PARTS:
-        return parts_blocks([(t, int_blocks(rows, t)) for t, rows in parts_rows(blocks)])
-    return torch.ops.freetoken.gguf_int_blocks(blocks, qtype)
-
-
-def int_shape(qtype: int, blocks: torch.Tensor, in_features: int) -> tuple[int, int]:
-    """The shape ``int_blocks`` gives these kernel blocks of a linear of ``in_features``
-    (the kernel's bytes a feature, ``gguf_int_row_bytes``)."""
-    def row_bytes(t: int) -> int:
-        return int(torch.ops.freetoken.gguf_int_row_bytes(t, in_features))
-
-    if qtype == KIND_PARTS:
-        return 1, _parts_offsets([rows.shape[0] * row_bytes(t)
-                                  for t, rows in parts_rows(blocks)])[1]
-    return blocks.shape[0], row_bytes(qtype)
-
-
-def int_computes(qtype: int, blocks: torch.Tensor, out_features: int) -> bool:
-    """Whether the integer kernel computes a linear of these kernel blocks: its types (every
-    part's, for a linear of parts) and output features in whole groups of 16 (each part's)."""
-    if qtype == KIND_PARTS:
-        return all(t in INT24_TYPES and rows.shape[0] % 16 == 0
-                   for t, rows in parts_rows(blocks))
-    return qtype in INT24_TYPES and out_features % 16 == 0
-
-
-def int_linear_available() -> bool:
-    """Whether the native kernels were built with the integer kernel (AVX-512 VNNI)."""
-    return bool(torch.ops.freetoken.int_linear_available())
 
 
 class Linear:

@@ -23,6 +23,18 @@ from freetoken_core import hugepages
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
+from freetoken_core.models.block_layout import (
+    ACTIVATIONS_INT24,
+    ACTIVATIONS_Q8,
+    KIND_PARTS,
+    Q8_ACTIVATION_TYPES,
+    int_blocks,
+    int_computes,
+    int_linear_available,
+    int_shape,
+    parts_types,
+    q8_blocks,
+)
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.gguf_weights import GGUF_TYPES
 from freetoken_core.models.layers import (
@@ -32,21 +44,7 @@ from freetoken_core.models.layers import (
     rms_norm,
     silu_and_mul,
 )
-from freetoken_core.models.linear import (
-    ACTIVATIONS_INT24,
-    ACTIVATIONS_Q8,
-    KIND_PARTS,
-    Q8_ACTIVATION_TYPES,
-    BlockArena,
-    Embedding,
-    int_blocks,
-    int_computes,
-    int_linear_available,
-    int_shape,
-    make_linear,
-    parts_types,
-    q8_blocks,
-)
+from freetoken_core.models.linear import BlockArena, Embedding, make_linear
 from freetoken_core.models.sharding import Shard, all_reduce, gather_logits, shard_weights
 
 # Weights by Hugging Face name: float tensors, or GGUFWeight blocks (gguf_weights).

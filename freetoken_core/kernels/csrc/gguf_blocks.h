@@ -17,7 +17,7 @@ constexpr int64_t kQ4_1 = 3, kQ8_0 = 8;  // ggml type ids
 constexpr int64_t kBlock = 32;           // weights per block
 
 // A block as gguf_linear (exact) reads it. Q4_1: d, m as float32, 16 bytes of nibbles (24
-// bytes: the file's float16 scales widened at load, freetoken_core.models.layers.
+// bytes: the file's float16 scales widened at load, models/block_layout.py
 // widen_scales); Q8_0: d (float16), 32 int8, as in the file. With float32 scales each one is
 // a broadcast load instead of a conversion and two shuffles on the vector pipes, which one
 // row keeps busy: the 30 layers' linears at one row 8 % faster on two threads, 14 % on one,
@@ -34,8 +34,8 @@ inline float load_float(const uint8_t* p) {
   return v;
 }
 
-// The kernels' layout of a weight's blocks (freetoken_core.models.layers.interleave_blocks
-// makes it from the file's rows, kernel_blocks after widening the Q4_1 scales): the output
+// The kernels' layout of a weight's blocks (models/block_layout.py interleave_blocks makes it
+// from the file's rows, kernel_blocks after widening the Q4_1 scales): the output
 // features in groups of kGroup, the last group holding what is left (1 to kGroup), each
 // group's blocks interleaved by block index, so that block b of the group's feature i lies
 // at group start + (b * group size + i) * block bytes. A group starts where its first

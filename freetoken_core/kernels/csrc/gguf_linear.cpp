@@ -674,7 +674,7 @@ void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, a
     // A linear of parts of different types, side by side in the output (a fused q/k/v whose
     // v has another type than q and k): `blocks` is [1, bytes], a header of int64 values
     // (kParts, part count, then per part: type, features, row bytes, byte offset of its
-    // blocks) and each part's blocks in the kernels' layout (linear.parts_blocks).
+    // blocks) and each part's blocks in the kernels' layout (block_layout.parts_blocks).
     const uint8_t* base = blocks.data_ptr<uint8_t>();
     int64_t col = 0;
     for (const LinearPart& p : linear_parts(blocks, "gguf_linear")) {

@@ -129,6 +129,10 @@ constexpr int64_t int_weights_offset(int64_t qt, int64_t j) {
          : qt == kQ4_K ? 320 + 256 * j : qt == kQ5_K ? 320 + 320 * j
          : qt == kIQ4_XS ? 192 + 256 * j : 320 + 384 * j;
 }
+// Where a group-unit keeps its scales (see above): the types with a min their m (dmin) as
+// float16 after d, the super-block types their sub-block scales after d (and m), Q4_K and
+// Q5_K their sub-block mins after those.
+constexpr int64_t kMinAt = 32, kScalesAt = 64, kMinsAt = 192;
 // A unit's bytes in the kernel blocks the layout is made from (gguf_blocks.h's for Q4_1 and
 // Q8_0; the K-quants' super-blocks as the file stores them).
 constexpr int64_t kernel_unit_bytes(int64_t qt) {
@@ -302,16 +306,16 @@ inline int32_t weight_int(const uint8_t* gu, int64_t j, int f, int k) {
 template <int64_t QT>
 inline float block_d(const uint8_t* gu, int64_t j, int f) {
   const float d = with_min(QT) ? half_to_float(gu + 2 * f) : load_float(gu + 4 * f);
-  if constexpr (k4_scales(QT)) return d * static_cast<float>(gu[64 + 16 * j + f]);
+  if constexpr (k4_scales(QT)) return d * static_cast<float>(gu[kScalesAt + 16 * j + f]);
   if constexpr (QT == kIQ4_XS)
-    return d * static_cast<float>(static_cast<int8_t>(gu[64 + 16 * j + f]));
+    return d * static_cast<float>(static_cast<int8_t>(gu[kScalesAt + 16 * j + f]));
   return d;
 }
 template <int64_t QT>
 inline float block_m(const uint8_t* gu, int64_t j, int f) {
-  if constexpr (QT == kQ4_1 || QT == kQ5_1) return half_to_float(gu + 32 + 2 * f);
+  if constexpr (QT == kQ4_1 || QT == kQ5_1) return half_to_float(gu + kMinAt + 2 * f);
   if constexpr (k4_scales(QT))
-    return -(half_to_float(gu + 32 + 2 * f) * static_cast<float>(gu[192 + 16 * j + f]));
+    return -(half_to_float(gu + kMinAt + 2 * f) * static_cast<float>(gu[kMinsAt + 16 * j + f]));
   return 0.f;
 }
 
@@ -344,7 +348,7 @@ void rows_scalar(const Digits& x, int64_t rows, const uint8_t* blocks, int64_t l
           int32_t sum[3];
           for (int i = 0; i < 3; ++i) {
             if constexpr (QT == kQ6_K) {
-              const int8_t* sc = reinterpret_cast<const int8_t*>(gu + 64 + 16 * (2 * j) + f);
+              const int8_t* sc = reinterpret_cast<const int8_t*>(gu + kScalesAt + 16 * (2 * j) + f);
               sum[i] = sc[0] * p[0][i] + sc[16] * p[1][i];
             } else {
               sum[i] = p[0][i] + p[1][i];
@@ -367,11 +371,11 @@ inline __m512 block_d16(const uint8_t* gu, int64_t j) {
       ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gu)))
       : _mm512_loadu_ps(reinterpret_cast<const float*>(gu));
   if constexpr (k4_scales(QT)) {
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + 64 + 16 * j));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + kScalesAt + 16 * j));
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
   }
   if constexpr (QT == kIQ4_XS) {
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + 64 + 16 * j));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + kScalesAt + 16 * j));
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
   }
   return d;
@@ -379,9 +383,9 @@ inline __m512 block_d16(const uint8_t* gu, int64_t j) {
 template <int64_t QT>
 inline __m512 block_m16(const uint8_t* gu, int64_t j) {
   if constexpr (!with_min(QT)) return _mm512_setzero_ps();  // (not read: no m term)
-  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gu + 32)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gu + kMinAt)));
   if constexpr (k4_scales(QT)) {
-    const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + 192 + 16 * j));
+    const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + kMinsAt + 16 * j));
     // -(dmin * min): a product and a sign, as block_m.
     return _mm512_xor_ps(_mm512_set1_ps(-0.f),
                          _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))));
@@ -487,12 +491,12 @@ void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t ldo, 
       }
     }
     const __m512 d = block_d16<QT>(gu, j);
-    const __m512 mv = with_min(QT) ? block_m16<QT>(gu, j) : d;
+    const __m512 mv = block_m16<QT>(gu, j);
     __m512i sc[2];
     if constexpr (QT == kQ6_K) {
       for (int hf = 0; hf < 2; ++hf)
         sc[hf] = _mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + 64 + 16 * (2 * j + hf))));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + kScalesAt + 16 * (2 * j + hf))));
     }
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * nb + b;
@@ -744,7 +748,7 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
             // (The kernel blocks' d and m are float16 values widened: narrowed back exactly.)
             for (int i = 0; i < 2; ++i) {
               const uint16_t h = c10::Half(load_float(unit + 4 * i)).x;
-              std::memcpy(gu + 32 * i + 2 * f, &h, 2);
+              std::memcpy(gu + kMinAt * i + 2 * f, &h, 2);
             }
             for (int k = 0; k < kBlock; ++k)
               put_nibble(0, k, k < 16 ? (unit[8 + k] & 0x0F) : (unit[8 + k - 16] >> 4));
@@ -753,7 +757,7 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
             // qh[4]@4, qs[16]@8 (gguf_types.h).
             if constexpr (QT == kQ5_1) {
               std::memcpy(gu + 2 * f, unit, 2);
-              std::memcpy(gu + 32 + 2 * f, unit + 2, 2);
+              std::memcpy(gu + kMinAt + 2 * f, unit + 2, 2);
             } else {
               const float d = half_to_float(unit);
               std::memcpy(gu + 4 * f, &d, 4);
@@ -775,13 +779,13 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
             // Q4_K: d@0, dmin@2, scales[12]@4, qs[128]@16; Q5_K: qh[32]@16, qs[128]@48, bit j
             // of qh[k] the fifth of sub-block j's weight k (gguf_types.h).
             std::memcpy(gu + 2 * f, unit, 2);        // d
-            std::memcpy(gu + 32 + 2 * f, unit + 2, 2);  // dmin
+            std::memcpy(gu + kMinAt + 2 * f, unit + 2, 2);  // dmin
             const uint8_t* qs = unit + (QT == kQ4_K ? 16 : 48);
             for (int j = 0; j < 8; ++j) {
               int sc, mn;
               types::detail::scale_min_k4(unit + 4, j, sc, mn);
-              gu[64 + 16 * j + f] = static_cast<uint8_t>(sc);
-              gu[192 + 16 * j + f] = static_cast<uint8_t>(mn);
+              gu[kScalesAt + 16 * j + f] = static_cast<uint8_t>(sc);
+              gu[kMinsAt + 16 * j + f] = static_cast<uint8_t>(mn);
               for (int k = 0; k < kBlock; ++k) {
                 put_nibble(j, k, (qs[32 * (j / 2) + k] >> (4 * (j % 2))) & 15);
                 if constexpr (QT == kQ5_K) put_fifth(j, k, (unit[16 + k] >> j) & 1);
@@ -792,7 +796,7 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
             const float d = half_to_float(unit);
             std::memcpy(gu + 4 * f, &d, 4);
             for (int j = 0; j < 8; ++j) {
-              gu[64 + 16 * j + f] = static_cast<uint8_t>(
+              gu[kScalesAt + 16 * j + f] = static_cast<uint8_t>(
                   static_cast<int8_t>(types::detail::scale_iq4_xs(unit, j) - 32));
               const uint8_t* qs = unit + 8 + 16 * j;
               for (int k = 0; k < kBlock; ++k)
@@ -802,7 +806,7 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
             // Q6_K: ql[128]@0, qh[64]@128, int8 scales[16]@192, d@208 (Type<Q6_K>).
             const float d = half_to_float(unit + 208);
             std::memcpy(gu + 4 * f, &d, 4);
-            for (int s = 0; s < 16; ++s) gu[64 + 16 * s + f] = unit[192 + s];
+            for (int s = 0; s < 16; ++s) gu[kScalesAt + 16 * s + f] = unit[192 + s];
             for (int j = 0; j < 8; ++j) {
               const int h = j / 4, c = j % 4;
               for (int k = 0; k < kBlock; ++k) {

@@ -16,7 +16,7 @@ void gguf_linear_q8(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype
 constexpr int64_t kActivationsQ8 = 1 << 8;
 // ... and this one for gguf_linear_int (the blocks in its layout).
 constexpr int64_t kActivationsInt24 = 1 << 9;
-// gguf_linear's type id of a linear made of parts of different types (linear.parts_blocks).
+// gguf_linear's type id of a linear made of parts of different types (block_layout.parts_blocks).
 constexpr int64_t kParts = 1 << 10;
 
 // One part of such a linear: its ggml type, output features, bytes a feature, and where its
