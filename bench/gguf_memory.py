@@ -31,7 +31,7 @@ else the PATH's; without one its rows say so and FreeToken's are still measured.
 
 Reading the figures: FreeToken lays the file's blocks into its own (anonymous) memory and
 drops the mapping; its KV cache is float32, ``layers x N x 2 x kv heads x head dim x 4``
-bytes, resident only where written. llama-server maps the file and computes from the
+bytes, written once at start (``--kv-cache-prefault``, the default), so resident in full. llama-server maps the file and computes from the
 mapping (its weights are file-backed RSS, shared with the page cache), with an f16 KV cache
 (half FreeToken's bytes) allocated at start and a compute buffer. docs/operations.md
 ("GGUF memory") has the formula and the figures of the reference machine.

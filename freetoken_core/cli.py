@@ -60,6 +60,11 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--kv-cache-tokens", type=int, default=32768)
+    parser.add_argument("--kv-cache-prefault", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="write the whole KV cache once at start, so that its memory is "
+                             "resident before the first request instead of faulting in "
+                             "during decode steps (CPU; default: on)")
     parser.add_argument("--block-size", type=int, default=8, metavar="N",
                         help="token slots per KV-cache block, also the grain at which "
                              "requests share a cached prefix (default: 8)")
@@ -142,6 +147,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_tokens": args.kv_cache_tokens,
+        "kv_cache_prefault": args.kv_cache_prefault,
         "block_size": args.block_size,
         "plugins": args.plugins,
         "plugin_options": {k: v for k, v in vars(args).items() if not callable(v)},

@@ -60,6 +60,14 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     kv_cache_tokens: int = 32768
+    kv_cache_prefault: bool = True
+    """Write the whole KV cache once when the engine starts (CPU), so that its memory is
+    resident before the first request (as llama.cpp's cleared KV buffer and vLLM's reserved
+    GPU cache are) instead of faulting in during decode steps: the block manager hands out
+    never-used blocks before it evicts cached ones, so a lazily mapped cache keeps faulting
+    until every block has been written once. Measured on the 2-core Zen 5 VM, default model,
+    16 sequences: decode steps 15.7 -> 14.1 ms (docs/operations.md, "KV cache memory").
+    ``False`` (``--no-kv-cache-prefault``): zero pages until written."""
     block_size: int = 8
     enable_prefix_caching: bool = True
     plugins: str | None = None

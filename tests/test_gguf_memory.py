@@ -21,9 +21,8 @@ peak::
 * the KV reservation: ``ModelRunner`` holds one float32 tensor ``[layers, slots, 2 (key,
   value), kv heads, head dim]`` on CPU, slots = ``kv_cache_tokens // block_size *
   block_size``: 16 x 4096 x 2 x 8 x 64 x 4 B = 256 MiB here. It is zero-filled huge-page
-  memory (``hugepages.zeros``), resident only where written: a short generation touches the
-  first 2 MiB page of each layer's slots (~32 MiB); the bound counts all of it, what a full
-  cache holds;
+  memory (``hugepages.zeros``), written once when the engine starts (``kv_cache_prefault``,
+  the default), so all of it is resident from the start, as in a full cache;
 * the baseline: what the engine holds before any weight, measured in another fresh
   interpreter doing what ``build_engine`` does first: import torch and freetoken_core, tune
   the allocator, load the native kernels, resolve the model (its config and tokenizer,

@@ -13,17 +13,28 @@ from freetoken_core import hugepages
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def _huge_kib_at(address: int) -> int | None:
-    """AnonHugePages (KiB) of the mapping of this process that holds ``address``."""
+def _smaps_kib_at(address: int, field: str) -> int | None:
+    """A field of /proc/self/smaps (KiB: ``Rss``, ``AnonHugePages``) for the mapping of this
+    process that holds ``address``."""
     current = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         span = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
         if span:
             start, end = (int(x, 16) for x in span.groups())
             current = start <= address < end
-        elif current and line.startswith("AnonHugePages:"):
+        elif current and line.startswith(field + ":"):
             return int(line.split()[1])
     return None
+
+
+def _huge_kib_at(address: int) -> int | None:
+    return _smaps_kib_at(address, "AnonHugePages")
+
+
+def _resident_kib(t: torch.Tensor) -> int:
+    rss = _smaps_kib_at(t.data_ptr(), "Rss")
+    assert rss is not None, "no mapping holds the tensor"
+    return rss
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
@@ -45,6 +56,20 @@ def test_small_tensors_and_the_switch_give_plain_zeros(monkeypatch: pytest.Monke
     assert not hugepages.enabled()
     big = hugepages.zeros((1 << 20,), torch.float32)
     assert big.shape == (1 << 20,) and not big.any()
+
+
+needs_mappings = pytest.mark.skipif(not hugepages.enabled() or not Path("/proc/self/smaps").exists(),
+                                    reason="huge-page mappings off, or no /proc/self/smaps")
+
+
+@needs_mappings
+def test_populate_writes_every_page_before_the_tensor_is_used() -> None:
+    size = 16 << 20  # 16 MiB
+    lazy = hugepages.zeros((size,), torch.uint8)
+    assert _resident_kib(lazy) < 4096  # nothing touched: (almost) nothing resident
+    populated = hugepages.zeros((size,), torch.uint8, populate=True)
+    assert _resident_kib(populated) >= size // 1024
+    assert not populated.any()
 
 
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
@@ -69,3 +94,33 @@ def test_the_model_keeps_its_blocks_and_kv_cache_in_huge_page_memory() -> None:
     assert base % hugepages.HUGE_PAGE == 0
     assert len({b.untyped_storage().data_ptr() for b in blocks}) == 1
     assert runner.kv_caches.data_ptr() % hugepages.HUGE_PAGE == 0
+
+
+@needs_mappings
+@pytest.mark.parametrize("prefault", [True, False])
+def test_the_kv_cache_is_resident_from_the_start_unless_told_otherwise(prefault: bool) -> None:
+    """``kv_cache_prefault`` (``--kv-cache-prefault``, the default): the engine writes its
+    KV cache once when it starts, so the first requests' decode steps do not fault its
+    pages in (the block manager hands out never-used blocks first, so a lazy cache keeps
+    faulting until every block was written once); off, the cache stays unwritten."""
+    from freetoken_core import LLM
+
+    llm = LLM(None, progress=False, kv_cache_tokens=4096, kv_cache_prefault=prefault,
+              plugins="none")
+    kv = llm.engine.core.runner.kv_caches
+    nbytes = kv.numel() * kv.element_size()
+    if prefault:
+        assert _resident_kib(kv) >= nbytes // 1024
+    else:
+        assert _resident_kib(kv) < nbytes // 1024 // 4
+
+
+def test_the_prefault_flag_reaches_the_engine_config() -> None:
+    from freetoken_core.cli import _engine_options, build_parser
+    from freetoken_core.config import EngineConfig
+
+    assert EngineConfig().kv_cache_prefault
+    assert _engine_options(build_parser().parse_args(["serve"]))["kv_cache_prefault"]
+    off = _engine_options(build_parser().parse_args(["serve", "--no-kv-cache-prefault"]))
+    assert off["kv_cache_prefault"] is False
+    assert EngineConfig(**off).kv_cache_prefault is False

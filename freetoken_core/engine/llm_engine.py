@@ -105,7 +105,7 @@ def build_engine(config: EngineConfig, progress: bool = True,
         model = load_engine_model(config, model_dir, limits,
                                   None if group is None else group.shard)
         runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size, dtype, device,
-                             pipeline)
+                             pipeline, prefault=config.kv_cache_prefault)
         if group is not None:
             group.wait_ready()
             runner.send_plan = group.send_plan

@@ -93,7 +93,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, num_kv_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device,
-                 pipeline: ProcessorPipeline | None = None) -> None:
+                 pipeline: ProcessorPipeline | None = None, prefault: bool = True) -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -105,7 +105,8 @@ class ModelRunner:
         shape = (cfg.num_layers, num_slots, 2, model.num_kv_heads, cfg.head_dim)
         if device.type == "cpu":
             # In huge pages: attention reads each sequence's cache blocks wherever they lie.
-            self.kv_caches = hugepages.zeros(shape, dtype)
+            # Prefaulted (EngineConfig.kv_cache_prefault): resident before the first step.
+            self.kv_caches = hugepages.zeros(shape, dtype, populate=prefault)
         else:
             self.kv_caches = torch.zeros(shape, dtype=dtype, device=device)
         self.sampler = Sampler(pipeline)
