@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import re
 from pathlib import Path
 
@@ -32,9 +33,16 @@ def _huge_kib_at(address: int) -> int | None:
 
 
 def _resident_kib(t: torch.Tensor) -> int:
-    rss = _smaps_kib_at(t.data_ptr(), "Rss")
-    assert rss is not None, "no mapping holds the tensor"
-    return rss
+    """KiB of the tensor's pages that are resident (mincore over its bytes; not smaps, whose
+    mapping the kernel may have merged with a neighbour)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    start = t.data_ptr() // hugepages.PAGE * hugepages.PAGE
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    pages = -(-length // hugepages.PAGE)
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw) * hugepages.PAGE // 1024
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
@@ -58,8 +66,8 @@ def test_small_tensors_and_the_switch_give_plain_zeros(monkeypatch: pytest.Monke
     assert big.shape == (1 << 20,) and not big.any()
 
 
-needs_mappings = pytest.mark.skipif(not hugepages.enabled() or not Path("/proc/self/smaps").exists(),
-                                    reason="huge-page mappings off, or no /proc/self/smaps")
+needs_mappings = pytest.mark.skipif(not hugepages.enabled() or not hasattr(ctypes.CDLL(None), "mincore"),
+                                    reason="huge-page mappings off, or no mincore")
 
 
 @needs_mappings

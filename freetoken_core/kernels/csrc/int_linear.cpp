@@ -1,6 +1,8 @@
 // y[M, N] = x[M, K] @ W[N, K]^T from GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-// Q6_K, IQ4_NL or IQ4_XS) in integer arithmetic, on CPUs with AVX-512 VNNI (and AMX, for Q4_1
-// and Q8_0, where the CPU has it): the exact path's numerics there.
+// Q6_K, IQ4_NL or IQ4_XS) in integer arithmetic, on CPUs with AVX-512 VNNI (and AMX tiles
+// from a few rows, where the CPU has them): the exact path's numerics there. The AMX path is
+// tested on CPUs without AMX by a build whose tile instructions are emulated
+// (amx_emulation.h, tests/test_int_linear_amx.py).
 //
 // Each block of 32 activations of a row is written in 24-bit fixed point against its largest
 // magnitude: with 2^e the power of two above max |x|, the scale s = 2^(e - 23) and the
@@ -81,11 +83,24 @@
     defined(FREETOKEN_AVX2)
 #define FREETOKEN_VNNI 1
 #endif
-#if defined(FREETOKEN_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
+#if defined(FREETOKEN_VNNI) && defined(FREETOKEN_AMX_EMULATE)
+// The tests' build of the AMX path on a CPU without AMX: the tile instructions in software.
+#define FREETOKEN_AMX 1
+#include "amx_emulation.h"
+#elif defined(FREETOKEN_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
     defined(__linux__)
 #define FREETOKEN_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#define FT_TILE_LOADCONFIG(config) _tile_loadconfig(config)
+#define FT_TILE_RELEASE() _tile_release()
+#define FT_TILE_LOADD(tile, base, stride) _tile_loadd(tile, base, stride)
+#define FT_TILE_STORED(tile, base, stride) _tile_stored(tile, base, stride)
+#define FT_TILE_ZERO(tile) _tile_zero(tile)
+#define FT_TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
+#define FT_TILE_DPBSUD(c, a, b) _tile_dpbsud(c, a, b)
+#define FT_TILE_DPBUSD(c, a, b) _tile_dpbusd(c, a, b)
+#define FT_TILE_DPBUUD(c, a, b) _tile_dpbuud(c, a, b)
 #endif
 
 namespace {
@@ -536,8 +551,20 @@ void groups_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t ldo
 #endif
 
 #ifdef FREETOKEN_AMX
+// The types the tiles take: every type of the kernel. A tile product is 16 rows' digits of a
+// block against 16 features' 32 weights, the weights as bytes in B (unpacked once a group:
+// nibbles, fifth bits, Q6_K's high bits, IQ4's levels; Q8_0's read in place), unsigned for
+// the types with a min and signed for the others (q - 8, q - 16, q - 32, the levels, int8),
+// so that every product is exact without the VNNI path's q + 128 correction: h (s8) against
+// the weights in TDPBSUD / TDPBSSD, m and l (u8) in TDPBUUD / TDPBUSD. Q6_K's halves of 16
+// have their own scales: two products of 16 weights a digit (group_amx_halves).
+constexpr bool amx_type(int64_t qt) { return int_type(qt); }
+
 // Linux grants a process the AMX tile state on request (once); false where it refuses.
 bool amx_permitted() {
+#ifdef FREETOKEN_AMX_EMULATE
+  return true;
+#endif
   static const bool ok = [] {
     constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
@@ -556,13 +583,14 @@ struct alignas(64) TileConfig {
 // one block's products run while the other's are stored; 6: a part of the rows' digits of a
 // block (rows x 32 bytes: h, m, l in turn); 7: the group-block's weights (8 rows of 4-weight
 // lanes). `rows`: the tile rows (16, or fewer when the call has fewer: the products and
-// stores shrink).
-void configure_tiles(int rows) {
+// stores shrink). With `halves` (Q6_K): tiles 0-2 and 3-5 the first and the second half's
+// products, 6 a half's digits (rows x 16 bytes), 7 a half's weights (4 rows).
+void configure_tiles(int rows, bool halves) {
   TileConfig c;
   for (int t = 0; t < 6; ++t) c.colsb[t] = 64, c.rows[t] = rows;
-  c.colsb[6] = 32, c.rows[6] = rows;
-  c.colsb[7] = 64, c.rows[7] = 8;
-  _tile_loadconfig(&c);
+  c.colsb[6] = halves ? 16 : 32, c.rows[6] = rows;
+  c.colsb[7] = 64, c.rows[7] = halves ? 4 : 8;
+  FT_TILE_LOADCONFIG(&c);
 }
 
 // The three tile products of a block for the tile's rows (digits from dg, `stride` bytes
@@ -572,63 +600,92 @@ void configure_tiles(int rows) {
   template <int64_t QT>                                                                    \
   inline void NAME(const uint8_t* dg, int64_t stride, const uint8_t* weights,              \
                    int32_t(*c)[16][16]) {                                                  \
-    _tile_loadd(7, weights, 64);                                                           \
-    _tile_zero(C0);                                                                        \
-    _tile_zero(C1);                                                                        \
-    _tile_zero(C2);                                                                        \
-    _tile_loadd(6, dg, stride);                                                            \
-    if constexpr (QT == kQ4_1) {                                                           \
-      _tile_dpbsud(C0, 6, 7); /* h (s8) x q (u8) */                                        \
+    FT_TILE_LOADD(7, weights, 64);                                                         \
+    FT_TILE_ZERO(C0);                                                                      \
+    FT_TILE_ZERO(C1);                                                                      \
+    FT_TILE_ZERO(C2);                                                                      \
+    FT_TILE_LOADD(6, dg, stride);                                                          \
+    if constexpr (with_min(QT)) {                                                          \
+      FT_TILE_DPBSUD(C0, 6, 7); /* h (s8) x q (u8) */                                      \
     } else {                                                                               \
-      _tile_dpbssd(C0, 6, 7); /* h (s8) x q (s8): exact, no correction */                  \
+      FT_TILE_DPBSSD(C0, 6, 7); /* h (s8) x q (s8): exact, no correction */                \
     }                                                                                      \
-    _tile_loadd(6, dg + kBlock, stride);                                                   \
-    if constexpr (QT == kQ4_1) {                                                           \
-      _tile_dpbuud(C1, 6, 7); /* m (u8) x q (u8) */                                        \
+    FT_TILE_LOADD(6, dg + kBlock, stride);                                                 \
+    if constexpr (with_min(QT)) {                                                          \
+      FT_TILE_DPBUUD(C1, 6, 7); /* m (u8) x q (u8) */                                      \
     } else {                                                                               \
-      _tile_dpbusd(C1, 6, 7); /* m (u8) x q (s8) */                                        \
+      FT_TILE_DPBUSD(C1, 6, 7); /* m (u8) x q (s8) */                                      \
     }                                                                                      \
-    _tile_loadd(6, dg + 2 * kBlock, stride);                                               \
-    if constexpr (QT == kQ4_1) {                                                           \
-      _tile_dpbuud(C2, 6, 7);                                                              \
+    FT_TILE_LOADD(6, dg + 2 * kBlock, stride);                                             \
+    if constexpr (with_min(QT)) {                                                          \
+      FT_TILE_DPBUUD(C2, 6, 7);                                                            \
     } else {                                                                               \
-      _tile_dpbusd(C2, 6, 7);                                                              \
+      FT_TILE_DPBUSD(C2, 6, 7);                                                            \
     }                                                                                      \
-    _tile_stored(C0, c[0], 64);                                                            \
-    _tile_stored(C1, c[1], 64);                                                            \
-    _tile_stored(C2, c[2], 64);                                                            \
+    FT_TILE_STORED(C0, c[0], 64);                                                          \
+    FT_TILE_STORED(C1, c[1], 64);                                                          \
+    FT_TILE_STORED(C2, c[2], 64);                                                          \
   }
 FREETOKEN_TILE_PRODUCTS(tile_products_even, 0, 1, 2)
 FREETOKEN_TILE_PRODUCTS(tile_products_odd, 3, 4, 5)
 #undef FREETOKEN_TILE_PRODUCTS
 
+// Weights 4t..4t+3 of the 16 features of a block as the tiles' B takes them: weight_quad's
+// bytes, the signed types' less their offset (Q4_0 8, Q5_0 16, Q6_K 32; IQ4's levels and
+// Q8_0's bytes are signed already).
+template <int64_t QT>
+inline __m512i amx_weight_quad(const uint8_t* w, int t) {
+  const __m512i q = weight_quad<QT>(w, t);
+  if constexpr (QT == kQ4_0 || QT == kQ5_0 || QT == kQ6_K)
+    return _mm512_sub_epi8(q, _mm512_set1_epi8(QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : 32));
+  return q;
+}
+
+// Group g's blocks, where the tiles read them: `wbuf` (block b's 8 x 64 bytes at b * 512),
+// unpacked from the group's units, or Q8_0's in place.
+template <int64_t QT>
+const uint8_t* amx_weights(const uint8_t* group, int64_t nb, uint8_t* wbuf) {
+  if constexpr (QT == kQ8_0) {
+    return group + int_weights_offset(QT, 0);  // (block b at b * int_unit_bytes: 576)
+  } else {
+    constexpr int64_t ub = unit_blocks(QT);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* wp =
+          group + (b / ub) * int_unit_bytes(QT) + int_weights_offset(QT, b % ub);
+      for (int t = 0; t < 8; ++t)
+        _mm512_store_si512(wbuf + (b * 8 + t) * 64, amx_weight_quad<QT>(wp, t));
+    }
+    return wbuf;
+  }
+}
+constexpr int64_t amx_weight_stride(int64_t qt) { return qt == kQ8_0 ? int_unit_bytes(qt) : 512; }
+
 // R rows (the tile's, R <= 16) of one group against every block: per block, the tile
 // products into one of two buffers while the vector units update y from the other buffer's
 // previous block (a load right after a tile store waits for it to reach the cache).
 template <int64_t QT, int R>
-void group_amx(const Digits& x, int64_t r0, const uint8_t* group, const uint8_t* wbuf,
+void group_amx(const Digits& x, int64_t r0, const uint8_t* group, const uint8_t* weights,
                float* out, int64_t n, int64_t g) {
   const int64_t nb = x.nb, stride = nb * kDigitBytes;
+  constexpr int64_t ub = unit_blocks(QT), ws = amx_weight_stride(QT);
   alignas(64) int32_t c[2][3][16][16];
   __m512 y[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   const uint8_t* dg = x.d.data() + r0 * nb * kDigitBytes;
-  auto weights = [&](int64_t b) {
-    return QT == kQ4_1 ? wbuf + b * 512
-                       : group + b * int_unit_bytes(QT) + int_weights_offset(QT, 0);
-  };
-  tile_products_even<QT>(dg, stride, weights(0), c[0]);
+  tile_products_even<QT>(dg, stride, weights, c[0]);
   for (int64_t b = 0; b < nb; ++b) {
     if (b + 1 < nb) {
       if ((b + 1) & 1) {
-        tile_products_odd<QT>(dg + (b + 1) * kDigitBytes, stride, weights(b + 1), c[1]);
+        tile_products_odd<QT>(dg + (b + 1) * kDigitBytes, stride, weights + (b + 1) * ws,
+                              c[1]);
       } else {
-        tile_products_even<QT>(dg + (b + 1) * kDigitBytes, stride, weights(b + 1), c[0]);
+        tile_products_even<QT>(dg + (b + 1) * kDigitBytes, stride, weights + (b + 1) * ws,
+                               c[0]);
       }
     }
-    const uint8_t* gb = group + b * int_unit_bytes(QT);
-    const __m512 d = block_d16<QT>(gb, 0), m = block_m16<QT>(gb, 0);
+    const uint8_t* gu = group + (b / ub) * int_unit_bytes(QT);
+    const __m512 d = block_d16<QT>(gu, b % ub), m = block_m16<QT>(gu, b % ub);
     int32_t (*cb)[16][16] = c[b & 1];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -641,33 +698,95 @@ void group_amx(const Digits& x, int64_t r0, const uint8_t* group, const uint8_t*
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * n + g * kIntGroup, y[r]);
 }
 
+// Q6_K's: each block's halves of 16 weights in their own products (tiles 0-2 and 3-5, a
+// half's digits and weights in 6 and 7: configure_tiles with `halves`), then the halves'
+// sums scaled by their int8 scales in integers, as the VNNI path does, and the block's update.
+template <int R>
+void group_amx_halves(const Digits& x, int64_t r0, const uint8_t* group,
+                      const uint8_t* weights, float* out, int64_t n, int64_t g) {
+  constexpr int64_t QT = kQ6_K, ub = unit_blocks(QT);
+  const int64_t nb = x.nb, stride = nb * kDigitBytes;
+  alignas(64) int32_t c[2][3][16][16];
+  __m512 y[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  const uint8_t* dg = x.d.data() + r0 * nb * kDigitBytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* db = dg + b * kDigitBytes;
+    const uint8_t* wb = weights + b * 512;
+    FT_TILE_ZERO(0);
+    FT_TILE_ZERO(1);
+    FT_TILE_ZERO(2);
+    FT_TILE_ZERO(3);
+    FT_TILE_ZERO(4);
+    FT_TILE_ZERO(5);
+    FT_TILE_LOADD(7, wb, 64);  // the first half's 16 weights
+    FT_TILE_LOADD(6, db, stride);
+    FT_TILE_DPBSSD(0, 6, 7);
+    FT_TILE_LOADD(6, db + kBlock, stride);
+    FT_TILE_DPBUSD(1, 6, 7);
+    FT_TILE_LOADD(6, db + 2 * kBlock, stride);
+    FT_TILE_DPBUSD(2, 6, 7);
+    FT_TILE_LOADD(7, wb + 256, 64);  // the second half's
+    FT_TILE_LOADD(6, db + 16, stride);
+    FT_TILE_DPBSSD(3, 6, 7);
+    FT_TILE_LOADD(6, db + kBlock + 16, stride);
+    FT_TILE_DPBUSD(4, 6, 7);
+    FT_TILE_LOADD(6, db + 2 * kBlock + 16, stride);
+    FT_TILE_DPBUSD(5, 6, 7);
+    FT_TILE_STORED(0, c[0][0], 64);
+    FT_TILE_STORED(1, c[0][1], 64);
+    FT_TILE_STORED(2, c[0][2], 64);
+    FT_TILE_STORED(3, c[1][0], 64);
+    FT_TILE_STORED(4, c[1][1], 64);
+    FT_TILE_STORED(5, c[1][2], 64);
+    const uint8_t* gu = group + (b / ub) * int_unit_bytes(QT);
+    const int64_t j = b % ub;
+    const __m512 d = block_d16<QT>(gu, j), m = block_m16<QT>(gu, j);
+    __m512i sc[2];
+    for (int hf = 0; hf < 2; ++hf)
+      sc[hf] = _mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + kScalesAt + 16 * (2 * j + hf))));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+      __m512i ps[3];
+      for (int k = 0; k < 3; ++k)
+        ps[k] = _mm512_add_epi32(_mm512_mullo_epi32(sc[0], _mm512_load_si512(c[0][k][r])),
+                                 _mm512_mullo_epi32(sc[1], _mm512_load_si512(c[1][k][r])));
+      y[r] = block_update<QT>(ps[0], ps[1], ps[2], d, m, x.s[i], x.xs[i], y[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * n + g * kIntGroup, y[r]);
+}
+
 template <int64_t QT, int R = 16>
 void group_amx_rows(const Digits& x, int64_t r0, int64_t rows, const uint8_t* group,
-                    const uint8_t* wbuf, float* out, int64_t n, int64_t g) {
+                    const uint8_t* weights, float* out, int64_t n, int64_t g) {
   if constexpr (R > 1) {
-    if (rows < R) return group_amx_rows<QT, R - 1>(x, r0, rows, group, wbuf, out, n, g);
+    if (rows < R) return group_amx_rows<QT, R - 1>(x, r0, rows, group, weights, out, n, g);
   }
-  group_amx<QT, R>(x, r0, group, wbuf, out, n, g);
+  if constexpr (QT == kQ6_K) {
+    group_amx_halves<R>(x, r0, group, weights, out, n, g);
+  } else {
+    group_amx<QT, R>(x, r0, group, weights, out, n, g);
+  }
 }
 
 // Rows [0, rows) against the groups [g0, g1), in tiles of 16 rows (the digits have zero rows
-// past M): per group, Q4_1's nibbles unpacked into bytes once (`wbuf`, every block; Q8_0's
-// bytes are read in place).
+// past M): per group, the blocks' weights where the tiles read them (amx_weights: unpacked
+// once into `wbuf`, every block; Q8_0's bytes in place).
 template <int64_t QT>
 void rows_amx(const Digits& x, int64_t rows, const uint8_t* blocks, int64_t n, float* out,
               int64_t g0, int64_t g1, uint8_t* wbuf) {
   const int64_t nb = x.nb;
+  constexpr int64_t group_share = int_unit_bytes(QT) / unit_blocks(QT);  // a block's bytes
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* group = blocks + g * nb * int_unit_bytes(QT);
-    if constexpr (QT == kQ4_1) {
-      for (int64_t b = 0; b < nb; ++b)
-        for (int t = 0; t < 8; ++t)
-          _mm512_store_si512(wbuf + (b * 8 + t) * 64,
-                             weight_quad<QT>(group + b * int_unit_bytes(QT) +
-                                             int_weights_offset(QT, 0), t));
-    }
+    const uint8_t* group = blocks + g * nb * group_share;
+    const uint8_t* weights = amx_weights<QT>(group, nb, wbuf);
     for (int64_t r0 = 0; r0 < rows; r0 += 16)
-      group_amx_rows<QT>(x, r0, std::min<int64_t>(16, rows - r0), group, wbuf, out, n, g);
+      group_amx_rows<QT>(x, r0, std::min<int64_t>(16, rows - r0), group, weights, out, n, g);
   }
 }
 #endif
@@ -686,17 +805,16 @@ void int_linear_impl(const Digits& x, int64_t rows, const uint8_t* blocks, int64
   const int64_t groups = n / kIntGroup;
   (void)allow_amx;
 #ifdef FREETOKEN_AMX
-  // (The tiles take Q4_1 and Q8_0; the K-quants' sub-block scales run on VNNI.)
-  if constexpr (QT == kQ4_1 || QT == kQ8_0) {
+  if constexpr (amx_type(QT)) {
     if (allow_amx && rows >= kAmxRows && amx_permitted()) {
       freetoken::guided_for(groups, 1, 1, [&](int64_t g0, int64_t g1) {
-        configure_tiles(static_cast<int>(std::min<int64_t>(16, rows)));
+        configure_tiles(static_cast<int>(std::min<int64_t>(16, rows)), QT == kQ6_K);
         thread_local std::vector<uint8_t> wbuf;
         wbuf.resize(x.nb * 512 + 64);
         uint8_t* aligned = reinterpret_cast<uint8_t*>(
             (reinterpret_cast<uintptr_t>(wbuf.data()) + 63) & ~uintptr_t{63});
         rows_amx<QT>(x, rows, blocks, ldo, out, g0, g1, aligned);
-        _tile_release();
+        FT_TILE_RELEASE();
       });
       return;
     }
@@ -859,6 +977,18 @@ bool int_linear_available() {
 #endif
 }
 
+// The types whose linears run on AMX tiles from kAmxRows rows (none where the build or the
+// CPU has no AMX, or Linux refuses the tile state).
+std::vector<int64_t> gguf_int_amx_types() {
+  std::vector<int64_t> types;
+#ifdef FREETOKEN_AMX
+  if (amx_permitted())
+    for (int64_t qt : {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS})
+      if (amx_type(qt)) types.push_back(qt);
+#endif
+  return types;
+}
+
 int64_t gguf_int_row_bytes(int64_t qtype, int64_t k) {
   TORCH_CHECK(int_type(qtype), "gguf_int_row_bytes: ggml type ", qtype,
               " is not a type of the int24 kernel");
@@ -947,4 +1077,5 @@ TORCH_LIBRARY_FRAGMENT(freetoken, m) {
   m.def("gguf_linear_int(Tensor x, Tensor blocks, int qtype, Tensor(a!) out, int mode=0) -> ()",
         &freetoken::gguf_linear_int);
   m.def("int_linear_available() -> bool", &freetoken::int_linear_available);
+  m.def("gguf_int_amx_types() -> int[]", &freetoken::gguf_int_amx_types);
 }

@@ -1,0 +1,116 @@
+"""The int24 kernel's AMX path, on CPUs that have no AMX: its code built with the tile
+instructions computed in software (``csrc/amx_emulation.h``, ``-DFREETOKEN_AMX_EMULATE``).
+
+The AMX tiles run the int24 kernel's linears from a few rows on the Intel Xeon (Sapphire
+Rapids and later); elsewhere the main build has no AMX code, so the tests of
+test_native_kernels.py never reach it. Here int_linear.cpp is built for the CPU at hand (it
+needs AVX-512 VNNI, as the AMX path's vector half does) with each tile instruction emulated as
+Intel's SDM defines it, in a child process without the main build, and for every type the
+tiles take, the AMX path (mode 0 from ``kAmxRows`` rows) gives the scalar reference's floats
+(mode 1) at row counts around the tile's 16, for a linear of one type and for a linear of
+parts. A tile shape the hardware would refuse fails the emulation with a message. The build is
+cached under the kernel cache; a few seconds of emulated tiles."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from freetoken_core.config import cache_dir
+
+CSRC = Path(__file__).resolve().parents[1] / "freetoken_core" / "kernels" / "csrc"
+
+CHILD = r'''
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils import cpp_extension
+
+build, csrc = Path(sys.argv[1]), Path(sys.argv[2])
+build.mkdir(parents=True, exist_ok=True)
+cpp_extension.load(name="ft_int_linear_amx_emulated", build_directory=str(build),
+                   sources=[str(csrc / "int_linear.cpp")],
+                   extra_cflags=["-O2", "-march=native", "-fopenmp", "-ffp-contract=off",
+                                 "-DFREETOKEN_AMX_EMULATE"],
+                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+sys.path.insert(0, sys.argv[3])
+from gguf_models import random_blocks  # noqa: E402
+
+from freetoken_core.models.block_layout import KIND_PARTS, kernel_blocks, parts_blocks  # noqa: E402
+
+amx = list(torch.ops.freetoken.gguf_int_amx_types())
+print("amx types:", ",".join(map(str, amx)))
+
+
+def int_blocks(qtype, n, k, seed):
+    raw = random_blocks(np.random.default_rng(seed), qtype, n, k)
+    return torch.ops.freetoken.gguf_int_blocks(kernel_blocks(torch.from_numpy(raw), qtype),
+                                               qtype)
+
+
+def run(x, blocks, qtype, n, mode):
+    out = torch.empty(x.shape[0], n)
+    torch.ops.freetoken.gguf_linear_int(x.contiguous(), blocks, qtype, out, mode)
+    return out
+
+
+failed = []
+gen = torch.Generator().manual_seed(0)
+for qtype in amx:
+    n, k = 48, 512
+    blocks = int_blocks(qtype, n, k, qtype)
+    x = torch.randn(40, k, generator=gen) * torch.exp(torch.randn(40, k, generator=gen))
+    x[3, :64] = 0
+    reference = run(x, blocks, qtype, n, 1)
+    for rows in (8, 9, 15, 16, 17, 33, 40):
+        if not torch.equal(run(x[:rows], blocks, qtype, n, 0), reference[:rows]):
+            failed.append(f"{qtype}@{rows}")
+# A linear of parts (a Q4_K_M q/k/v: two parts of one type, one of another where both
+# have tiles; else the first two tile types).
+kinds = [t for t in (12, 14) if t in amx] or amx[:2]
+if len(kinds) == 2:
+    k = 512
+    spec = [(kinds[0], 32, 1), (kinds[0], 16, 2), (kinds[1], 16, 3)]
+    raws = [(t, kernel_blocks(torch.from_numpy(random_blocks(np.random.default_rng(s), t, n, k)),
+                              t)) for t, n, s in spec]
+    from freetoken_core.models.block_layout import int_blocks as layout  # noqa: E402
+    blocks = layout(parts_blocks(raws), KIND_PARTS)
+    x = torch.randn(20, k, generator=gen)
+    if not torch.equal(run(x, blocks, KIND_PARTS, 64, 0), run(x, blocks, KIND_PARTS, 64, 1)):
+        failed.append("parts")
+print("failed:", ",".join(failed) or "none")
+'''
+
+
+def _has_vnni() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_vnni " in flags and " avx512bw " in flags
+
+
+@pytest.mark.skipif(not _has_vnni(), reason="the AMX path's vector half needs AVX-512 VNNI")
+def test_the_amx_path_on_emulated_tiles_gives_the_scalar_floats() -> None:
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.glob("*")):
+        digest.update(path.read_bytes())
+    build = cache_dir() / "kernels" / f"test-amx-emulated-{digest.hexdigest()[:12]}"
+    env = {**os.environ, "FREETOKEN_NATIVE_KERNELS": "0"}
+    done = subprocess.run([sys.executable, "-c", CHILD, str(build), str(CSRC),
+                           str(Path(__file__).parent)], env=env, capture_output=True,
+                          text=True, timeout=900, check=False)
+    if "ninja" in done.stderr and "not found" in done.stderr:  # pragma: no cover
+        pytest.skip("no compiler toolchain")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    amx = lines[0].removeprefix("amx types:").strip()
+    assert amx, "the emulated build has no AMX path"
+    assert lines[-1] == "failed: none", done.stdout
