@@ -65,9 +65,10 @@ class EngineConfig:
     resident before the first request (as llama.cpp's cleared KV buffer and vLLM's reserved
     GPU cache are) instead of faulting in during decode steps: the block manager hands out
     never-used blocks before it evicts cached ones, so a lazily mapped cache keeps faulting
-    until every block has been written once. Measured on the 2-core Zen 5 VM, default model,
-    16 sequences: decode steps 15.7 -> 14.1 ms (docs/operations.md, "KV cache memory").
-    ``False`` (``--no-kv-cache-prefault``): zero pages until written."""
+    until every block has been written once (on the 2-core Zen 5 VM, whose fresh memory is
+    slow to touch, 16 sequences of the SmolLM2 Q4_0 file decoded in 15.7 ms steps lazily
+    and 14.1 prefaulted; docs/operations.md, "GGUF memory"). The cost is at start, 1-5 s a
+    GiB there. ``False`` (``--no-kv-cache-prefault``): zero pages until written."""
     block_size: int = 8
     enable_prefix_caching: bool = True
     plugins: str | None = None

@@ -2,7 +2,7 @@
 // CPUs that have no AMX (built with -DFREETOKEN_AMX_EMULATE; never in the product's build).
 //
 // The path's code is the same in both builds: it calls the FT_TILE_* macros, which are the
-// AMX intrinsics where the compiler targets AMX and these functions here. Each follows the
+// AMX intrinsics where the compiler targets AMX, else the emulations below. Each follows the
 // instruction's definition in Intel's SDM (palette 1: eight tiles of up to 16 rows of 64
 // bytes): TDPB[SU][SU]D adds to C[m][n] (int32) the sum over k < colsb(A) / 4 and i < 4 of
 // A[m][4k + i] * B[k][4n + i], A's and B's bytes signed or unsigned as the instruction's
