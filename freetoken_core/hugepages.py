@@ -57,6 +57,19 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, populate: bool = False) ->
     return tensor
 
 
+def available_bytes() -> int | None:
+    """The memory the system can give without swapping (``MemAvailable`` of /proc/meminfo);
+    ``None`` where it does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4
 

@@ -132,3 +132,20 @@ def test_the_prefault_flag_reaches_the_engine_config() -> None:
     off = _engine_options(build_parser().parse_args(["serve", "--no-kv-cache-prefault"]))
     assert off["kv_cache_prefault"] is False
     assert EngineConfig(**off).kv_cache_prefault is False
+
+
+def test_a_kv_cache_the_memory_cannot_hold_is_refused_before_it_is_written(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from freetoken_core import LLM, ModelLoadError
+
+    monkeypatch.setattr(hugepages, "available_bytes", lambda: 64 << 20)  # 64 MiB free
+    with pytest.raises(ModelLoadError, match=r"GiB of memory available; lower --kv-cache-tokens"):
+        LLM(None, progress=False, kv_cache_tokens=4096, plugins="none")  # 180 MiB of cache
+    # Mapped lazily, it is not written at start: nothing to refuse.
+    LLM(None, progress=False, kv_cache_tokens=4096, plugins="none", kv_cache_prefault=False)
+
+
+def test_available_bytes_reads_meminfo() -> None:
+    available = hugepages.available_bytes()
+    if Path("/proc/meminfo").exists():
+        assert available is not None and available > 0

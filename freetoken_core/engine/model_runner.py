@@ -3,6 +3,7 @@ logprobs."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from freetoken_core.engine.scheduler import ScheduledBatch
 from freetoken_core.engine.sequence import Sequence
+from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.outputs import PromptLogprobs
@@ -86,6 +88,18 @@ def run_plan(model: LlamaForCausalLM, kv_caches: torch.Tensor, plan: StepPlan,
         torch.tensor(rows, dtype=torch.long, device=device)]) for rows in plan.logits_rows]
 
 
+def _check_kv_fits(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """A KV cache to be written at start that the memory available cannot hold: a clear
+    error now, rather than the kernel's OOM killer during the write."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    available = hugepages.available_bytes()
+    if available is not None and nbytes > available:
+        raise ModelLoadError(
+            f"the KV cache of {shape[1]:,} token slots ({shape[0]} layers, {dtype}) takes "
+            f"{nbytes / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of memory "
+            "available; lower --kv-cache-tokens")
+
+
 class ModelRunner:
     """Builds a step's flat inputs from the scheduled batch, runs the model, samples, and
     scores the prompt positions of the sequences that collect prompt logprobs (and only
@@ -104,6 +118,8 @@ class ModelRunner:
         # [layer, slot, key/value, kv head, head dim]: a slot's key and value are adjacent.
         shape = (cfg.num_layers, num_slots, 2, model.num_kv_heads, cfg.head_dim)
         if device.type == "cpu":
+            if prefault:
+                _check_kv_fits(shape, dtype)
             # In huge pages: attention reads each sequence's cache blocks wherever they lie.
             # Prefaulted (EngineConfig.kv_cache_prefault): resident before the first step.
             self.kv_caches = hugepages.zeros(shape, dtype, populate=prefault)
