@@ -11,17 +11,8 @@ count, and the embedding's rows exact. The build is cached under the kernel cach
 
 from __future__ import annotations
 
-import hashlib
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-from freetoken_core.config import cache_dir
-
-CSRC = Path(__file__).resolve().parents[1] / "freetoken_core" / "kernels" / "csrc"
+from native_builds import cpu_has, run_build_child
 
 CHILD = r'''
 import sys
@@ -106,25 +97,7 @@ print("failed:", ",".join(failed) or "none")
 '''
 
 
-def _has_avx2() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx2 " in flags and " fma " in flags
-
-
-@pytest.mark.skipif(not _has_avx2(), reason="the CPU has no AVX2 + FMA")
+@pytest.mark.skipif(not cpu_has("avx2", "fma"), reason="the CPU has no AVX2 + FMA")
 def test_avx2_build_of_the_linear_kernels_on_every_type() -> None:
-    digest = hashlib.sha256()
-    for path in sorted(CSRC.glob("*")):
-        digest.update(path.read_bytes())
-    build = cache_dir() / "kernels" / f"test-avx2-linear-{digest.hexdigest()[:12]}"
-    env = {**os.environ, "FREETOKEN_NATIVE_KERNELS": "0"}
-    done = subprocess.run([sys.executable, "-c", CHILD, str(build), str(CSRC),
-                           str(Path(__file__).parent)], env=env, capture_output=True,
-                          text=True, timeout=900, check=False)
-    if "ninja" in done.stderr and "not found" in done.stderr:  # pragma: no cover
-        pytest.skip("no compiler toolchain")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "failed: none", done.stdout
+    lines = run_build_child(CHILD, "avx2-linear")
+    assert lines[-1] == "failed: none", "\n".join(lines)

@@ -13,17 +13,8 @@ cached under the kernel cache; a few seconds of emulated tiles."""
 
 from __future__ import annotations
 
-import hashlib
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-from freetoken_core.config import cache_dir
-
-CSRC = Path(__file__).resolve().parents[1] / "freetoken_core" / "kernels" / "csrc"
+from native_builds import cpu_has, run_build_child
 
 CHILD = r'''
 import sys
@@ -89,28 +80,10 @@ print("failed:", ",".join(failed) or "none")
 '''
 
 
-def _has_vnni() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_vnni " in flags and " avx512bw " in flags
-
-
-@pytest.mark.skipif(not _has_vnni(), reason="the AMX path's vector half needs AVX-512 VNNI")
+@pytest.mark.skipif(not cpu_has("avx512_vnni", "avx512bw"),
+                    reason="the AMX path's vector half needs AVX-512 VNNI")
 def test_the_amx_path_on_emulated_tiles_gives_the_scalar_floats() -> None:
-    digest = hashlib.sha256()
-    for path in sorted(CSRC.glob("*")):
-        digest.update(path.read_bytes())
-    build = cache_dir() / "kernels" / f"test-amx-emulated-{digest.hexdigest()[:12]}"
-    env = {**os.environ, "FREETOKEN_NATIVE_KERNELS": "0"}
-    done = subprocess.run([sys.executable, "-c", CHILD, str(build), str(CSRC),
-                           str(Path(__file__).parent)], env=env, capture_output=True,
-                          text=True, timeout=900, check=False)
-    if "ninja" in done.stderr and "not found" in done.stderr:  # pragma: no cover
-        pytest.skip("no compiler toolchain")
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
+    lines = run_build_child(CHILD, "amx-emulated")
     amx = lines[0].removeprefix("amx types:").strip()
     assert amx, "the emulated build has no AMX path"
-    assert lines[-1] == "failed: none", done.stdout
+    assert lines[-1] == "failed: none", "\n".join(lines)
