@@ -13,9 +13,10 @@ The memory is anonymous and private, aligned to 2 MiB and advised ``MADV_HUGEPAG
 it is first touched, which the kernel backs with huge pages where
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise`` (the default of
 most distributions), and with 4 KiB pages otherwise: nothing fails either way. Pages are
-zero until written and are allocated as they are first touched (unless ``populate`` writes
-them all at once: the KV cache, ``--kv-cache-prefault``). ``FREETOKEN_HUGE_PAGES=0`` turns it off (plain
-``torch.zeros``); so does a platform without ``madvise`` or below one huge page of size.
+zero until written and are allocated as they are first touched, unless ``populate`` writes
+them all at once (the KV cache, ``--kv-cache-prefault``). ``FREETOKEN_HUGE_PAGES=0`` turns
+it off (plain ``torch.zeros``); so does a platform without ``madvise`` or below one huge
+page of size.
 """
 
 from __future__ import annotations
@@ -38,13 +39,18 @@ def enabled() -> bool:
     return os.environ.get(_ENV, "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
 
 
+def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a contiguous tensor of ``shape`` and ``dtype``."""
+    return math.prod(shape) * dtype.itemsize
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, populate: bool = False) -> torch.Tensor:
     """A contiguous zero CPU tensor of ``shape`` and ``dtype`` in memory advised for huge
     pages (``torch.zeros`` where that is off or the tensor is smaller than one huge page).
     The tensor keeps its mapping alive; the mapping goes when the last view of it does.
     ``populate``: every page written once now (by ATen's threads), so that it is resident
     before the tensor is used; else pages come as they are first touched."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = tensor_bytes(shape, dtype)
     if nbytes < HUGE_PAGE or not enabled():
         return torch.zeros(shape, dtype=dtype)  # (written: torch.zeros fills its memory)
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

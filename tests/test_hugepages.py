@@ -14,22 +14,17 @@ from freetoken_core import hugepages
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def _smaps_kib_at(address: int, field: str) -> int | None:
-    """A field of /proc/self/smaps (KiB: ``Rss``, ``AnonHugePages``) for the mapping of this
-    process that holds ``address``."""
+def _huge_kib_at(address: int) -> int | None:
+    """AnonHugePages (KiB) of the mapping of this process that holds ``address``."""
     current = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         span = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
         if span:
             start, end = (int(x, 16) for x in span.groups())
             current = start <= address < end
-        elif current and line.startswith(field + ":"):
+        elif current and line.startswith("AnonHugePages:"):
             return int(line.split()[1])
     return None
-
-
-def _huge_kib_at(address: int) -> int | None:
-    return _smaps_kib_at(address, "AnonHugePages")
 
 
 def _resident_kib(t: torch.Tensor) -> int:
@@ -66,8 +61,9 @@ def test_small_tensors_and_the_switch_give_plain_zeros(monkeypatch: pytest.Monke
     assert big.shape == (1 << 20,) and not big.any()
 
 
-needs_mappings = pytest.mark.skipif(not hugepages.enabled() or not hasattr(ctypes.CDLL(None), "mincore"),
-                                    reason="huge-page mappings off, or no mincore")
+needs_mappings = pytest.mark.skipif(
+    not hugepages.enabled() or not hasattr(ctypes.CDLL(None), "mincore"),
+    reason="huge-page mappings off, or no mincore")
 
 
 @needs_mappings

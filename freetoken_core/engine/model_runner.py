@@ -3,7 +3,6 @@ logprobs."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -91,7 +90,7 @@ def run_plan(model: LlamaForCausalLM, kv_caches: torch.Tensor, plan: StepPlan,
 def _check_kv_fits(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     """A KV cache to be written at start that the memory available cannot hold: a clear
     error now, rather than the kernel's OOM killer during the write."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = hugepages.tensor_bytes(shape, dtype)
     available = hugepages.available_bytes()
     if available is not None and nbytes > available:
         raise ModelLoadError(

@@ -70,6 +70,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <vector>
 
@@ -110,9 +111,12 @@ constexpr int64_t kQ4_0 = types::Q4_0, kQ5_0 = types::Q5_0, kQ5_1 = types::Q5_1,
                   kQ4_K = types::Q4_K, kQ5_K = types::Q5_K, kQ6_K = types::Q6_K,
                   kIQ4_NL = types::IQ4_NL, kIQ4_XS = types::IQ4_XS;
 
+constexpr int64_t kIntTypes[] = {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0,
+                                 kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS};
 constexpr bool int_type(int64_t qt) {
-  return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ5_1 || qt == kQ8_0 ||
-         qt == kQ4_K || qt == kQ5_K || qt == kQ6_K || qt == kIQ4_NL || qt == kIQ4_XS;
+  for (int64_t t : kIntTypes)
+    if (t == qt) return true;
+  return false;
 }
 // The types whose weights are unsigned (0..15, 0..31) with a min (w = d q + m); the others'
 // are signed (q - 8, q - 16, int8, q - 32, IQ4's levels): VNNI's unsigned operand against h
@@ -551,14 +555,13 @@ void groups_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t ldo
 #endif
 
 #ifdef FREETOKEN_AMX
-// The types the tiles take: every type of the kernel. A tile product is 16 rows' digits of a
+// The tiles take every type of the kernel. A tile product is 16 rows' digits of a
 // block against 16 features' 32 weights, the weights as bytes in B (unpacked once a group:
 // nibbles, fifth bits, Q6_K's high bits, IQ4's levels; Q8_0's read in place), unsigned for
 // the types with a min and signed for the others (q - 8, q - 16, q - 32, the levels, int8),
 // so that every product is exact without the VNNI path's q + 128 correction: h (s8) against
 // the weights in TDPBSUD / TDPBSSD, m and l (u8) in TDPBUUD / TDPBUSD. Q6_K's halves of 16
 // have their own scales: two products of 16 weights a digit (group_amx_halves).
-constexpr bool amx_type(int64_t qt) { return int_type(qt); }
 
 // Linux grants a process the AMX tile state on request (once); false where it refuses.
 bool amx_permitted() {
@@ -805,19 +808,17 @@ void int_linear_impl(const Digits& x, int64_t rows, const uint8_t* blocks, int64
   const int64_t groups = n / kIntGroup;
   (void)allow_amx;
 #ifdef FREETOKEN_AMX
-  if constexpr (amx_type(QT)) {
-    if (allow_amx && rows >= kAmxRows && amx_permitted()) {
-      freetoken::guided_for(groups, 1, 1, [&](int64_t g0, int64_t g1) {
-        configure_tiles(static_cast<int>(std::min<int64_t>(16, rows)), QT == kQ6_K);
-        thread_local std::vector<uint8_t> wbuf;
-        wbuf.resize(x.nb * 512 + 64);
-        uint8_t* aligned = reinterpret_cast<uint8_t*>(
-            (reinterpret_cast<uintptr_t>(wbuf.data()) + 63) & ~uintptr_t{63});
-        rows_amx<QT>(x, rows, blocks, ldo, out, g0, g1, aligned);
-        FT_TILE_RELEASE();
-      });
-      return;
-    }
+  if (allow_amx && rows >= kAmxRows && amx_permitted()) {
+    freetoken::guided_for(groups, 1, 1, [&](int64_t g0, int64_t g1) {
+      configure_tiles(static_cast<int>(std::min<int64_t>(16, rows)), QT == kQ6_K);
+      thread_local std::vector<uint8_t> wbuf;
+      wbuf.resize(x.nb * 512 + 64);
+      uint8_t* aligned = reinterpret_cast<uint8_t*>(
+          (reinterpret_cast<uintptr_t>(wbuf.data()) + 63) & ~uintptr_t{63});
+      rows_amx<QT>(x, rows, blocks, ldo, out, g0, g1, aligned);
+      FT_TILE_RELEASE();
+    });
+    return;
   }
 #endif
 #ifdef FREETOKEN_VNNI
@@ -977,14 +978,12 @@ bool int_linear_available() {
 #endif
 }
 
-// The types whose linears run on AMX tiles from kAmxRows rows (none where the build or the
-// CPU has no AMX, or Linux refuses the tile state).
+// The types whose linears run on AMX tiles from kAmxRows rows: all of them, or none where
+// the build or the CPU has no AMX, or Linux refuses the tile state.
 std::vector<int64_t> gguf_int_amx_types() {
   std::vector<int64_t> types;
 #ifdef FREETOKEN_AMX
-  if (amx_permitted())
-    for (int64_t qt : {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS})
-      if (amx_type(qt)) types.push_back(qt);
+  if (amx_permitted()) types.assign(std::begin(kIntTypes), std::end(kIntTypes));
 #endif
   return types;
 }

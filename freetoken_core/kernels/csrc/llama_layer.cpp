@@ -64,14 +64,9 @@ void write_kv(const at::Tensor& qkv_out, int64_t k_offset, at::Tensor& kv_cache,
 int64_t out_features(const at::Tensor& blocks, int64_t qtype) {
   if ((qtype & ~(freetoken::kActivationsQ8 | freetoken::kActivationsInt24)) != freetoken::kParts)
     return blocks.size(0);
-  const uint8_t* base = blocks.data_ptr<uint8_t>();
-  int64_t head[2], n = 0;
-  std::memcpy(head, base, sizeof head);
-  for (int64_t p = 0; p < head[1]; ++p) {
-    int64_t features;
-    std::memcpy(&features, base + 16 + 32 * p + 8, sizeof features);
-    n += features;
-  }
+  int64_t n = 0;
+  for (const freetoken::LinearPart& p : freetoken::linear_parts(blocks, "llama_layer"))
+    n += p.n;
   return n;
 }
 
