@@ -53,7 +53,8 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "AVX-512 VNNI, else float32. Opt-in, not exact: q8 (8-bit "
                              "activations as llama.cpp computes them; Q4_0, Q4_1, Q5_0, "
                              "Q8_0, Q4_K, Q5_K and Q6_K linears, the others keep float32). int24 "
-                             "computes Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS "
+                             "computes Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL/"
+                             "IQ4_XS "
                              "linears (the others keep float32); "
                              "both need the native kernels")
     parser.add_argument("--max-model-len", type=int, default=None)

@@ -96,7 +96,7 @@ def test_greedy_matches_transformers_gguf_loader(gguf_model: tuple[str, Path]) -
     assert model.uses_gguf_blocks  # computed from the file's blocks, not a float32 copy
     if cpu_kernels_available() and int_linear_available():
         # The default arithmetic there: every linear of the int24 kernel's types (each
-        # part's, for a linear of parts) is on it, the others (F16, Q3_K, ...) are not.
+        # part's, for a linear of parts) is on it, the others (F16, BF16, ...) are not.
         for lin in [lin for layer in model.layers for lin in layer.linears] + [model.lm_head]:
             qtype, blocks = lin.blocks
             kernel_type = qtype & ~ACTIVATIONS_INT24

@@ -534,8 +534,8 @@ def run_int24(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, mode: i
     return out
 
 
-# Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS
-INT24_TYPES = [2, 3, 6, 7, 8, 12, 13, 14, 20, 23]
+# Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS
+INT24_TYPES = [2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23]
 
 
 @needs_int24
@@ -544,7 +544,7 @@ def test_int24_paths_compute_the_same_floats_whatever_the_row_count(qtype: int) 
     """The VNNI path, the AMX tiles (from a few rows, where the CPU has them) and the scalar
     reference give the same floats, and a row's output is the same alone and among 1 to 99
     others (integer sums are exact in any order; the float steps are per row)."""
-    n, k = 80, 1280 if qtype in (12, 13, 14, 23) else 1344
+    n, k = 80, 1280 if qtype in (10, 11, 12, 13, 14, 23) else 1344
     blocks, _, _ = int24_case(qtype, n, k, qtype)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(100, k, generator=gen) * torch.exp(torch.randn(100, k, generator=gen))

@@ -1,5 +1,5 @@
-// y[M, N] = x[M, K] @ W[N, K]^T from GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-// Q6_K, IQ4_NL or IQ4_XS) in integer arithmetic, on CPUs with AVX-512 VNNI (and AMX tiles
+// y[M, N] = x[M, K] @ W[N, K]^T from GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
+// Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS) in integer arithmetic, on CPUs with AVX-512 VNNI (and AMX tiles
 // from a few rows, where the CPU has them): the exact path's numerics there. The AMX path is
 // tested on CPUs without AMX by a build whose tile instructions are emulated
 // (amx_emulation.h, tests/test_int_linear_amx.py).
@@ -11,8 +11,9 @@
 // error of at most 2^-24 of the block's largest magnitude, the size of float32's own
 // rounding of that value (24 significant bits). Each X_k is cut into three 8-bit digits,
 // X_k = 65536 h_k + 256 m_k + l_k (h signed, m and l unsigned), and a block of weights
-// (integers q: Q4_1 and Q4_K 0..15, Q5_1 and Q5_K 0..31, Q4_0 -8..7, Q5_0 -16..15, Q8_0
-// -128..127, Q6_K -32..31, IQ4_NL and IQ4_XS their levels -127..113) meets the block of
+// (integers q: Q2_K 0..3, Q4_1 and Q4_K 0..15, Q5_1 and Q5_K 0..31, Q4_0 -8..7, Q5_0
+// -16..15, Q8_0 -128..127, Q3_K -4..3, Q6_K -32..31, IQ4_NL and IQ4_XS their levels
+// -127..113) meets the block of
 // activations in three integer dot products, P_h = sum h_k q_k and likewise P_m, P_l, which
 // are exact. Then, in float32, in this order:
 //
@@ -23,9 +24,11 @@
 // block after block from y = 0. The super-block types' blocks are their sub-blocks: Q4_K's
 // and Q5_K's d is the super-block's d times the sub-block's 6-bit scale and m is -(dmin times
 // its 6-bit min), IQ4_XS's d is d times (its 6-bit scale - 32), all exact float32 products
-// (the values the float32 kernel multiplies by); Q6_K's two
-// halves of 16 have their own int8 scales, which multiply the halves' dot products in
-// integers, P_h = sc_a P_h,a + sc_b P_h,b (|P_h| < 2^25: exact), and d is the super-block's.
+// (the values the float32 kernel multiplies by); the halves of 16 of Q2_K, Q3_K and Q6_K have
+// their own integer scales (Q2_K's 4 bits, Q3_K's 6 bits - 32, Q6_K's int8), which multiply
+// the halves' dot products in integers, P_h = sc_a P_h,a + sc_b P_h,b (|P_h| < 2^25: exact),
+// and d is the super-block's; Q2_K's halves have their own mins too, m_a = -(dmin times its
+// 4-bit min), so its m term is two, y = fma(m_a, float(sum_a X_k) * s, y), then m_b's.
 // So the only roundings are the activations' (as above) and these few per block, where the
 // float32 path rounds after every one of the 32 products of a block: its error against
 // float64 sums is of the same size (tests/test_native_kernels.py holds it to that;
@@ -56,6 +59,13 @@
 //         (320 bytes each)                                           (2880 bytes: 5.625 bits)
 //   IQ4_XS: d[16] as float32, sc[8][16] (int8: the 6-bit scales - 32), then each
 //         sub-block's nibbles as Q4_1's                               (2240 bytes: 4.38 bits)
+//   Q2_K: d[16], dmin[16] as float16, sc[16][16] (the file's bytes: the 4-bit scale of a
+//         half sub-block, its min << 4; [half sub-block][feature]), then per sub-block of 32
+//         its two-bit weights in 2 x 64 bytes: bits 2i, 2i + 1 of byte 4f + e of vector v
+//         belong to weight 4 (4v + i) + e                       (1344 bytes: 2.625, the file's)
+//   Q3_K: d[16] as float32, sc[16][16] (int8: the 6-bit scales - 32), then per sub-block of
+//         32 the two low bits of q + 4 as Q2_K's (128 bytes) and their third bits in 64 bytes
+//         as Q5_0's fifth bits                                    (1856 bytes: 3.625 bits)
 //   Q6_K: d[16] as float32, sc[16][16] (int8, [half sub-block][feature]), then per
 //         sub-block of 32 the low nibbles of q + 32 as Q4_1's (256 bytes) and their high two
 //         bits in 2 x 64 bytes: bits 2i, 2i + 1 of byte 4f + e of vector u belong to weight
@@ -108,25 +118,35 @@ namespace {
 
 using namespace freetoken::gguf;
 constexpr int64_t kQ4_0 = types::Q4_0, kQ5_0 = types::Q5_0, kQ5_1 = types::Q5_1,
-                  kQ4_K = types::Q4_K, kQ5_K = types::Q5_K, kQ6_K = types::Q6_K,
-                  kIQ4_NL = types::IQ4_NL, kIQ4_XS = types::IQ4_XS;
+                  kQ2_K = types::Q2_K, kQ3_K = types::Q3_K, kQ4_K = types::Q4_K,
+                  kQ5_K = types::Q5_K, kQ6_K = types::Q6_K, kIQ4_NL = types::IQ4_NL,
+                  kIQ4_XS = types::IQ4_XS;
 
-constexpr int64_t kIntTypes[] = {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0,
-                                 kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS};
+constexpr int64_t kIntTypes[] = {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ2_K,
+                                 kQ3_K, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS};
 constexpr bool int_type(int64_t qt) {
   for (int64_t t : kIntTypes)
     if (t == qt) return true;
   return false;
 }
-// The types whose weights are unsigned (0..15, 0..31) with a min (w = d q + m); the others'
-// are signed (q - 8, q - 16, int8, q - 32, IQ4's levels): VNNI's unsigned operand against h
-// is then q + 128, and 128 * sum(h) is taken off after the block.
+// The types whose weights are unsigned (0..3, 0..15, 0..31) with a min (w = d q + m); the
+// others' are signed (q - 8, q - 16, int8, q - 4, q - 32, IQ4's levels): VNNI's unsigned
+// operand against h is then q + 128, and 128 * sum(h) is taken off after the block.
 constexpr bool with_min(int64_t qt) {
-  return qt == kQ4_1 || qt == kQ5_1 || qt == kQ4_K || qt == kQ5_K;
+  return qt == kQ4_1 || qt == kQ5_1 || qt == kQ2_K || qt == kQ4_K || qt == kQ5_K;
 }
 constexpr bool signed_weights(int64_t qt) { return !with_min(qt); }
 constexpr bool super_blocks(int64_t qt) {
-  return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K || qt == kIQ4_XS;
+  return qt == kQ2_K || qt == kQ3_K || qt == kQ4_K || qt == kQ5_K || qt == kQ6_K ||
+         qt == kIQ4_XS;
+}
+// Each half of 16 weights of a block with its own integer scale (and Q2_K's its own min).
+constexpr bool halves(int64_t qt) { return qt == kQ2_K || qt == kQ3_K || qt == kQ6_K; }
+// Two bits a weight in 2 x 64 bytes a block (Q3_K's third in 64 more), not nibbles.
+constexpr bool two_bits(int64_t qt) { return qt == kQ2_K || qt == kQ3_K; }
+// The offset of the signed types' stored weights (stored q + kZero, all but Q8_0's and IQ4's).
+constexpr int weight_zero(int64_t qt) {
+  return qt == kQ4_0 ? 8 : qt == kQ5_0 ? 16 : qt == kQ3_K ? 4 : qt == kQ6_K ? 32 : 0;
 }
 // Q4_K's and Q5_K's sub-block scales and mins (d, dmin, 6-bit scale and min a byte each).
 constexpr bool k4_scales(int64_t qt) { return qt == kQ4_K || qt == kQ5_K; }
@@ -138,13 +158,14 @@ constexpr int64_t kIntGroup = 16;  // features of a group-unit
 constexpr int64_t unit_blocks(int64_t qt) { return super_blocks(qt) ? 8 : 1; }
 constexpr int64_t int_unit_bytes(int64_t qt) {
   return qt == kQ4_0 || qt == kIQ4_NL || qt == kQ4_1 ? 320 : qt == kQ5_0 || qt == kQ5_1 ? 384
-         : qt == kQ8_0 ? 576 : qt == kQ4_K ? 2368 : qt == kQ5_K ? 2880 : qt == kIQ4_XS ? 2240
-         : 3392;
+         : qt == kQ8_0 ? 576 : qt == kQ2_K ? 1344 : qt == kQ3_K ? 1856 : qt == kQ4_K ? 2368
+         : qt == kQ5_K ? 2880 : qt == kIQ4_XS ? 2240 : 3392;
 }
 // Where block j's weights start in a group-unit.
 constexpr int64_t int_weights_offset(int64_t qt, int64_t j) {
   return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ5_1 || qt == kQ8_0 ||
                  qt == kIQ4_NL ? 64
+         : qt == kQ2_K ? 320 + 128 * j : qt == kQ3_K ? 320 + 192 * j
          : qt == kQ4_K ? 320 + 256 * j : qt == kQ5_K ? 320 + 320 * j
          : qt == kIQ4_XS ? 192 + 256 * j : 320 + 384 * j;
 }
@@ -156,8 +177,8 @@ constexpr int64_t kMinAt = 32, kScalesAt = 64, kMinsAt = 192;
 // Q8_0; the K-quants' super-blocks as the file stores them).
 constexpr int64_t kernel_unit_bytes(int64_t qt) {
   return qt == kQ4_0 || qt == kIQ4_NL ? 18 : qt == kQ5_0 ? 22 : qt == kQ5_1 ? 24
-         : qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : qt == kQ6_K ? 210 : qt == kIQ4_XS ? 136
-         : block_bytes(qt);
+         : qt == kQ2_K ? 84 : qt == kQ3_K ? 110 : qt == kQ4_K ? 144 : qt == kQ5_K ? 176
+         : qt == kQ6_K ? 210 : qt == kIQ4_XS ? 136 : block_bytes(qt);
 }
 constexpr int64_t kDigitBytes = 3 * kBlock;  // a row's block: h[32], m[32], l[32]
 
@@ -167,7 +188,8 @@ struct Digits {
   std::vector<float> s;      // [rows, nb]: the scale 2^(e - 23)
   std::vector<float> xs;     // [rows, nb]: float(sum of X) * s
   std::vector<int32_t> sh;   // [rows, nb]: sum of h (the correction of VNNI sums of q + 128)
-  std::vector<int32_t> sh16; // [rows, nb]: the same over the block's first 16 (Q6_K's halves)
+  std::vector<int32_t> sh16; // [rows, nb]: the same over the block's first 16 (the halves)
+  std::vector<float> xsh;    // [rows, nb, 2]: float(sum of X over each half) * s (Q2_K's mins)
   int64_t nb = 0;
 };
 
@@ -182,9 +204,10 @@ inline int block_exponent(float amax) {
   return e;
 }
 
-// One row's block of 32: its digits, scale, scaled sum and sums of h.
+// One row's block of 32: its digits, scale, scaled sums (the block's and its halves') and
+// sums of h.
 inline void digits_block(const float* x, uint8_t* dg, float* s_out, float* xs_out,
-                         int32_t* sh_out, int32_t* sh16_out) {
+                         float* xsh_out, int32_t* sh_out, int32_t* sh16_out) {
   float amax = 0.f;
   bool finite = true;
   for (int k = 0; k < kBlock; ++k) {
@@ -195,13 +218,13 @@ inline void digits_block(const float* x, uint8_t* dg, float* s_out, float* xs_ou
     // inf or NaN: the block's outputs become NaN, as a float32 dot product's would (or inf
     // for an infinite x; NaN here either way).
     std::memset(dg, 0, kDigitBytes);
-    *s_out = *xs_out = std::numeric_limits<float>::quiet_NaN();
+    *s_out = *xs_out = xsh_out[0] = xsh_out[1] = std::numeric_limits<float>::quiet_NaN();
     *sh_out = *sh16_out = 0;
     return;
   }
   const int e = block_exponent(amax);
   const float up = std::ldexp(1.0f, 23 - e);
-  int32_t sum = 0, sum_h = 0, sum_h16 = 0;
+  int32_t sum = 0, sum16 = 0, sum_h = 0, sum_h16 = 0;
   for (int k = 0; k < kBlock; ++k) {
     int32_t v = static_cast<int32_t>(std::nearbyint(x[k] * up));
     v = std::min(std::max(v, -(1 << 23)), (1 << 23) - 1);
@@ -212,11 +235,13 @@ inline void digits_block(const float* x, uint8_t* dg, float* s_out, float* xs_ou
     dg[2 * kBlock + k] = static_cast<uint8_t>(u);
     sum += v;
     sum_h += h;
-    if (k == 15) sum_h16 = sum_h;
+    if (k == 15) sum_h16 = sum_h, sum16 = sum;
   }
   const float s = std::ldexp(1.0f, e - 23);
   *s_out = s;
   *xs_out = static_cast<float>(sum) * s;
+  xsh_out[0] = static_cast<float>(sum16) * s;
+  xsh_out[1] = static_cast<float>(sum - sum16) * s;
   *sh_out = sum_h;
   *sh16_out = sum_h16;
 }
@@ -224,7 +249,7 @@ inline void digits_block(const float* x, uint8_t* dg, float* s_out, float* xs_ou
 #ifdef FREETOKEN_VNNI
 // digits_block on vectors: the same integers and floats.
 inline void digits_block_avx512(const float* x, uint8_t* dg, float* s_out, float* xs_out,
-                                int32_t* sh_out, int32_t* sh16_out) {
+                                float* xsh_out, int32_t* sh_out, int32_t* sh16_out) {
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const __m512 abs_max = _mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b));
   // Not finite (inf or NaN): an exponent field of all ones in a or b.
@@ -232,11 +257,11 @@ inline void digits_block_avx512(const float* x, uint8_t* dg, float* s_out, float
   const __mmask16 bad =
       _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(a), exponent), exponent) |
       _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(b), exponent), exponent);
-  if (bad) return digits_block(x, dg, s_out, xs_out, sh_out, sh16_out);
+  if (bad) return digits_block(x, dg, s_out, xs_out, xsh_out, sh_out, sh16_out);
   const int e = block_exponent(_mm512_reduce_max_ps(abs_max));
   const __m512 up = _mm512_set1_ps(std::ldexp(1.0f, 23 - e));
   const __m512i lo = _mm512_set1_epi32(-(1 << 23)), hi = _mm512_set1_epi32((1 << 23) - 1);
-  __m512i sum = _mm512_setzero_si512(), sum_h[2];
+  __m512i sum[2], sum_h[2];
   for (int half = 0; half < 2; ++half) {
     const __m512 v = half == 0 ? a : b;
     // cvtps_epi32 rounds to nearest even (the default MXCSR mode), as nearbyint does.
@@ -249,12 +274,16 @@ inline void digits_block_avx512(const float* x, uint8_t* dg, float* s_out, float
                      _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 8)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dg + 2 * kBlock + 16 * half),
                      _mm512_cvtepi32_epi8(u));
-    sum = _mm512_add_epi32(sum, q);
+    sum[half] = q;
     sum_h[half] = h;
   }
   const float s = std::ldexp(1.0f, e - 23);
   *s_out = s;
-  *xs_out = static_cast<float>(_mm512_reduce_add_epi32(sum)) * s;
+  const int32_t sum16 = _mm512_reduce_add_epi32(sum[0]),
+                sum32 = sum16 + _mm512_reduce_add_epi32(sum[1]);
+  *xs_out = static_cast<float>(sum32) * s;
+  xsh_out[0] = static_cast<float>(sum16) * s;
+  xsh_out[1] = static_cast<float>(sum32 - sum16) * s;
   *sh16_out = _mm512_reduce_add_epi32(sum_h[0]);
   *sh_out = *sh16_out + _mm512_reduce_add_epi32(sum_h[1]);
 }
@@ -268,18 +297,19 @@ void make_digits(const float* x, int64_t rows, int64_t k, Digits& out, bool scal
   out.xs.resize(rows * nb);
   out.sh.resize(rows * nb);
   out.sh16.resize(rows * nb);
+  out.xsh.resize(rows * nb * 2);
   std::memset(out.d.data() + rows * nb * kDigitBytes, 0, (padded - rows) * nb * kDigitBytes);
   auto run = [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
 #ifdef FREETOKEN_VNNI
       if (!scalar) {
         digits_block_avx512(x + b * kBlock, out.d.data() + b * kDigitBytes, &out.s[b],
-                            &out.xs[b], &out.sh[b], &out.sh16[b]);
+                            &out.xs[b], &out.xsh[2 * b], &out.sh[b], &out.sh16[b]);
         continue;
       }
 #endif
       digits_block(x + b * kBlock, out.d.data() + b * kDigitBytes, &out.s[b], &out.xs[b],
-                   &out.sh[b], &out.sh16[b]);
+                   &out.xsh[2 * b], &out.sh[b], &out.sh16[b]);
     }
   };
   // In a team every member computes all rows' digits into its own copy (thread-local), as
@@ -304,6 +334,10 @@ inline int32_t weight_int(const uint8_t* gu, int64_t j, int f, int k) {
   const uint8_t* w = gu + int_weights_offset(QT, j);
   if constexpr (QT == kQ8_0) {
     return static_cast<int8_t>(w[(k / 4) * 64 + 4 * f + k % 4]);
+  } else if constexpr (two_bits(QT)) {
+    const int32_t low = (w[(k / 16) * 64 + 4 * f + k % 4] >> (2 * ((k / 4) % 4))) & 3;
+    if constexpr (QT == kQ3_K) return (low | ((w[128 + 4 * f + k % 4] >> (k / 4)) & 1) << 2) - 4;
+    return low;
   } else {
     const uint8_t byte = w[(k / 8) * 64 + 4 * f + k % 4];
     const int32_t low = (k % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
@@ -338,6 +372,19 @@ inline float block_m(const uint8_t* gu, int64_t j, int f) {
   return 0.f;
 }
 
+// The integer scale of half hf of block j of feature f (the types with halves), and Q2_K's
+// m of that half, -(dmin * min) (its byte: the scale in the low nibble, the min in the high).
+template <int64_t QT>
+inline int32_t half_scale(const uint8_t* gu, int64_t j, int hf, int f) {
+  const uint8_t byte = gu[kScalesAt + 16 * (2 * j + hf) + f];
+  if constexpr (QT == kQ2_K) return byte & 15;
+  return static_cast<int8_t>(byte);
+}
+inline float half_min_q2_k(const uint8_t* gu, int64_t j, int hf, int f) {
+  return -(half_to_float(gu + kMinAt + 2 * f) *
+           static_cast<float>(gu[kScalesAt + 16 * (2 * j + hf) + f] >> 4));
+}
+
 inline float block_value(int32_t ph, int32_t pm, int32_t pl) {
   return std::fma(static_cast<float>(ph), 65536.f,
                   std::fma(static_cast<float>(pm), 256.f, static_cast<float>(pl)));
@@ -366,16 +413,20 @@ void rows_scalar(const Digits& x, int64_t rows, const uint8_t* blocks, int64_t l
           }
           int32_t sum[3];
           for (int i = 0; i < 3; ++i) {
-            if constexpr (QT == kQ6_K) {
-              const int8_t* sc = reinterpret_cast<const int8_t*>(gu + kScalesAt + 16 * (2 * j) + f);
-              sum[i] = sc[0] * p[0][i] + sc[16] * p[1][i];
+            if constexpr (halves(QT)) {
+              sum[i] = half_scale<QT>(gu, j, 0, f) * p[0][i] + half_scale<QT>(gu, j, 1, f) * p[1][i];
             } else {
               sum[i] = p[0][i] + p[1][i];
             }
           }
           const int64_t i = r * nb + b;
           y = std::fma(block_d<QT>(gu, j, f), block_value(sum[0], sum[1], sum[2]) * x.s[i], y);
-          if constexpr (with_min(QT)) y = std::fma(block_m<QT>(gu, j, f), x.xs[i], y);
+          if constexpr (QT == kQ2_K) {
+            y = std::fma(half_min_q2_k(gu, j, 0, f), x.xsh[2 * i], y);
+            y = std::fma(half_min_q2_k(gu, j, 1, f), x.xsh[2 * i + 1], y);
+          } else if constexpr (with_min(QT)) {
+            y = std::fma(block_m<QT>(gu, j, f), x.xs[i], y);
+          }
         }
         out[r * ldo + g * kIntGroup + f] = y;
       }
@@ -421,16 +472,58 @@ inline __m512 block_update(__m512i ph, __m512i pm, __m512i pl, __m512 d, __m512 
                                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(pm),
                                                    _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(pl)));
   y = _mm512_fmadd_ps(d, _mm512_mul_ps(v, _mm512_set1_ps(s)), y);
-  if constexpr (with_min(QT)) y = _mm512_fmadd_ps(m, _mm512_set1_ps(xs), y);
+  if constexpr (with_min(QT) && !halves(QT)) y = _mm512_fmadd_ps(m, _mm512_set1_ps(xs), y);
+  return y;
+}
+
+// The integer scales of a block's halves for the 16 features (half_scale lane by lane).
+template <int64_t QT>
+inline void half_scales16(const uint8_t* gu, int64_t j, __m512i sc[2]) {
+  for (int hf = 0; hf < 2; ++hf) {
+    const __m128i b =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + kScalesAt + 16 * (2 * j + hf)));
+    sc[hf] = QT == kQ2_K ? _mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(15)))
+                         : _mm512_cvtepi8_epi32(b);
+  }
+}
+
+// Q2_K's mins: y += m_a * xs_a, then m_b * xs_b (half_min_q2_k lane by lane; xsh: the row's
+// block's two scaled half sums).
+inline __m512 q2_k_min_update(const uint8_t* gu, int64_t j, const float* xsh, __m512 y) {
+  const __m512 dmin =
+      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gu + kMinAt)));
+  for (int hf = 0; hf < 2; ++hf) {
+    const __m128i b =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + kScalesAt + 16 * (2 * j + hf)));
+    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(
+        _mm_srli_epi16(b, 4), _mm_set1_epi8(15))));
+    const __m512 m = _mm512_xor_ps(_mm512_set1_ps(-0.f), _mm512_mul_ps(dmin, mn));
+    y = _mm512_fmadd_ps(m, _mm512_set1_ps(xsh[hf]), y);
+  }
   return y;
 }
 
 // Weights 4t..4t+3 of the 16 features of a block (w: its weights in a group-unit), one
-// feature a 32-bit lane; Q4_0's, Q5_0's and Q6_K's as stored, before the - 8, - 16, - 32.
+// feature a 32-bit lane; Q4_0's, Q5_0's, Q3_K's and Q6_K's as stored, before the - 8, - 16,
+// - 4, - 32.
 template <int64_t QT>
 inline __m512i weight_quad(const uint8_t* w, int t) {
   if constexpr (QT == kQ8_0) {
     return _mm512_loadu_si512(w + t * 64);
+  } else if constexpr (two_bits(QT)) {
+    // Bits 2i, 2i + 1 (i = t % 4) of vector t / 4 to bits 0, 1; Q3_K's third bit: bit t of
+    // the 64 bytes after them to bit 2.
+    const __m512i v = _mm512_loadu_si512(w + (t / 4) * 64);
+    const int i = t % 4;
+    const __m512i low = i == 0 ? v : _mm512_srli_epi16(v, 2 * i);
+    __m512i q = _mm512_and_si512(low, _mm512_set1_epi8(3));
+    if constexpr (QT == kQ3_K) {
+      const __m512i hv = _mm512_loadu_si512(w + 128);
+      const __m512i moved = t < 2 ? _mm512_slli_epi16(hv, 2 - t)
+                            : t == 2 ? hv : _mm512_srli_epi16(hv, t - 2);
+      q = _mm512_or_si512(q, _mm512_and_si512(moved, _mm512_set1_epi8(4)));
+    }
+    return q;
   } else {
     const __m512i v = _mm512_loadu_si512(w + (t / 2) * 64);
     const __m512i nib = (t & 1) ? _mm512_srli_epi16(v, 4) : v;
@@ -461,14 +554,14 @@ inline __m512i weight_quad(const uint8_t* w, int t) {
   }
 }
 
-// R rows of one group's VNNI dot products: 3 x R integer accumulators per block (Q6_K: per
-// half), then the block's update of R float accumulators.
+// R rows of one group's VNNI dot products: 3 x R integer accumulators per block (Q2_K, Q3_K,
+// Q6_K: per half), then the block's update of R float accumulators.
 template <int64_t QT, int R>
 void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t ldo, float* out,
                int64_t g) {
   const int64_t nb = x.nb;
   constexpr int64_t ub = unit_blocks(QT), block_share = int_unit_bytes(QT) / ub;
-  constexpr int kHalves = QT == kQ6_K ? 2 : 1;
+  constexpr int kHalves = halves(QT) ? 2 : 1;
   const uint8_t* group = blocks + g * nb * block_share;
   __m512 y[R];
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
@@ -491,7 +584,7 @@ void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t ldo, 
       if constexpr (QT == kQ8_0 || iq4_levels(QT)) {
         wu = _mm512_xor_si512(w8, _mm512_set1_epi8(static_cast<char>(0x80)));
       } else if constexpr (signed_weights(QT)) {
-        constexpr int kZero = QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : 32;  // q - kZero
+        constexpr int kZero = weight_zero(QT);  // q - kZero
         w = _mm512_sub_epi8(w8, _mm512_set1_epi8(kZero));
         wu = _mm512_add_epi8(w8, _mm512_set1_epi8(128 - kZero));
       }
@@ -512,18 +605,16 @@ void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t ldo, 
     const __m512 d = block_d16<QT>(gu, j);
     const __m512 mv = block_m16<QT>(gu, j);
     __m512i sc[2];
-    if constexpr (QT == kQ6_K) {
-      for (int hf = 0; hf < 2; ++hf)
-        sc[hf] = _mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + kScalesAt + 16 * (2 * j + hf))));
-    }
+    if constexpr (halves(QT)) half_scales16<QT>(gu, j, sc);
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * nb + b;
       __m512i ps[3];
-      if constexpr (QT == kQ6_K) {
-        const __m512i h0 = _mm512_sub_epi32(p[r][0][0], _mm512_set1_epi32(128 * x.sh16[i]));
-        const __m512i h1 =
-            _mm512_sub_epi32(p[r][1][0], _mm512_set1_epi32(128 * (x.sh[i] - x.sh16[i])));
+      if constexpr (halves(QT)) {
+        __m512i h0 = p[r][0][0], h1 = p[r][1][0];
+        if constexpr (signed_weights(QT)) {
+          h0 = _mm512_sub_epi32(h0, _mm512_set1_epi32(128 * x.sh16[i]));
+          h1 = _mm512_sub_epi32(h1, _mm512_set1_epi32(128 * (x.sh[i] - x.sh16[i])));
+        }
         ps[0] = _mm512_add_epi32(_mm512_mullo_epi32(sc[0], h0), _mm512_mullo_epi32(sc[1], h1));
         for (int k = 1; k < 3; ++k)
           ps[k] = _mm512_add_epi32(_mm512_mullo_epi32(sc[0], p[r][0][k]),
@@ -534,6 +625,7 @@ void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t ldo, 
           ps[0] = _mm512_sub_epi32(ps[0], _mm512_set1_epi32(128 * x.sh[i]));
       }
       y[r] = block_update<QT>(ps[0], ps[1], ps[2], d, mv, x.s[i], x.xs[i], y[r]);
+      if constexpr (QT == kQ2_K) y[r] = q2_k_min_update(gu, j, &x.xsh[2 * i], y[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * ldo + g * kIntGroup, y[r]);
@@ -557,11 +649,13 @@ void groups_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t ldo
 #ifdef FREETOKEN_AMX
 // The tiles take every type of the kernel. A tile product is 16 rows' digits of a
 // block against 16 features' 32 weights, the weights as bytes in B (unpacked once a group:
-// nibbles, fifth bits, Q6_K's high bits, IQ4's levels; Q8_0's read in place), unsigned for
-// the types with a min and signed for the others (q - 8, q - 16, q - 32, the levels, int8),
+// nibbles, two bits, fifth bits, Q3_K's and Q6_K's high bits, IQ4's levels; Q8_0's read in
+// place), unsigned for the types with a min and signed for the others (q - 8, q - 16, q - 4,
+// q - 32, the levels, int8),
 // so that every product is exact without the VNNI path's q + 128 correction: h (s8) against
-// the weights in TDPBSUD / TDPBSSD, m and l (u8) in TDPBUUD / TDPBUSD. Q6_K's halves of 16
-// have their own scales: two products of 16 weights a digit (group_amx_halves).
+// the weights in TDPBSUD / TDPBSSD, m and l (u8) in TDPBUUD / TDPBUSD. The halves of 16 of
+// Q2_K, Q3_K and Q6_K have their own scales: two products of 16 weights a digit
+// (group_amx_halves).
 
 // Linux grants a process the AMX tile state on request (once); false where it refuses.
 bool amx_permitted() {
@@ -586,7 +680,7 @@ struct alignas(64) TileConfig {
 // one block's products run while the other's are stored; 6: a part of the rows' digits of a
 // block (rows x 32 bytes: h, m, l in turn); 7: the group-block's weights (8 rows of 4-weight
 // lanes). `rows`: the tile rows (16, or fewer when the call has fewer: the products and
-// stores shrink). With `halves` (Q6_K): tiles 0-2 and 3-5 the first and the second half's
+// stores shrink). With `halves` (Q2_K, Q3_K, Q6_K): tiles 0-2 and 3-5 the first and the second half's
 // products, 6 a half's digits (rows x 16 bytes), 7 a half's weights (4 rows).
 void configure_tiles(int rows, bool halves) {
   TileConfig c;
@@ -634,13 +728,12 @@ FREETOKEN_TILE_PRODUCTS(tile_products_odd, 3, 4, 5)
 #undef FREETOKEN_TILE_PRODUCTS
 
 // Weights 4t..4t+3 of the 16 features of a block as the tiles' B takes them: weight_quad's
-// bytes, the signed types' less their offset (Q4_0 8, Q5_0 16, Q6_K 32; IQ4's levels and
-// Q8_0's bytes are signed already).
+// bytes, the signed types' less their offset (Q4_0 8, Q5_0 16, Q3_K 4, Q6_K 32; IQ4's levels
+// and Q8_0's bytes are signed already).
 template <int64_t QT>
 inline __m512i amx_weight_quad(const uint8_t* w, int t) {
   const __m512i q = weight_quad<QT>(w, t);
-  if constexpr (QT == kQ4_0 || QT == kQ5_0 || QT == kQ6_K)
-    return _mm512_sub_epi8(q, _mm512_set1_epi8(QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : 32));
+  if constexpr (weight_zero(QT) != 0) return _mm512_sub_epi8(q, _mm512_set1_epi8(weight_zero(QT)));
   return q;
 }
 
@@ -701,13 +794,14 @@ void group_amx(const Digits& x, int64_t r0, const uint8_t* group, const uint8_t*
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * n + g * kIntGroup, y[r]);
 }
 
-// Q6_K's: each block's halves of 16 weights in their own products (tiles 0-2 and 3-5, a
-// half's digits and weights in 6 and 7: configure_tiles with `halves`), then the halves'
-// sums scaled by their int8 scales in integers, as the VNNI path does, and the block's update.
-template <int R>
+// The types with halves (Q2_K, Q3_K, Q6_K): each block's halves of 16 weights in their own
+// products (tiles 0-2 and 3-5, a half's digits and weights in 6 and 7: configure_tiles with
+// `halves`), then the halves' sums scaled by their integer scales, as the VNNI path does, and
+// the block's update (and Q2_K's mins).
+template <int64_t QT, int R>
 void group_amx_halves(const Digits& x, int64_t r0, const uint8_t* group,
                       const uint8_t* weights, float* out, int64_t n, int64_t g) {
-  constexpr int64_t QT = kQ6_K, ub = unit_blocks(QT);
+  constexpr int64_t ub = unit_blocks(QT);
   const int64_t nb = x.nb, stride = nb * kDigitBytes;
   alignas(64) int32_t c[2][3][16][16];
   __m512 y[R];
@@ -723,20 +817,45 @@ void group_amx_halves(const Digits& x, int64_t r0, const uint8_t* group,
     FT_TILE_ZERO(3);
     FT_TILE_ZERO(4);
     FT_TILE_ZERO(5);
+    // h (s8) against the weights: s8 (signed types) or u8 (Q2_K's); m and l (u8) likewise.
     FT_TILE_LOADD(7, wb, 64);  // the first half's 16 weights
     FT_TILE_LOADD(6, db, stride);
-    FT_TILE_DPBSSD(0, 6, 7);
+    if constexpr (with_min(QT)) {
+      FT_TILE_DPBSUD(0, 6, 7);
+    } else {
+      FT_TILE_DPBSSD(0, 6, 7);
+    }
     FT_TILE_LOADD(6, db + kBlock, stride);
-    FT_TILE_DPBUSD(1, 6, 7);
+    if constexpr (with_min(QT)) {
+      FT_TILE_DPBUUD(1, 6, 7);
+    } else {
+      FT_TILE_DPBUSD(1, 6, 7);
+    }
     FT_TILE_LOADD(6, db + 2 * kBlock, stride);
-    FT_TILE_DPBUSD(2, 6, 7);
+    if constexpr (with_min(QT)) {
+      FT_TILE_DPBUUD(2, 6, 7);
+    } else {
+      FT_TILE_DPBUSD(2, 6, 7);
+    }
     FT_TILE_LOADD(7, wb + 256, 64);  // the second half's
     FT_TILE_LOADD(6, db + 16, stride);
-    FT_TILE_DPBSSD(3, 6, 7);
+    if constexpr (with_min(QT)) {
+      FT_TILE_DPBSUD(3, 6, 7);
+    } else {
+      FT_TILE_DPBSSD(3, 6, 7);
+    }
     FT_TILE_LOADD(6, db + kBlock + 16, stride);
-    FT_TILE_DPBUSD(4, 6, 7);
+    if constexpr (with_min(QT)) {
+      FT_TILE_DPBUUD(4, 6, 7);
+    } else {
+      FT_TILE_DPBUSD(4, 6, 7);
+    }
     FT_TILE_LOADD(6, db + 2 * kBlock + 16, stride);
-    FT_TILE_DPBUSD(5, 6, 7);
+    if constexpr (with_min(QT)) {
+      FT_TILE_DPBUUD(5, 6, 7);
+    } else {
+      FT_TILE_DPBUSD(5, 6, 7);
+    }
     FT_TILE_STORED(0, c[0][0], 64);
     FT_TILE_STORED(1, c[0][1], 64);
     FT_TILE_STORED(2, c[0][2], 64);
@@ -747,9 +866,7 @@ void group_amx_halves(const Digits& x, int64_t r0, const uint8_t* group,
     const int64_t j = b % ub;
     const __m512 d = block_d16<QT>(gu, j), m = block_m16<QT>(gu, j);
     __m512i sc[2];
-    for (int hf = 0; hf < 2; ++hf)
-      sc[hf] = _mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(gu + kScalesAt + 16 * (2 * j + hf))));
+    half_scales16<QT>(gu, j, sc);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * nb + b;
@@ -758,6 +875,7 @@ void group_amx_halves(const Digits& x, int64_t r0, const uint8_t* group,
         ps[k] = _mm512_add_epi32(_mm512_mullo_epi32(sc[0], _mm512_load_si512(c[0][k][r])),
                                  _mm512_mullo_epi32(sc[1], _mm512_load_si512(c[1][k][r])));
       y[r] = block_update<QT>(ps[0], ps[1], ps[2], d, m, x.s[i], x.xs[i], y[r]);
+      if constexpr (QT == kQ2_K) y[r] = q2_k_min_update(gu, j, &x.xsh[2 * i], y[r]);
     }
   }
 #pragma GCC unroll 16
@@ -770,8 +888,8 @@ void group_amx_rows(const Digits& x, int64_t r0, int64_t rows, const uint8_t* gr
   if constexpr (R > 1) {
     if (rows < R) return group_amx_rows<QT, R - 1>(x, r0, rows, group, weights, out, n, g);
   }
-  if constexpr (QT == kQ6_K) {
-    group_amx_halves<R>(x, r0, group, weights, out, n, g);
+  if constexpr (halves(QT)) {
+    group_amx_halves<QT, R>(x, r0, group, weights, out, n, g);
   } else {
     group_amx<QT, R>(x, r0, group, weights, out, n, g);
   }
@@ -810,7 +928,7 @@ void int_linear_impl(const Digits& x, int64_t rows, const uint8_t* blocks, int64
 #ifdef FREETOKEN_AMX
   if (allow_amx && rows >= kAmxRows && amx_permitted()) {
     freetoken::guided_for(groups, 1, 1, [&](int64_t g0, int64_t g1) {
-      configure_tiles(static_cast<int>(std::min<int64_t>(16, rows)), QT == kQ6_K);
+      configure_tiles(static_cast<int>(std::min<int64_t>(16, rows)), halves(QT));
       thread_local std::vector<uint8_t> wbuf;
       wbuf.resize(x.nb * 512 + 64);
       uint8_t* aligned = reinterpret_cast<uint8_t*>(
@@ -910,6 +1028,32 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
                 if constexpr (QT == kQ5_K) put_fifth(j, k, (unit[16 + k] >> j) & 1);
               }
             }
+          } else if constexpr (two_bits(QT)) {
+            // Q2_K: scales[16]@0 (scale | min << 4), qs[64]@16, d@80, dmin@82; Q3_K:
+            // hmask[32]@0, qs[64]@32, scales[12]@96, d@108. Sub-block j's weight k:
+            // (qs[32 (j / 4) + k] >> 2 (j % 4)) & 3, Q3_K's plus 4 if bit j of hmask[k]
+            // (q + 4 of its q); half h of sub-block j has scale 2j + h (gguf_types.h).
+            const uint8_t* qs = unit + (QT == kQ2_K ? 16 : 32);
+            if constexpr (QT == kQ2_K) {
+              std::memcpy(gu + 2 * f, unit + 80, 2);           // d
+              std::memcpy(gu + kMinAt + 2 * f, unit + 82, 2);  // dmin
+              for (int i = 0; i < 16; ++i) gu[kScalesAt + 16 * i + f] = unit[i];
+            } else {
+              const float d = half_to_float(unit + 108);
+              std::memcpy(gu + 4 * f, &d, 4);
+              for (int i = 0; i < 16; ++i)
+                gu[kScalesAt + 16 * i + f] = static_cast<uint8_t>(
+                    static_cast<int8_t>(types::detail::scale_q3_k(unit + 96, i) - 32));
+            }
+            for (int j = 0; j < 8; ++j) {
+              uint8_t* w = gu + int_weights_offset(QT, j);
+              for (int k = 0; k < kBlock; ++k) {
+                const int low = (qs[32 * (j / 4) + k] >> (2 * (j % 4))) & 3;
+                w[(k / 16) * 64 + 4 * f + k % 4] |= static_cast<uint8_t>(low << (2 * ((k / 4) % 4)));
+                if constexpr (QT == kQ3_K)
+                  w[128 + 4 * f + k % 4] |= static_cast<uint8_t>(((unit[k] >> j) & 1) << (k / 4));
+              }
+            }
           } else if constexpr (QT == kIQ4_XS) {
             // d@0, scales_h@2, scales_l[4]@4, qs[128]@8; sub-block j's scale (6 bits) - 32.
             const float d = half_to_float(unit);
@@ -951,13 +1095,15 @@ void int_dispatch(int64_t qtype, F&& f) {
     case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>{});
     case kQ5_1: return f(std::integral_constant<int64_t, kQ5_1>{});
     case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ2_K: return f(std::integral_constant<int64_t, kQ2_K>{});
+    case kQ3_K: return f(std::integral_constant<int64_t, kQ3_K>{});
     case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
     case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
     case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
     case kIQ4_NL: return f(std::integral_constant<int64_t, kIQ4_NL>{});
     case kIQ4_XS: return f(std::integral_constant<int64_t, kIQ4_XS>{});
-    default: TORCH_CHECK(false, "the int24 kernel takes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
-                                "Q6_K, IQ4_NL and IQ4_XS, not ggml type ", qtype);
+    default: TORCH_CHECK(false, "the int24 kernel takes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, "
+                                "Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS, not ggml type ", qtype);
   }
 }
 
