@@ -2,7 +2,8 @@
 
     python bench/gguf_memory.py [--dir DIR] [--keep] [--shapes 1b,3b] [--kv-tokens 4096]
                                 [--only freetoken|llamacpp] [--llama-server PATH]
-                                [--max-tokens 8] [--json OUT]
+                                [--kv-cache-dtype auto|float16|bfloat16] [--max-tokens 8]
+                                [--serve-args '...'] [--json OUT]
 
 Writes random-weight llama GGUF files in a Q4_K_M-like mix (Q4_K, with Q6_K for the tied
 ``token_embd`` and every layer's ``attn_v`` and ``ffn_down``; tests/gguf_models.py, the
@@ -31,7 +32,9 @@ else the PATH's; without one its rows say so and FreeToken's are still measured.
 
 Reading the figures: FreeToken lays the file's blocks into its own (anonymous) memory and
 drops the mapping; its KV cache is float32, ``layers x N x 2 x kv heads x head dim x 4``
-bytes, written once at start (``--kv-cache-prefault``, the default), so resident in full. llama-server maps the file and computes from the
+bytes (x 2 with ``--kv-cache-dtype float16`` or ``bfloat16``, passed to ``freetoken serve``:
+llama-server's size), written once at start (``--kv-cache-prefault``, the default), so
+resident in full. llama-server maps the file and computes from the
 mapping (its weights are file-backed RSS, shared with the page cache), with an f16 KV cache
 (half FreeToken's bytes) allocated at start and a compute buffer. docs/operations.md
 ("GGUF memory") has the formula and the figures of the reference machine.
@@ -329,6 +332,8 @@ def main() -> int:
     parser.add_argument("--llama-server", default=None, metavar="PATH")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="llama-server's -t (default: the CPU count)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "float16", "bfloat16"],
+                        default="auto", help="FreeToken's KV cache (auto: float32)")
     parser.add_argument("--serve-args", default="", help="more `freetoken serve` flags")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT")
     args = parser.parse_args()
@@ -355,7 +360,7 @@ def main() -> int:
             path = gguf_file(directory, shape)
             size = path.stat().st_size
             for side in sides:
-                element = 4 if side == "freetoken" else 2
+                element = 4 if side == "freetoken" and args.kv_cache_dtype == "auto" else 2
                 row = Row(shape, side, size, kv_bytes(shape, args.kv_tokens, element))
                 rows.append(row)
                 if side == "llamacpp" and llama is None:
@@ -365,7 +370,8 @@ def main() -> int:
                 if side == "freetoken":
                     convert(path, env)
                     cmd = freetoken_command(str(path), port, [
-                        "--kv-cache-tokens", str(args.kv_tokens), *args.serve_args.split()])
+                        "--kv-cache-tokens", str(args.kv_tokens),
+                        "--kv-cache-dtype", args.kv_cache_dtype, *args.serve_args.split()])
                 else:
                     cmd = [llama, "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
                            "-c", str(args.kv_tokens), "-np", "1", "-t", str(args.threads)]

@@ -66,6 +66,12 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                         help="write the whole KV cache once at start, so that its memory is "
                              "resident before the first request instead of faulting in "
                              "during decode steps (CPU; default: on)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=["auto", "float32", "float16", "bfloat16"],
+                        help="how the KV cache stores keys and values: auto (default) the "
+                             "model's dtype (float32 on CPU: exact); float16 (as llama.cpp) "
+                             "or bfloat16 take half the memory and round each key and value "
+                             "once, so they are not exact")
     parser.add_argument("--block-size", type=int, default=8, metavar="N",
                         help="token slots per KV-cache block, also the grain at which "
                              "requests share a cached prefix (default: 8)")
@@ -149,6 +155,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_tokens": args.kv_cache_tokens,
         "kv_cache_prefault": args.kv_cache_prefault,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "block_size": args.block_size,
         "plugins": args.plugins,
         "plugin_options": {k: v for k, v in vars(args).items() if not callable(v)},

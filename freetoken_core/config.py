@@ -69,6 +69,13 @@ class EngineConfig:
     slow to touch, 16 sequences of the SmolLM2 Q4_0 file decoded in 15.7 ms steps lazily
     and 14.1 prefaulted; docs/operations.md, "GGUF memory"). The cost is at start, 1-5 s a
     GiB there. ``False`` (``--no-kv-cache-prefault``): zero pages until written."""
+    kv_cache_dtype: str = "auto"
+    """How the KV cache stores keys and values: ``auto`` (default) the model's dtype
+    (``dtype``: float32 on CPU, so the default arithmetic stays exact), or ``float32``,
+    ``float16`` (llama.cpp's default, half float32's bytes), ``bfloat16``. Attention reads
+    the stored values and sums in float32 either way; a 16-bit cache rounds each key and
+    value once when it is written (every path, prefill and decode alike, attends to the
+    rounded ones), so it is not exact against transformers' float32."""
     block_size: int = 8
     enable_prefix_caching: bool = True
     plugins: str | None = None
@@ -131,6 +138,8 @@ class EngineConfig:
               "must be auto, cpu or cuda[:N]")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
               "must be >= 1")
+        check(self.kv_cache_dtype == "auto" or self.kv_cache_dtype in DTYPES, "kv_cache_dtype",
+              f"must be auto or one of {', '.join(DTYPES)}")
         check(self.activations in ACTIVATIONS, "activations",
               f"must be one of {', '.join(ACTIVATIONS)}")
         check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
@@ -176,6 +185,12 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    def kv_torch_dtype(self, device: torch.device) -> torch.dtype:
+        """The KV cache's dtype: ``kv_cache_dtype``, or the model's for ``auto``."""
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype(device)
+        return DTYPES[self.kv_cache_dtype]
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,6 @@ def build_engine(config: EngineConfig, progress: bool = True,
     model_config = ModelConfig.from_dir(model_dir)
     tokenizer = load_tokenizer(model_dir, config.chat_template_text())
     device = config.torch_device()
-    dtype = config.torch_dtype(device)
     generation_config = generation_defaults.read(config, model_dir,
                                                  gguf_source(config.model) is not None)
     limits = compute_limits(config, model_config,
@@ -104,8 +103,9 @@ def build_engine(config: EngineConfig, progress: bool = True,
     try:
         model = load_engine_model(config, model_dir, limits,
                                   None if group is None else group.shard)
-        runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size, dtype, device,
-                             pipeline, prefault=config.kv_cache_prefault)
+        runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size,
+                             config.kv_torch_dtype(device), device, pipeline,
+                             prefault=config.kv_cache_prefault)
         if group is not None:
             group.wait_ready()
             runner.send_plan = group.send_plan

@@ -105,7 +105,7 @@ class ModelRunner:
     theirs: a step without them computes logits for the sampled rows alone)."""
 
     def __init__(self, model: LlamaForCausalLM, num_kv_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device,
+                 kv_dtype: torch.dtype, device: torch.device,
                  pipeline: ProcessorPipeline | None = None, prefault: bool = True) -> None:
         cfg = model.config
         self.model = model
@@ -118,12 +118,12 @@ class ModelRunner:
         shape = (cfg.num_layers, num_slots, 2, model.num_kv_heads, cfg.head_dim)
         if device.type == "cpu":
             if prefault:
-                _check_kv_fits(shape, dtype)
+                _check_kv_fits(shape, kv_dtype)
             # In huge pages: attention reads each sequence's cache blocks wherever they lie.
             # Prefaulted (EngineConfig.kv_cache_prefault): resident before the first step.
-            self.kv_caches = hugepages.zeros(shape, dtype, populate=prefault)
+            self.kv_caches = hugepages.zeros(shape, kv_dtype, populate=prefault)
         else:
-            self.kv_caches = torch.zeros(shape, dtype=dtype, device=device)
+            self.kv_caches = torch.zeros(shape, dtype=kv_dtype, device=device)
         self.sampler = Sampler(pipeline)
         self.send_plan: Callable[[StepPlan], None] | None = None
         """Tensor parallelism: hands each step's plan to the other ranks before it runs."""

@@ -285,7 +285,7 @@ def run_rank(spec: RankSpec) -> None:
             model = load_engine_model(config, model_dir, limits,
                                       Shard(spec.rank, config.tensor_parallel_size, comm))
             kv_caches = ModelRunner(model, limits.num_kv_blocks, limits.block_size,
-                                    config.torch_dtype(device), device,
+                                    config.kv_torch_dtype(device), device,
                                     prefault=config.kv_cache_prefault).kv_caches
         except Exception as exc:
             _report(spec.status_fd, f"failed rank {spec.rank}: {type(exc).__name__}: {exc}")

@@ -168,10 +168,11 @@ def _decode_slots(tables: list[list[int]], context_lens: list[int], block_size: 
     return slots, mask
 
 
-def _gather(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Keys and values of ``slots`` ([...] indices) as [..., 2, KVH, D]."""
+def _gather(kv_cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys and values of ``slots`` ([...] indices) as [..., 2, KVH, D], in ``dtype`` (the
+    queries')."""
     flat = kv_cache.view(kv_cache.shape[0], -1).index_select(0, slots.reshape(-1))
-    return flat.view(*slots.shape, *kv_cache.shape[1:])
+    return flat.view(*slots.shape, *kv_cache.shape[1:]).to(dtype)
 
 
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
@@ -181,11 +182,17 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
     ``q``: [T, H, D]; ``kv``: [T, 2, KVH, D] (keys, values); ``kv_cache``:
     [num_slots, 2, KVH, D], keys and values of a slot side by side so one gather reads
     both. ``scale`` multiplies the scores (``None``: 1/sqrt(D)); ``meta.window`` limits
-    each query to its last keys. Returns [T, H * D].
+    each query to its last keys. Returns [T, H * D]. A cache of another dtype than ``q``'s
+    (``kv_cache_dtype``) stores the keys and values rounded to it, and every query attends
+    to the stored values, this step's too: a prompt's result is the same whether its
+    prefix was computed in this chunk or found in the cache.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv.shape[2]
+    if kv.dtype != kv_cache.dtype:
+        kv = kv.to(kv_cache.dtype)
     kv_cache.index_copy_(0, meta.slot_mapping, kv)
+    kv = kv.to(q.dtype)
     d = meta.num_decode_tokens
     if d and meta.decode_block_tables is not None:
         od = torch.empty(d, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -201,7 +208,7 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
         # grouped-query attention needs no repeated keys.
         group = num_heads // num_kv_heads
         qd = q[:d].view(d, num_kv_heads, group, head_dim)
-        ctx = _gather(kv_cache, meta.decode_slots)  # [D, L, 2, KVH, D]
+        ctx = _gather(kv_cache, meta.decode_slots, q.dtype)  # [D, L, 2, KVH, D]
         kd, vd = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
                                             scale=scale)
@@ -216,7 +223,7 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
         if span.context_slots is None:
             ctx = kv[span.start:span.end]
         else:
-            ctx = _gather(kv_cache, span.context_slots)
+            ctx = _gather(kv_cache, span.context_slots, q.dtype)
         kp = ctx[:, 0].transpose(0, 1).unsqueeze(0)
         vp = ctx[:, 1].transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(

@@ -36,12 +36,26 @@ void linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, const 
 // Each token's key and value into its cache slot. A row of the fused projection is
 // [q | k | v], and a slot is [key | value] with the same [KV heads, head_dim] layout, so
 // each token is one copy of the row's tail: what index_copy_ of the concatenated keys and
-// values stores, without the concatenation and two operator dispatches per layer.
+// values stores, without the concatenation and two operator dispatches per layer. A float16
+// or bfloat16 cache (--kv-cache-dtype) gets each value rounded to nearest even, as torch's
+// conversion rounds it.
+template <typename T>
+void write_kv_rounded(const float* src, int64_t row, T* dst, int64_t slot_size,
+                      const int64_t* slots, int64_t n) {
+  freetoken::parallel_rows(n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* from = src + i * row;
+      T* to = dst + slots[i] * slot_size;
+      for (int64_t e = 0; e < slot_size; ++e) to[e] = T(from[e]);
+    }
+  });
+}
+
 void write_kv(const at::Tensor& qkv_out, int64_t k_offset, at::Tensor& kv_cache,
               const at::Tensor& slot_mapping) {
   const int64_t n = qkv_out.size(0), row = qkv_out.stride(0);
   const int64_t slot_size = kv_cache.stride(0), num_slots = kv_cache.size(0);
-  TORCH_CHECK(qkv_out.scalar_type() == kv_cache.scalar_type() && kv_cache.is_contiguous() &&
+  TORCH_CHECK(kv_cache.is_contiguous() &&
               qkv_out.stride(1) == 1 && qkv_out.size(1) - k_offset == slot_size &&
               slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
               slot_mapping.numel() == n,
@@ -53,6 +67,15 @@ void write_kv(const at::Tensor& qkv_out, int64_t k_offset, at::Tensor& kv_cache,
   char* dst = static_cast<char*>(kv_cache.data_ptr());
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(0 <= slots[i] && slots[i] < num_slots, "llama_layer: slot out of range");
+  if (kv_cache.scalar_type() != qkv_out.scalar_type()) {
+    TORCH_CHECK(qkv_out.scalar_type() == at::kFloat, "llama_layer: float32 activations expected");
+    const float* from = qkv_out.data_ptr<float>() + k_offset;
+    if (kv_cache.scalar_type() == at::kHalf)
+      return write_kv_rounded(from, row, kv_cache.data_ptr<c10::Half>(), slot_size, slots, n);
+    TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16,
+                "llama_layer: a float32, float16 or bfloat16 KV cache expected");
+    return write_kv_rounded(from, row, kv_cache.data_ptr<c10::BFloat16>(), slot_size, slots, n);
+  }
   freetoken::parallel_rows(n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       std::memcpy(dst + slots[i] * bytes, src + i * row * qkv_out.element_size(), bytes);

@@ -19,11 +19,13 @@
 //   window                              > 0: only the last `window` of those (sliding-window
 //                                       attention: 0 <= query pos - key pos < window)
 //   out          [D, H, hd]             contiguous
-// float32 and bfloat16 are supported; sums are float32 either way.
+// q and out float32 or bfloat16, the cache float32, bfloat16 or float16 (--kv-cache-dtype);
+// sums are float32 either way.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -44,6 +46,7 @@ using freetoken::vec::hsum;
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline void from_float(float x, float* p) { *p = x; }
 inline void from_float(float x, c10::BFloat16* p) { *p = c10::BFloat16(x); }
 
@@ -52,6 +55,9 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
   __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 #endif
@@ -266,7 +272,8 @@ void weighted_values(const float* p, int64_t rows, int64_t p_stride, int64_t t0,
 // groups of four keys).
 constexpr int64_t kRun = 8, kRunChunk = 64;
 
-template <typename T>
+// TQ: the queries' and the output's type; T: the cache's.
+template <typename TQ, typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens,
                       int64_t block_size, double scale, int64_t window, at::Tensor& out) {
@@ -274,11 +281,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   const int64_t num_kv_heads = kv_cache.size(2), group = num_heads / num_kv_heads;
   const int64_t q_stride = q.stride(0), slot_stride = kv_cache.stride(0);
   const int64_t table_width = block_tables.size(1);
-  const T* q_ptr = q.data_ptr<T>();
+  const TQ* q_ptr = q.data_ptr<TQ>();
   const T* cache = kv_cache.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
-  T* out_ptr = out.data_ptr<T>();
+  TQ* out_ptr = out.data_ptr<TQ>();
   const float scale_f = static_cast<float>(scale);
   // The first key a query of context `len` attends to; its scores are computed from that
   // key rounded down to a multiple of 4 (group_scores' groups of four keys, so a key's score
@@ -343,7 +350,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
       inv.resize(count * rows);
       scores.resize(count * rows * most);  // query i, row r: scores[(i * rows + r) * most + t]
       for (int64_t i = 0; i < count; ++i) {
-        const T* q_item = q_ptr + (first + i) * q_stride + kv0 * group * head_dim;
+        const TQ* q_item = q_ptr + (first + i) * q_stride + kv0 * group * head_dim;
         for (int64_t e = 0; e < rows * head_dim; ++e)
           qf[i * rows * head_dim + e] = to_float(q_item[e]) * scale_f;
       }
@@ -390,7 +397,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             acc.data() + (i * rows + h * group) * head_dim);
           }
       for (int64_t i = 0; i < count; ++i) {
-        T* o = out_ptr + ((first + i) * num_heads + kv0 * group) * head_dim;
+        TQ* o = out_ptr + ((first + i) * num_heads + kv0 * group) * head_dim;
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t e = 0; e < head_dim; ++e)
             from_float(acc[(i * rows + r) * head_dim + e] * inv[i * rows + r],
@@ -413,21 +420,34 @@ void paged_window_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_cache.size(1) == 2, "bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q: heads must be contiguous");
   TORCH_CHECK(kv_cache.is_contiguous() && out.is_contiguous(), "cache and out: contiguous");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
-              "q, cache and out must share a dtype");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
               block_tables.is_contiguous() && context_lens.is_contiguous(),
               "block_tables and context_lens: contiguous int32");
   TORCH_CHECK(q.size(1) % kv_cache.size(2) == 0, "heads must be a multiple of KV heads");
   TORCH_CHECK(kv_cache.size(3) == q.size(2), "head_dim mismatch");
+  const auto run = [&](auto q_type) {
+    using TQ = decltype(q_type);
+    switch (kv_cache.scalar_type()) {
+      case at::kFloat:
+        return decode_attention<TQ, float>(q, kv_cache, block_tables, context_lens, block_size,
+                                           scale, window, out);
+      case at::kBFloat16:
+        return decode_attention<TQ, c10::BFloat16>(q, kv_cache, block_tables, context_lens,
+                                                   block_size, scale, window, out);
+      case at::kHalf:
+        return decode_attention<TQ, c10::Half>(q, kv_cache, block_tables, context_lens,
+                                               block_size, scale, window, out);
+      default:
+        TORCH_CHECK(false, "paged_decode_attention: a float32, bfloat16 or float16 cache only");
+    }
+  };
   if (q.scalar_type() == at::kFloat) {
-    decode_attention<float>(q, kv_cache, block_tables, context_lens, block_size, scale, window,
-                            out);
+    run(float{});
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_attention<c10::BFloat16>(q, kv_cache, block_tables, context_lens, block_size, scale,
-                                    window, out);
+    run(c10::BFloat16{});
   } else {
-    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
+    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 queries only");
   }
 }
 
