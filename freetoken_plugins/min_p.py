@@ -32,8 +32,8 @@ import math
 from typing import Annotated, Any
 
 import msgspec
-import torch
 
+from freetoken_core.lazy import lazy_import
 from freetoken_core.processors import (
     LogitsProcessor,
     ProcessorContext,
@@ -41,6 +41,8 @@ from freetoken_core.processors import (
     RequestView,
     Stage,
 )
+
+torch = lazy_import("torch")  # (the HTTP process loads this module but needs no torch)
 
 FIELD = "min_p"
 MinPValue = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]

@@ -49,9 +49,9 @@ import functools
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
-import torch
 
 from freetoken_core.errors import InvalidRequest
+from freetoken_core.lazy import lazy_import
 from freetoken_core.processors import (
     LogitsProcessor,
     ModelInfo,
@@ -61,6 +61,8 @@ from freetoken_core.processors import (
     Stage,
 )
 from freetoken_plugins._slot_widths import SlotWidths
+
+torch = lazy_import("torch")  # (the HTTP process loads this module but needs no torch)
 
 if TYPE_CHECKING:
     from freetoken_core.sampling_params import SamplingParams

@@ -68,8 +68,8 @@ import functools
 from typing import Annotated, Any
 
 import msgspec
-import torch
 
+from freetoken_core.lazy import lazy_import
 from freetoken_core.processors import (
     LogitsProcessor,
     ProcessorContext,
@@ -77,6 +77,8 @@ from freetoken_core.processors import (
     RequestView,
     Stage,
 )
+
+torch = lazy_import("torch")  # (the HTTP process loads this module but needs no torch)
 
 REPETITION = "repetition_penalty"
 PRESENCE = "presence_penalty"

@@ -15,7 +15,7 @@ CORE = ROOT / "freetoken_core"
 
 # Lowest first; a module may import its own layer and the layers below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("errors", "faults", "config", "tokenizer", "affinity", "hugepages")),
+    ("base", ("errors", "faults", "config", "tokenizer", "affinity", "hugepages", "lazy")),
     ("contract", ("sampling_params", "processors", "hookspecs", "plugins", "outputs",
                   "history")),
     ("kernels", ("kernels",)),

@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from freetoken_core.errors import FreeTokenError
+from freetoken_core.errors import CommunicationError
 
 log = logging.getLogger("freetoken.distributed")
 
@@ -65,12 +65,6 @@ _SPINS = 100
 _LINE = 64
 _SEQ, _PID, _START, _CLOSED, _PID_NAMESPACE = range(5)
 """The int64 words of a rank's header line."""
-
-
-class CommunicationError(FreeTokenError):
-    """A collective cannot complete: a peer rank died, closed, or did not arrive in time.
-    The message names the rank that raised, the peer and the reason. The group is broken
-    afterwards: close the communicator and end the process."""
 
 
 def is_supported() -> bool:

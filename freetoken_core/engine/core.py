@@ -14,21 +14,27 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from freetoken_core.config import EngineLimits
-from freetoken_core.distributed.comm import CommunicationError
-from freetoken_core.engine.model_runner import ModelRunner
-from freetoken_core.engine.pipeline import ProcessorPipeline
-from freetoken_core.engine.sampler import INVALID_TOKEN, NO_TOKEN
 from freetoken_core.engine.scheduler import ScheduledBatch, Scheduler
 from freetoken_core.engine.sequence import Sequence
 from freetoken_core.engine.step_times import StepTimes
-from freetoken_core.errors import CONTEXT_LENGTH_EXCEEDED, FreeTokenError, InvalidRequest
+from freetoken_core.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    CommunicationError,
+    FreeTokenError,
+    InvalidRequest,
+)
 from freetoken_core.faults import RequestError, plugin_failure
-from freetoken_core.outputs import PromptLogprobs, TokenLogprobs
+from freetoken_core.outputs import INVALID_TOKEN, NO_TOKEN, PromptLogprobs, TokenLogprobs
 from freetoken_core.plugins import StopHook
 from freetoken_core.processors import StopView
 from freetoken_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from freetoken_core.engine.model_runner import ModelRunner
+    from freetoken_core.engine.pipeline import ProcessorPipeline
 
 _MASK_64 = (1 << 64) - 1
 

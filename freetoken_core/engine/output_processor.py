@@ -8,12 +8,14 @@ token is O(new text) whatever the number of stop strings.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from freetoken_core.engine.core import SeqUpdate
 from freetoken_core.outputs import CompletionOutput, RequestOutput, prompt_logprob_dicts
 from freetoken_core.sampling_params import SamplingParams
 from freetoken_core.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from freetoken_core.engine.core import SeqUpdate
 
 _CHAR_BITS = 21  # every code point is below 0x110000 = 2**21
 

@@ -30,9 +30,8 @@ import msgspec
 
 from freetoken_core.affinity import CpuPlan, pin_engine_threads
 from freetoken_core.config import EngineConfig
-from freetoken_core.distributed.comm import CommunicationError
 from freetoken_core.engine.generation_defaults import GenerationDefaults
-from freetoken_core.errors import FreeTokenError, InvalidRequest
+from freetoken_core.errors import CommunicationError, FreeTokenError, InvalidRequest
 from freetoken_core.faults import RequestError
 from freetoken_core.outputs import PromptLogprobs
 from freetoken_core.processors import RequestFields

@@ -16,7 +16,7 @@ import torch
 
 from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.sequence import Sequence
-from freetoken_core.outputs import TokenLogprobs
+from freetoken_core.outputs import INVALID_TOKEN, NO_TOKEN, TokenLogprobs
 
 _MASK_53 = (1 << 53) - 1
 
@@ -101,10 +101,6 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
-
-
-INVALID_TOKEN = -1
-NO_TOKEN = -2
 
 
 def _finite_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -16,13 +16,15 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.hugepages import PAGE, madvise_dontneed
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["GGUF_TYPES", "GGUFWeight", "read_gguf_weights", "tensor_names"]
 
@@ -122,6 +124,7 @@ class GGUFWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight ``[out, in]``, each value as gguf-py's ``dequantize`` gives it."""
+        import torch
         from gguf.quants import dequantize
 
         from freetoken_core.kernels import cpu_kernels_available

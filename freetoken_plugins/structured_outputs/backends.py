@@ -49,11 +49,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-
 from freetoken_core.errors import InvalidRequest
+from freetoken_core.lazy import lazy_import
 from freetoken_plugins.structured_outputs.constraints import Constraint
 from freetoken_plugins.structured_outputs.mask import pack_bitmask
+
+torch = lazy_import("torch")  # (the HTTP process loads this module but needs no torch)
 
 __all__ = ["BACKENDS", "CompiledGrammar", "GrammarBackend", "Matcher", "TokenVocab",
            "make_backend", "num_bitmask_words"]

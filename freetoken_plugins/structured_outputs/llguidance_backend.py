@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import llguidance.hf
-import torch
 from llguidance import LLMatcher
 
+from freetoken_core.lazy import lazy_import
 from freetoken_plugins.structured_outputs.backends import (
     CompiledGrammar,
     GrammarBackend,
@@ -30,6 +30,8 @@ from freetoken_plugins.structured_outputs.constraints import (
     Constraint,
     close_objects,
 )
+
+torch = lazy_import("torch")  # (the HTTP process loads this module but needs no torch)
 
 __all__ = ["LLGuidanceBackend"]
 

@@ -17,7 +17,10 @@ import functools
 import sys
 from typing import Any
 
-import torch
+from freetoken_core.lazy import lazy_import
+
+torch = lazy_import("torch")  # (the HTTP process loads this module but needs no torch)
+
 
 __all__ = ["apply_bitmask_torch", "apply_bitmask_triton", "pack_bitmask", "unpack_bitmask"]
 

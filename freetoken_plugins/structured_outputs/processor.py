@@ -53,10 +53,9 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from freetoken_core import hookimpl
 from freetoken_core.errors import InvalidRequest
+from freetoken_core.lazy import lazy_import
 from freetoken_core.processors import (
     AnswerStart,
     LogitsProcessor,
@@ -81,6 +80,8 @@ from freetoken_plugins.structured_outputs.compiler import (
 )
 from freetoken_plugins.structured_outputs.constraints import Constraint, parse_constraint
 from freetoken_plugins.structured_outputs.mask import apply_bitmask_torch, apply_bitmask_triton
+
+torch = lazy_import("torch")  # (the HTTP process loads this module but needs no torch)
 
 log = logging.getLogger("freetoken.plugins")
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import xgrammar
 
+from freetoken_core.lazy import lazy_import
 from freetoken_plugins.structured_outputs.backends import (
     CompiledGrammar,
     GrammarBackend,
@@ -24,6 +24,8 @@ from freetoken_plugins.structured_outputs.backends import (
     num_bitmask_words,
 )
 from freetoken_plugins.structured_outputs.constraints import MAX_WHITESPACE, Constraint
+
+torch = lazy_import("torch")  # (the HTTP process loads this module but needs no torch)
 
 __all__ = ["XGrammarBackend"]
 
