@@ -594,6 +594,26 @@ def test_int24_keeps_zeros_and_propagates_what_is_not_finite() -> None:
 
 
 @needs_int24
+@pytest.mark.parametrize("qtype", [3, 14])  # Q4_1, Q6_K
+def test_int24_blocks_written_into_a_given_tensor(qtype: int) -> None:
+    """``gguf_int_blocks_into`` (a load writes each linear's new layout into its place in the
+    model's arena) writes what ``gguf_int_blocks`` returns, and refuses a tensor of another
+    shape; ``int_blocks(..., out=)`` does the same for a linear of parts."""
+    from freetoken_core.models.block_layout import KIND_PARTS, int_blocks, parts_blocks
+
+    blocks, _, kernel = int24_case(qtype, 32, 512, 7)
+    out = torch.full_like(blocks, 0xAB)
+    torch.ops.freetoken.gguf_int_blocks_into(kernel, qtype, out)
+    assert torch.equal(out, blocks)
+    with pytest.raises(RuntimeError, match="out must be a contiguous uint8"):
+        torch.ops.freetoken.gguf_int_blocks_into(kernel, qtype, out[:, 1:].contiguous())
+    parts = parts_blocks([(qtype, kernel), (qtype, kernel)])
+    whole = int_blocks(parts, KIND_PARTS)
+    into = torch.full_like(whole, 0xAB)
+    assert int_blocks(parts, KIND_PARTS, into) is into and torch.equal(into, whole)
+
+
+@needs_int24
 def test_int24_blocks_need_whole_groups_of_16_features() -> None:
     raw = torch.zeros(40, 24, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="multiple of 16"):

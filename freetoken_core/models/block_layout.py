@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from freetoken_core import hugepages
 from freetoken_core.models.gguf_weights import GGUF_TYPES, GGUFWeight
 
 if TYPE_CHECKING:
@@ -206,16 +207,27 @@ INT24_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K"
                12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS"}
 
 
-def int_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+def int_blocks(blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """Kernel blocks (``kernel_blocks``, or a ``parts_blocks`` buffer of them) in the integer
     kernel's layout (int_linear.cpp: the output features in groups of 16, four weights of a
     feature per 32-bit lane; bits a weight against the file's: Q4_0 and IQ4_NL 5 for 4.5,
     Q4_1 5 as the file, Q5_0 6 for 5.5, Q5_1 6 as the file, Q8_0 9 for 8.5, Q2_K 2.625 as
     the file, Q3_K 3.625 for 3.4375, Q4_K 4.625 for 4.5, Q5_K 5.625 for 5.5, Q6_K 6.625 for
-    6.5625, IQ4_XS 4.375 for 4.25)."""
+    6.5625, IQ4_XS 4.375 for 4.25). ``out``: where to write them (``int_shape``'s shape,
+    uint8, contiguous), e.g. their place in the model's arena, so that no temporary of the
+    new layout is made (a linear of parts still makes one, given back at once)."""
     if qtype == KIND_PARTS:
-        return parts_blocks([(t, int_blocks(rows, t)) for t, rows in parts_rows(blocks)])
-    return torch.ops.freetoken.gguf_int_blocks(blocks, qtype)
+        laid = parts_blocks([(t, int_blocks(rows, t)) for t, rows in parts_rows(blocks)])
+        if out is None:
+            return laid
+        out.copy_(laid)
+        hugepages.release(laid)
+        return out
+    if out is None:
+        return torch.ops.freetoken.gguf_int_blocks(blocks, qtype)
+    torch.ops.freetoken.gguf_int_blocks_into(blocks, qtype, out)
+    return out
 
 
 def int_shape(qtype: int, blocks: torch.Tensor, in_features: int) -> tuple[int, int]:

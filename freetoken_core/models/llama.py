@@ -50,8 +50,8 @@ from freetoken_core.models.sharding import Shard, all_reduce, gather_logits, sha
 # Weights by Hugging Face name: float tensors, or GGUFWeight blocks (gguf_weights).
 Weights = dict[str, Any]
 # A linear's blocks in another layout (pack_blocks): the new type id, shape, and a function
-# making them.
-Relayout = tuple[int, tuple[int, ...], Callable[[], torch.Tensor]]
+# writing them into the tensor it is given.
+Relayout = tuple[int, tuple[int, ...], Callable[[torch.Tensor], object]]
 
 
 class DecoderLayer:
@@ -191,11 +191,13 @@ class LlamaForCausalLM:
 
         ``relayout``: for a linear whose blocks change layout on the way
         (``use_int24_activations``), its new type id, the new blocks' shape and a function
-        making them, or None. Each new layout is made and laid into the buffer, and the pages
-        of the temporary and of the old blocks are given back at once (a freed block of the
-        heap stays resident, and the old blocks share their buffer with the others), so that
-        the model's blocks are never held twice: a 1B model's load peaked at the blocks
-        twice over, ~600 MiB past tests/test_gguf_memory.py's bound, without it."""
+        writing them into a tensor, or None. Each new layout is written straight into its
+        place in the buffer (no temporary: `LLM` on the 3B shape of bench/gguf_memory.py loads in
+        4.9-5.4 s instead of 5.7 on the Zen 5 VM), and
+        the pages of the old blocks are given back at once (they share their buffer with
+        the others, so dropping them would not), so that the model's blocks are never held
+        twice: a 1B model's load peaked at the blocks twice over, ~600 MiB past
+        tests/test_gguf_memory.py's bound, without it."""
         linears = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
         linears = [lin for lin in linears if lin.blocks is not None]
         if not linears:
@@ -221,11 +223,8 @@ class LlamaForCausalLM:
                 packed.copy_(blocks)
             else:
                 qtype, _, make = plan
-                laid = make()
-                packed.copy_(laid)
-                hugepages.release(laid)
+                make(packed)
                 hugepages.release(blocks)
-                del laid
             lin.blocks = (qtype, packed)
             offset += size
         del plans
@@ -270,7 +269,7 @@ class LlamaForCausalLM:
                 return None
             qtype, blocks = lin.blocks
             return (qtype | ACTIVATIONS_INT24, int_shape(qtype, blocks, lin.in_features),
-                    lambda: int_blocks(blocks, qtype))
+                    lambda out: int_blocks(blocks, qtype, out))
 
         self.pack_blocks(relayout)
         self.set_all_layers_args()

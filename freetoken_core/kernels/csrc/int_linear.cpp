@@ -82,6 +82,7 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "gguf_blocks.h"
@@ -1142,7 +1143,10 @@ int64_t gguf_int_row_bytes(int64_t qtype, int64_t k) {
   return int_row_bytes(qtype, k);
 }
 
-at::Tensor gguf_int_blocks(const at::Tensor& blocks, int64_t qtype) {
+// The layout of `blocks` (kernel blocks of type qtype) into `out`, [N, bytes a feature]
+// uint8 (a group-unit's bytes are 16 features' share), or a new tensor where `out` is None.
+at::Tensor int_blocks_into(const at::Tensor& blocks, int64_t qtype,
+                           const std::optional<at::Tensor>& out) {
   TORCH_CHECK(int_type(qtype),
               "gguf_int_blocks: ggml type ", qtype, " is not a type of the int24 kernel");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
@@ -1153,14 +1157,31 @@ at::Tensor gguf_int_blocks(const at::Tensor& blocks, int64_t qtype) {
   const int64_t num_units = row_bytes / kernel_unit_bytes(qtype);
   TORCH_CHECK(n % kIntGroup == 0, "gguf_int_blocks: the output features must be a multiple of ",
               kIntGroup, " (", n, ")");
-  // Seen as [N, bytes a feature] (a group-unit's bytes are 16 features' share).
-  at::Tensor out = at::empty({n, num_units * int_unit_bytes(qtype) / kIntGroup},
-                             blocks.options());
+  const int64_t out_row = num_units * int_unit_bytes(qtype) / kIntGroup;
+  at::Tensor laid;
+  if (out.has_value()) {
+    laid = *out;
+    TORCH_CHECK(laid.scalar_type() == at::kByte && laid.is_contiguous() && laid.dim() == 2 &&
+                laid.size(0) == n && laid.size(1) == out_row,
+                "gguf_int_blocks_into: out must be a contiguous uint8 [", n, ", ", out_row, "]");
+  } else {
+    laid = at::empty({n, out_row}, blocks.options());
+  }
   int_dispatch(qtype, [&](auto qt) {
     make_int_blocks<decltype(qt)::value>(blocks.data_ptr<uint8_t>(), n, row_bytes, num_units,
-                                         out.data_ptr<uint8_t>());
+                                         laid.data_ptr<uint8_t>());
   });
-  return out;
+  return laid;
+}
+
+at::Tensor gguf_int_blocks(const at::Tensor& blocks, int64_t qtype) {
+  return int_blocks_into(blocks, qtype, std::nullopt);
+}
+
+// gguf_int_blocks written into `out` (e.g. its place in the model's arena of blocks, so that
+// a load makes no temporary of the new layout).
+void gguf_int_blocks_into(const at::Tensor& blocks, int64_t qtype, at::Tensor out) {
+  int_blocks_into(blocks, qtype, out);
 }
 
 // mode: 0 the CPU's paths (VNNI below kAmxRows rows, AMX tiles from there where the CPU and
@@ -1218,6 +1239,8 @@ void gguf_linear_int(const at::Tensor& x, const at::Tensor& blocks, int64_t qtyp
 
 TORCH_LIBRARY_FRAGMENT(freetoken, m) {
   m.def("gguf_int_blocks(Tensor blocks, int qtype) -> Tensor", &freetoken::gguf_int_blocks);
+  m.def("gguf_int_blocks_into(Tensor blocks, int qtype, Tensor(a!) out) -> ()",
+        &freetoken::gguf_int_blocks_into);
   m.def("gguf_int_row_bytes(int qtype, int k) -> int", &freetoken::gguf_int_row_bytes);
   m.def("gguf_linear_int(Tensor x, Tensor blocks, int qtype, Tensor(a!) out, int mode=0) -> ()",
         &freetoken::gguf_linear_int);
