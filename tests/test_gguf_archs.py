@@ -136,7 +136,9 @@ def test_q4_k_on_the_int24_kernel_is_exact_too(tmp_path: Path) -> None:
     assert layer.o_proj.blocks[0] == 12 | 1 << 9  # Q4_K on the int24 kernel
     assert layer.down_proj.blocks[0] == 14 | 1 << 9  # Q6_K
     assert layer.qkv_proj.blocks[0] == 1 << 10 | 1 << 9  # q, k Q4_K and v Q6_K: parts
-    assert llm.engine.core.runner.model.lm_head.blocks[0] == 14 | 1 << 9  # the tied Q6_K
+    model = llm.engine.core.runner.model
+    assert model.lm_head.blocks[0] == 14 | 1 << 9  # the tied Q6_K
+    assert model.embedding.blocks is model.lm_head.blocks  # read by the embedding too: one copy
     prompts = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16,
                                                 ignore_eos=True))

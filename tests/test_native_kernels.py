@@ -594,6 +594,22 @@ def test_int24_keeps_zeros_and_propagates_what_is_not_finite() -> None:
 
 
 @needs_int24
+@pytest.mark.parametrize("qtype", INT24_TYPES)
+def test_int24_layout_embeds_rows_as_gguf_py_decodes_them(qtype: int) -> None:
+    """``gguf_int_embedding`` (a tied embedding reading the output head's int24 blocks)
+    gives each row as gguf-py dequantizes it, bit for bit, and as the kernel-layout
+    embedding does; a token id outside the rows is refused."""
+    n, k = 48, 512
+    blocks, dequantized, kernel = int24_case(qtype, n, k, 20 + qtype)
+    ids = torch.tensor([0, 47, 5, 16, 5, 31, 17])
+    rows = torch.ops.freetoken.gguf_int_embedding(ids, blocks, qtype, k)
+    assert torch.equal(rows, dequantized[ids])
+    assert torch.equal(rows, torch.ops.freetoken.gguf_embedding_blocks(ids, kernel, qtype, k))
+    with pytest.raises(RuntimeError, match="outside the embedding"):
+        torch.ops.freetoken.gguf_int_embedding(torch.tensor([48]), blocks, qtype, k)
+
+
+@needs_int24
 @pytest.mark.parametrize("qtype", [3, 14])  # Q4_1, Q6_K
 def test_int24_blocks_written_into_a_given_tensor(qtype: int) -> None:
     """``gguf_int_blocks_into`` (a load writes each linear's new layout into its place in the

@@ -261,7 +261,12 @@ class LlamaForCausalLM:
                    and int_computes(*lin.blocks, lin.out_features)]
         if not linears or not self.native or not int_linear_available():
             return False
-        self.embedding.own_blocks()  # (pack_blocks gives the old blocks' pages back)
+        # A tied embedding reads the head's new blocks (gguf_int_embedding decodes rows of
+        # the int24 layout); another keeps a copy of its own, as pack_blocks gives the old
+        # blocks' pages back.
+        tied = self.embedding.blocks is not None and self.embedding.blocks is self.lm_head.blocks
+        if not tied:
+            self.embedding.own_blocks()
         switching = {id(lin) for lin in linears}
 
         def relayout(lin: Any) -> Relayout | None:
@@ -272,6 +277,8 @@ class LlamaForCausalLM:
                     lambda out: int_blocks(blocks, qtype, out))
 
         self.pack_blocks(relayout)
+        if tied:
+            self.embedding.blocks = self.lm_head.blocks
         self.set_all_layers_args()
         return True
 

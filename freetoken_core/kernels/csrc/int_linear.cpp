@@ -1087,6 +1087,125 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
   });
 }
 
+// Feature f's unit of the group-unit `gu` back in the file's bytes (Type<QT>'s unit, as
+// gguf_types.h decodes it): the inverse of make_int_blocks for one feature. Every bit of the
+// file's unit is kept in the layout (its float16 scales widened to float32 for some types:
+// narrowed back exactly), so this is the file's unit byte for byte.
+template <int64_t QT>
+void file_unit(const uint8_t* gu, int f, uint8_t* unit) {
+  using T = types::Type<QT>;
+  std::memset(unit, 0, T::kBytes);
+  const auto nibble = [&](int64_t j, int k) -> uint8_t {
+    const uint8_t byte = gu[int_weights_offset(QT, j) + (k / 8) * 64 + 4 * f + k % 4];
+    return (k % 8) < 4 ? byte & 0x0F : byte >> 4;
+  };
+  const auto two = [&](int64_t j, int k) -> uint8_t {  // Q2_K's and Q3_K's low two bits
+    return (gu[int_weights_offset(QT, j) + (k / 16) * 64 + 4 * f + k % 4] >> (2 * ((k / 4) % 4))) &
+           3;
+  };
+  const auto high_bit = [&](int64_t j, int k) -> uint8_t {  // Q5's fifth, Q3_K's third bit
+    return (gu[int_weights_offset(QT, j) + (two_bits(QT) ? 128 : 256) + 4 * f + k % 4] >>
+            (k / 4)) & 1;
+  };
+  const auto float_d = [&](uint8_t* at) {  // d kept as float32: back to its float16 bits
+    const uint16_t h = c10::Half(load_float(gu + 4 * f)).x;
+    std::memcpy(at, &h, 2);
+  };
+  const auto nibbles32 = [&](int64_t j, uint8_t* qs) {  // weight k < 16 low, k + 16 high
+    for (int k = 0; k < 16; ++k) qs[k] = nibble(j, k) | nibble(j, k + 16) << 4;
+  };
+  const auto int8_scale = [&](int i) {  // the layout's int8 scale i of the feature
+    return static_cast<int>(static_cast<int8_t>(gu[kScalesAt + 16 * i + f]));
+  };
+  if constexpr (QT == kQ4_0 || QT == kIQ4_NL) {  // d@0, qs[16]@2
+    float_d(unit);
+    nibbles32(0, unit + 2);
+  } else if constexpr (QT == kQ4_1) {  // d@0, m@2, qs[16]@4
+    std::memcpy(unit, gu + 2 * f, 2);
+    std::memcpy(unit + 2, gu + kMinAt + 2 * f, 2);
+    nibbles32(0, unit + 4);
+  } else if constexpr (QT == kQ5_0 || QT == kQ5_1) {  // Q5_0: d@0, qh@2, qs@6; Q5_1: m@2 too
+    uint8_t* qh = unit + (QT == kQ5_0 ? 2 : 4);
+    if constexpr (QT == kQ5_0) {
+      float_d(unit);
+    } else {
+      std::memcpy(unit, gu + 2 * f, 2);
+      std::memcpy(unit + 2, gu + kMinAt + 2 * f, 2);
+    }
+    uint32_t bits = 0;
+    for (int k = 0; k < kBlock; ++k) bits |= static_cast<uint32_t>(high_bit(0, k)) << k;
+    std::memcpy(qh, &bits, 4);
+    nibbles32(0, qh + 4);
+  } else if constexpr (QT == kQ8_0) {  // d@0, qs[32]@2
+    float_d(unit);
+    for (int k = 0; k < kBlock; ++k)
+      unit[2 + k] = gu[int_weights_offset(QT, 0) + (k / 4) * 64 + 4 * f + k % 4];
+  } else if constexpr (two_bits(QT)) {
+    // Q2_K: scales[16]@0, qs[64]@16, d@80, dmin@82; Q3_K: hmask[32]@0, qs[64]@32,
+    // scales[12]@96, d@108.
+    uint8_t* qs = unit + (QT == kQ2_K ? 16 : 32);
+    for (int j = 0; j < 8; ++j)
+      for (int k = 0; k < kBlock; ++k) {
+        qs[32 * (j / 4) + k] |= static_cast<uint8_t>(two(j, k) << (2 * (j % 4)));
+        if constexpr (QT == kQ3_K) unit[k] |= static_cast<uint8_t>(high_bit(j, k) << j);
+      }
+    if constexpr (QT == kQ2_K) {
+      for (int i = 0; i < 16; ++i) unit[i] = gu[kScalesAt + 16 * i + f];
+      std::memcpy(unit + 80, gu + 2 * f, 2);
+      std::memcpy(unit + 82, gu + kMinAt + 2 * f, 2);
+    } else {
+      uint8_t* s = unit + 96;  // scale_q3_k's packing of the 16 6-bit scales
+      for (int i = 0; i < 16; ++i) {
+        const int sc = int8_scale(i) + 32;
+        s[i % 8] |= static_cast<uint8_t>((sc & 15) << (4 * (i / 8)));
+        s[8 + i % 4] |= static_cast<uint8_t>((sc >> 4) << (2 * (i / 4)));
+      }
+      float_d(unit + 108);
+    }
+  } else if constexpr (k4_scales(QT)) {
+    // Q4_K: d@0, dmin@2, scales[12]@4, qs[128]@16; Q5_K: qh[32]@16, qs[128]@48.
+    std::memcpy(unit, gu + 2 * f, 2);
+    std::memcpy(unit + 2, gu + kMinAt + 2 * f, 2);
+    uint8_t* s = unit + 4;  // scale_min_k4's packing
+    for (int j = 0; j < 4; ++j) {
+      const int sc = gu[kScalesAt + 16 * j + f], mn = gu[kMinsAt + 16 * j + f];
+      const int sc_hi = gu[kScalesAt + 16 * (j + 4) + f], mn_hi = gu[kMinsAt + 16 * (j + 4) + f];
+      s[j] = static_cast<uint8_t>(sc | (sc_hi >> 4) << 6);
+      s[j + 4] = static_cast<uint8_t>(mn | (mn_hi >> 4) << 6);
+      s[j + 8] = static_cast<uint8_t>((sc_hi & 15) | (mn_hi & 15) << 4);
+    }
+    uint8_t* qs = unit + (QT == kQ4_K ? 16 : 48);
+    for (int j = 0; j < 8; ++j)
+      for (int k = 0; k < kBlock; ++k) {
+        qs[32 * (j / 2) + k] |= static_cast<uint8_t>(nibble(j, k) << (4 * (j % 2)));
+        if constexpr (QT == kQ5_K) unit[16 + k] |= static_cast<uint8_t>(high_bit(j, k) << j);
+      }
+  } else if constexpr (QT == kIQ4_XS) {  // d@0, scales_h@2, scales_l[4]@4, qs[128]@8
+    float_d(unit);
+    uint16_t scales_h = 0;
+    for (int j = 0; j < 8; ++j) {
+      const int sc = int8_scale(j) + 32;
+      unit[4 + j / 2] |= static_cast<uint8_t>((sc & 15) << (4 * (j % 2)));
+      scales_h |= static_cast<uint16_t>((sc >> 4) << (2 * j));
+      nibbles32(j, unit + 8 + 16 * j);
+    }
+    std::memcpy(unit + 2, &scales_h, 2);
+  } else {  // Q6_K: ql[128]@0, qh[64]@128, int8 scales[16]@192, d@208
+    static_assert(QT == kQ6_K);
+    for (int i = 0; i < 16; ++i) unit[192 + i] = gu[kScalesAt + 16 * i + f];
+    float_d(unit + 208);
+    for (int j = 0; j < 8; ++j) {
+      const int h = j / 4, c = j % 4;
+      const uint8_t* w = gu + int_weights_offset(QT, j);
+      for (int k = 0; k < kBlock; ++k) {
+        const int high = (w[256 + (k / 16) * 64 + 4 * f + k % 4] >> (2 * ((k / 4) % 4))) & 3;
+        unit[64 * h + 32 * (c % 2) + k] |= static_cast<uint8_t>(nibble(j, k) << (4 * (c / 2)));
+        unit[128 + 32 * h + k] |= static_cast<uint8_t>(high << (2 * c));
+      }
+    }
+  }
+}
+
 // Calls f with QT as a compile-time constant for the int24 types.
 template <typename F>
 void int_dispatch(int64_t qtype, F&& f) {
@@ -1184,6 +1303,49 @@ void gguf_int_blocks_into(const at::Tensor& blocks, int64_t qtype, at::Tensor ou
   int_blocks_into(blocks, qtype, out);
 }
 
+// Rows `ids` of the weight whose blocks are in this layout (n features, K inputs), decoded
+// as the file's units are (gguf_types.h, gguf-py's values bit for bit): a tied embedding
+// reads the output head's int24 blocks instead of keeping the file's blocks a second time.
+at::Tensor gguf_int_embedding(const at::Tensor& ids, const at::Tensor& blocks, int64_t qtype,
+                              int64_t k) {
+  TORCH_CHECK(int_type(qtype), "gguf_int_embedding: ggml type ", qtype,
+              " is not a type of the int24 kernel");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
+              "gguf_int_embedding: ids must be a contiguous int64 [T] tensor");
+  TORCH_CHECK(k > 0 && k % (kBlock * unit_blocks(qtype)) == 0, "gguf_int_embedding: K must be "
+              "a positive multiple of ", kBlock * unit_blocks(qtype), " for ggml type ", qtype);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+              blocks.size(0) % kIntGroup == 0 && blocks.size(1) == int_row_bytes(qtype, k),
+              "gguf_int_embedding: blocks must be gguf_int_blocks [N, ",
+              int_row_bytes(qtype, k), "] (N a multiple of 16)");
+  const int64_t n = blocks.size(0), count = ids.size(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < count; ++t)
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < n, "gguf_int_embedding: token id ", ip[t],
+                " is outside the embedding's ", n, " rows");
+  at::Tensor out = at::empty({count, k}, ids.options().dtype(at::kFloat));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  int_dispatch(qtype, [&](auto qt) {
+    constexpr int64_t QT = decltype(qt)::value;
+    using T = types::Type<QT>;
+    const int64_t num_units = k / T::kWeights;
+    at::parallel_for(0, count, 16, [&](int64_t t0, int64_t t1) {
+      uint8_t unit[T::kBytes];
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t g = ip[t] / kIntGroup;
+        const int f = static_cast<int>(ip[t] % kIntGroup);
+        for (int64_t u = 0; u < num_units; ++u) {
+          file_unit<QT>(bp + (g * num_units + u) * int_unit_bytes(QT), f, unit);
+          for (int sub = 0; sub < T::kSubs; ++sub)
+            T::scalar(unit, sub, op + t * k + u * T::kWeights + sub * kBlock);
+        }
+      }
+    });
+  });
+  return out;
+}
+
 // mode: 0 the CPU's paths (VNNI below kAmxRows rows, AMX tiles from there where the CPU and
 // the kernel grant them), 1 the scalar reference, 2 VNNI at every row count (tests).
 // qtype kParts: a linear of parts side by side in the output (linear.parts_blocks' header,
@@ -1245,5 +1407,7 @@ TORCH_LIBRARY_FRAGMENT(freetoken, m) {
   m.def("gguf_linear_int(Tensor x, Tensor blocks, int qtype, Tensor(a!) out, int mode=0) -> ()",
         &freetoken::gguf_linear_int);
   m.def("int_linear_available() -> bool", &freetoken::int_linear_available);
+  m.def("gguf_int_embedding(Tensor ids, Tensor blocks, int qtype, int k) -> Tensor",
+        &freetoken::gguf_int_embedding);
   m.def("gguf_int_amx_types() -> int[]", &freetoken::gguf_int_amx_types);
 }
