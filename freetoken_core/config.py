@@ -70,7 +70,8 @@ class EngineConfig:
     until every block has been written once (on the 2-core Zen 5 VM, whose fresh memory is
     slow to touch, 16 sequences of the SmolLM2 Q4_0 file decoded in 15.7 ms steps lazily
     and 14.1 prefaulted; docs/operations.md, "GGUF memory"). The cost is at start, 1-5 s a
-    GiB there. ``False`` (``--no-kv-cache-prefault``): zero pages until written."""
+    GiB there, on a thread of its own while the tokenizer, plugins and model load
+    (``KvCache``). ``False`` (``--no-kv-cache-prefault``): zero pages until written."""
     kv_cache_dtype: str = "auto"
     """How the KV cache stores keys and values: ``auto`` (default) the model's dtype
     (``dtype``: float32 on CPU, so the default arithmetic stays exact), or ``float32``,

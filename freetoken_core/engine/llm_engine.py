@@ -14,7 +14,7 @@ from freetoken_core.engine.block_manager import BlockManager
 from freetoken_core.engine.core import EngineCore
 from freetoken_core.engine.generation_defaults import GenerationDefaults
 from freetoken_core.engine.memory import keep_freed_memory
-from freetoken_core.engine.model_runner import ModelRunner
+from freetoken_core.engine.model_runner import KvCache, ModelRunner, kv_cache_shape
 from freetoken_core.engine.output_processor import RequestState
 from freetoken_core.engine.pipeline import ProcessorPipeline
 from freetoken_core.engine.scheduler import Scheduler
@@ -88,8 +88,14 @@ def build_engine(config: EngineConfig, progress: bool = True,
     keep_freed_memory()
     model_dir = resolve_model(config.model, progress=progress)
     model_config = ModelConfig.from_dir(model_dir)
-    tokenizer = load_tokenizer(model_dir, config.chat_template_text())
     device = config.torch_device()
+    # One rank: the KV cache's shape is known now (compute_limits' whole blocks), and its
+    # write overlaps the tokenizer's, the plugins' and the model's loading.
+    kv_cache = None if config.tensor_parallel_size > 1 else KvCache(
+        kv_cache_shape(model_config.num_layers, config.kv_cache_tokens // config.block_size,
+                       config.block_size, model_config.num_kv_heads, model_config.head_dim),
+        config.kv_torch_dtype(device), device, config.kv_cache_prefault)
+    tokenizer = load_tokenizer(model_dir, config.chat_template_text())
     generation_config = generation_defaults.read(config, model_dir,
                                                  gguf_source(config.model) is not None)
     limits = compute_limits(config, model_config,
@@ -105,7 +111,7 @@ def build_engine(config: EngineConfig, progress: bool = True,
                                   None if group is None else group.shard)
         runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size,
                              config.kv_torch_dtype(device), device, pipeline,
-                             prefault=config.kv_cache_prefault)
+                             prefault=config.kv_cache_prefault, kv_cache=kv_cache)
         if group is not None:
             group.wait_ready()
             runner.send_plan = group.send_plan
