@@ -700,15 +700,10 @@ void gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, a
 
 at::Tensor gguf_embedding_blocks(const at::Tensor& ids, const at::Tensor& blocks, int64_t qtype,
                                  int64_t k) {
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
-              "gguf_embedding_blocks: ids must be a contiguous int64 [T] tensor");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "gguf_embedding_blocks: blocks must be uint8 [N, row bytes]");
   const int64_t n = blocks.size(0), count = ids.size(0);
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t t = 0; t < count; ++t)
-    TORCH_CHECK(ip[t] >= 0 && ip[t] < n, "gguf_embedding_blocks: token id ", ip[t],
-                " is outside the embedding's ", n, " rows");
+  const int64_t* ip = embedding_ids(ids, n, "gguf_embedding_blocks");
   at::Tensor out = at::empty({count, k}, ids.options().dtype(at::kFloat));
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   auto run = [&](auto qt) {

@@ -1310,8 +1310,6 @@ at::Tensor gguf_int_embedding(const at::Tensor& ids, const at::Tensor& blocks, i
                               int64_t k) {
   TORCH_CHECK(int_type(qtype), "gguf_int_embedding: ggml type ", qtype,
               " is not a type of the int24 kernel");
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
-              "gguf_int_embedding: ids must be a contiguous int64 [T] tensor");
   TORCH_CHECK(k > 0 && k % (kBlock * unit_blocks(qtype)) == 0, "gguf_int_embedding: K must be "
               "a positive multiple of ", kBlock * unit_blocks(qtype), " for ggml type ", qtype);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
@@ -1319,10 +1317,7 @@ at::Tensor gguf_int_embedding(const at::Tensor& ids, const at::Tensor& blocks, i
               "gguf_int_embedding: blocks must be gguf_int_blocks [N, ",
               int_row_bytes(qtype, k), "] (N a multiple of 16)");
   const int64_t n = blocks.size(0), count = ids.size(0);
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t t = 0; t < count; ++t)
-    TORCH_CHECK(ip[t] >= 0 && ip[t] < n, "gguf_int_embedding: token id ", ip[t],
-                " is outside the embedding's ", n, " rows");
+  const int64_t* ip = embedding_ids(ids, n, "gguf_int_embedding");
   at::Tensor out = at::empty({count, k}, ids.options().dtype(at::kFloat));
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();

@@ -47,6 +47,18 @@ inline std::vector<LinearPart> linear_parts(const at::Tensor& blocks, const char
   }
   return parts;
 }
+// An embedding's token ids (`ids`: a contiguous int64 [T] tensor), each checked to be one of
+// its n rows; `op` names the caller in the errors.
+inline const int64_t* embedding_ids(const at::Tensor& ids, int64_t n, const char* op) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), op,
+              ": ids must be a contiguous int64 [T] tensor");
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < ids.size(0); ++t)
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < n, op, ": token id ", ip[t],
+                " is outside the embedding's ", n, " rows");
+  return ip;
+}
+
 // The integer-arithmetic exact kernel of CPUs with AVX-512 VNNI (int_linear.cpp): its weight
 // layout, made from the kernel blocks, and the product (mode 1: the scalar reference).
 bool int_linear_available();
