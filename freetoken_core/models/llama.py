@@ -192,12 +192,12 @@ class LlamaForCausalLM:
         ``relayout``: for a linear whose blocks change layout on the way
         (``use_int24_activations``), its new type id, the new blocks' shape and a function
         writing them into a tensor, or None. Each new layout is written straight into its
-        place in the buffer (no temporary: `LLM` on the 3B shape of bench/gguf_memory.py loads in
-        4.9-5.4 s instead of 5.7 on the Zen 5 VM), and
-        the pages of the old blocks are given back at once (they share their buffer with
-        the others, so dropping them would not), so that the model's blocks are never held
-        twice: a 1B model's load peaked at the blocks twice over, ~600 MiB past
-        tests/test_gguf_memory.py's bound, without it."""
+        place in the buffer (no temporary: ``LLM`` on bench/gguf_memory.py's 3B shape loads
+        in 4.9-5.4 s instead of 5.7 on the Zen 5 VM), and the pages of the old blocks are
+        given back at once (they share their buffer with the others, so dropping them would
+        not), so that the model's blocks are never held twice: a 1B model's load peaked at
+        the blocks twice over, ~600 MiB past tests/test_gguf_memory.py's bound, without
+        it."""
         linears = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
         linears = [lin for lin in linears if lin.blocks is not None]
         if not linears:
@@ -254,8 +254,8 @@ class LlamaForCausalLM:
         (``INT24_TYPES``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
         IQ4_NL, IQ4_XS; a linear of parts where every part has one) switch; the others (F32,
         F16, BF16), and those whose outputs are not in whole groups of 16, keep the float32
-        kernel. False (nothing
-        changed) where the native kernels lack it or no linear switches."""
+        kernel. False (nothing changed) where the native kernels lack it or no linear
+        switches."""
         linears = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
         linears = [lin for lin in linears if lin.blocks is not None
                    and int_computes(*lin.blocks, lin.out_features)]
