@@ -192,7 +192,6 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
     if kv.dtype != kv_cache.dtype:
         kv = kv.to(kv_cache.dtype)
     kv_cache.index_copy_(0, meta.slot_mapping, kv)
-    kv = kv.to(q.dtype)
     d = meta.num_decode_tokens
     if d and meta.decode_block_tables is not None:
         od = torch.empty(d, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -220,8 +219,8 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
         out[:d] = od.view(d, num_heads, head_dim)
     for span in meta.prefills:
         qp = q[span.start:span.end].transpose(0, 1).unsqueeze(0)
-        if span.context_slots is None:
-            ctx = kv[span.start:span.end]
+        if span.context_slots is None:  # (the chunk's own keys, as the cache stores them)
+            ctx = kv[span.start:span.end].to(q.dtype)
         else:
             ctx = _gather(kv_cache, span.context_slots, q.dtype)
         kp = ctx[:, 0].transpose(0, 1).unsqueeze(0)
