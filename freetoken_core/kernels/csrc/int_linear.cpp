@@ -694,6 +694,21 @@ void configure_tiles(int rows, bool halves) {
 // The three tile products of a block for the tile's rows (digits from dg, `stride` bytes
 // between rows) into the tiles C0..C2, stored to c. (The tile intrinsics take their tile
 // numbers as literals: a macro makes one function for each set.)
+// Tile C += the digits in tile 6 against the weights in tile 7, for the type QT in scope: h
+// (s8) in FREETOKEN_TILE_H, m or l (u8) in FREETOKEN_TILE_ML, against unsigned weights (the
+// types with a min) or signed ones (the others: exact, no correction).
+#define FREETOKEN_TILE_H(C)              \
+  if constexpr (with_min(QT)) {          \
+    FT_TILE_DPBSUD(C, 6, 7);             \
+  } else {                               \
+    FT_TILE_DPBSSD(C, 6, 7);             \
+  }
+#define FREETOKEN_TILE_ML(C)             \
+  if constexpr (with_min(QT)) {          \
+    FT_TILE_DPBUUD(C, 6, 7);             \
+  } else {                               \
+    FT_TILE_DPBUSD(C, 6, 7);             \
+  }
 #define FREETOKEN_TILE_PRODUCTS(NAME, C0, C1, C2)                                         \
   template <int64_t QT>                                                                    \
   inline void NAME(const uint8_t* dg, int64_t stride, const uint8_t* weights,              \
@@ -703,23 +718,11 @@ void configure_tiles(int rows, bool halves) {
     FT_TILE_ZERO(C1);                                                                      \
     FT_TILE_ZERO(C2);                                                                      \
     FT_TILE_LOADD(6, dg, stride);                                                          \
-    if constexpr (with_min(QT)) {                                                          \
-      FT_TILE_DPBSUD(C0, 6, 7); /* h (s8) x q (u8) */                                      \
-    } else {                                                                               \
-      FT_TILE_DPBSSD(C0, 6, 7); /* h (s8) x q (s8): exact, no correction */                \
-    }                                                                                      \
+    FREETOKEN_TILE_H(C0)                                                                   \
     FT_TILE_LOADD(6, dg + kBlock, stride);                                                 \
-    if constexpr (with_min(QT)) {                                                          \
-      FT_TILE_DPBUUD(C1, 6, 7); /* m (u8) x q (u8) */                                      \
-    } else {                                                                               \
-      FT_TILE_DPBUSD(C1, 6, 7); /* m (u8) x q (s8) */                                      \
-    }                                                                                      \
+    FREETOKEN_TILE_ML(C1)                                                                  \
     FT_TILE_LOADD(6, dg + 2 * kBlock, stride);                                             \
-    if constexpr (with_min(QT)) {                                                          \
-      FT_TILE_DPBUUD(C2, 6, 7);                                                            \
-    } else {                                                                               \
-      FT_TILE_DPBUSD(C2, 6, 7);                                                            \
-    }                                                                                      \
+    FREETOKEN_TILE_ML(C2)                                                                  \
     FT_TILE_STORED(C0, c[0], 64);                                                          \
     FT_TILE_STORED(C1, c[1], 64);                                                          \
     FT_TILE_STORED(C2, c[2], 64);                                                          \
@@ -818,45 +821,20 @@ void group_amx_halves(const Digits& x, int64_t r0, const uint8_t* group,
     FT_TILE_ZERO(3);
     FT_TILE_ZERO(4);
     FT_TILE_ZERO(5);
-    // h (s8) against the weights: s8 (signed types) or u8 (Q2_K's); m and l (u8) likewise.
     FT_TILE_LOADD(7, wb, 64);  // the first half's 16 weights
     FT_TILE_LOADD(6, db, stride);
-    if constexpr (with_min(QT)) {
-      FT_TILE_DPBSUD(0, 6, 7);
-    } else {
-      FT_TILE_DPBSSD(0, 6, 7);
-    }
+    FREETOKEN_TILE_H(0)
     FT_TILE_LOADD(6, db + kBlock, stride);
-    if constexpr (with_min(QT)) {
-      FT_TILE_DPBUUD(1, 6, 7);
-    } else {
-      FT_TILE_DPBUSD(1, 6, 7);
-    }
+    FREETOKEN_TILE_ML(1)
     FT_TILE_LOADD(6, db + 2 * kBlock, stride);
-    if constexpr (with_min(QT)) {
-      FT_TILE_DPBUUD(2, 6, 7);
-    } else {
-      FT_TILE_DPBUSD(2, 6, 7);
-    }
+    FREETOKEN_TILE_ML(2)
     FT_TILE_LOADD(7, wb + 256, 64);  // the second half's
     FT_TILE_LOADD(6, db + 16, stride);
-    if constexpr (with_min(QT)) {
-      FT_TILE_DPBSUD(3, 6, 7);
-    } else {
-      FT_TILE_DPBSSD(3, 6, 7);
-    }
+    FREETOKEN_TILE_H(3)
     FT_TILE_LOADD(6, db + kBlock + 16, stride);
-    if constexpr (with_min(QT)) {
-      FT_TILE_DPBUUD(4, 6, 7);
-    } else {
-      FT_TILE_DPBUSD(4, 6, 7);
-    }
+    FREETOKEN_TILE_ML(4)
     FT_TILE_LOADD(6, db + 2 * kBlock + 16, stride);
-    if constexpr (with_min(QT)) {
-      FT_TILE_DPBUUD(5, 6, 7);
-    } else {
-      FT_TILE_DPBUSD(5, 6, 7);
-    }
+    FREETOKEN_TILE_ML(5)
     FT_TILE_STORED(0, c[0][0], 64);
     FT_TILE_STORED(1, c[0][1], 64);
     FT_TILE_STORED(2, c[0][2], 64);
@@ -882,6 +860,9 @@ void group_amx_halves(const Digits& x, int64_t r0, const uint8_t* group,
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * n + g * kIntGroup, y[r]);
 }
+
+#undef FREETOKEN_TILE_H
+#undef FREETOKEN_TILE_ML
 
 template <int64_t QT, int R = 16>
 void group_amx_rows(const Digits& x, int64_t r0, int64_t rows, const uint8_t* group,
