@@ -1,7 +1,7 @@
 """FreeToken against llama.cpp's ``llama-server``: the same GGUF, the same streaming workload.
 
     python bench/vs_llamacpp.py [--model FILE] [--llama-server PATH] [--clients 1,8,16,32,64]
-                                [--max-tokens 128] [--rounds 1] [--passes 1]
+                                [--max-tokens 128] [--prompt-words 0] [--rounds 1] [--passes 1]
                                 [--only freetoken|llamacpp]
                                 [--serve-args '...'] [--llama-args '...'] [--json OUT]
 
@@ -25,6 +25,7 @@ many times over (the script warns when it sees one).
 
 The workload, identical for both: streaming ``/v1/completions``, every request its own prompt
 (a topic and an index, first, so that neither server's prefix cache gets free hits),
+(``--prompt-words N``: each prompt a passage of N words of its own longer, a long context)
 ``max_tokens`` tokens with ``ignore_eos`` and ``temperature`` 0.8 (each server's other sampling
 defaults apply; ``--extra-body`` adds fields to every request). For each client count N:
 N concurrent clients, each sending ``--rounds`` requests back to back. After a warm-up
@@ -57,6 +58,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import shlex
 import signal
 import sys
@@ -86,6 +88,12 @@ LABELS = {"freetoken": "FreeToken", "llamacpp": "llama.cpp"}
 TOPICS = ["The sea", "A robot", "The moon", "A library", "Winter", "A city at night",
           "An old tree", "The desert", "A lighthouse", "Volcanoes", "A train journey",
           "Honeybees", "A chess game", "The northern lights", "A bakery", "Glaciers"]
+PASSAGE_WORDS = ("light", "water", "stone", "wind", "old", "bright", "under", "across", "river",
+                 "glass", "quiet", "market", "evening", "north", "copper", "bridge", "song",
+                 "paper", "salt", "garden", "machine", "cloud", "harbor", "slowly", "green",
+                 "winter", "story", "iron", "window", "field", "silver", "morning")
+PROMPT_TOKENS_PER_WORD = 3
+"""Room per passage word in llama-server's slots (-c): the rarest word takes three tokens."""
 BUSY_WARNING = 0.3
 """CPUs other processes may keep busy before a server starts without a warning."""
 
@@ -106,13 +114,21 @@ class Record:
         return self.num_chunks if self.usage_tokens is None else self.usage_tokens
 
 
-def prompt(index: int) -> str:
-    # The index first: two prompts share at most a token or two of prefix.
-    return f"{index}. {TOPICS[index % len(TOPICS)]}: a long, vivid description.\n\n"
+def prompt(index: int, words: int = 0) -> str:
+    """Request ``index``'s prompt: the index first, so that two prompts share at most a token
+    or two of prefix; with ``words``, a passage of that many words of its own after the
+    topic (a long context: each word one to three tokens), which the answer continues."""
+    topic = f"{index}. {TOPICS[index % len(TOPICS)]}"
+    if not words:
+        return f"{topic}: a long, vivid description.\n\n"
+    rng = random.Random(index)
+    passage = " ".join(rng.choice(PASSAGE_WORDS) for _ in range(words))
+    return f"{topic}. Notes: {passage}\n\nA long, vivid description:\n\n"
 
 
-def request_body(model: str, index: int, max_tokens: int, extra: dict | None = None) -> dict:
-    return {"model": model, "prompt": prompt(index), "max_tokens": max_tokens,
+def request_body(model: str, index: int, max_tokens: int, extra: dict | None = None,
+                 words: int = 0) -> dict:
+    return {"model": model, "prompt": prompt(index, words), "max_tokens": max_tokens,
             "temperature": 0.8, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, **(extra or {})}
 
@@ -160,7 +176,7 @@ async def one_request(conn: SSEConnection, body: dict) -> Record:
 
 
 async def run_clients(url: str, model: str, num_clients: int, rounds: int, first_index: int,
-                      max_tokens: int, extra: dict, request_timeout: float
+                      max_tokens: int, extra: dict, request_timeout: float, words: int = 0
                       ) -> tuple[list[Record], float]:
     """``num_clients`` concurrent clients, each sending ``rounds`` requests back to back
     over its own keep-alive connection (bench/sse_client.py: a lighter client than httpx,
@@ -172,7 +188,7 @@ async def run_clients(url: str, model: str, num_clients: int, rounds: int, first
 
     async def one_client(c: int) -> list[Record]:
         return [await one_request(conns[c], request_body(
-            model, first_index + r * num_clients + c, max_tokens, extra))
+            model, first_index + r * num_clients + c, max_tokens, extra, words))
             for r in range(rounds)]
 
     try:
@@ -295,7 +311,7 @@ def measure_side(name: str, url: str, args: argparse.Namespace,
         try:
             return asyncio.run(asyncio.wait_for(run_clients(
                 url, model, num_clients, rounds, first, max_tokens, args.extra_body,
-                args.request_timeout), args.timeout))
+                args.request_timeout, args.prompt_words), args.timeout))
         except (TimeoutError, asyncio.TimeoutError) as exc:
             raise BenchError(f"{num_clients} clients took over {args.timeout:.0f} s") from exc
         except (httpx.HTTPError, HTTPStreamError, OSError) as exc:
@@ -334,6 +350,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--llama-server", default=None, metavar="PATH")
     parser.add_argument("--clients", default="1,8,16,32,64")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompt-words", type=int, default=0, metavar="N",
+                        help="a passage of N words of its own in every prompt (a long "
+                             "context: ~1 token a word for the default model; default 0, "
+                             "the short prompts)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="requests each client sends back to back")
     parser.add_argument("--passes", type=int, default=1,
@@ -359,6 +379,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.client_counts = [int(c) for c in args.clients.split(",")]
     if min(args.client_counts) < 1 or args.max_tokens < 1 or args.rounds < 1 or args.passes < 1:
         parser.error("client counts, --max-tokens, --rounds and --passes must be positive")
+    if args.prompt_words < 0:
+        parser.error("--prompt-words must be 0 or more")
     return args
 
 
@@ -400,7 +422,8 @@ def run_side(side: str, args: argparse.Namespace, binary: str | None, logs: Path
     if side == "freetoken":
         cmd = freetoken_command(args.gguf, port, shlex.split(args.serve_args))
     else:
-        cmd = llama_command(binary, args.gguf, port, max(args.client_counts), args.max_tokens,
+        cmd = llama_command(binary, args.gguf, port, max(args.client_counts),
+                            args.max_tokens + PROMPT_TOKENS_PER_WORD * args.prompt_words,
                             args.threads, shlex.split(args.llama_args))
     run.busy_cpus = busy_cpus()
     if run.busy_cpus is not None and run.busy_cpus > BUSY_WARNING:
@@ -421,7 +444,8 @@ def run_side(side: str, args: argparse.Namespace, binary: str | None, logs: Path
 def report(args: argparse.Namespace, binary: str | None, runs: dict[str, SideRun]) -> None:
     """The table and its notes on stdout; the raw figures to ``--json``."""
     results = {side: run.figures for side, run in runs.items()}
-    print(f"{Path(args.gguf).name}, {args.max_tokens} tokens per request (ignore_eos, "
+    context = f", prompts of {args.prompt_words} more words" if args.prompt_words else ""
+    print(f"{Path(args.gguf).name}, {args.max_tokens} tokens per request{context} (ignore_eos, "
           f"temperature 0.8), streaming /v1/completions, {args.rounds} round(s) per client, "
           f"{args.passes} pass(es) per server, alternating")
     print(format_table(results))
@@ -448,6 +472,7 @@ def report(args: argparse.Namespace, binary: str | None, runs: dict[str, SideRun
             print(f"failed: {LABELS[side]}: {run.failure.splitlines()[0]}")
     if args.json:
         meta = {"gguf": args.gguf, "max_tokens": args.max_tokens, "rounds": args.rounds,
+                "prompt_words": args.prompt_words,
                 "threads": args.threads, "serve_args": args.serve_args,
                 "llama_args": args.llama_args, "extra_body": args.extra_body,
                 "llama_server": binary,

@@ -93,6 +93,18 @@ def test_prompts_differ_from_their_first_words_and_bodies_match_for_both() -> No
                     "stream_options": {"include_usage": True}, "top_k": 40}
 
 
+def test_long_prompts_have_passages_of_their_own_after_the_index() -> None:
+    prompts = [vs.prompt(i, 300) for i in range(8)]
+    assert all(p.startswith(f"{i}. ") for i, p in enumerate(prompts))
+    passages = [p.split("Notes: ")[1].split("\n\n")[0].split() for p in prompts]
+    assert all(len(words) == 300 for words in passages)
+    assert len({tuple(words[:5]) for words in passages}) == 8  # no passage shared
+    assert vs.prompt(3, 300) == prompts[3]  # the same prompt in every run
+    assert vs.request_body("m", 3, 16, None, 300)["prompt"] == prompts[3]
+    with pytest.raises(SystemExit):
+        vs.parse_args(["--prompt-words", "-1"])
+
+
 def records() -> list[vs.Record]:
     # Two requests of 4 tokens: TTFT 0.1 and 0.3 s; gaps 10, 20, 30 and 20, 20, 20 ms.
     a = vs.Record(0.0, first=0.1, last=0.16, gaps=[0.01, 0.02, 0.03], num_chunks=4,
