@@ -2,7 +2,7 @@
 
 16 sequences (``--sequences``) decode one token each against their contexts (``--context``
 keys for the first, 7 fewer for each next one), the default model's heads (9 query heads,
-3 KV heads of 64), blocks of 16 slots scattered over each layer's cache as a long-running
+3 KV heads of 64), each layer's cache in huge pages as the engine's, blocks of 16 slots scattered over each layer's cache as a long-running
 server leaves them (``--in-order``: one after another), a cache of ``--kv-cache-dtype``.
 Prints the median milliseconds of the 30 layers' ``paged_decode_attention`` calls and the
 GB/s of keys and values they read. A long context's layers do not fit in the CPU's caches,
@@ -41,6 +41,7 @@ def main() -> None:
     lens = [args.context - 7 * i for i in range(args.sequences)]
     if min(lens) < 1:
         parser.error("--context must leave every sequence a key (7 fewer for each next one)")
+    from freetoken_core import hugepages
     from freetoken_core.kernels import cpu_kernels_available
 
     assert cpu_kernels_available(), "the native kernels could not be built"
@@ -52,8 +53,11 @@ def main() -> None:
     order = torch.arange(num_blocks) if args.in_order else torch.randperm(num_blocks)
     tables = order.view(args.sequences, width).to(torch.int32)
     dtype = DTYPES[args.kv_cache_dtype]
-    caches = [torch.randn(num_blocks * BLOCK, 2, KV_HEADS, HEAD_DIM).to(dtype)
-              for _ in range(args.layers)]
+    caches = []
+    for _ in range(args.layers):  # in huge pages, as the engine's cache (hugepages.py)
+        cache = hugepages.zeros((num_blocks * BLOCK, 2, KV_HEADS, HEAD_DIM), dtype)
+        cache.copy_(torch.randn(cache.shape))
+        caches.append(cache)
     context_lens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(args.sequences, HEADS, HEAD_DIM)
     out = torch.empty_like(q)
