@@ -79,6 +79,42 @@ def test_decode_matches_the_torch_path(dtype: torch.dtype, num_heads: int, num_k
     torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("peak", [3, 100, 190])  # the dominant key: first, a middle, last chunk
+@pytest.mark.parametrize("window", [0, 70])  # 70: the first key (130) inside a chunk
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_decode_softmax_runs_over_the_chunks_of_keys(peak: int, window: int,
+                                                     cache_dtype: torch.dtype) -> None:
+    """The kernel takes a context 64 keys at a time with a running maximum and sum: a
+    context of 200 whose largest score lies in its first, a middle or its last chunk (the
+    sums so far rescaled when a later chunk raises the maximum), with and without a window,
+    against a float64 softmax."""
+    torch.manual_seed(peak + window)
+    heads, kv_heads, head_dim, block_size, length = 4, 2, 64, 16, 200
+    blocks = -(-length // block_size)
+    tables = torch.randperm(blocks + 2)[:blocks].to(torch.int32).view(1, blocks)
+    cache = (0.3 * torch.randn((blocks + 2) * block_size, 2, kv_heads, head_dim)).to(cache_dtype)
+    q = torch.randn(1, heads, head_dim)
+    slots = [int(tables[0, t // block_size]) * block_size + t % block_size for t in range(length)]
+    for h in range(kv_heads):  # key `peak` along the group's first query: a score far above
+        cache[slots[peak], 0, h] = (q[0, h * 2] * 2).to(cache_dtype)
+    out = torch.empty_like(q)
+    scale = head_dim ** -0.5
+    torch.ops.freetoken.paged_decode_attention(q, cache, tables, torch.tensor([length],
+                                               dtype=torch.int32), block_size, scale, out,
+                                               window)
+    first = max(0, length - window) if window else 0
+    keys = cache[slots, 0].double()[first:]  # [T, KVH, hd]
+    values = cache[slots, 1].double()[first:]
+    want = torch.empty(heads, head_dim, dtype=torch.float64)
+    for head in range(heads):
+        kv = head // (heads // kv_heads)
+        p = torch.softmax(keys[:, kv] @ q[0, head].double() * scale, dim=0)
+        want[head] = p @ values[:, kv]
+    if first <= peak:
+        assert torch.softmax(keys[:, 0] @ q[0, 0].double() * scale, 0).max() > 0.5  # peaked
+    torch.testing.assert_close(out[0].double(), want, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_and_prefill_in_one_step() -> None:
     """Decodes and a prefill chunk in one step: natively every token is one query of the
     kernel; the torch path gathers the chunk's context for SDPA. Same output."""
@@ -110,12 +146,13 @@ def test_engine_tokens_are_the_same_on_both_paths(tiny_model_dir: Path,
     assert native == plain
 
 
-def test_native_attention_of_a_token_does_not_depend_on_its_step() -> None:
-    """Batch invariance: each token of a 50-token prompt gets bit-identical attention whether
+@pytest.mark.parametrize("length", [50, 150])  # 150: past the kernel's chunks of 64 keys
+def test_native_attention_of_a_token_does_not_depend_on_its_step(length: int) -> None:
+    """Batch invariance: each token of a prompt gets bit-identical attention whether
     the prompt is one chunk, chunks of 7, or one token a step, and whatever other sequences
     share the step."""
     rng = random.Random(3)
-    block_size, length = 16, 50
+    block_size = 16
     cache, _, tables = paged_case(rng, [length, 33, 70], 9, 3, 64, block_size, torch.float32)
     q = torch.randn(length, 9, 64)
     kv = torch.randn(length, 2, 3, 64)
