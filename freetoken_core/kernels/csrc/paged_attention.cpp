@@ -174,21 +174,27 @@ inline void prefetch(const T* p, int64_t count) {
     _mm_prefetch(bytes + b, _MM_HINT_T0);
 }
 
-// out[g * out_stride + t] = q[g] . (slots[t] + offset)[0:n] for the G query heads of one KV
-// head and t in [t0, t1): four keys at a time, each key vector loaded once for the G heads
-// (4 keys x G heads of FMA chains per pass), each score's 8 lanes reduced with its four
-// (hadd), then the keys left one by one (dot). t0 is a multiple of 4, so a key is in the
-// same four whatever range it is computed in, unless it is one of the last t1 % 4 of its
-// query's context (t1 is then that context's length): the same floats for any G and range.
+// out[(h G + g) * out_stride + t] = q[h G + g] . (slots[t] + offset + h n)[0:n] for the G
+// query heads of each of `heads` consecutive KV heads and t in [t0, t1): four keys at a
+// time, the KV heads in turn (a slot's keys of consecutive heads lie side by side: the four
+// slots' bytes are read in order), each key vector loaded once for its G heads (4 keys x G
+// heads of FMA chains per pass), each score's lanes reduced with its four (hadd), then the
+// keys left one by one (dot). t0 is a multiple of 4, so a key is in the same four whatever
+// range it is computed in, unless it is one of the last t1 % 4 of its query's context (t1
+// is then that context's length): the same floats for any G, heads and range.
 template <typename T, int G>
-void group_scores(const float* q, const T* const* slots, int64_t offset, int64_t t0,
-                  int64_t t1, int64_t n, float* out, int64_t out_stride, Ahead ahead) {
+void group_scores(const float* q, int64_t heads, const T* const* slots, int64_t offset,
+                  int64_t t0, int64_t t1, int64_t n, float* out, int64_t out_stride,
+                  Ahead ahead) {
   int64_t t = t0;
   for (; t + 4 <= t1; t += 4) {
-    const T* k[4] = {slots[t] + offset, slots[t + 1] + offset, slots[t + 2] + offset,
-                     slots[t + 3] + offset};
     for (int64_t a = t + kAheadSlots; a < std::min(t + kAheadSlots + 4, ahead.end); ++a)
       prefetch(slots[a] + offset, ahead.count);
+    for (int64_t h = 0; h < heads; ++h) {
+    const int64_t at = offset + h * n;
+    const float* qh = q + h * G * n;
+    float* oh = out + h * G * out_stride;
+    const T* k[4] = {slots[t] + at, slots[t + 1] + at, slots[t + 2] + at, slots[t + 3] + at};
     __m256 a[G][4];
 #ifdef FREETOKEN_ATTENTION_16
     {
@@ -199,7 +205,7 @@ void group_scores(const float* q, const T* const* slots, int64_t offset, int64_t
         __m512 kv[4];
         for (int j = 0; j < 4; ++j) kv[j] = load16(k[j] + i);
         for (int g = 0; g < G; ++g) {
-          const __m512 qv = _mm512_loadu_ps(q + g * n + i);
+          const __m512 qv = _mm512_loadu_ps(qh + g * n + i);
           for (int j = 0; j < 4; ++j) w[g][j] = _mm512_fmadd_ps(qv, kv[j], w[g][j]);
         }
       }
@@ -213,7 +219,7 @@ void group_scores(const float* q, const T* const* slots, int64_t offset, int64_t
       __m256 kv[4];
       for (int j = 0; j < 4; ++j) kv[j] = load8(k[j] + i);
       for (int g = 0; g < G; ++g) {
-        const __m256 qv = _mm256_loadu_ps(q + g * n + i);
+        const __m256 qv = _mm256_loadu_ps(qh + g * n + i);
         for (int j = 0; j < 4; ++j) a[g][j] = _mm256_fmadd_ps(qv, kv[j], a[g][j]);
       }
     }
@@ -221,21 +227,26 @@ void group_scores(const float* q, const T* const* slots, int64_t offset, int64_t
     for (int g = 0; g < G; ++g) {
       const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]),
                                       _mm256_hadd_ps(a[g][2], a[g][3]));
-      _mm_storeu_ps(out + g * out_stride + t,
+      _mm_storeu_ps(oh + g * out_stride + t,
                     _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+    }
     }
   }
   for (; t < t1; ++t)
-    for (int g = 0; g < G; ++g) out[g * out_stride + t] = dot(q + g * n, slots[t] + offset, n);
+    for (int64_t h = 0; h < heads; ++h)
+      for (int g = 0; g < G; ++g)
+        out[(h * G + g) * out_stride + t] =
+            dot(q + (h * G + g) * n, slots[t] + offset + h * n, n);
 }
 #endif
 
-// Scores of `group` query heads q[g * n : (g + 1) * n] that share one KV head against its
-// keys t0 to t1, into out[g * out_stride + t].
+// Scores of the `group` query heads of each of `heads` consecutive KV heads,
+// q[(h group + g) * n : +n], against their keys t0 to t1, into
+// out[(h group + g) * out_stride + t].
 template <typename T>
-void head_group_scores(const float* q, int64_t group, const T* const* slots, int64_t offset,
-                       int64_t t0, int64_t t1, int64_t n, float* out, int64_t out_stride,
-                       Ahead ahead) {
+void head_group_scores(const float* q, int64_t group, int64_t heads, const T* const* slots,
+                       int64_t offset, int64_t t0, int64_t t1, int64_t n, float* out,
+                       int64_t out_stride, Ahead ahead) {
 #ifdef FREETOKEN_AVX2
 #ifdef FREETOKEN_ATTENTION_16
   if (n % 16 == 0) {
@@ -243,21 +254,24 @@ void head_group_scores(const float* q, int64_t group, const T* const* slots, int
   if (n % 8 == 0) {
 #endif
     switch (group) {
-      case 1: return group_scores<T, 1>(q, slots, offset, t0, t1, n, out, out_stride, ahead);
-      case 2: return group_scores<T, 2>(q, slots, offset, t0, t1, n, out, out_stride, ahead);
-      case 3: return group_scores<T, 3>(q, slots, offset, t0, t1, n, out, out_stride, ahead);
-      case 4: return group_scores<T, 4>(q, slots, offset, t0, t1, n, out, out_stride, ahead);
+      case 1: return group_scores<T, 1>(q, heads, slots, offset, t0, t1, n, out, out_stride, ahead);
+      case 2: return group_scores<T, 2>(q, heads, slots, offset, t0, t1, n, out, out_stride, ahead);
+      case 3: return group_scores<T, 3>(q, heads, slots, offset, t0, t1, n, out, out_stride, ahead);
+      case 4: return group_scores<T, 4>(q, heads, slots, offset, t0, t1, n, out, out_stride, ahead);
       default:
-        for (int64_t g = 0; g < group; ++g)
-          group_scores<T, 1>(q + g * n, slots, offset, t0, t1, n, out + g * out_stride, 1,
-                             g == 0 ? ahead : Ahead{0, 0});
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t g = 0; g < group; ++g)
+            group_scores<T, 1>(q + (h * group + g) * n, 1, slots, offset + h * n, t0, t1, n,
+                               out + (h * group + g) * out_stride, 1,
+                               h == 0 && g == 0 ? ahead : Ahead{0, 0});
         return;
     }
   }
 #endif
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t t = t0; t < t1; ++t)
-      out[g * out_stride + t] = dot(q + g * n, slots[t] + offset, n);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t t = t0; t < t1; ++t)
+        out[(h * group + g) * out_stride + t] = dot(q + (h * group + g) * n, slots[t] + offset + h * n, n);
 }
 
 #ifdef FREETOKEN_AVX2
@@ -482,17 +496,16 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
         const T* const* chunk_slots = slots.data() + t0;
         // What the first head's pass requests ahead: every head's keys (values) of a slot.
         const Ahead ahead{heads_per_item * head_dim, most - t0};
-        for (int64_t h = 0; h < heads_per_item; ++h)
-          for (int64_t i = 0; i < count; ++i) {
-            const int64_t len = lens[first + i];
-            const int64_t t1 = std::min(t0 + chunk, len);
-            const int64_t from = std::max(t0, first_key(len) & ~int64_t{3});
-            if (from >= t1) continue;
-            head_group_scores(qf.data() + (i * rows + h * group) * head_dim, group, chunk_slots,
-                              (kv0 + h) * head_dim, from - t0, t1 - t0, head_dim,
-                              scores.data() + (i * rows + h * group) * chunk, chunk,
-                              h == 0 && i == 0 ? ahead : Ahead{0, 0});
-          }
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t len = lens[first + i];
+          const int64_t t1 = std::min(t0 + chunk, len);
+          const int64_t from = std::max(t0, first_key(len) & ~int64_t{3});
+          if (from >= t1) continue;
+          head_group_scores(qf.data() + i * rows * head_dim, group, heads_per_item, chunk_slots,
+                            kv0 * head_dim, from - t0, t1 - t0, head_dim,
+                            scores.data() + i * rows * chunk, chunk,
+                            i == 0 ? ahead : Ahead{0, 0});
+        }
         for (int64_t i = 0; i < count; ++i) {
           const int64_t len = lens[first + i], lo = first_key(len);
           const int64_t t1 = std::min(t0 + chunk, len), from = std::max(t0, lo);
