@@ -191,45 +191,45 @@ void group_scores(const float* q, int64_t heads, const T* const* slots, int64_t 
     for (int64_t a = t + kAheadSlots; a < std::min(t + kAheadSlots + 4, ahead.end); ++a)
       prefetch(slots[a] + offset, ahead.count);
     for (int64_t h = 0; h < heads; ++h) {
-    const int64_t at = offset + h * n;
-    const float* qh = q + h * G * n;
-    float* oh = out + h * G * out_stride;
-    const T* k[4] = {slots[t] + at, slots[t + 1] + at, slots[t + 2] + at, slots[t + 3] + at};
-    __m256 a[G][4];
+      const int64_t at = offset + h * n;
+      const float* qh = q + h * G * n;
+      float* oh = out + h * G * out_stride;
+      const T* k[4] = {slots[t] + at, slots[t + 1] + at, slots[t + 2] + at, slots[t + 3] + at};
+      __m256 a[G][4];
 #ifdef FREETOKEN_ATTENTION_16
-    {
-      __m512 w[G][4];
+      {
+        __m512 w[G][4];
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < 4; ++j) w[g][j] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+          __m512 kv[4];
+          for (int j = 0; j < 4; ++j) kv[j] = load16(k[j] + i);
+          for (int g = 0; g < G; ++g) {
+            const __m512 qv = _mm512_loadu_ps(qh + g * n + i);
+            for (int j = 0; j < 4; ++j) w[g][j] = _mm512_fmadd_ps(qv, kv[j], w[g][j]);
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < 4; ++j) a[g][j] = fold16(w[g][j]);
+      }
+#else
       for (int g = 0; g < G; ++g)
-        for (int j = 0; j < 4; ++j) w[g][j] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < n; i += 16) {
-        __m512 kv[4];
-        for (int j = 0; j < 4; ++j) kv[j] = load16(k[j] + i);
+        for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; i += 8) {
+        __m256 kv[4];
+        for (int j = 0; j < 4; ++j) kv[j] = load8(k[j] + i);
         for (int g = 0; g < G; ++g) {
-          const __m512 qv = _mm512_loadu_ps(qh + g * n + i);
-          for (int j = 0; j < 4; ++j) w[g][j] = _mm512_fmadd_ps(qv, kv[j], w[g][j]);
+          const __m256 qv = _mm256_loadu_ps(qh + g * n + i);
+          for (int j = 0; j < 4; ++j) a[g][j] = _mm256_fmadd_ps(qv, kv[j], a[g][j]);
         }
       }
-      for (int g = 0; g < G; ++g)
-        for (int j = 0; j < 4; ++j) a[g][j] = fold16(w[g][j]);
-    }
-#else
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 8) {
-      __m256 kv[4];
-      for (int j = 0; j < 4; ++j) kv[j] = load8(k[j] + i);
-      for (int g = 0; g < G; ++g) {
-        const __m256 qv = _mm256_loadu_ps(qh + g * n + i);
-        for (int j = 0; j < 4; ++j) a[g][j] = _mm256_fmadd_ps(qv, kv[j], a[g][j]);
-      }
-    }
 #endif
-    for (int g = 0; g < G; ++g) {
-      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]),
-                                      _mm256_hadd_ps(a[g][2], a[g][3]));
-      _mm_storeu_ps(oh + g * out_stride + t,
-                    _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
-    }
+      for (int g = 0; g < G; ++g) {
+        const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]),
+                                        _mm256_hadd_ps(a[g][2], a[g][3]));
+        _mm_storeu_ps(oh + g * out_stride + t,
+                      _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+      }
     }
   }
   for (; t < t1; ++t)
@@ -254,10 +254,14 @@ void head_group_scores(const float* q, int64_t group, int64_t heads, const T* co
   if (n % 8 == 0) {
 #endif
     switch (group) {
-      case 1: return group_scores<T, 1>(q, heads, slots, offset, t0, t1, n, out, out_stride, ahead);
-      case 2: return group_scores<T, 2>(q, heads, slots, offset, t0, t1, n, out, out_stride, ahead);
-      case 3: return group_scores<T, 3>(q, heads, slots, offset, t0, t1, n, out, out_stride, ahead);
-      case 4: return group_scores<T, 4>(q, heads, slots, offset, t0, t1, n, out, out_stride, ahead);
+      case 1:
+        return group_scores<T, 1>(q, heads, slots, offset, t0, t1, n, out, out_stride, ahead);
+      case 2:
+        return group_scores<T, 2>(q, heads, slots, offset, t0, t1, n, out, out_stride, ahead);
+      case 3:
+        return group_scores<T, 3>(q, heads, slots, offset, t0, t1, n, out, out_stride, ahead);
+      case 4:
+        return group_scores<T, 4>(q, heads, slots, offset, t0, t1, n, out, out_stride, ahead);
       default:
         for (int64_t h = 0; h < heads; ++h)
           for (int64_t g = 0; g < group; ++g)
@@ -271,7 +275,8 @@ void head_group_scores(const float* q, int64_t group, int64_t heads, const T* co
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t g = 0; g < group; ++g)
       for (int64_t t = t0; t < t1; ++t)
-        out[(h * group + g) * out_stride + t] = dot(q + (h * group + g) * n, slots[t] + offset + h * n, n);
+        out[(h * group + g) * out_stride + t] =
+            dot(q + (h * group + g) * n, slots[t] + offset + h * n, n);
 }
 
 #ifdef FREETOKEN_AVX2
