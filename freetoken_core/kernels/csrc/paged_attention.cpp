@@ -494,9 +494,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
       // weighted by their exponentials, each query's softmax kept as a running maximum and
       // sum (the values summed so far rescaled where a chunk raises the maximum). The
       // chunk's values are read while its keys' neighbours are still in the caches; and the
-      // scores of a chunk, not of a whole context, stay in L1. (30 layers of the default
-      // model, 16 sequences: ~1,100 keys 35 -> 28 ms, ~150 keys 5.3 -> 3.8 ms with the
-      // 16-lane loops below; bench/attention.py.)
+      // scores of a chunk, not of a whole context, stay in L1. (With the scores' heads in
+      // turn and the 16-lane loops, 30 layers of the default model, 16 sequences, against
+      // two passes of 8 lanes: ~1,100 keys 32.4 -> 24.9 ms, ~150 keys 3.3 -> 2.1-2.3 ms;
+      // bench/attention.py, Zen 5.)
       for (int64_t t0 = least / chunk * chunk; t0 < most; t0 += chunk) {
         const T* const* chunk_slots = slots.data() + t0;
         // What the first head's pass requests ahead: every head's keys (values) of a slot.
