@@ -174,6 +174,39 @@ inline void prefetch(const T* p, int64_t count) {
     _mm_prefetch(bytes + b, _MM_HINT_T0);
 }
 
+// The attention loops' vectors: L float32 lanes, AVX2's 8 or AVX-512's 16 (kLanes).
+template <int L>
+struct Lanes;
+template <>
+struct Lanes<8> {
+  using V = __m256;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  template <typename T>
+  static V load_cache(const T* p) { return load8(p); }
+  static V broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static __m256 to8(V v) { return v; }
+};
+#ifdef FREETOKEN_ATTENTION_16
+template <>
+struct Lanes<16> {
+  using V = __m512;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  template <typename T>
+  static V load_cache(const T* p) { return load16(p); }
+  static V broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static __m256 to8(V v) { return fold16(v); }  // lanes 0-7 plus lanes 8-15
+};
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+
 // out[(h G + g) * out_stride + t] = q[h G + g] . (slots[t] + offset + h n)[0:n] for the G
 // query heads of each of `heads` consecutive KV heads and t in [t0, t1): four keys at a
 // time, the KV heads in turn (a slot's keys of consecutive heads lie side by side: the four
@@ -195,35 +228,21 @@ void group_scores(const float* q, int64_t heads, const T* const* slots, int64_t 
       const float* qh = q + h * G * n;
       float* oh = out + h * G * out_stride;
       const T* k[4] = {slots[t] + at, slots[t + 1] + at, slots[t + 2] + at, slots[t + 3] + at};
-      __m256 a[G][4];
-#ifdef FREETOKEN_ATTENTION_16
-      {
-        __m512 w[G][4];
-        for (int g = 0; g < G; ++g)
-          for (int j = 0; j < 4; ++j) w[g][j] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < n; i += 16) {
-          __m512 kv[4];
-          for (int j = 0; j < 4; ++j) kv[j] = load16(k[j] + i);
-          for (int g = 0; g < G; ++g) {
-            const __m512 qv = _mm512_loadu_ps(qh + g * n + i);
-            for (int j = 0; j < 4; ++j) w[g][j] = _mm512_fmadd_ps(qv, kv[j], w[g][j]);
-          }
-        }
-        for (int g = 0; g < G; ++g)
-          for (int j = 0; j < 4; ++j) a[g][j] = fold16(w[g][j]);
-      }
-#else
+      using W = Lanes<kLanes>;
+      typename W::V w[G][4];
       for (int g = 0; g < G; ++g)
-        for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < n; i += 8) {
-        __m256 kv[4];
-        for (int j = 0; j < 4; ++j) kv[j] = load8(k[j] + i);
+        for (int j = 0; j < 4; ++j) w[g][j] = W::zero();
+      for (int64_t i = 0; i < n; i += kLanes) {
+        typename W::V kv[4];
+        for (int j = 0; j < 4; ++j) kv[j] = W::load_cache(k[j] + i);
         for (int g = 0; g < G; ++g) {
-          const __m256 qv = _mm256_loadu_ps(qh + g * n + i);
-          for (int j = 0; j < 4; ++j) a[g][j] = _mm256_fmadd_ps(qv, kv[j], a[g][j]);
+          const typename W::V qv = W::load(qh + g * n + i);
+          for (int j = 0; j < 4; ++j) w[g][j] = W::fma(qv, kv[j], w[g][j]);
         }
       }
-#endif
+      __m256 a[G][4];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < 4; ++j) a[g][j] = W::to8(w[g][j]);
       for (int g = 0; g < G; ++g) {
         const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]),
                                         _mm256_hadd_ps(a[g][2], a[g][3]));
@@ -248,11 +267,7 @@ void head_group_scores(const float* q, int64_t group, int64_t heads, const T* co
                        int64_t offset, int64_t t0, int64_t t1, int64_t n, float* out,
                        int64_t out_stride, Ahead ahead) {
 #ifdef FREETOKEN_AVX2
-#ifdef FREETOKEN_ATTENTION_16
-  if (n % 16 == 0) {
-#else
-  if (n % 8 == 0) {
-#endif
+  if (n % kLanes == 0) {
     switch (group) {
       case 1:
         return group_scores<T, 1>(q, heads, slots, offset, t0, t1, n, out, out_stride, ahead);
@@ -280,58 +295,55 @@ void head_group_scores(const float* q, int64_t group, int64_t heads, const T* co
 }
 
 #ifdef FREETOKEN_AVX2
-// acc[r][0:32] (+)= sum over t in [t0, t1) of p[r * p_stride + t] * (slots[t] + offset)[0:32],
-// for R rows at once, the 4 x R accumulators held in registers: from zero with `first`, else
-// from acc (the sum so far, in t's order: the same floats as one pass over every t).
-template <typename T, int R>
-void weighted_values_32(const float* p, int64_t p_stride, int64_t t0, int64_t t1, bool first,
-                        const T* const* slots, int64_t offset, float* acc, int64_t acc_stride,
-                        Ahead ahead) {
-  __m256 a[R][4];
+// acc[r][0:4L] (+)= sum over t in [t0, t1) of p[r * p_stride + t] * (slots[t] + offset)[0:4L],
+// for R rows at once, the 4 x R accumulators of L lanes held in registers: from zero with
+// `first`, else from acc (the sum so far, in t's order: the same floats as one pass over
+// every t).
+template <typename T, int R, int L>
+void weighted_values_4(const float* p, int64_t p_stride, int64_t t0, int64_t t1, bool first,
+                       const T* const* slots, int64_t offset, float* acc, int64_t acc_stride,
+                       Ahead ahead) {
+  using W = Lanes<L>;
+  typename W::V a[R][4];
   for (int r = 0; r < R; ++r)
-    for (int k = 0; k < 4; ++k)
-      a[r][k] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * acc_stride + 8 * k);
+    for (int k = 0; k < 4; ++k) a[r][k] = first ? W::zero() : W::load(acc + r * acc_stride + L * k);
   for (int64_t t = t0; t < t1; ++t) {
     const T* v = slots[t] + offset;
     if (t + kAheadSlots < ahead.end) prefetch(slots[t + kAheadSlots] + offset, ahead.count);
-    const __m256 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
+    typename W::V vk[4];
+    for (int k = 0; k < 4; ++k) vk[k] = W::load_cache(v + L * k);
     for (int r = 0; r < R; ++r) {
-      const __m256 pr = _mm256_broadcast_ss(p + r * p_stride + t);
-      a[r][0] = _mm256_fmadd_ps(pr, v0, a[r][0]);
-      a[r][1] = _mm256_fmadd_ps(pr, v1, a[r][1]);
-      a[r][2] = _mm256_fmadd_ps(pr, v2, a[r][2]);
-      a[r][3] = _mm256_fmadd_ps(pr, v3, a[r][3]);
+      const typename W::V pr = W::broadcast(p + r * p_stride + t);
+      for (int k = 0; k < 4; ++k) a[r][k] = W::fma(pr, vk[k], a[r][k]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(acc + r * acc_stride + 8 * k, a[r][k]);
+    for (int k = 0; k < 4; ++k) W::store(acc + r * acc_stride + L * k, a[r][k]);
 }
-#endif
 
-#ifdef FREETOKEN_ATTENTION_16
-// weighted_values_32 on 64 columns of 16 lanes: four vectors a value, 4 x R accumulators.
-template <typename T, int R>
-void weighted_values_64(const float* p, int64_t p_stride, int64_t t0, int64_t t1, bool first,
-                        const T* const* slots, int64_t offset, float* acc, int64_t acc_stride,
-                        Ahead ahead) {
-  __m512 a[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int k = 0; k < 4; ++k)
-      a[r][k] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * acc_stride + 16 * k);
-  for (int64_t t = t0; t < t1; ++t) {
-    const T* v = slots[t] + offset;
-    if (t + kAheadSlots < ahead.end) prefetch(slots[t + kAheadSlots] + offset, ahead.count);
-    const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
-    for (int r = 0; r < R; ++r) {
-      const __m512 pr = _mm512_set1_ps(p[r * p_stride + t]);
-      a[r][0] = _mm512_fmadd_ps(pr, v0, a[r][0]);
-      a[r][1] = _mm512_fmadd_ps(pr, v1, a[r][1]);
-      a[r][2] = _mm512_fmadd_ps(pr, v2, a[r][2]);
-      a[r][3] = _mm512_fmadd_ps(pr, v3, a[r][3]);
+// weighted_values below over columns 4L at a time, rows three at a time.
+template <typename T, int L>
+void values_by_columns(const float* p, int64_t rows, int64_t p_stride, int64_t t0, int64_t t1,
+                       bool first, const T* const* slots, int64_t offset, int64_t n,
+                       float* acc, Ahead ahead) {
+  for (int64_t r = 0; r < rows; r += 3) {
+    for (int64_t c = 0; c < n; c += 4 * L) {
+      const float* pr = p + r * p_stride;
+      float* out = acc + r * n + c;
+      // The first pass over the keys requests what every pass reads.
+      const Ahead a = r == 0 && c == 0 ? ahead : Ahead{0, 0};
+      switch (std::min<int64_t>(3, rows - r)) {
+        case 3:
+          weighted_values_4<T, 3, L>(pr, p_stride, t0, t1, first, slots, offset + c, out, n, a);
+          break;
+        case 2:
+          weighted_values_4<T, 2, L>(pr, p_stride, t0, t1, first, slots, offset + c, out, n, a);
+          break;
+        default:
+          weighted_values_4<T, 1, L>(pr, p_stride, t0, t1, first, slots, offset + c, out, n, a);
+      }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc + r * acc_stride + 16 * k, a[r][k]);
 }
 #endif
 
@@ -343,49 +355,14 @@ void weighted_values(const float* p, int64_t rows, int64_t p_stride, int64_t t0,
                      bool first, const T* const* slots, int64_t offset, int64_t n, float* acc,
                      Ahead ahead) {
 #ifdef FREETOKEN_ATTENTION_16
-  if (n % 64 == 0) {
-    for (int64_t r = 0; r < rows; r += 3) {
-      for (int64_t c = 0; c < n; c += 64) {
-        const float* pr = p + r * p_stride;
-        float* out = acc + r * n + c;
-        const Ahead a = r == 0 && c == 0 ? ahead : Ahead{0, 0};
-        switch (std::min<int64_t>(3, rows - r)) {
-          case 3:
-            weighted_values_64<T, 3>(pr, p_stride, t0, t1, first, slots, offset + c, out, n, a);
-            break;
-          case 2:
-            weighted_values_64<T, 2>(pr, p_stride, t0, t1, first, slots, offset + c, out, n, a);
-            break;
-          default:
-            weighted_values_64<T, 1>(pr, p_stride, t0, t1, first, slots, offset + c, out, n, a);
-        }
-      }
-    }
-    return;
-  }
+  if (n % 64 == 0)
+    return values_by_columns<T, 16>(p, rows, p_stride, t0, t1, first, slots, offset, n, acc,
+                                    ahead);
 #endif
 #ifdef FREETOKEN_AVX2
-  if (n % 32 == 0) {
-    for (int64_t r = 0; r < rows; r += 3) {
-      for (int64_t c = 0; c < n; c += 32) {
-        const float* pr = p + r * p_stride;
-        float* out = acc + r * n + c;
-        // The first pass over the keys requests what every pass reads.
-        const Ahead a = r == 0 && c == 0 ? ahead : Ahead{0, 0};
-        switch (std::min<int64_t>(3, rows - r)) {
-          case 3:
-            weighted_values_32<T, 3>(pr, p_stride, t0, t1, first, slots, offset + c, out, n, a);
-            break;
-          case 2:
-            weighted_values_32<T, 2>(pr, p_stride, t0, t1, first, slots, offset + c, out, n, a);
-            break;
-          default:
-            weighted_values_32<T, 1>(pr, p_stride, t0, t1, first, slots, offset + c, out, n, a);
-        }
-      }
-    }
-    return;
-  }
+  if (n % 32 == 0)
+    return values_by_columns<T, 8>(p, rows, p_stride, t0, t1, first, slots, offset, n, acc,
+                                   ahead);
 #endif
   if (first) std::fill(acc, acc + rows * n, 0.f);
   for (int64_t t = t0; t < t1; ++t)
