@@ -152,9 +152,8 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
 }
 
 // What a pass over keys requests ahead of the slot it reads: `count` elements of the slots
-// before `end` (the item's last key), from where it reads. The first of the item's KV heads
-// requests every head's part of a slot (the others read it from cache, the next head's
-// lines being the next bytes); count 0 for those.
+// before `end` (the item's last key), from where it reads: every head's part of a slot, by
+// the first pass over a chunk (the others read it from the caches: count 0).
 struct Ahead {
   int64_t count, end;
 };
@@ -477,24 +476,20 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
       // bench/attention.py, Zen 5.)
       for (int64_t t0 = least / chunk * chunk; t0 < most; t0 += chunk) {
         const T* const* chunk_slots = slots.data() + t0;
-        // What the first head's pass requests ahead: every head's keys (values) of a slot.
+        // What the run's first query requests ahead: every head's keys (values) of a slot;
+        // the run's other queries read the same slots from the caches.
         const Ahead ahead{heads_per_item * head_dim, most - t0};
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t len = lens[first + i];
-          const int64_t t1 = std::min(t0 + chunk, len);
-          const int64_t from = std::max(t0, first_key(len) & ~int64_t{3});
-          if (from >= t1) continue;
-          head_group_scores(qf.data() + i * rows * head_dim, group, heads_per_item, chunk_slots,
-                            kv0 * head_dim, from - t0, t1 - t0, head_dim,
-                            scores.data() + i * rows * chunk, chunk,
-                            i == 0 ? ahead : Ahead{0, 0});
-        }
         for (int64_t i = 0; i < count; ++i) {
           const int64_t len = lens[first + i], lo = first_key(len);
           const int64_t t1 = std::min(t0 + chunk, len), from = std::max(t0, lo);
-          if (from >= t1) continue;
+          if (from >= t1) continue;  // (then the scores' start, lo rounded down, is past t1 too)
+          const Ahead query_ahead = i == 0 ? ahead : Ahead{0, 0};
+          float* query_scores = scores.data() + i * rows * chunk;
+          head_group_scores(qf.data() + i * rows * head_dim, group, heads_per_item, chunk_slots,
+                            kv0 * head_dim, std::max(t0, lo & ~int64_t{3}) - t0, t1 - t0,
+                            head_dim, query_scores, chunk, query_ahead);
           for (int64_t r = 0; r < rows; ++r) {
-            float* s = scores.data() + (i * rows + r) * chunk + (from - t0);
+            float* s = query_scores + r * chunk + (from - t0);
             const float chunk_max = max_of(s, t1 - from);
             float& m = maxes[i * rows + r];
             float& l = sums[i * rows + r];
@@ -510,19 +505,13 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
             }
             l += exp_and_sum(s, t1 - from, m);
           }
+          // The chunk that holds the first key starts the sum (chunks run in key order).
+          for (int64_t h = 0; h < heads_per_item; ++h)
+            weighted_values(query_scores + h * group * chunk, group, chunk, from - t0, t1 - t0,
+                            from == lo, chunk_slots, (num_kv_heads + kv0 + h) * head_dim,
+                            head_dim, acc.data() + (i * rows + h * group) * head_dim,
+                            h == 0 ? query_ahead : Ahead{0, 0});
         }
-        for (int64_t h = 0; h < heads_per_item; ++h)
-          for (int64_t i = 0; i < count; ++i) {
-            const int64_t len = lens[first + i], lo = first_key(len);
-            const int64_t t1 = std::min(t0 + chunk, len), from = std::max(t0, lo);
-            if (from >= t1) continue;
-            // The chunk that holds the first key starts the sum (chunks run in key order).
-            weighted_values(scores.data() + (i * rows + h * group) * chunk, group, chunk,
-                            from - t0, t1 - t0, from == lo, chunk_slots,
-                            (num_kv_heads + kv0 + h) * head_dim, head_dim,
-                            acc.data() + (i * rows + h * group) * head_dim,
-                            h == 0 && i == 0 ? ahead : Ahead{0, 0});
-          }
       }
       for (int64_t i = 0; i < count; ++i) {
         TQ* o = out_ptr + ((first + i) * num_heads + kv0 * group) * head_dim;
