@@ -17,7 +17,14 @@ from gguf.quants import dequantize
 from gguf_models import random_blocks
 
 from freetoken_core.kernels import cpu_kernels_available
-from freetoken_core.models.block_layout import KIND_PARTS, kernel_blocks, parts_blocks, q8_blocks
+from freetoken_core.models.block_layout import (
+    KIND_PARTS,
+    kernel_blocks,
+    narrow_scales,
+    parts_blocks,
+    q8_blocks,
+    q8_shape,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no native kernels")
 
@@ -99,13 +106,59 @@ def test_q8_linear_of_parts_is_its_parts_side_by_side() -> None:
             assert torch.equal(whole, singles), (k, rows)
 
 
+@pytest.mark.parametrize("n", [48, 37], ids=["whole groups", "a group of 5 last"])
+@pytest.mark.parametrize("qtype", Q8_TYPES, ids=_name)
+def test_q8_layout_embeds_rows_as_gguf_py_decodes_them(qtype: int, n: int) -> None:
+    """``gguf_q8_embedding`` (a tied embedding reading the output head's blocks once they are
+    laid out for this kernel) gives each row as gguf-py dequantizes it, bit for bit, in a
+    last group of features narrower than the others too; a token id outside the rows, or
+    blocks of another width, are refused."""
+    k = 512
+    blocks, weights = _case(qtype, n, k, 30 + qtype)
+    ids = torch.tensor([0, n - 1, 5, 16, 5, 31, 17, n - 2, 32])
+    rows = torch.ops.freetoken.gguf_q8_embedding(ids, blocks, qtype, k)
+    assert torch.equal(rows, weights[ids].float())
+    with pytest.raises(RuntimeError, match="outside the embedding"):
+        torch.ops.freetoken.gguf_q8_embedding(torch.tensor([n]), blocks, qtype, k)
+    with pytest.raises(RuntimeError, match="blocks must be gguf_q8_blocks"):
+        torch.ops.freetoken.gguf_q8_embedding(ids, blocks, qtype, 2 * k)
+
+
+@pytest.mark.parametrize("qtype", Q8_TYPES, ids=_name)
+def test_q8_blocks_written_into_a_given_tensor(qtype: int) -> None:
+    """``gguf_q8_blocks_into`` (a load writes each linear's new layout into its place in the
+    model's arena) writes every byte that ``gguf_q8_blocks`` returns, in the shape
+    ``gguf_q8_row_bytes`` gives, and refuses a tensor of another shape; ``q8_blocks(...,
+    out=)`` does the same for a linear of parts."""
+    rows = random_blocks(np.random.default_rng(9), qtype, 37, 512, scale=0.1)
+    kernel = narrow_scales(kernel_blocks(torch.from_numpy(rows.copy()), qtype), qtype)
+    laid = torch.ops.freetoken.gguf_q8_blocks(kernel, qtype)
+    assert laid.shape == (37, torch.ops.freetoken.gguf_q8_row_bytes(qtype, 512))
+    out = torch.full_like(laid, 0xAB)
+    torch.ops.freetoken.gguf_q8_blocks_into(kernel, qtype, out)
+    assert torch.equal(out, laid)
+    with pytest.raises(RuntimeError, match="out must be a contiguous uint8"):
+        torch.ops.freetoken.gguf_q8_blocks_into(kernel, qtype, out[:36])
+    other = 2 if qtype != 2 else 8
+    parts = parts_blocks([(qtype, kernel_blocks(torch.from_numpy(rows.copy()), qtype)),
+                          (other, kernel_blocks(torch.from_numpy(random_blocks(
+                              np.random.default_rng(10), other, 16, 512)), other))])
+    whole = q8_blocks(parts, KIND_PARTS)
+    assert q8_shape(KIND_PARTS, parts, 512) == tuple(whole.shape)
+    into = torch.full_like(whole, 0xAB)
+    assert q8_blocks(parts, KIND_PARTS, out=into) is into
+    assert torch.equal(into, whole)
+
+
 def test_q8_kernel_names_what_it_cannot_compute() -> None:
     blocks, _ = _case(12, 4, 256, 0)
     with pytest.raises(RuntimeError, match="multiple of 256"):
         _q8(torch.randn(1, 128), blocks[:, :74].contiguous(), 12, 4)
-    q3k, _ = _case(11, 4, 256, 0)
+    q3k = kernel_blocks(torch.from_numpy(random_blocks(np.random.default_rng(0), 11, 4, 256)), 11)
     with pytest.raises(RuntimeError, match="no 8-bit kernel for ggml type 11"):
         _q8(torch.randn(1, 256), q3k, 11, 4)
+    with pytest.raises(RuntimeError, match="no 8-bit kernel for ggml type 11"):
+        q8_blocks(q3k, 11)
     assert torch.ops.freetoken.q8_linear_supports(14)
     assert not torch.ops.freetoken.q8_linear_supports(11)
 
@@ -126,16 +179,20 @@ def test_a_q4_k_m_model_switches_the_linears_that_have_an_8_bit_kernel(tmp_path)
                              "token_embd.weight": Q6_K, "ffn_up.weight": Q3_K})
     params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0)
     prompt = "The quick brown fox jumps over the lazy dog, twice: " * 4
-    results = {}
+    results, embeddings = {}, {}
     for mode in ("float32", "q8"):
         with LLM(str(path), activations=mode, kv_cache_tokens=2048, progress=False) as llm:
             model = llm.engine.core.runner.model
             switched = [[bool(lin.blocks[0] & ACTIVATIONS_Q8) for lin in layer.linears]
                         for layer in model.layers] + [[bool(model.lm_head.blocks[0]
                                                             & ACTIVATIONS_Q8)]]
+            # the tied embedding reads the head's blocks, in their new layout too
+            assert model.embedding.blocks is model.lm_head.blocks
+            embeddings[mode] = model.embedding(torch.arange(model.embedding.num_embeddings))
             out = llm.generate(prompt, params)[0]
             results[mode] = (switched, [next(iter(p.values())).logprob
                                         for p in out.prompt_logprobs[1:]])
+    assert torch.equal(embeddings["float32"], embeddings["q8"])
     assert results["float32"][0] == [[False] * 4] * 2 + [[False]]
     assert results["q8"][0] == [[True, True, False, True]] * 2 + [[True]]  # qkv, o, gate_up, down
     exact, q8 = (torch.tensor(results[m][1]) for m in ("float32", "q8"))

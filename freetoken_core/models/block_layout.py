@@ -142,17 +142,39 @@ def narrow_scales(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     return _recast_scales(blocks, KERNEL_BLOCK_BYTES[qtype], 8, torch.float32, torch.float16)
 
 
-def q8_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+def q8_blocks(blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """Kernel-layout blocks (``kernel_blocks``, or a ``parts_blocks`` buffer) in the layout
     the 8-bit-activation kernel reads (gguf_linear_q8): Q4_1 with the file's float16 scales
     (``narrow_scales``), Q4_K with its scales and mins unpacked to a byte each (148 bytes a
     super-block instead of 144), every other type as it is; where the kernels have AVX2
     (with or without AVX-512 VNNI), every type in groups of 16 features side by side, four
     weights of a feature a 32-bit lane (q8_linear.cpp's lanes layout; the same bytes a block
-    as above, Q5_K 180 a super-block)."""
+    as above, Q5_K 180 a super-block). ``out``: where to write them (``q8_shape``'s shape,
+    uint8, contiguous), as ``int_blocks``'s."""
     if qtype == KIND_PARTS:
-        return parts_blocks([(t, q8_blocks(rows, t)) for t, rows in parts_rows(blocks)])
-    return torch.ops.freetoken.gguf_q8_blocks(narrow_scales(blocks, qtype), qtype)
+        laid = parts_blocks([(t, q8_blocks(rows, t)) for t, rows in parts_rows(blocks)])
+        if out is None:
+            return laid
+        out.copy_(laid)
+        hugepages.release(laid)
+        return out
+    if out is None:
+        return torch.ops.freetoken.gguf_q8_blocks(narrow_scales(blocks, qtype), qtype)
+    torch.ops.freetoken.gguf_q8_blocks_into(narrow_scales(blocks, qtype), qtype, out)
+    return out
+
+
+def q8_shape(qtype: int, blocks: torch.Tensor, in_features: int) -> tuple[int, int]:
+    """The shape ``q8_blocks`` gives these kernel blocks of a linear of ``in_features`` (the
+    kernel's bytes a feature, ``gguf_q8_row_bytes``)."""
+    def row_bytes(t: int) -> int:
+        return int(torch.ops.freetoken.gguf_q8_row_bytes(t, in_features))
+
+    if qtype == KIND_PARTS:
+        return 1, _parts_offsets([rows.shape[0] * row_bytes(t)
+                                  for t, rows in parts_rows(blocks)])[1]
+    return blocks.shape[0], row_bytes(qtype)
 
 
 def interleave_blocks(rows: torch.Tensor, block_bytes: int,

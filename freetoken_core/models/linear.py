@@ -115,8 +115,8 @@ def _stacked_rows(parts: list[GGUFWeight]) -> torch.Tensor:
 class Embedding:
     """The token embedding: rows of a float tensor, or of a GGUF weight's blocks decoded
     row by row (the kernels' layout, ``kernel_blocks``; a tied output head's very blocks
-    where ``blocks`` hands them over, in the int24 kernel's layout too once the head has
-    switched to it), so no float32 copy of the vocabulary is made, nor a second copy of
+    where ``blocks`` hands them over, in the int24 or the 8-bit kernel's layout too once
+    the head has switched to it), so no float32 copy of the vocabulary is made, nor a second copy of
     its blocks."""
 
     def __init__(self, weight: torch.Tensor | GGUFWeight, arena: BlockArena | None = None,
@@ -158,9 +158,10 @@ class Embedding:
         if self.blocks is not None:
             qtype, blocks = self.blocks
             op = (torch.ops.freetoken.gguf_int_embedding if qtype & ACTIVATIONS_INT24
+                  else torch.ops.freetoken.gguf_q8_embedding if qtype & ACTIVATIONS_Q8
                   else torch.ops.freetoken.gguf_embedding_blocks)
-            out = op(ids.reshape(-1).contiguous(), blocks, qtype & ~ACTIVATIONS_INT24,
-                     self.embedding_dim)
+            out = op(ids.reshape(-1).contiguous(), blocks,
+                     qtype & ~(ACTIVATIONS_INT24 | ACTIVATIONS_Q8), self.embedding_dim)
         else:
             out = F.embedding(ids, self.weight)
         if outside is None:

@@ -34,6 +34,7 @@ from freetoken_core.models.block_layout import (
     int_shape,
     parts_types,
     q8_blocks,
+    q8_shape,
 )
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.gguf_weights import GGUF_TYPES
@@ -190,7 +191,7 @@ class LlamaForCausalLM:
         a decode step reads all of them, and in 4 KiB pages each page was a TLB miss.
 
         ``relayout``: for a linear whose blocks change layout on the way
-        (``use_int24_activations``), its new type id, the new blocks' shape and a function
+        (``use_int24_activations``, ``use_q8_activations``), its new type id, the new blocks' shape and a function
         writing them into a tensor, or None. Each new layout is written straight into its
         place in the buffer (no temporary: ``LLM`` on bench/gguf_memory.py's 3B shape loads
         in 4.9-5.4 s instead of 5.7 on the Zen 5 VM), and the pages of the old blocks are
@@ -321,11 +322,23 @@ class LlamaForCausalLM:
                 names = "+".join(GGUF_TYPES[t][0] if t in GGUF_TYPES else str(t)
                                  for t in types(lin))
                 kept.append(f"{lin.out_features}x{lin.in_features} {names}")
-        self.embedding.own_blocks()
-        for lin in chosen:
+        # A tied embedding reads the head's blocks in their new layout (gguf_q8_embedding),
+        # another keeps a copy of its own, as pack_blocks gives the old blocks' pages back.
+        tied = self.embedding.blocks is not None and self.embedding.blocks is self.lm_head.blocks
+        if not tied:
+            self.embedding.own_blocks()
+        switching = {id(lin) for lin in chosen}
+
+        def relayout(lin: Any) -> Relayout | None:
+            if id(lin) not in switching:
+                return None
             qtype, blocks = lin.blocks
-            lin.blocks = (qtype | ACTIVATIONS_Q8, q8_blocks(blocks, qtype))
-        self.pack_blocks()  # the re-laid blocks into a new huge-page buffer (and one_call)
+            return (qtype | ACTIVATIONS_Q8, q8_shape(qtype, blocks, lin.in_features),
+                    lambda out: q8_blocks(blocks, qtype, out))
+
+        self.pack_blocks(relayout)
+        if tied:
+            self.embedding.blocks = self.lm_head.blocks
         self.set_all_layers_args()
         return kept
 

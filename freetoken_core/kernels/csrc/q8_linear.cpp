@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "gguf_types.h"
 #include "ops.h"
 #include "parallel.h"
 #include "vec.h"
@@ -999,6 +1000,22 @@ void unpack_q4_k(const uint8_t* in, uint8_t* out) {
   std::memcpy(out + 20, in + 16, 128);
 }
 
+// unpack_q4_k undone: 148 bytes back to the file's 144 (llama.cpp's packing of the 6-bit
+// scales and mins: the low six bits of scales and mins 0-3 in bytes 0-7, the high two bits
+// of scales and mins 4-7 above them, their low four bits in bytes 8-11).
+void pack_q4_k(const uint8_t* in, uint8_t* out) {
+  std::memcpy(out, in, 4);
+  const uint8_t* sc = in + 4;
+  const uint8_t* m = in + 12;
+  uint8_t* s = out + 4;
+  for (int j = 0; j < 4; ++j) {
+    s[j] = static_cast<uint8_t>((sc[j] & 63) | (sc[j + 4] >> 4) << 6);
+    s[j + 4] = static_cast<uint8_t>((m[j] & 63) | (m[j + 4] >> 4) << 6);
+    s[j + 8] = static_cast<uint8_t>((sc[j + 4] & 0x0F) | (m[j + 4] & 0x0F) << 4);
+  }
+  std::memcpy(out + 16, in + 20, 128);
+}
+
 #ifdef FREETOKEN_AVX2
 // One feature's super-block of the file (q8_layout's input: kernel blocks, the file's
 // bytes) into its place in a group of s features of the VNNI layout.
@@ -1067,11 +1084,10 @@ void vnni_layout_one(const uint8_t* blk, int64_t f, int64_t s, uint8_t* sb) {
 // Kernel-layout blocks (interleaved by four, the file's super-blocks) of n features in the
 // VNNI layout above.
 template <int64_t QT>
-at::Tensor vnni_layout(const at::Tensor& blocks) {
+void vnni_layout(const at::Tensor& blocks, at::Tensor& out) {
   constexpr int64_t kFileBytes = QT == kQ4_K ? 144 : QT == kQ5_K ? 176 : 210;
   const int64_t n = blocks.size(0), nb = blocks.size(1) / kFileBytes;
   const int64_t row_bytes = nb * q8_block_bytes(QT);
-  at::Tensor out = at::zeros({n, row_bytes}, blocks.options());
   const uint8_t* in = blocks.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   const int64_t groups = (n + kLaneGroup - 1) / kLaneGroup;
@@ -1087,7 +1103,6 @@ at::Tensor vnni_layout(const at::Tensor& blocks) {
       }
     }
   });
-  return out;
 }
 // One feature's block of 32 of the file (Q4_1 with its float16 scales) into its place in a
 // group of s features of the VNNI layout (group_rows_vnni32).
@@ -1128,10 +1143,9 @@ void vnni_layout32_one(const uint8_t* blk, int64_t f, int64_t s, uint8_t* gb) {
 }
 
 template <int64_t QT>
-at::Tensor vnni_layout32(const at::Tensor& blocks) {
+void vnni_layout32(const at::Tensor& blocks, at::Tensor& out) {
   constexpr int64_t kBytes = q8_block_bytes(QT);
   const int64_t n = blocks.size(0), nb = blocks.size(1) / kBytes, row_bytes = blocks.size(1);
-  at::Tensor out = at::zeros({n, row_bytes}, blocks.options());
   const uint8_t* in = blocks.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   const int64_t groups = (n + kLaneGroup - 1) / kLaneGroup;
@@ -1146,51 +1160,231 @@ at::Tensor vnni_layout32(const at::Tensor& blocks) {
       }
     }
   });
-  return out;
+}
+
+// The lanes layout undone for one feature: feature f's block (super-block) of a group of s
+// features at `gb` (what vnni_layout_one / vnni_layout32_one wrote there) as the file
+// stores it, into `unit` (file_block below: a tied embedding decodes its rows from the
+// output head's blocks).
+template <int64_t QT>
+void lanes_file_block(const uint8_t* gb, int64_t f, int64_t s, uint8_t* unit) {
+  if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    // Q4_K: d@0, dmin@2, scales[12]@4, qs[128]@16; Q5_K: qh[32]@16, then qs[128]@48
+    uint8_t u[148];  // unpack_q4_k's: d, dmin, 8 scales, 8 mins, the nibbles
+    std::memcpy(u, gb + 2 * f, 2);
+    std::memcpy(u + 2, gb + 2 * s + 2 * f, 2);
+    for (int j = 0; j < 8; ++j) {
+      u[4 + j] = gb[(4 + j) * s + f];
+      u[12 + j] = gb[(12 + 2 * (j / 2)) * s + 2 * f + j % 2];
+    }
+    std::memset(u + 20, 0, 128);
+    for (int j = 0; j < 8; ++j)
+      for (int v = 0; v < 4; ++v)
+        for (int e = 0; e < 4; ++e) {
+          const uint8_t byte = gb[((QT == kQ5_K ? 52 : 20) + 16 * j + 4 * v) * s + 4 * f + e];
+          const int shift = j % 2 == 0 ? 0 : 4;  // weight l of sub-block j: a nibble of qs
+          u[20 + 32 * (j / 2) + 8 * v + e] |= static_cast<uint8_t>((byte & 0x0F) << shift);
+          u[20 + 32 * (j / 2) + 8 * v + 4 + e] |= static_cast<uint8_t>((byte >> 4) << shift);
+        }
+    if constexpr (QT == kQ4_K) {
+      pack_q4_k(u, unit);
+    } else {
+      uint8_t q4k[144];
+      pack_q4_k(u, q4k);
+      std::memcpy(unit, q4k, 16);
+      std::memcpy(unit + 48, q4k + 16, 128);
+      uint8_t* qh = unit + 16;  // bit j of qh[l]: weight l of sub-block j
+      std::memset(qh, 0, 32);
+      for (int j = 0; j < 8; ++j)
+        for (int e = 0; e < 4; ++e) {
+          const uint8_t byte = gb[(20 + 4 * j) * s + 4 * f + e];
+          for (int p = 0; p < 8; ++p) qh[4 * p + e] |= static_cast<uint8_t>(((byte >> p) & 1) << j);
+        }
+    }
+  } else if constexpr (QT == kQ6_K) {  // ql[128]@0, qh[64]@128, scales[16]@192, d@208
+    std::memset(unit, 0, 192);
+    std::memcpy(unit + 208, gb + 2 * f, 2);
+    for (int j = 0; j < 16; ++j) unit[192 + j] = gb[(2 + 2 * (j / 2)) * s + 2 * f + j % 2];
+    for (int c = 0; c < 8; ++c) {
+      const int jj = c / 4, t = c % 4;
+      const uint8_t* wc = gb + (18 + 24 * c) * s;
+      uint8_t q[32];  // the chunk's 6-bit weights
+      for (int v = 0; v < 4; ++v)
+        for (int e = 0; e < 4; ++e) {
+          const uint8_t byte = wc[4 * v * s + 4 * f + e];
+          q[8 * v + e] = byte & 0x0F;
+          q[8 * v + 4 + e] = byte >> 4;
+        }
+      for (int h = 0; h < 2; ++h)
+        for (int e = 0; e < 4; ++e) {
+          const uint8_t byte = wc[(16 + 4 * h) * s + 4 * f + e];
+          for (int i = 0; i < 4; ++i)
+            q[4 * (4 * h + i) + e] |= static_cast<uint8_t>(((byte >> (2 * i)) & 3) << 4);
+        }
+      for (int l = 0; l < 32; ++l) {
+        unit[64 * jj + 32 * (t % 2) + l] |= static_cast<uint8_t>((q[l] & 0x0F) << (t < 2 ? 0 : 4));
+        unit[128 + 32 * jj + l] |= static_cast<uint8_t>((q[l] >> 4) << (2 * t));
+      }
+    }
+  } else {
+    std::memcpy(unit, gb + 2 * f, 2);  // d@0
+    if constexpr (QT == kQ8_0) {  // qs[32]@2, stored plus 128
+      for (int p = 0; p < 8; ++p)
+        for (int e = 0; e < 4; ++e) unit[2 + 4 * p + e] = gb[(2 + 4 * p) * s + 4 * f + e] ^ 0x80;
+      return;
+    }
+    int64_t nibbles = 2;  // Q4_0: qs[16]@2; Q4_1: m@2, qs@4; Q5_0: qh[4]@2, qs@6
+    if constexpr (QT == kQ4_1) {
+      std::memcpy(unit + 2, gb + 2 * s + 2 * f, 2);
+      nibbles = 4;
+    } else if constexpr (QT == kQ5_0) {
+      uint32_t bits = 0;
+      for (int e = 0; e < 4; ++e)
+        for (int p = 0; p < 8; ++p)
+          bits |= static_cast<uint32_t>((gb[2 * s + 4 * f + e] >> p) & 1) << (4 * p + e);
+      std::memcpy(unit + 2, &bits, 4);
+      nibbles = 6;
+    }
+    uint8_t q[32];
+    for (int v = 0; v < 4; ++v)
+      for (int e = 0; e < 4; ++e) {
+        const uint8_t byte = gb[(nibbles + 4 * v) * s + 4 * f + e];
+        q[8 * v + e] = byte & 0x0F;
+        q[8 * v + 4 + e] = byte >> 4;
+      }
+    uint8_t* qs = unit + nibbles;  // weight j < 16 the low nibble of qs[j], j + 16 the high
+    for (int j = 0; j < 16; ++j) qs[j] = static_cast<uint8_t>(q[j] | q[j + 16] << 4);
+  }
 }
 #endif
+
+// Block (super-block) b of feature `feature`, in gguf_q8_blocks' layout of n features of
+// row_bytes each, as the file stores it.
+template <int64_t QT>
+void file_block(const uint8_t* blocks, int64_t n, int64_t row_bytes, int64_t feature, int64_t b,
+                uint8_t* unit) {
+  constexpr int64_t kBytes = q8_block_bytes(QT);
+#ifdef FREETOKEN_AVX2
+  const int64_t g = feature / kLaneGroup, s = std::min(kLaneGroup, n - g * kLaneGroup);
+  lanes_file_block<QT>(blocks + g * kLaneGroup * row_bytes + b * kBytes * s, feature % kLaneGroup,
+                       s, unit);
+#else
+  const FeatureBlocks fb = feature_blocks(blocks, n, row_bytes, kBytes, feature);
+  if constexpr (QT == kQ4_K) pack_q4_k(fb.first + b * fb.stride, unit);
+  else std::memcpy(unit, fb.first + b * fb.stride, kBytes);
+#endif
+}
+
+// gguf_q8_embedding's rows of one type.
+template <int64_t QT>
+void q8_embedding_impl(const int64_t* ids, int64_t count, const uint8_t* blocks, int64_t n,
+                       int64_t row_bytes, int64_t k, float* out) {
+  using T = types::Type<QT>;
+  const int64_t num_blocks = k / T::kWeights;
+  at::parallel_for(0, count, 16, [&](int64_t t0, int64_t t1) {
+    uint8_t unit[T::kBytes];
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        file_block<QT>(blocks, n, row_bytes, ids[t], b, unit);
+        for (int sub = 0; sub < T::kSubs; ++sub)
+          T::scalar(unit, sub, out + t * k + b * T::kWeights + sub * kBlock);
+      }
+  });
+}
 
 }  // namespace
 
 namespace freetoken {
 
+// Rows `ids` of the weight whose blocks are in gguf_q8_blocks' layout (n features, K
+// inputs), decoded as the file's blocks are (gguf_types.h: gguf-py's values bit for bit):
+// a tied embedding reads the output head's blocks instead of keeping the file's a second
+// time.
+at::Tensor gguf_q8_embedding(const at::Tensor& ids, const at::Tensor& blocks, int64_t qtype,
+                             int64_t k) {
+  TORCH_CHECK(q8_block_bytes(qtype) != 0, "gguf_q8_embedding: no 8-bit kernel for ggml type ",
+              qtype);
+  TORCH_CHECK(k > 0 && k % q8_block_weights(qtype) == 0, "gguf_q8_embedding: K must be a "
+              "positive multiple of ", q8_block_weights(qtype), " for ggml type ", qtype);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+                  blocks.size(1) == k / q8_block_weights(qtype) * q8_block_bytes(qtype),
+              "gguf_q8_embedding: blocks must be gguf_q8_blocks [N, ",
+              k / q8_block_weights(qtype) * q8_block_bytes(qtype), "]");
+  const int64_t n = blocks.size(0), count = ids.size(0);
+  const int64_t* ip = embedding_ids(ids, n, "gguf_q8_embedding");
+  at::Tensor out = at::empty({count, k}, ids.options().dtype(at::kFloat));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (qtype) {
+    case kQ4_0: q8_embedding_impl<kQ4_0>(ip, count, bp, n, blocks.size(1), k, op); break;
+    case kQ4_1: q8_embedding_impl<kQ4_1>(ip, count, bp, n, blocks.size(1), k, op); break;
+    case kQ5_0: q8_embedding_impl<kQ5_0>(ip, count, bp, n, blocks.size(1), k, op); break;
+    case kQ8_0: q8_embedding_impl<kQ8_0>(ip, count, bp, n, blocks.size(1), k, op); break;
+    case kQ4_K: q8_embedding_impl<kQ4_K>(ip, count, bp, n, blocks.size(1), k, op); break;
+#ifdef FREETOKEN_AVX2
+    case kQ5_K: q8_embedding_impl<kQ5_K>(ip, count, bp, n, blocks.size(1), k, op); break;
+#endif
+    default: q8_embedding_impl<kQ6_K>(ip, count, bp, n, blocks.size(1), k, op); break;
+  }
+  return out;
+}
+
+// Bytes a feature of a weight of K inputs of this type in the layout gguf_linear_q8 reads
+// (gguf_q8_blocks' columns); 0 where the type has no 8-bit kernel or K is not whole blocks.
+int64_t gguf_q8_row_bytes(int64_t qtype, int64_t k) {
+  if (q8_block_bytes(qtype) == 0 || k % q8_block_weights(qtype) != 0) return 0;
+  return k / q8_block_weights(qtype) * q8_block_bytes(qtype);
+}
+
 // Kernel-layout blocks (interleaved, the file's bytes; Q4_1 with the file's float16 scales)
-// in the layout gguf_linear_q8 reads: the same for every type but Q4_K, whose super-blocks
-// grow from 144 to 148 bytes (unpack_q4_k) in place of each, so the groups' interleaving
-// holds.
-at::Tensor gguf_q8_blocks(const at::Tensor& blocks, int64_t qtype) {
+// in the layout gguf_linear_q8 reads, written into `out` (gguf_q8_row_bytes' shape: a
+// model's load writes each linear's blocks into their place in its arena): with AVX2 the
+// lanes layout above; without, the same blocks but Q4_K's, whose super-blocks grow from
+// 144 to 148 bytes (unpack_q4_k) in place of each, so the groups' interleaving holds.
+void gguf_q8_blocks_into(const at::Tensor& blocks, int64_t qtype, at::Tensor out) {
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "gguf_q8_blocks: blocks must be a contiguous uint8 [N, row bytes] tensor");
+  const int64_t file_bytes = qtype == kQ4_K ? 144 : qtype == kQ5_K ? 176 : q8_block_bytes(qtype);
+  TORCH_CHECK(file_bytes != 0, "gguf_q8_blocks: no 8-bit kernel for ggml type ", qtype);
+  TORCH_CHECK(blocks.size(1) % file_bytes == 0, "gguf_q8_blocks: rows must be whole ",
+              is_k_quant(qtype) ? "super-blocks" : "blocks");
+  const int64_t row_bytes = blocks.size(1) / file_bytes * q8_block_bytes(qtype);
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == blocks.size(0) && out.size(1) == row_bytes,
+              "gguf_q8_blocks: out must be a contiguous uint8 [", blocks.size(0), ", ", row_bytes,
+              "] tensor");
 #ifdef FREETOKEN_AVX2
-  if (is_k_quant(qtype)) {
-    TORCH_CHECK(blocks.size(1) % (qtype == kQ4_K ? 144 : qtype == kQ5_K ? 176 : 210) == 0,
-                "gguf_q8_blocks: K-quant rows must be whole super-blocks");
-    switch (qtype) {
-      case kQ4_K: return vnni_layout<kQ4_K>(blocks);
-      case kQ5_K: return vnni_layout<kQ5_K>(blocks);
-      default: return vnni_layout<kQ6_K>(blocks);
-    }
+  switch (qtype) {
+    case kQ4_K: return vnni_layout<kQ4_K>(blocks, out);
+    case kQ5_K: return vnni_layout<kQ5_K>(blocks, out);
+    case kQ6_K: return vnni_layout<kQ6_K>(blocks, out);
+    case kQ4_0: return vnni_layout32<kQ4_0>(blocks, out);
+    case kQ4_1: return vnni_layout32<kQ4_1>(blocks, out);
+    case kQ5_0: return vnni_layout32<kQ5_0>(blocks, out);
+    default: return vnni_layout32<kQ8_0>(blocks, out);
   }
-  if (q8_block_bytes(qtype) != 0) {
-    TORCH_CHECK(blocks.size(1) % q8_block_bytes(qtype) == 0,
-                "gguf_q8_blocks: rows must be whole blocks");
-    switch (qtype) {
-      case kQ4_0: return vnni_layout32<kQ4_0>(blocks);
-      case kQ4_1: return vnni_layout32<kQ4_1>(blocks);
-      case kQ5_0: return vnni_layout32<kQ5_0>(blocks);
-      default: return vnni_layout32<kQ8_0>(blocks);
-    }
+#else
+  if (qtype != kQ4_K) {
+    out.copy_(blocks);
+    return;
   }
-#endif
-  if (qtype != kQ4_K) return blocks;
-  TORCH_CHECK(blocks.size(1) % 144 == 0, "gguf_q8_blocks: Q4_K rows must be whole super-blocks");
   const int64_t units = blocks.size(0) * (blocks.size(1) / 144);
-  at::Tensor out = at::empty({blocks.size(0), blocks.size(1) / 144 * 148}, blocks.options());
   const uint8_t* in = blocks.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, units, 4096, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) unpack_q4_k(in + u * 144, op + u * 148);
   });
+#endif
+}
+
+at::Tensor gguf_q8_blocks(const at::Tensor& blocks, int64_t qtype) {
+  TORCH_CHECK(blocks.dim() == 2, "gguf_q8_blocks: blocks must be a contiguous uint8 [N, row "
+              "bytes] tensor");
+  const int64_t file_bytes = qtype == kQ4_K ? 144 : qtype == kQ5_K ? 176 : q8_block_bytes(qtype);
+  TORCH_CHECK(file_bytes != 0, "gguf_q8_blocks: no 8-bit kernel for ggml type ", qtype);
+  at::Tensor out = at::zeros({blocks.size(0), blocks.size(1) / file_bytes * q8_block_bytes(qtype)},
+                             blocks.options());
+  gguf_q8_blocks_into(blocks, qtype, out);
   return out;
 }
 
@@ -1242,6 +1436,11 @@ TORCH_LIBRARY_FRAGMENT(freetoken, m) {
   m.def("gguf_linear_q8(Tensor x, Tensor blocks, int qtype, Tensor(a!) out) -> ()",
         &freetoken::gguf_linear_q8);
   m.def("gguf_q8_blocks(Tensor blocks, int qtype) -> Tensor", &freetoken::gguf_q8_blocks);
+  m.def("gguf_q8_blocks_into(Tensor blocks, int qtype, Tensor(a!) out) -> ()",
+        &freetoken::gguf_q8_blocks_into);
+  m.def("gguf_q8_row_bytes(int qtype, int k) -> int", &freetoken::gguf_q8_row_bytes);
+  m.def("gguf_q8_embedding(Tensor ids, Tensor blocks, int qtype, int k) -> Tensor",
+        &freetoken::gguf_q8_embedding);
   m.def("q8_linear_supports(int qtype) -> bool",
         [](int64_t qtype) { return freetoken::q8_linear_supports(qtype); });
 }
