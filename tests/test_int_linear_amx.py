@@ -76,6 +76,37 @@ if len(kinds) == 2:
     x = torch.randn(20, k, generator=gen)
     if not torch.equal(run(x, blocks, KIND_PARTS, 64, 0), run(x, blocks, KIND_PARTS, 64, 1)):
         failed.append("parts")
+# Turned off (kernels/__init__.py: FREETOKEN_AMX=0, or the probe's verdict), mode 0 computes
+# on VNNI: no tile types, the same floats.
+import os  # noqa: E402
+import tempfile  # noqa: E402
+
+from freetoken_core import kernels  # noqa: E402
+
+library = build / "ft_int_linear_amx_emulated.so"
+blocks, qtype = int_blocks(8, 48, 512, 8), 8
+x = torch.randn(16, 512, generator=gen)
+reference = run(x, blocks, qtype, 48, 1)
+torch.ops.freetoken.gguf_int_amx_allow(False)
+print("off:", list(torch.ops.freetoken.gguf_int_amx_types()),
+      torch.equal(run(x, blocks, qtype, 48, 0), reference))
+torch.ops.freetoken.gguf_int_amx_allow(True)
+print("probe:", kernels.probe_amx(library))
+print("probe of no library:", kernels.probe_amx(build / "missing.so"))
+with tempfile.TemporaryDirectory() as tmp:
+    tmp = Path(tmp)
+    kernels._check_amx(tmp, library)
+    print("verdict kept:", (tmp / "amx-probe.txt").read_text().strip(),
+          bool(list(torch.ops.freetoken.gguf_int_amx_types())))
+    (tmp / "amx-probe.txt").write_text("a probe process running them died of SIGILL\n")
+    kernels._check_amx(tmp, library)
+    print("verdict trap:", list(torch.ops.freetoken.gguf_int_amx_types()))
+    torch.ops.freetoken.gguf_int_amx_allow(True)
+    (tmp / "amx-probe.txt").unlink()
+    os.environ["FREETOKEN_AMX"] = "0"
+    kernels._check_amx(tmp, library)
+    print("env off:", list(torch.ops.freetoken.gguf_int_amx_types()),
+          (tmp / "amx-probe.txt").exists())
 print("failed:", ",".join(failed) or "none")
 '''
 
@@ -83,7 +114,21 @@ print("failed:", ",".join(failed) or "none")
 @pytest.mark.skipif(not cpu_has("avx512_vnni", "avx512bw"),
                     reason="the AMX path's vector half needs AVX-512 VNNI")
 def test_the_amx_path_on_emulated_tiles_gives_the_scalar_floats() -> None:
+    """Every tile type against the scalar reference; then the switch that turns the tiles
+    off, and kernels/__init__.py's probe of them in a child process and its verdict."""
     lines = run_build_child(CHILD, "amx-emulated")
     amx = lines[0].removeprefix("amx types:").strip()
     assert amx, "the emulated build has no AMX path"
     assert lines[-1] == "failed: none", "\n".join(lines)
+    said = dict(line.split(": ", 1) for line in lines[1:-1])
+    # gguf_int_amx_allow(False): no tile types, and mode 0 gives the scalar floats on VNNI
+    assert said["off"] == "[] True", said
+    # kernels.probe_amx: a child loads the library, runs tiles against VNNI: agreed here; a
+    # child that cannot load it says so
+    assert said["probe"] == "ok", said
+    assert said["probe of no library"].startswith("a probe process running them failed"), said
+    # kernels._check_amx keeps the verdict in the build directory and turns the tiles off on
+    # a verdict other than ok, or on FREETOKEN_AMX=0 (without probing)
+    assert said["verdict kept"] == "ok True", said
+    assert said["verdict trap"] == "[]", said
+    assert said["env off"] == "[] False", said

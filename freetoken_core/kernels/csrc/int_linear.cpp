@@ -78,6 +78,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <iterator>
@@ -670,6 +671,12 @@ bool amx_permitted() {
   return ok;
 }
 
+// Cleared by gguf_int_amx_allow(false): the process then computes on VNNI at every row
+// count (kernels/__init__.py: FREETOKEN_AMX=0, or a probe in a child process found that the
+// tiles trap or disagree with VNNI on this machine, as on VMs that list AMX but trap it).
+std::atomic<bool> amx_allowed{true};
+bool amx_usable() { return amx_allowed.load(std::memory_order_relaxed) && amx_permitted(); }
+
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
@@ -908,7 +915,7 @@ void int_linear_impl(const Digits& x, int64_t rows, const uint8_t* blocks, int64
   const int64_t groups = n / kIntGroup;
   (void)allow_amx;
 #ifdef FREETOKEN_AMX
-  if (allow_amx && rows >= kAmxRows && amx_permitted()) {
+  if (allow_amx && rows >= kAmxRows && amx_usable()) {
     freetoken::guided_for(groups, 1, 1, [&](int64_t g0, int64_t g1) {
       configure_tiles(static_cast<int>(std::min<int64_t>(16, rows)), halves(QT));
       thread_local std::vector<uint8_t> wbuf;
@@ -1226,13 +1233,24 @@ bool int_linear_available() {
 }
 
 // The types whose linears run on AMX tiles from kAmxRows rows: all of them, or none where
-// the build or the CPU has no AMX, or Linux refuses the tile state.
+// the build or the CPU has no AMX, Linux refuses the tile state or gguf_int_amx_allow(false)
+// turned them off.
 std::vector<int64_t> gguf_int_amx_types() {
   std::vector<int64_t> types;
 #ifdef FREETOKEN_AMX
-  if (amx_permitted()) types.assign(std::begin(kIntTypes), std::end(kIntTypes));
+  if (amx_usable()) types.assign(std::begin(kIntTypes), std::end(kIntTypes));
 #endif
   return types;
+}
+
+// Whether the AMX tiles may be used (where the build and the CPU have them); the VNNI path
+// computes every row count otherwise (the same floats).
+void gguf_int_amx_allow(bool allow) {
+#ifdef FREETOKEN_AMX
+  amx_allowed.store(allow, std::memory_order_relaxed);
+#else
+  (void)allow;
+#endif
 }
 
 int64_t gguf_int_row_bytes(int64_t qtype, int64_t k) {
@@ -1386,4 +1404,5 @@ TORCH_LIBRARY_FRAGMENT(freetoken, m) {
   m.def("gguf_int_embedding(Tensor ids, Tensor blocks, int qtype, int k) -> Tensor",
         &freetoken::gguf_int_embedding);
   m.def("gguf_int_amx_types() -> int[]", &freetoken::gguf_int_amx_types);
+  m.def("gguf_int_amx_allow(bool allow) -> ()", &freetoken::gguf_int_amx_allow);
 }
