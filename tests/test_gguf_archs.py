@@ -124,6 +124,42 @@ def test_greedy_matches_transformers_gguf_loader(gguf_model: tuple[str, Path]) -
     assert len(distinct) > 4
 
 
+def test_amx_tiles_that_disagree_with_vnni_are_turned_off(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``check_amx_tiles`` (at load, where the int24 kernel has AMX tiles): the smallest
+    linear of each type and of each mix of parts computes 16 random rows on the tiles (mode
+    0) and on VNNI (mode 2); equal floats keep the tiles, a difference turns them off for the
+    process and names the linear. On this CPU without AMX the tiles are stood in for by the
+    VNNI path, one type's outputs perturbed."""
+    if not (cpu_kernels_available() and int_linear_available()):
+        pytest.skip("no int24 kernel on this CPU")
+    path = write_gguf(tmp_path / "q4k.gguf", "llama", seed=3, **CASES["llama"])
+    llm = LLM(str(path), kv_cache_tokens=2048, progress=False, plugins="none",
+              activations="int24")
+    model = llm.engine.core.runner.model
+    ops = torch.ops.freetoken
+    real = ops.gguf_linear_int
+    calls, allowed, perturbed = [], [], []
+
+    def tiles_or_vnni(x, blocks, qtype, out, mode=0):
+        real(x, blocks, qtype, out, 2 if mode == 0 else mode)
+        calls.append((qtype, mode))
+        if mode == 0 and qtype in perturbed:
+            out.add_(1e-3)
+
+    monkeypatch.setattr(ops, "gguf_int_amx_types", lambda: [12, 14])
+    monkeypatch.setattr(ops, "gguf_linear_int", tiles_or_vnni)
+    monkeypatch.setattr(ops, "gguf_int_amx_allow", allowed.append)
+    assert model.check_amx_tiles() is None and allowed == []
+    # Q4_K (o, gate/up), Q6_K (down, the head) and the q/k/v of Q4_K and Q6_K parts
+    assert sorted(set(calls)) == [(12, 0), (12, 2), (14, 0), (14, 2), (1 << 10, 0),
+                                  (1 << 10, 2)]
+    perturbed.append(14)
+    said = model.check_amx_tiles()
+    assert allowed == [False]
+    assert said is not None and "Q6_K linear's floats on the AMX tiles differ" in said
+
+
 def test_q4_k_on_the_int24_kernel_is_exact_too(tmp_path: Path) -> None:
     """``--activations int24`` computes Q4_K (and the Q6_K of a Q4_K_M mix) in the integer
     kernel: greedy tokens still equal transformers'."""

@@ -146,6 +146,10 @@ def load_engine_model(config: EngineConfig, model_dir: Path, limits: EngineLimit
     elif config.activations in ("auto", "int24"):
         switched = model.use_int24_activations()
         return_freed_memory()  # the re-layout's temporaries, which the heap would keep
+        disagreed = model.check_amx_tiles() if switched else None
+        if disagreed:
+            log.warning("AMX tiles off: %s; the int24 kernel computes every row count on "
+                        "AVX-512 VNNI (the same floats, slower from 8 rows)", disagreed)
         if not switched and config.activations == "int24":
             raise ModelLoadError(
                 "--activations int24 needs a GGUF model with weights of the int24 kernel's types "

@@ -283,6 +283,40 @@ class LlamaForCausalLM:
         self.set_all_layers_args()
         return True
 
+    def check_amx_tiles(self) -> str | None:
+        """Where the int24 kernel computes on AMX tiles (from 8 rows): one linear of each
+        type (a linear of parts: of each mix) computes 16 random rows on the tiles and on
+        VNNI, which give the same floats by construction (int_linear.cpp); where they do not
+        on this machine, the tiles are turned off for the process (``gguf_int_amx_allow``)
+        and what disagreed is returned, else None. A few milliseconds at load, only on CPUs
+        with AMX (kernels/__init__.py has already checked in a child process that the tiles
+        run here at all)."""
+        ops = torch.ops.freetoken
+        if not self.native or not int_linear_available() or not list(ops.gguf_int_amx_types()):
+            return None
+        smallest: dict[object, Any] = {}
+        for lin in [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]:
+            if lin.blocks is None or not lin.blocks[0] & ACTIVATIONS_INT24:
+                continue
+            qtype, blocks = lin.blocks[0] & ~ACTIVATIONS_INT24, lin.blocks[1]
+            key = tuple(parts_types(blocks)) if qtype == KIND_PARTS else qtype
+            size = lin.in_features * lin.out_features
+            if key not in smallest or size < smallest[key][0]:
+                smallest[key] = (size, lin, qtype, blocks)
+        gen = torch.Generator().manual_seed(0)
+        for key, (_, lin, qtype, blocks) in smallest.items():
+            x = torch.randn(16, lin.in_features, generator=gen)
+            tiles, vnni = (torch.empty(16, lin.out_features) for _ in range(2))
+            ops.gguf_linear_int(x, blocks, qtype, tiles, 0)
+            ops.gguf_linear_int(x, blocks, qtype, vnni, 2)
+            if not torch.equal(tiles, vnni):
+                ops.gguf_int_amx_allow(False)
+                names = "+".join(GGUF_TYPES[t][0] for t in (key if isinstance(key, tuple)
+                                                            else (key,)))
+                return (f"a {lin.out_features}x{lin.in_features} {names} linear's floats on "
+                        "the AMX tiles differ from VNNI's")
+        return None
+
     def use_q8_activations(self) -> list[str]:
         """Switch the linears whose GGUF blocks have an 8-bit kernel (Q4_0, Q4_1, Q5_0, Q8_0,
         Q4_K, Q5_K (AVX2), Q6_K; a linear of parts where every part has) to 8-bit activations
