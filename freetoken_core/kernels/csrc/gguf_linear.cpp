@@ -602,7 +602,11 @@ void gguf_linear_impl(const float* xp, int64_t rows, int64_t k, const uint8_t* b
     }
   });
 #else
-  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+  // guided_for, not at::parallel_for: inside a team (llama_layers) each member takes its
+  // share and meets the others at a barrier; at::parallel_for there would run the whole
+  // linear on every member, one of them still writing its outputs while another has gone
+  // on to the next kernel, which rewrites them in place.
+  freetoken::guided_for(n, 16, 1, [&](int64_t n0, int64_t n1) {
     rows_scalar<QT>(xp, k, rows, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
   });
 #endif

@@ -940,7 +940,7 @@ void int_linear_impl(const Digits& x, int64_t rows, const uint8_t* blocks, int64
     }
   });
 #else
-  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+  freetoken::guided_for(groups, 4, 1, [&](int64_t g0, int64_t g1) {  // team-aware
     rows_scalar<QT>(x, rows, blocks, ldo, out, g0, g1);
   });
 #endif

@@ -253,7 +253,8 @@ template <int64_t QT>
 void q8_impl(const QuantRows& x, int64_t rows, const uint8_t* bp, int64_t row_bytes, float* op,
              int64_t n, int64_t ostride) {
   const int64_t nb = x.nb;
-  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+  // Team-aware (guided_for), as gguf_linear's scalar path.
+  freetoken::guided_for(n, 16, 1, [&](int64_t n0, int64_t n1) {
     for (int64_t f = n0; f < n1; ++f) {
       const FeatureBlocks fb = feature_blocks(bp, n, row_bytes, q8_block_bytes(QT), f);
       for (int64_t r = 0; r < rows; ++r) {
@@ -309,7 +310,7 @@ template <int64_t QT>
 void q8k_impl(const QuantRowsK& x, int64_t rows, const uint8_t* bp, int64_t row_bytes, float* op,
               int64_t n, int64_t ostride) {
   const int64_t nb = x.nb;
-  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+  freetoken::guided_for(n, 16, 1, [&](int64_t n0, int64_t n1) {
     for (int64_t f = n0; f < n1; ++f) {
       const FeatureBlocks fb = feature_blocks(bp, n, row_bytes, q8_block_bytes(QT), f);
       for (int64_t r = 0; r < rows; ++r) {
