@@ -13,7 +13,8 @@ switches them off.
 target instead, one the CPU runs (e.g. ``x86-64-v3`` or ``znver3``: AVX2 and FMA, no
 AVX-512): the AVX2 kernels and what the engine picks with them (float32 where VNNI would
 give int24, the AVX2 q8 kernels) then run on an AVX-512 machine, to test or time them
-there. Each target gets its own build directory.
+there; ``x86-64`` builds the portable scalar paths, which CPUs without AVX2 run (aarch64's
+too; tests/test_portable_build.py). Each target gets its own build directory.
 
 Where the build and the CPU have AMX (the int24 kernel's tiles, from 8 rows), a child process
 first runs a few tile products against the VNNI path, once per build (the verdict is kept in
