@@ -116,8 +116,8 @@ class Embedding:
     """The token embedding: rows of a float tensor, or of a GGUF weight's blocks decoded
     row by row (the kernels' layout, ``kernel_blocks``; a tied output head's very blocks
     where ``blocks`` hands them over, in the int24 or the 8-bit kernel's layout too once
-    the head has switched to it), so no float32 copy of the vocabulary is made, nor a second copy of
-    its blocks."""
+    the head has switched to it), so no float32 copy of the vocabulary is made, nor a
+    second copy of its blocks."""
 
     def __init__(self, weight: torch.Tensor | GGUFWeight, arena: BlockArena | None = None,
                  blocks: tuple[int, torch.Tensor] | None = None) -> None:

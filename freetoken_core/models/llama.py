@@ -191,14 +191,14 @@ class LlamaForCausalLM:
         a decode step reads all of them, and in 4 KiB pages each page was a TLB miss.
 
         ``relayout``: for a linear whose blocks change layout on the way
-        (``use_int24_activations``, ``use_q8_activations``), its new type id, the new blocks' shape and a function
-        writing them into a tensor, or None. Each new layout is written straight into its
-        place in the buffer (no temporary: ``LLM`` on bench/gguf_memory.py's 3B shape loads
-        in 4.9-5.4 s instead of 5.7 on the Zen 5 VM), and the pages of the old blocks are
-        given back at once (they share their buffer with the others, so dropping them would
-        not), so that the model's blocks are never held twice: a 1B model's load peaked at
-        the blocks twice over, ~600 MiB past tests/test_gguf_memory.py's bound, without
-        it."""
+        (``use_int24_activations``, ``use_q8_activations``), its new type id, the new
+        blocks' shape and a function writing them into a tensor, or None. Each new layout
+        is written straight into its place in the buffer (no temporary: ``LLM`` on
+        bench/gguf_memory.py's 3B shape loads in 4.9-5.4 s instead of 5.7 on the Zen 5
+        VM), and the pages of the old blocks are given back at once (they share their
+        buffer with the others, so dropping them would not), so that the model's blocks
+        are never held twice: a 1B model's load peaked at the blocks twice over, ~600 MiB
+        past tests/test_gguf_memory.py's bound, without it."""
         linears = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
         linears = [lin for lin in linears if lin.blocks is not None]
         if not linears:
