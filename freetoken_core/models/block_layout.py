@@ -6,6 +6,7 @@ layers from them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -152,29 +153,47 @@ def q8_blocks(blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
     weights of a feature a 32-bit lane (q8_linear.cpp's lanes layout; the same bytes a block
     as above, Q5_K 180 a super-block). ``out``: where to write them (``q8_shape``'s shape,
     uint8, contiguous), as ``int_blocks``'s."""
+    ops = torch.ops.freetoken
+    return _lay_out(blocks, qtype, out,
+                    lambda rows, t: ops.gguf_q8_blocks(narrow_scales(rows, t), t),
+                    lambda rows, t, into: ops.gguf_q8_blocks_into(narrow_scales(rows, t), t,
+                                                                  into))
+
+
+def q8_shape(qtype: int, blocks: torch.Tensor, in_features: int) -> tuple[int, int]:
+    """The shape ``q8_blocks`` gives these kernel blocks of a linear of ``in_features`` (the
+    kernel's bytes a feature, ``gguf_q8_row_bytes``)."""
+    return _laid_shape(qtype, blocks, lambda t: torch.ops.freetoken.gguf_q8_row_bytes(
+        t, in_features))
+
+
+def _lay_out(blocks: torch.Tensor, qtype: int, out: torch.Tensor | None,
+             lay: Callable[[torch.Tensor, int], torch.Tensor],
+             lay_into: Callable[[torch.Tensor, int, torch.Tensor], object]) -> torch.Tensor:
+    """Kernel blocks (or a ``parts_blocks`` buffer of them) in another layout: ``lay(rows,
+    type)`` returns one type's, ``lay_into(rows, type, out)`` writes them into ``out``. A
+    linear of parts is laid part by part into a new parts buffer (copied into ``out``, if
+    given, and its pages given back at once)."""
     if qtype == KIND_PARTS:
-        laid = parts_blocks([(t, q8_blocks(rows, t)) for t, rows in parts_rows(blocks)])
+        laid = parts_blocks([(t, lay(rows, t)) for t, rows in parts_rows(blocks)])
         if out is None:
             return laid
         out.copy_(laid)
         hugepages.release(laid)
         return out
     if out is None:
-        return torch.ops.freetoken.gguf_q8_blocks(narrow_scales(blocks, qtype), qtype)
-    torch.ops.freetoken.gguf_q8_blocks_into(narrow_scales(blocks, qtype), qtype, out)
+        return lay(blocks, qtype)
+    lay_into(blocks, qtype, out)
     return out
 
 
-def q8_shape(qtype: int, blocks: torch.Tensor, in_features: int) -> tuple[int, int]:
-    """The shape ``q8_blocks`` gives these kernel blocks of a linear of ``in_features`` (the
-    kernel's bytes a feature, ``gguf_q8_row_bytes``)."""
-    def row_bytes(t: int) -> int:
-        return int(torch.ops.freetoken.gguf_q8_row_bytes(t, in_features))
-
+def _laid_shape(qtype: int, blocks: torch.Tensor,
+                row_bytes: Callable[[int], int]) -> tuple[int, int]:
+    """The shape ``_lay_out`` gives these blocks, a type's bytes a feature ``row_bytes``."""
     if qtype == KIND_PARTS:
-        return 1, _parts_offsets([rows.shape[0] * row_bytes(t)
+        return 1, _parts_offsets([rows.shape[0] * int(row_bytes(t))
                                   for t, rows in parts_rows(blocks)])[1]
-    return blocks.shape[0], row_bytes(qtype)
+    return blocks.shape[0], int(row_bytes(qtype))
 
 
 def interleave_blocks(rows: torch.Tensor, block_bytes: int,
@@ -239,29 +258,15 @@ def int_blocks(blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
     6.5625, IQ4_XS 4.375 for 4.25). ``out``: where to write them (``int_shape``'s shape,
     uint8, contiguous), e.g. their place in the model's arena, so that no temporary of the
     new layout is made (a linear of parts still makes one, given back at once)."""
-    if qtype == KIND_PARTS:
-        laid = parts_blocks([(t, int_blocks(rows, t)) for t, rows in parts_rows(blocks)])
-        if out is None:
-            return laid
-        out.copy_(laid)
-        hugepages.release(laid)
-        return out
-    if out is None:
-        return torch.ops.freetoken.gguf_int_blocks(blocks, qtype)
-    torch.ops.freetoken.gguf_int_blocks_into(blocks, qtype, out)
-    return out
+    return _lay_out(blocks, qtype, out, torch.ops.freetoken.gguf_int_blocks,
+                    torch.ops.freetoken.gguf_int_blocks_into)
 
 
 def int_shape(qtype: int, blocks: torch.Tensor, in_features: int) -> tuple[int, int]:
     """The shape ``int_blocks`` gives these kernel blocks of a linear of ``in_features``
     (the kernel's bytes a feature, ``gguf_int_row_bytes``)."""
-    def row_bytes(t: int) -> int:
-        return int(torch.ops.freetoken.gguf_int_row_bytes(t, in_features))
-
-    if qtype == KIND_PARTS:
-        return 1, _parts_offsets([rows.shape[0] * row_bytes(t)
-                                  for t, rows in parts_rows(blocks)])[1]
-    return blocks.shape[0], row_bytes(qtype)
+    return _laid_shape(qtype, blocks, lambda t: torch.ops.freetoken.gguf_int_row_bytes(
+        t, in_features))
 
 
 def int_computes(qtype: int, blocks: torch.Tensor, out_features: int) -> bool:
