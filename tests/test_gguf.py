@@ -159,6 +159,14 @@ def test_weights_in_place_match_transformers(gguf_path: Path,
         assert torch.equal(weight.dequantize(), ref[name]), name
     v = ours["model.layers.0.self_attn.v_proj.weight"]
     assert not v.rows.flags.owndata and not v.rows.flags.writeable  # a view of the mapping
+    # q and k too: their rows are reordered only when laid out (``rows``), one weight at a
+    # time, not all layers' copies at once when the file is read
+    for name in ("q_proj", "k_proj"):
+        w = ours[f"model.layers.0.self_attn.{name}.weight"]
+        assert w.order is not None and not w.mapped.flags.owndata, name
+        assert w.nbytes == w.rows.nbytes, name
+        top = w.take_rows(64, 128)  # a tensor-parallel shard: a slice of the order
+        assert top.mapped is w.mapped and (top.rows == w.rows[64:128]).all(), name
 
 
 def test_qk_rows_were_unpermuted(gguf_path: Path) -> None:

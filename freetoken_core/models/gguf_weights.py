@@ -12,6 +12,7 @@ model's blocks plus the KV cache and activations (docs/operations.md).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from dataclasses import dataclass
@@ -94,28 +95,59 @@ class GGUFWeight:
     """One 2-d weight as its GGUF file stores it.
 
     ``rows`` is uint8 ``[out, in / weights per block * bytes per block]``: one row of blocks
-    per output feature, in Hugging Face order (llama q/k rows un-permuted), memory-mapped
-    from the file unless the rows had to be reordered. Row ``n`` dequantizes to row ``n`` of
-    the Hugging Face weight (``dequantize``)."""
+    per output feature, in Hugging Face order (llama q/k rows un-permuted). Row ``n``
+    dequantizes to row ``n`` of the Hugging Face weight (``dequantize``). The rows stay in
+    the file's mapping (``mapped``) in the file's order; where that is not Hugging Face's,
+    ``order`` says which mapped row each row is, and ``rows`` makes the reordered copy when
+    the weight is laid out, one weight at a time (made when the file was read, the q/k
+    copies of every layer and the file pages they came from were all resident at once
+    while the model was built: ~400 MiB of a 3B-shaped model's load peak)."""
 
     name: str
     """The tensor's name in the file (for messages)."""
     qtype: int
     shape: tuple[int, int]
     """``(out, in)``, as ``torch.nn.Linear.weight``."""
-    rows: np.ndarray
+    mapped: np.ndarray
+    """uint8 ``[rows, bytes]``: the rows as the file stores them (a view of its mapping), or
+    a copy where only some of their columns were taken (``sharding.take_columns``)."""
+    order: np.ndarray | None = None
+    """Row ``i`` is ``mapped[order[i]]``; None: row ``i`` is ``mapped[i]``."""
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The rows in Hugging Face order: ``mapped`` itself, or a reordered copy (made at
+        each call)."""
+        return self.mapped if self.order is None else self.mapped[self.order]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of ``rows`` (without making them)."""
+        return self.shape[0] * self.mapped.shape[1]
 
     @property
     def type_name(self) -> str:
         return GGUF_TYPES[self.qtype][0]
 
+    def take_rows(self, start: int, stop: int) -> GGUFWeight:
+        """Rows ``start:stop`` (output features), still in the mapping."""
+        shape = (stop - start, self.shape[1])
+        if self.order is None:
+            return dataclasses.replace(self, shape=shape, mapped=self.mapped[start:stop])
+        return dataclasses.replace(self, shape=shape, order=self.order[start:stop])
+
+    def reorder(self, order: np.ndarray) -> GGUFWeight:
+        """The weight whose row ``i`` is this one's row ``order[i]``."""
+        return dataclasses.replace(self, order=order if self.order is None
+                                   else self.order[order])
+
     def release(self) -> None:
-        """Drop the file pages of ``rows`` from this process (``madvise(MADV_DONTNEED)``)
-        once they are laid out elsewhere: while a model is built, every page of the mapping
-        it has read counts in its RSS, which on top of the arena took a 1B model's peak to
-        the arena plus the whole file. The pages are the file's, unmodified: reading them
-        again reads the file. Rows that are a copy (permuted q/k) have nothing to drop."""
-        rows = self.rows
+        """Drop the file pages of ``mapped`` from this process (``madvise(MADV_DONTNEED)``)
+        once the rows are laid out elsewhere: while a model is built, every page of the
+        mapping it has read counts in its RSS, which on top of the arena took a 1B model's
+        peak to the arena plus the whole file. The pages are the file's, unmodified: reading
+        them again reads the file. Rows that are a copy have nothing to drop."""
+        rows = self.mapped
         if rows.flags.owndata or rows.flags.writeable or rows.nbytes == 0:
             return
         start = rows.ctypes.data // PAGE * PAGE
@@ -233,9 +265,9 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
                                  "FreeToken expects 2-d weights")
         rows = np.asarray(t.data).view(np.uint8).reshape(shape[0], -1)
         tail = name.split(".", 3)[-1]
-        if arch == "llama" and tail in heads:
-            rows = _reverse_permute(rows, heads[tail], t.name)
-        weights[name] = GGUFWeight(t.name, qtype, (shape[0], shape[1]), rows)
+        order = (_reverse_permutation(shape[0], heads[tail], t.name)
+                 if arch == "llama" and tail in heads else None)
+        weights[name] = GGUFWeight(t.name, qtype, (shape[0], shape[1]), rows, order)
     missing = {"model.embed_tokens.weight", "model.norm.weight"} - set(weights)
     missing |= {f"model.layers.{i}.self_attn.o_proj.weight" for i in range(num_layers)} - set(
         weights)
@@ -258,14 +290,13 @@ def _vector(t: Any, qtype: int, arch: str) -> torch.Tensor:
     return values
 
 
-def _reverse_permute(rows: np.ndarray, n_head: int, name: str) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (``convert_hf_to_gguf.py`` ``permute``), exactly
-    as ``transformers.modeling_gguf_pytorch_utils.LlamaTensorProcessor`` does, on rows of
-    blocks (a row is one output feature, so reordering rows reorders features)."""
-    n = rows.shape[0]
+def _reverse_permutation(n: int, n_head: int, name: str) -> np.ndarray:
+    """The row order that undoes llama.cpp's q/k row permutation (``convert_hf_to_gguf.py``
+    ``permute``) of ``n`` rows, exactly as ``transformers.modeling_gguf_pytorch_utils.
+    LlamaTensorProcessor`` does, on rows of blocks (a row is one output feature, so
+    reordering rows reorders features)."""
     if n % (2 * n_head):
         raise ModelLoadError(
             f"GGUF tensor {name!r} has {n} rows, which do not split into {n_head} heads; the "
             "file's head counts are inconsistent - re-export the model")
-    order = np.arange(n).reshape(n_head, n // n_head // 2, 2).swapaxes(2, 1).reshape(-1)
-    return rows[order]
+    return np.arange(n).reshape(n_head, n // n_head // 2, 2).swapaxes(2, 1).reshape(-1)

@@ -69,7 +69,7 @@ class BlockArena:
         if there is none."""
         unique = {id(w): w for w in weights.values()}.values()  # a tied head counts once
         # (each weight's room for its alignment, or for a parts header: parts_blocks)
-        total = sum(kernel_bytes(w.rows.nbytes, w.qtype) + 4 * cls.ALIGN for w in unique
+        total = sum(kernel_bytes(w.nbytes, w.qtype) + 4 * cls.ALIGN for w in unique
                     if isinstance(w, GGUFWeight) and computes_natively(w))
         return cls(total) if total and USE_GGUF_BLOCKS else None
 

@@ -44,8 +44,7 @@ def split_rows(weight: Any, sizes: list[int]) -> list[Any]:
         return list(weight.split(sizes))
     pieces, start = [], 0
     for size in sizes:
-        pieces.append(dataclasses.replace(weight, shape=(size, weight.shape[1]),
-                                          rows=weight.rows[start:start + size]))
+        pieces.append(weight.take_rows(start, start + size))
         start += size
     return pieces
 
@@ -54,7 +53,7 @@ def reorder_rows(weight: Any, order: torch.Tensor) -> Any:
     """``weight`` with row ``i`` taken from row ``order[i]``."""
     if isinstance(weight, torch.Tensor):
         return weight[order]
-    return dataclasses.replace(weight, rows=weight.rows[order.numpy()])
+    return weight.reorder(order.numpy())
 
 
 def rotary_dim(cfg: ModelConfig) -> int:

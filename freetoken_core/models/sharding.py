@@ -115,8 +115,7 @@ def take_rows(weight: Any, start: int, stop: int) -> Any:
     its blocks)."""
     if isinstance(weight, torch.Tensor):
         return weight[start:stop]
-    return dataclasses.replace(weight, shape=(stop - start, weight.shape[1]),
-                               rows=weight.rows[start:stop])
+    return weight.take_rows(start, stop)
 
 
 def take_columns(weight: Any, start: int, stop: int) -> Any:
@@ -134,7 +133,8 @@ def take_columns(weight: Any, start: int, stop: int) -> Any:
             "boundaries")
     rows = np.ascontiguousarray(weight.rows[:, start // width * nbytes:stop // width * nbytes])
     weight.release()
-    return dataclasses.replace(weight, shape=(weight.shape[0], stop - start), rows=rows)
+    return dataclasses.replace(weight, shape=(weight.shape[0], stop - start), mapped=rows,
+                               order=None)
 
 
 def _feature_ranges(weights: dict[str, Any], name: str, total: int, world_size: int
