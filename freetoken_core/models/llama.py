@@ -262,9 +262,18 @@ class LlamaForCausalLM:
                    and int_computes(*lin.blocks, lin.out_features)]
         if not linears or not self.native or not int_linear_available():
             return False
-        # A tied embedding reads the head's new blocks (gguf_int_embedding decodes rows of
-        # the int24 layout); another keeps a copy of its own, as pack_blocks gives the old
-        # blocks' pages back.
+        self.switch_layout(linears, ACTIVATIONS_INT24, int_shape, int_blocks)
+        return True
+
+    def switch_layout(self, linears: list[Any], flag: int,
+                      shape: Callable[[int, torch.Tensor, int], tuple[int, int]],
+                      lay: Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]) -> None:
+        """``linears`` to another kernel's layout (``use_int24_activations``,
+        ``use_q8_activations``): their type ids get ``flag``, and ``pack_blocks`` writes each
+        one's new blocks (``shape(type, blocks, in_features)``, laid by ``lay(blocks, type,
+        out)``) into their place in a new buffer. A tied embedding then reads the head's
+        blocks in their new layout (gguf_int_embedding, gguf_q8_embedding); another keeps a
+        copy of its own, as pack_blocks gives the old blocks' pages back."""
         tied = self.embedding.blocks is not None and self.embedding.blocks is self.lm_head.blocks
         if not tied:
             self.embedding.own_blocks()
@@ -274,14 +283,13 @@ class LlamaForCausalLM:
             if id(lin) not in switching:
                 return None
             qtype, blocks = lin.blocks
-            return (qtype | ACTIVATIONS_INT24, int_shape(qtype, blocks, lin.in_features),
-                    lambda out: int_blocks(blocks, qtype, out))
+            return (qtype | flag, shape(qtype, blocks, lin.in_features),
+                    lambda out: lay(blocks, qtype, out))
 
         self.pack_blocks(relayout)
         if tied:
             self.embedding.blocks = self.lm_head.blocks
         self.set_all_layers_args()
-        return True
 
     def check_amx_tiles(self) -> str | None:
         """Where the int24 kernel computes on AMX tiles (from 8 rows): one linear of each
@@ -356,24 +364,7 @@ class LlamaForCausalLM:
                 names = "+".join(GGUF_TYPES[t][0] if t in GGUF_TYPES else str(t)
                                  for t in types(lin))
                 kept.append(f"{lin.out_features}x{lin.in_features} {names}")
-        # A tied embedding reads the head's blocks in their new layout (gguf_q8_embedding),
-        # another keeps a copy of its own, as pack_blocks gives the old blocks' pages back.
-        tied = self.embedding.blocks is not None and self.embedding.blocks is self.lm_head.blocks
-        if not tied:
-            self.embedding.own_blocks()
-        switching = {id(lin) for lin in chosen}
-
-        def relayout(lin: Any) -> Relayout | None:
-            if id(lin) not in switching:
-                return None
-            qtype, blocks = lin.blocks
-            return (qtype | ACTIVATIONS_Q8, q8_shape(qtype, blocks, lin.in_features),
-                    lambda out: q8_blocks(blocks, qtype, out))
-
-        self.pack_blocks(relayout)
-        if tied:
-            self.embedding.blocks = self.lm_head.blocks
-        self.set_all_layers_args()
+        self.switch_layout(chosen, ACTIVATIONS_Q8, q8_shape, q8_blocks)
         return kept
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
