@@ -87,6 +87,15 @@ constexpr int64_t q8_block_bytes(int64_t qt) {
 }
 constexpr bool is_k_quant(int64_t qt) { return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K; }
 constexpr int64_t q8_block_weights(int64_t qt) { return is_k_quant(qt) ? kSuper : kBlock; }
+// Bytes of a block as the kernel blocks hold it (gguf_q8_blocks' input, the file's; Q4_1's
+// float16 scales narrowed back): Q4_K and Q5_K before their scales are unpacked.
+constexpr int64_t kernel_block_bytes(int64_t qt) {
+  return qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : q8_block_bytes(qt);
+}
+// Bytes a feature of K inputs in the layout gguf_linear_q8 reads.
+constexpr int64_t q8_row_bytes(int64_t qt, int64_t k) {
+  return k / q8_block_weights(qt) * q8_block_bytes(qt);
+}
 
 // x quantized for blocks of 32: per row, K int8 values and, per block of 32, the scale and
 // the scaled sum.
@@ -977,7 +986,7 @@ void check_part(int64_t qt, int64_t k, int64_t row_bytes) {
               " (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K have one; Q5_K too with AVX2)");
   TORCH_CHECK(k % q8_block_weights(qt) == 0, "gguf_linear_q8: K must be a multiple of ",
               q8_block_weights(qt), " for ggml type ", qt);
-  TORCH_CHECK(row_bytes == k / q8_block_weights(qt) * q8_block_bytes(qt),
+  TORCH_CHECK(row_bytes == q8_row_bytes(qt, k),
               "gguf_linear_q8: blocks must be uint8 [N, K / block weights * block bytes]");
 }
 
@@ -1086,7 +1095,7 @@ void vnni_layout_one(const uint8_t* blk, int64_t f, int64_t s, uint8_t* sb) {
 // VNNI layout above.
 template <int64_t QT>
 void vnni_layout(const at::Tensor& blocks, at::Tensor& out) {
-  constexpr int64_t kFileBytes = QT == kQ4_K ? 144 : QT == kQ5_K ? 176 : 210;
+  constexpr int64_t kFileBytes = kernel_block_bytes(QT);
   const int64_t n = blocks.size(0), nb = blocks.size(1) / kFileBytes;
   const int64_t row_bytes = nb * q8_block_bytes(QT);
   const uint8_t* in = blocks.data_ptr<uint8_t>();
@@ -1308,9 +1317,9 @@ at::Tensor gguf_q8_embedding(const at::Tensor& ids, const at::Tensor& blocks, in
   TORCH_CHECK(k > 0 && k % q8_block_weights(qtype) == 0, "gguf_q8_embedding: K must be a "
               "positive multiple of ", q8_block_weights(qtype), " for ggml type ", qtype);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-                  blocks.size(1) == k / q8_block_weights(qtype) * q8_block_bytes(qtype),
-              "gguf_q8_embedding: blocks must be gguf_q8_blocks [N, ",
-              k / q8_block_weights(qtype) * q8_block_bytes(qtype), "]");
+                  blocks.size(1) == q8_row_bytes(qtype, k),
+              "gguf_q8_embedding: blocks must be gguf_q8_blocks [N, ", q8_row_bytes(qtype, k),
+              "]");
   const int64_t n = blocks.size(0), count = ids.size(0);
   const int64_t* ip = embedding_ids(ids, n, "gguf_q8_embedding");
   at::Tensor out = at::empty({count, k}, ids.options().dtype(at::kFloat));
@@ -1334,7 +1343,7 @@ at::Tensor gguf_q8_embedding(const at::Tensor& ids, const at::Tensor& blocks, in
 // (gguf_q8_blocks' columns); 0 where the type has no 8-bit kernel or K is not whole blocks.
 int64_t gguf_q8_row_bytes(int64_t qtype, int64_t k) {
   if (q8_block_bytes(qtype) == 0 || k % q8_block_weights(qtype) != 0) return 0;
-  return k / q8_block_weights(qtype) * q8_block_bytes(qtype);
+  return q8_row_bytes(qtype, k);
 }
 
 // Kernel-layout blocks (interleaved, the file's bytes; Q4_1 with the file's float16 scales)
@@ -1345,7 +1354,7 @@ int64_t gguf_q8_row_bytes(int64_t qtype, int64_t k) {
 void gguf_q8_blocks_into(const at::Tensor& blocks, int64_t qtype, at::Tensor out) {
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "gguf_q8_blocks: blocks must be a contiguous uint8 [N, row bytes] tensor");
-  const int64_t file_bytes = qtype == kQ4_K ? 144 : qtype == kQ5_K ? 176 : q8_block_bytes(qtype);
+  const int64_t file_bytes = kernel_block_bytes(qtype);
   TORCH_CHECK(file_bytes != 0, "gguf_q8_blocks: no 8-bit kernel for ggml type ", qtype);
   TORCH_CHECK(blocks.size(1) % file_bytes == 0, "gguf_q8_blocks: rows must be whole ",
               is_k_quant(qtype) ? "super-blocks" : "blocks");
@@ -1381,7 +1390,7 @@ void gguf_q8_blocks_into(const at::Tensor& blocks, int64_t qtype, at::Tensor out
 at::Tensor gguf_q8_blocks(const at::Tensor& blocks, int64_t qtype) {
   TORCH_CHECK(blocks.dim() == 2, "gguf_q8_blocks: blocks must be a contiguous uint8 [N, row "
               "bytes] tensor");
-  const int64_t file_bytes = qtype == kQ4_K ? 144 : qtype == kQ5_K ? 176 : q8_block_bytes(qtype);
+  const int64_t file_bytes = kernel_block_bytes(qtype);
   TORCH_CHECK(file_bytes != 0, "gguf_q8_blocks: no 8-bit kernel for ggml type ", qtype);
   at::Tensor out = at::zeros({blocks.size(0), blocks.size(1) / file_bytes * q8_block_bytes(qtype)},
                              blocks.options());
