@@ -128,7 +128,10 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                tied: bool = True, seed: int = 0, context: int = 2048,
                rope_theta: float = 10000.0, sliding_window: int = 8,
                tokenizer_from: Path | None = None, extra_rows: int = 0,
-               extra_tokens: Sequence[tuple[str, int]] = (), fim_ids: bool = False) -> Path:
+               extra_tokens: Sequence[tuple[str, int]] = (), fim_ids: bool = False,
+               rope_dims: int | None = None,
+               rope_factors: dict[str, Sequence[float]] | None = None,
+               metadata: dict[str, int | float] | None = None) -> Path:
     """A random ``arch`` model (llama, qwen2, qwen3, gemma3 or phi3) as a GGUF file.
 
     ``weight_type`` is every 2-d weight's type; ``types`` overrides it by the end of the
@@ -141,7 +144,13 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     -1000, as llama.cpp's converter scores added tokens); the embedding (and output) rows
     grow with it. ``fim_ids``: the first three of
     them are the FIM prefix, suffix and middle tokens, written as
-    ``tokenizer.ggml.fim_{pre,suf,mid}_token_id``."""
+    ``tokenizer.ggml.fim_{pre,suf,mid}_token_id``.
+
+    ``rope_dims``: ``rope.dimension_count`` (default the head size; fewer for phi3's partial
+    rotary). ``rope_factors``: F32 frequency-factor tensors by name (``rope_freqs.weight``,
+    ``rope_factors_long.weight`` ...), written before the weights as the converter writes
+    the tensors it generates. ``metadata``: more keys (under ``{arch}.`` unless they start
+    with it), an int as uint32, a float as float32."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     from freetoken_core.models.resolve import default_gguf_path
@@ -165,11 +174,17 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     writer.add_uint32(p + "attention.head_count_kv", kv_heads)
     writer.add_uint32(p + "attention.key_length", head_dim)
     writer.add_uint32(p + "attention.value_length", head_dim)
-    writer.add_uint32(p + "rope.dimension_count", head_dim)
+    writer.add_uint32(p + "rope.dimension_count", rope_dims or head_dim)
     writer.add_float32(p + "rope.freq_base", rope_theta)
     writer.add_float32(p + "attention.layer_norm_rms_epsilon", 1e-6)
     if arch == "gemma3":
         writer.add_uint32(p + "attention.sliding_window", sliding_window)
+    for key, value in (metadata or {}).items():
+        key = key if key.startswith(p) else p + key
+        if isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
     for key, value, kind in tokenizer_fields:
         writer.add_key_value(key, value, kind[0], sub_type=kind[1] if len(kind) > 1 else None)
 
@@ -194,6 +209,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
         writer.add_tensor(name, (around + rng.normal(0, 0.1, n)).astype(np.float32))
 
     norm_one = 1.0  # (Gemma's converter stores 1 + w: there, w ~ 0)
+    for name, values in (rope_factors or {}).items():
+        writer.add_tensor(name, np.asarray(values, dtype=np.float32))
     matrix("token_embd.weight", vocab + extra_rows, hidden)
     q, kv = heads * head_dim, kv_heads * head_dim
     for i in range(layers):

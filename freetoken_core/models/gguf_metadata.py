@@ -277,6 +277,85 @@ def rope_scaling(reader: Any, arch: str = ARCH) -> dict[str, Any] | None:
     return scaling
 
 
+# The 1-d float32 tensors that hold rotary frequency factors (llama.cpp's LLM_TENSOR_ROPE_FREQS
+# and LLM_TENSOR_ROPE_FACTORS_LONG / _SHORT), by architecture: read into the config's
+# ``rope_scaling`` (:func:`rope_factor_scaling`), not into the weights.
+ROPE_FACTOR_TENSORS = {
+    "llama": ("rope_freqs.weight",),
+    "phi3": ("rope_factors_long.weight", "rope_factors_short.weight"),
+}
+
+
+def factor_tensor(reader: Any, name: str, count: int) -> list[float] | None:
+    """The ``count`` values of the 1-d F32 tensor ``name``, or ``None`` if the file has no
+    such tensor. Any other type or length is an error naming the tensor (llama.cpp's rope
+    takes its frequency factors as float32 only)."""
+    tensor = next((t for t in reader.tensors if t.name == name), None)
+    if tensor is None:
+        return None
+    from gguf import GGMLQuantizationType
+
+    dims = [int(d) for d in tensor.shape.tolist()]
+    if int(tensor.tensor_type) != 0 or dims != [count]:
+        try:
+            type_name = GGMLQuantizationType(int(tensor.tensor_type)).name
+        except ValueError:
+            type_name = f"ggml type {int(tensor.tensor_type)}"
+        raise ModelLoadError(
+            f"GGUF tensor {name!r} holds rotary frequency factors: it must be F32 of shape "
+            f"[{count}] (half the rotary dimensions), not {type_name} of shape {dims[::-1]}; "
+            "re-export the model with llama.cpp")
+    if tensor.data is None or np.asarray(tensor.data).nbytes != 4 * count:
+        raise ModelLoadError(f"GGUF tensor {name!r} (F32, shape [{count}]) is cut short: the "
+                             "file is truncated or corrupt - re-download it")
+    values = np.asarray(tensor.data).view(np.float32).reshape(-1)
+    if not np.all(np.isfinite(values)) or np.any(values <= 0):
+        raise ModelLoadError(f"GGUF tensor {name!r} holds rotary frequency factors, which must "
+                             "be finite and positive; re-export the model")
+    return [float(v) for v in values]
+
+
+def rope_factor_scaling(reader: Any, arch: str, rotary_dim: int,
+                        scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``rope_scaling`` with the file's rotary frequency factors, as llama.cpp applies them
+    (``ggml_rope_ext``'s ``freq_factors``: pair ``i`` turns at ``base^(-2i/d) / factor[i]``).
+
+    * llama's ``rope_freqs.weight`` (llama 3.1 and later: the converter's llama3 scaling,
+      computed once): type ``factors`` with those ``factors`` (and a linear ``factor`` where
+      the metadata also has one);
+    * phi3's ``rope_factors_long`` / ``_short`` (LongRoPE: Phi-3 128k, Phi-3.5, Phi-4-mini):
+      transformers' ``longrope`` with ``long_factor`` / ``short_factor``, the
+      ``rope.scaling.attn_factor`` (llama.cpp's default 1 where it is missing) and
+      ``rope.scaling.original_context_length`` (llama.cpp's ``n_ctx_orig_yarn``: the long
+      factors apply where the context limit exceeds it).
+    ``scaling`` (the metadata's, :func:`rope_scaling`) is returned where there are none."""
+    names = ROPE_FACTOR_TENSORS.get(arch, ())
+    values = [factor_tensor(reader, name, rotary_dim // 2) for name in names]
+    if all(v is None for v in values):
+        return scaling
+    if arch == "llama":
+        out: dict[str, Any] = {"rope_type": "factors", "factors": values[0]}
+        if scaling is not None:
+            if scaling["rope_type"] != "linear":
+                raise ModelLoadError(
+                    f"GGUF with rope_freqs.weight and rope scaling {scaling['rope_type']!r}: "
+                    "FreeToken combines the frequency factors with linear scaling only")
+            out["factor"] = scaling["factor"]
+        return out
+    if any(v is None for v in values):
+        missing = names[values.index(None)]
+        raise ModelLoadError(f"GGUF has {names[1 - values.index(None)]!r} but not {missing!r}; "
+                             "LongRoPE needs both - re-export the model with llama.cpp")
+    original = field(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise ModelLoadError(f"GGUF with LongRoPE factors lacks "
+                             f"'{arch}.rope.scaling.original_context_length'; re-export the "
+                             "model with llama.cpp")
+    return {"rope_type": "longrope", "long_factor": values[0], "short_factor": values[1],
+            "attention_factor": float(field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
+            "original_max_position_embeddings": int(original)}
+
+
 def build_config(reader: Any) -> dict[str, Any]:
     """The ``config.json`` dict of the Hugging Face model the GGUF metadata describes."""
     arch = architecture(reader)
@@ -285,11 +364,15 @@ def build_config(reader: Any) -> dict[str, Any]:
     heads = int(require(reader, p + "attention.head_count"))
     kv_heads = int(field(reader, p + "attention.head_count_kv", heads))
     head_dim = int(field(reader, p + "attention.key_length", hidden // heads))
-    rope_dim = field(reader, p + "rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != head_dim:
+    rope_dim = int(field(reader, p + "rope.dimension_count", head_dim))
+    # Partial rotary (Phi-4-mini: the first 3/4 of each head): llama.cpp's NEOX rotation of
+    # the first rope_dim dimensions is transformers' partial_rotary_factor.
+    if rope_dim != head_dim and not (arch == "phi3" and 0 < rope_dim < head_dim
+                                     and rope_dim % 2 == 0):
         raise ModelLoadError(
-            f"GGUF rope.dimension_count {rope_dim} != head_dim {head_dim} (partial rotary) is "
-            "not supported; use a GGUF whose rotary embedding covers the whole head")
+            f"GGUF {p}rope.dimension_count {rope_dim} != head_dim {head_dim} (partial rotary) "
+            "is supported for phi3 only; use a GGUF whose rotary embedding covers the whole "
+            "head")
     names = {t.name for t in reader.tensors}
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
@@ -312,8 +395,10 @@ def build_config(reader: Any) -> dict[str, Any]:
     }
     if arch == "gemma3":
         config.update(_gemma3_config(reader, config))
+    if arch == "phi3" and rope_dim != head_dim:
+        config["partial_rotary_factor"] = rope_dim / head_dim
     config.update(special_token_ids(reader))
-    scaling = rope_scaling(reader, arch)
+    scaling = rope_factor_scaling(reader, arch, rope_dim, rope_scaling(reader, arch))
     if scaling is not None:
         config["rope_scaling"] = scaling
     return config

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +22,7 @@ import numpy as np
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.hugepages import PAGE, madvise_dontneed
+from freetoken_core.models.gguf_metadata import ROPE_FACTOR_TENSORS
 
 if TYPE_CHECKING:
     import torch
@@ -85,9 +85,6 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     },
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-# Tensors transformers' GGUF loader ignores too (llama 3's rope frequency factors, which the
-# config's rope_scaling already describes).
-_IGNORED = frozenset({"rope_freqs.weight"})
 
 
 @dataclass(frozen=True)
@@ -205,8 +202,6 @@ def check_tensors(reader: Any, path: Path) -> None:
     file_size = int(getattr(reader, "file_size", 0)) or path.stat().st_size
     start = int(getattr(reader, "data_start", 0))
     for t in reader.tensors:
-        if t.name in _IGNORED:
-            continue
         raw = int(t.tensor_type)
         dims = [int(d) for d in t.shape.tolist()]
         if raw not in GGUF_TYPES:
@@ -246,10 +241,8 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
     heads = {"self_attn.q_proj.weight": num_heads, "self_attn.k_proj.weight": num_kv_heads}
     weights: dict[str, GGUFWeight | torch.Tensor] = {}
     for t in reader.tensors:
-        if t.name in _IGNORED:
-            warnings.warn(f"GGUF tensor {t.name} (llama3 rope factors) is ignored, as "
-                          "transformers does", stacklevel=2)
-            continue
+        if t.name in ROPE_FACTOR_TENSORS.get(arch, ()):
+            continue  # in the config's rope_scaling (gguf_metadata.rope_factor_scaling)
         name = hf_name(arch, t.name)
         if name is None:
             raise ModelLoadError(

@@ -47,7 +47,10 @@ def silu_and_mul(x: torch.Tensor, native: bool = False) -> torch.Tensor:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies, with linear or llama3 scaling (Hugging Face's formulas)."""
+    """Inverse frequencies, with linear or llama3 scaling (Hugging Face's formulas), or
+    ``factors``: a GGUF file's per-pair frequency factors (``rope_freqs.weight``, which
+    llama.cpp's converter computes from llama3 scaling), each pair's frequency divided by its
+    factor (and by a linear ``factor`` if given), as llama.cpp's ``ggml_rope_ext`` does."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta ** exponent)
     if scaling is None:
@@ -55,6 +58,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     kind = scaling.get("rope_type")
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "factors":
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ModelLoadError(f"rope frequency factors: {len(scaling['factors'])} of them "
+                                 f"for {head_dim // 2} rotary pairs")
+        return inv_freq / factors / scaling.get("factor", 1.0)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -67,7 +76,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     raise ModelLoadError(f"unsupported rope_scaling type {kind!r}; FreeToken knows "
-                         "default, linear and llama3")
+                         "default, linear, llama3 and (from GGUF) factors")
 
 
 class RotaryEmbedding:
