@@ -131,7 +131,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                extra_tokens: Sequence[tuple[str, int]] = (), fim_ids: bool = False,
                rope_dims: int | None = None,
                rope_factors: dict[str, Sequence[float]] | None = None,
-               metadata: dict[str, int | float] | None = None) -> Path:
+               metadata: dict[str, int | float] | None = None,
+               split_max_tensors: int = 0) -> Path:
     """A random ``arch`` model (llama, qwen2, qwen3, gemma3 or phi3) as a GGUF file.
 
     ``weight_type`` is every 2-d weight's type; ``types`` overrides it by the end of the
@@ -150,7 +151,10 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     rotary). ``rope_factors``: F32 frequency-factor tensors by name (``rope_freqs.weight``,
     ``rope_factors_long.weight`` ...), written before the weights as the converter writes
     the tensors it generates. ``metadata``: more keys (under ``{arch}.`` unless they start
-    with it), an int as uint32, a float as float32."""
+    with it), an int as uint32, a float as float32. ``split_max_tensors``: a split GGUF
+    of shards of at most that many tensors, as llama.cpp's ``gguf-split`` writes them
+    (``{stem}-00001-of-0000N.gguf`` ..., the metadata in the first); the first shard's path
+    is returned."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     from freetoken_core.models.resolve import default_gguf_path
@@ -164,7 +168,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
         vocab += len(extra_tokens)
     elif fim_ids:
         raise ValueError("fim_ids names the first three extra_tokens; there are none")
-    writer = GGUFWriter(str(path), arch)
+    writer = GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     p = f"{arch}."
     writer.add_uint32(p + "context_length", context)
     writer.add_uint32(p + "embedding_length", hidden)
@@ -244,4 +248,5 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    shards = writer.format_shard_names(path)
+    return shards[0]

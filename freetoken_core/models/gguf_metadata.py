@@ -187,11 +187,72 @@ def _array_values(buf: memoryview, pos: int, item: Any, count: int) -> list[Any]
 def open_header(gguf_path: Path) -> Any:
     """The metadata and tensors of ``gguf_path`` without its array fields' elements
     (:class:`HeaderReader`); files it does not handle, or cannot open, go to
-    :func:`open_reader`, which reads them all or says why it cannot."""
+    :func:`open_reader`, which reads them all or says why it cannot.
+
+    A split GGUF (``split.count`` > 1: llama.cpp's ``gguf-split`` shards, as Qwen's own GGUF
+    repositories ship them) is read from its first shard's path, as llama.cpp reads it: the
+    metadata is the first shard's, the tensors are every shard's (:class:`SplitReader`)."""
+    reader = _open_one(gguf_path)
+    count = int(field(reader, "split.count", 1))
+    return reader if count <= 1 else SplitReader(gguf_path, reader, count)
+
+
+def _open_one(gguf_path: Path) -> Any:
     try:
         return HeaderReader(gguf_path)
     except (_Unsupported, OSError, ValueError, KeyError, IndexError, struct.error):
         return open_reader(gguf_path)
+
+
+class SplitReader:
+    """A split GGUF's shards as one reader: ``fields`` the first shard's (llama.cpp's
+    ``gguf-split`` writes the metadata there), ``tensors`` every shard's in order, ``shards``
+    the ``(path, reader)`` of each. The shards are found next to the first as
+    ``gguf-split`` names them (``{prefix}-{i:05d}-of-{count:05d}.gguf``); a missing shard,
+    one whose ``split.no`` is not its place, a tensor in two shards or a tensor count other
+    than ``split.tensors.count`` is a :class:`ModelLoadError` naming the file, as llama.cpp
+    refuses them (``llama_model_loader``)."""
+
+    def __init__(self, first_path: Path, first: Any, count: int) -> None:
+        number = int(field(first, "split.no", 0))
+        postfix = f"-{number + 1:05d}-of-{count:05d}.gguf"
+        if not first_path.name.endswith(postfix):
+            raise ModelLoadError(
+                f"{first_path} is shard {number + 1} of a {count}-shard split GGUF but is not "
+                f"named like one (…{postfix}); keep the names llama.cpp's gguf-split gave "
+                "the shards")
+        prefix = first_path.name[:-len(postfix)]
+        if number != 0:
+            raise ModelLoadError(
+                f"{first_path} is shard {number + 1} of a {count}-shard split GGUF; pass the "
+                f"first shard, {prefix}-00001-of-{count:05d}.gguf (the others are read "
+                "with it)")
+        self.fields = first.fields
+        self.shards: list[tuple[Path, Any]] = [(first_path, first)]
+        for i in range(1, count):
+            path = first_path.with_name(f"{prefix}-{i + 1:05d}-of-{count:05d}.gguf")
+            if not path.is_file():
+                raise ModelLoadError(
+                    f"{first_path} is the first of {count} shards of a split GGUF and shard "
+                    f"{path.name} is missing; download every shard into {path.parent}")
+            shard = _open_one(path)
+            if field(shard, "split.no") != i:
+                raise ModelLoadError(f"{path} is not shard {i + 1} of {first_path}'s split "
+                                     f"GGUF (its split.no is {field(shard, 'split.no')})")
+            self.shards.append((path, shard))
+        self.tensors = [t for _, shard in self.shards for t in shard.tensors]
+        names: set[str] = set()
+        for path, shard in self.shards:
+            for t in shard.tensors:
+                if t.name in names:
+                    raise ModelLoadError(f"GGUF tensor {t.name!r} is in two shards of "
+                                         f"{first_path}'s split GGUF (again in {path.name})")
+                names.add(t.name)
+        expected = field(first, "split.tensors.count")
+        if expected is not None and int(expected) != len(self.tensors):
+            raise ModelLoadError(
+                f"{first_path}'s split GGUF should hold {int(expected)} tensors but its "
+                f"{count} shards hold {len(self.tensors)}; re-download the shards")
 
 
 def read_arrays(gguf_path: Path, keys: Collection[str]) -> dict[str, list[Any]]:

@@ -195,7 +195,14 @@ def hf_name(arch: str, gguf_name: str) -> str | None:
 def check_tensors(reader: Any, path: Path) -> None:
     """Raise :class:`ModelLoadError` naming the first tensor whose type FreeToken does not
     compute with, whose row width is not a whole number of blocks, or whose bytes the file
-    does not hold: before anything is allocated for the model."""
+    does not hold: before anything is allocated for the model. A split GGUF's shards are
+    checked each against its own file."""
+    for shard_path, shard in getattr(reader, "shards", [(path, reader)]):
+        _check_file_tensors(shard, shard_path)
+
+
+def _check_file_tensors(reader: Any, path: Path) -> None:
+    """``check_tensors`` of one file (one shard of a split GGUF)."""
     from gguf import GGMLQuantizationType
 
     supported = ", ".join(name for name, _, _ in GGUF_TYPES.values())
