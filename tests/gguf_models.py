@@ -131,7 +131,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                extra_tokens: Sequence[tuple[str, int]] = (), fim_ids: bool = False,
                rope_dims: int | None = None,
                rope_factors: dict[str, Sequence[float]] | None = None,
-               metadata: dict[str, int | float] | None = None,
+               metadata: dict[str, int | float | str] | None = None,
                split_max_tensors: int = 0) -> Path:
     """A random ``arch`` model (llama, qwen2, qwen3, gemma3 or phi3) as a GGUF file.
 
@@ -151,7 +151,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     rotary). ``rope_factors``: F32 frequency-factor tensors by name (``rope_freqs.weight``,
     ``rope_factors_long.weight`` ...), written before the weights as the converter writes
     the tensors it generates. ``metadata``: more keys (under ``{arch}.`` unless they start
-    with it), an int as uint32, a float as float32. ``split_max_tensors``: a split GGUF
+    with it), an int as uint32, a float as float32, a str as a string. ``split_max_tensors``: a split GGUF
     of shards of at most that many tensors, as llama.cpp's ``gguf-split`` writes them
     (``{stem}-00001-of-0000N.gguf`` ..., the metadata in the first); the first shard's path
     is returned."""
@@ -185,7 +185,9 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
         writer.add_uint32(p + "attention.sliding_window", sliding_window)
     for key, value in (metadata or {}).items():
         key = key if key.startswith(p) else p + key
-        if isinstance(value, float):
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
             writer.add_float32(key, value)
         else:
             writer.add_uint32(key, value)

@@ -1,13 +1,15 @@
-"""GGUF rotary frequency factors, applied as llama.cpp applies them.
+"""GGUF rotary scaling, applied as llama.cpp applies it.
 
 Llama 3.1 and later files carry their llama3 rope scaling as ``rope_freqs.weight`` (one
 factor per rotary pair, which llama.cpp's converter computes from the config); LongRoPE Phi-3
 files (Phi-3 128k, Phi-3.5, Phi-4-mini) carry ``rope_factors_long`` / ``_short`` with
 ``rope.scaling.attn_factor`` and ``rope.scaling.original_context_length``, Phi-4-mini also a
-partial rotary ``rope.dimension_count``. transformers' GGUF loader drops all of these, so the
-oracle here is transformers' model of the same weights (its GGUF loader's) with the config
-the factors were made from: llama3 ``rope_scaling``, or Phi-3's ``longrope`` and
-``partial_rotary_factor``. Without the factors the tokens differ (checked too)."""
+partial rotary ``rope.dimension_count``; Gemma 3 4B and larger have linear scaling in the
+metadata, for the global layers. transformers' GGUF loader drops all of these, so the oracle
+here is transformers' model of the same weights (its GGUF loader's) with the config the file
+was made from: llama3 ``rope_scaling``, Phi-3's ``longrope`` and ``partial_rotary_factor``,
+Gemma 3's linear ``full_attention`` rope. The logits without the scaling differ (checked
+too)."""
 
 from __future__ import annotations
 
@@ -17,10 +19,10 @@ from typing import Any
 
 import pytest
 import torch
-from gguf_models import Q4_K, Q8_0, write_gguf
+from gguf_models import Q4_0, Q4_K, Q8_0, write_gguf
 from gguf_reference import hf_from_gguf
 from test_arch_gemma3 import chunked_logits
-from transformers import LlamaForCausalLM, Phi3ForCausalLM
+from transformers import Gemma3ForCausalLM, LlamaForCausalLM, Phi3ForCausalLM
 
 from freetoken_core import LLM, SamplingParams
 from freetoken_core.errors import ModelLoadError
@@ -79,16 +81,16 @@ def greedy(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[lis
 
 
 def assert_logits_match(llm: LLM, ids: list[int], ref: torch.nn.Module,
-                        unscaled: torch.nn.Module) -> None:
+                        unscaled: torch.nn.Module, apart: float = 1.0) -> None:
     """The native model's logits of every position of ``ids`` (fed in chunks) equal
-    ``ref``'s, and are far from ``unscaled``'s."""
+    ``ref``'s, and are more than ``apart`` from ``unscaled``'s."""
     half = len(ids) // 2
     got = chunked_logits(llm.engine.core.runner.model, ids, [half, len(ids) - half])
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
         other = unscaled(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
-    assert (got - other).abs().max() > 1.0
+    assert (got - other).abs().max() > apart
 
 
 def served(path: Path, texts: list[str], n: int, **kwargs: Any) -> tuple[LLM, list[list[int]],
@@ -114,6 +116,27 @@ def test_llama_rope_freqs_are_llama3_scaling(tmp_path: Path) -> None:
     assert got == greedy(ref, prompts, 20)
     # transformers' GGUF model, which drops the factors, computes other logits.
     assert_logits_match(llm, prompts[-1], ref, hf_from_gguf(path))
+
+
+def test_gemma3_linear_scaling_on_the_global_layers(tmp_path: Path) -> None:
+    """Gemma 3 4B and larger: ``rope.scaling.type`` linear, factor 8, which llama.cpp and
+    transformers apply to the global layers only (the local ones keep base 10,000)."""
+    path = write_gguf(tmp_path / "gemma3.gguf", "gemma3", hidden=64, ff=128, heads=2,
+                      kv_heads=1, head_dim=256, layers=6, rope_theta=1e6, weight_type=Q4_0,
+                      sliding_window=6, seed=6,
+                      metadata={"rope.scaling.type": "linear", "rope.scaling.factor": 8.0})
+    llm, prompts, got = served(path, PROMPTS + [LONG], 12)
+    assert llm.engine.core.runner.model.config.rope_scaling == {
+        "rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    unscaled = hf_from_gguf(path)  # transformers' GGUF loader drops the scaling
+    params = dict(unscaled.config.rope_parameters)
+    params["full_attention"] = {**params["full_attention"], "rope_type": "linear",
+                                "factor": 8.0}
+    ref = reference(path, Gemma3ForCausalLM, rope_parameters=params)
+    assert got == greedy(ref, prompts, 12)
+    # (Base 1e6 over 256-wide heads turns slowly: over 40 positions the factor moves the
+    # logits by ~0.01.)
+    assert_logits_match(llm, prompts[-1], ref, unscaled, apart=2e-3)
 
 
 def phi3_file(tmp_path: Path, original: int) -> tuple[Path, dict[str, Any]]:
