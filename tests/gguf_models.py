@@ -151,10 +151,10 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     rotary). ``rope_factors``: F32 frequency-factor tensors by name (``rope_freqs.weight``,
     ``rope_factors_long.weight`` ...), written before the weights as the converter writes
     the tensors it generates. ``metadata``: more keys (under ``{arch}.`` unless they start
-    with it), an int as uint32, a float as float32, a str as a string. ``split_max_tensors``: a split GGUF
-    of shards of at most that many tensors, as llama.cpp's ``gguf-split`` writes them
-    (``{stem}-00001-of-0000N.gguf`` ..., the metadata in the first); the first shard's path
-    is returned."""
+    with it or ``tokenizer.``), an int as uint32, a float as float32, a str as a string.
+    ``split_max_tensors``: a split GGUF of shards of at most that many tensors, as
+    llama.cpp's ``gguf-split`` writes them (``{stem}-00001-of-0000N.gguf`` ..., the metadata
+    in the first); the first shard's path is returned."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     from freetoken_core.models.resolve import default_gguf_path
@@ -184,7 +184,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     if arch == "gemma3":
         writer.add_uint32(p + "attention.sliding_window", sliding_window)
     for key, value in (metadata or {}).items():
-        key = key if key.startswith(p) else p + key
+        key = key if key.startswith((p, "tokenizer.")) else p + key
         if isinstance(value, str):
             writer.add_string(key, value)
         elif isinstance(value, float):

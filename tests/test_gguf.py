@@ -202,7 +202,9 @@ def test_config_matches_transformers(converted: Path, reference_model: torch.nn.
         assert getattr(ours, key) == getattr(ref, key), key
     assert ours.rope_parameters == ref.rope_parameters
     generation = json.loads((converted / "generation_config.json").read_text(encoding="utf-8"))
-    assert generation["bos_token_id"] == 1 and generation["eos_token_id"] == 2
+    # The eos first, then the other tokens llama.cpp ends generation on (its log: "EOG
+    # token = 0 '<|endoftext|>'", "= 2 '<|im_end|>'", "= 4 '<reponame>'", the FIM repo token).
+    assert generation["bos_token_id"] == 1 and generation["eos_token_id"] == [2, 0, 4]
 
 
 # --------------------------------------------------------------------------------------------

@@ -256,3 +256,44 @@ def test_reasoning_splits_and_counts(servers: dict[str, Server],
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == (reasoning or "")
     assert events[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] == \
         num_reasoning
+
+
+def test_generation_ends_on_the_tokens_llama_cpp_ends_it_on(tmp_path: Path) -> None:
+    """Phi-3's ``<|end|>`` and Gemma's ``<end_of_turn>`` end a chat turn where the file's eos
+    is another token (``<|endoftext|>``, ``<eos>``): llama.cpp ends generation on every
+    token of its list (``special_eog_ids``) and on the eot / eom / FIM pad ids the metadata
+    names; so does FreeToken. A token outside them does not end it."""
+    from freetoken_core import LLM, SamplingParams
+
+    extra = [("<|end|>", CONTROL), ("<end_of_turn>", CONTROL), ("<|my_eot|>", CONTROL),
+             ("<|not_an_end|>", CONTROL)]
+    vocab = token_count(open_header(default_gguf_path()))
+    path = write_gguf(tmp_path / "eog.gguf", "qwen3", extra_tokens=extra, **SHAPE,
+                      metadata={"tokenizer.ggml.eot_token_id": vocab + 2})
+    llm = LLM(str(path), kv_cache_tokens=512, progress=False, plugins="logit_bias")
+    ids = {text: vocab + i for i, (text, _) in enumerate(extra)}
+    for text, token in ids.items():
+        params = SamplingParams(temperature=0, max_tokens=5, logit_bias={token: 100})
+        [out] = llm.generate(["Hello"], params)
+        choice = out.outputs[0]
+        if text == "<|not_an_end|>":
+            assert choice.token_ids == [token] * 5 and choice.finish_reason == "length"
+        else:
+            assert choice.token_ids == [token] and choice.finish_reason == "stop", text
+
+
+def test_end_of_generation_exceptions_as_llama_cpp() -> None:
+    """gpt-oss's ``<|end|>`` ends a message, not the generation, where ``<|return|>`` and
+    ``<|call|>`` exist; ``</s>`` is a normal token beside ``<|tool_response>``; one FIM pad
+    token is taken (by text where no key names it)."""
+    from freetoken_core.models.gguf import end_of_generation_ids
+
+    class NoKeys:
+        def __init__(self) -> None:
+            self.fields: dict[str, object] = {}
+
+    harmony = ["a", "<|end|>", "<|return|>", "<|call|>", "</s>", "<|tool_response>"]
+    assert end_of_generation_ids(NoKeys(), harmony) == [2, 3, 5]
+    assert end_of_generation_ids(NoKeys(), ["a", "<|end|>", "</s>", "<|fim_pad|>", "<PAD>",
+                                            "<|file_sep|>", "b"]) == [1, 2, 3, 5]
+    assert end_of_generation_ids(NoKeys(), ["a", "b"]) == []

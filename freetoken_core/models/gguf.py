@@ -9,7 +9,9 @@ with no network access:
   ``tokenizer.chat_template`` and, under ``fim_tokens``, the fill-in-the-middle tokens the
   metadata names), built from the GGUF vocabulary to tokenize as llama.cpp does
   (``gguf_tokenizer``);
-* ``generation_config.json`` with the bos/eos (and pad) token ids.
+* ``generation_config.json`` with the bos and pad token ids and, as ``eos_token_id``, every
+  token llama.cpp ends generation on (:func:`end_of_generation_ids`: Phi-3's ``<|end|>``,
+  Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>`` / ``<|eom_id|>`` beside the eos).
 
 No weights are written (no float32 copy of the model). The directory is assembled in a
 temporary sibling and moved into place with :func:`os.replace`, so an interrupted run never
@@ -47,6 +49,25 @@ _FILL_IN_MIDDLE_KEYS = {
     "mid": ("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"),
 }
 
+# The tokens llama.cpp ends generation on by their text, whatever the metadata says
+# (src/llama-vocab.cpp, ``special_eog_ids``), and the FIM pad / repo / file-separator tokens
+# it finds by text where the metadata names none (those end generation too).
+_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+})
+_FIM_EOG = {
+    "tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>",
+                                        "[PAD]"),
+    "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>",
+                                        "<reponame>"),
+    "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",),
+}
+_EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+             "tokenizer.ggml.eom_token_id")
+
 
 # --------------------------------------------------------------------------------------------
 # public API
@@ -77,12 +98,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
     reader = open_header(gguf_path)
     config = build_config(reader)
     check_tensors(reader, gguf_path)  # a truncated file is named as such, not as a tokenizer
+    vocab = read_vocab(gguf_path, reader)
+    generation = generation_config(config)
+    eog = end_of_generation_ids(reader, vocab.tokens)
+    if eog and eog != [generation.get("eos_token_id")]:
+        generation["eos_token_id"] = eog
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = _make_temp_sibling(out_dir)
     try:
         _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", generation_config(config))
-        _write_tokenizer(gguf_path, tmp, reader, config)
+        _write_json(tmp / "generation_config.json", generation)
+        _write_tokenizer(tmp, reader, vocab, config)
         _move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -95,12 +121,43 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
 # --------------------------------------------------------------------------------------------
 
 
-def _write_tokenizer(gguf_path: Path, out_dir: Path, reader: Any, config: dict[str, Any]) -> None:
+def end_of_generation_ids(reader: Any, tokens: list[str]) -> list[int]:
+    """The ids llama.cpp ends generation on (``special_eog_ids``, src/llama-vocab.cpp): the
+    eos, eot and eom ids the metadata names; the FIM pad, repo and file-separator tokens
+    (named by their keys, else found by text); every token whose text is in its list
+    (``<|eot_id|>``, ``<|im_end|>``, ``<|end|>``, ``<end_of_turn>``, ``<|endoftext|>``, ...).
+    As there, ``<|end|>`` is not one where the vocabulary also has ``<|return|>`` and
+    ``<|call|>`` (or ``<|calls|>`` and ``<|flush|>``), and ``</s>`` is not one beside
+    ``<|tool_response>`` or ``<|plamo:eos|>``. The eos first, the others in id order."""
+    index = {text: i for i, text in enumerate(tokens)}  # a repeated text: its last id
+
+    def named(key: str) -> int | None:
+        value = field(reader, key)
+        return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
+
+    eog = {index[text] for text in _EOG_TEXTS if text in index}
+    for key, texts in _FIM_EOG.items():
+        found = named(key)
+        if found is None:
+            found = next((index[t] for t in texts if t in index), None)
+        if found is not None:
+            eog.add(found)
+    eog |= {i for i in map(named, _EOG_KEYS) if i is not None}
+    texts = {tokens[i] for i in eog}
+    if "<|end|>" in texts and ({"<|return|>", "<|call|>"} <= texts
+                               or {"<|calls|>", "<|flush|>"} <= texts):
+        eog.discard(index["<|end|>"])
+    if "</s>" in texts and texts & {"<|tool_response>", "<|plamo:eos|>"}:
+        eog.discard(index["</s>"])
+    eos = named("tokenizer.ggml.eos_token_id")
+    return sorted(eog, key=lambda i: (i != eos, i))
+
+
+def _write_tokenizer(out_dir: Path, reader: Any, vocab: Any, config: dict[str, Any]) -> None:
     """Build the tokenizer from the GGUF's vocabulary (``gguf_tokenizer``: it tokenizes as
     llama.cpp does) and save it into ``out_dir`` as ``tokenizer.json`` and
     ``tokenizer_config.json``, which records the GGUF ``tokenizer.chat_template`` and the
     fill-in-the-middle tokens the metadata names (:func:`_fill_in_middle_tokens`)."""
-    vocab = read_vocab(gguf_path, reader)
     build_tokenizer(vocab).save(str(out_dir / "tokenizer.json"))
     data = tokenizer_config(vocab, field(reader, "tokenizer.chat_template"),
                             config["max_position_embeddings"])
