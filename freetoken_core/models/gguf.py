@@ -50,8 +50,8 @@ _FILL_IN_MIDDLE_KEYS = {
 }
 
 # The tokens llama.cpp ends generation on by their text, whatever the metadata says
-# (src/llama-vocab.cpp, ``special_eog_ids``), and the FIM pad / repo / file-separator tokens
-# it finds by text where the metadata names none (those end generation too).
+# (src/llama-vocab.cpp, ``special_eog_ids``), and the fill-in-the-middle pad / repo /
+# file-separator tokens it finds by text where the metadata names none (those end it too).
 _EOG_TEXTS = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
     "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
@@ -123,8 +123,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
 
 def end_of_generation_ids(reader: Any, tokens: list[str]) -> list[int]:
     """The ids llama.cpp ends generation on (``special_eog_ids``, src/llama-vocab.cpp): the
-    eos, eot and eom ids the metadata names; the FIM pad, repo and file-separator tokens
-    (named by their keys, else found by text); every token whose text is in its list
+    eos, eot and eom ids the metadata names; the fill-in-the-middle pad, repo and
+    file-separator tokens (named by their keys, else found by text); every token whose text is in its list
     (``<|eot_id|>``, ``<|im_end|>``, ``<|end|>``, ``<end_of_turn>``, ``<|endoftext|>``, ...).
     As there, ``<|end|>`` is not one where the vocabulary also has ``<|return|>`` and
     ``<|call|>`` (or ``<|calls|>`` and ``<|flush|>``), and ``</s>`` is not one beside
