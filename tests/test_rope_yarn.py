@@ -11,6 +11,7 @@ transformers' model of the same weights with the YaRN config."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -58,13 +59,20 @@ def test_hf_directory_with_yarn_matches_transformers(arch: str, tmp_path: Path) 
     assert [o.outputs[0].token_ids for o in outs] == greedy(hf, prompts, 16)
 
 
-def test_gguf_yarn_metadata_is_applied(tmp_path: Path) -> None:
+@pytest.mark.parametrize("attn_factor", [None, 0.8])
+def test_gguf_yarn_metadata_is_applied(attn_factor: float | None, tmp_path: Path) -> None:
+    metadata: dict[str, float | int | str] = {
+        "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+        "rope.scaling.original_context_length": 64}
+    yarn = dict(YARN)
+    if attn_factor is not None:  # llama.cpp multiplies YaRN's own factor by it
+        metadata["rope.scaling.attn_factor"] = attn_factor
+        yarn["attention_factor"] = attn_factor * (0.1 * math.log(4.0) + 1)
     path = write_gguf(tmp_path / "qwen3-yarn.gguf", "qwen3", hidden=64, ff=128, heads=2,
                       kv_heads=1, head_dim=128, weight_type=Q8_0, seed=9, rope_theta=1e6,
-                      metadata={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
-                                "rope.scaling.original_context_length": 64})
+                      metadata=metadata)
     llm, prompts, got = served(path, TEXTS, 16)
     assert llm.engine.core.runner.model.config.rope_scaling["rope_type"] == "yarn"
-    ref = reference(path, Qwen3ForCausalLM, rope_parameters={"rope_theta": 1e6, **YARN})
+    ref = reference(path, Qwen3ForCausalLM, rope_parameters={"rope_theta": 1e6, **yarn})
     assert got == greedy(ref, prompts, 16)
     assert_logits_match(llm, prompts[-1], ref, hf_from_gguf(path), apart=0.1)

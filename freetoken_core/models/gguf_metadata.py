@@ -3,6 +3,7 @@ and generation config they describe (used by ``freetoken_core.models.gguf``)."""
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -333,8 +334,15 @@ def rope_scaling(reader: Any, arch: str = ARCH) -> dict[str, Any] | None:
         return None
     scaling: dict[str, Any] = {"rope_type": str(kind), "factor": float(factor)}
     original = field(reader, f"{arch}.rope.scaling.original_context_length")
+    if kind == "yarn" and original is None:  # llama.cpp's n_ctx_orig_yarn: the trained length
+        original = field(reader, f"{arch}.context_length")
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
+    attn_factor = field(reader, f"{arch}.rope.scaling.attn_factor")
+    if kind == "yarn" and attn_factor is not None:
+        # llama.cpp: YaRN's 0.1 ln(factor) + 1, times the file's attention factor
+        scaling["attention_factor"] = float(attn_factor) * (
+            0.1 * math.log(float(factor)) + 1.0 if float(factor) > 1 else 1.0)
     return scaling
 
 

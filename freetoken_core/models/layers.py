@@ -47,7 +47,7 @@ def silu_and_mul(x: torch.Tensor, native: bool = False) -> torch.Tensor:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies, with linear or llama3 scaling (Hugging Face's formulas), or
+    """Inverse frequencies, with linear, llama3 or YaRN scaling (Hugging Face's formulas), or
     ``factors``: a GGUF file's per-pair frequency factors (``rope_freqs.weight``, which
     llama.cpp's converter computes from llama3 scaling), each pair's frequency divided by its
     factor (and by a linear ``factor`` if given), as llama.cpp's ``ggml_rope_ext`` does."""
@@ -64,6 +64,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
             raise ModelLoadError(f"rope frequency factors: {len(scaling['factors'])} of them "
                                  f"for {head_dim // 2} rotary pairs")
         return inv_freq / factors / scaling.get("factor", 1.0)
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -76,11 +78,57 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     raise ModelLoadError(f"unsupported rope_scaling type {kind!r}; FreeToken knows "
-                         "default, linear, llama3 and (from GGUF) factors")
+                         "default, linear, llama3, yarn and (from GGUF) factors")
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float,
+                   scaling: dict) -> torch.Tensor:
+    """YaRN's frequencies (transformers' ``_compute_yarn_parameters``; llama.cpp's
+    ``rope_yarn`` with its default betas): pair ``i`` turns at the scaled frequency
+    ``inv_freq / factor`` below the ramp, at its own above it, linearly mixed between the
+    pairs that make ``beta_fast`` and ``beta_slow`` turns over the original length
+    (floored and ceiled unless ``truncate`` is false)."""
+    factor = scaling["factor"]
+    original = scaling["original_max_position_embeddings"]
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(turns: float) -> float:
+        return (head_dim * math.log(original / (turns * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low),
+                       0, 1)
+    extrapolation = 1 - ramp
+    return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor YaRN multiplies cos and sin by: ``attention_factor`` if given, else
+    ``0.1 ln(factor) + 1`` (over the same with ``mscale_all_dim``, times ``mscale``, where
+    both are given), as transformers computes it; 1 for every other scaling."""
+    if scaling is None or scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+
+    def mscale(value: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * value * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    return mscale(1.0)
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables in Hugging Face's half-rotation layout."""
+    """Precomputed cos/sin tables in Hugging Face's half-rotation layout (times YaRN's
+    attention factor where the scaling is YaRN)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict | None, dtype: torch.dtype, device: torch.device) -> None:
@@ -88,8 +136,12 @@ class RotaryEmbedding:
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        cos, sin = emb.cos(), emb.sin()
+        factor = rope_attention_factor(scaling)
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        self.cos = cos.to(dtype=dtype, device=device)
+        self.sin = sin.to(dtype=dtype, device=device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows for ``positions``, shaped ``[T, head_dim]``."""
