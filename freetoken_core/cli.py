@@ -88,6 +88,11 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                         metavar="JSON",
                         help="a JSON object of generation-config keys that win over the "
                              "file's, key by key, e.g. '{\"temperature\": 0.5}'")
+    parser.add_argument("--hf-overrides", default=None, type=_json_object, metavar="JSON",
+                        help="a JSON object of config.json keys that replace the model's "
+                             "(vLLM's flag), e.g. Qwen's YaRN: '{\"rope_scaling\": "
+                             "{\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                             "\"original_max_position_embeddings\": 32768}}'")
     _add_parallel_options(parser)
     from freetoken_core.plugins import PluginManager
 
@@ -161,6 +166,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "plugin_options": {k: v for k, v in vars(args).items() if not callable(v)},
         "generation_config": args.generation_config,
         "override_generation_config": args.override_generation_config or {},
+        "hf_overrides": args.hf_overrides,
         "chat_template": args.chat_template,
         "tensor_parallel_size": args.tensor_parallel_size,
         "distributed_executor_backend": args.distributed_executor_backend,
@@ -174,7 +180,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
 
 def _json_object(text: str) -> dict[str, Any]:
-    """A JSON object given on the command line (``--override-generation-config``)."""
+    """A JSON object given on the command line (``--override-generation-config``,
+    ``--hf-overrides``)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -94,6 +94,11 @@ class EngineConfig:
     ``generation_config.json``, or the file itself)."""
     override_generation_config: dict[str, Any] | None = field(default_factory=dict)
     """Generation-config keys that win over the file's, key by key."""
+    hf_overrides: dict[str, Any] | None = None
+    """Keys that replace the model's ``config.json`` keys (vLLM's ``--hf-overrides``), for a
+    directory or a GGUF file alike, e.g. Qwen's YaRN long-context setting
+    ``{"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+    "original_max_position_embeddings": 32768}, "max_position_embeddings": 131072}``."""
     chat_template: str | None = None
     """A Jinja chat template that replaces the model's (or gives one to a model without):
     the path of a file, or the template itself (text holding ``{{`` or ``{%``)."""
@@ -169,6 +174,9 @@ class EngineConfig:
             "chat_template", "must be a Jinja template or the path of a file holding one")
         check(isinstance(self.generation_config, str) and bool(self.generation_config),
               "generation_config", "must be auto, none or a path")
+        check(self.hf_overrides is None or (isinstance(self.hf_overrides, dict) and all(
+            isinstance(k, str) for k in self.hf_overrides)),
+            "hf_overrides", "must be a JSON object (a dict with str keys)")
         check(isinstance(self.override_generation_config, dict)
               and all(isinstance(k, str) for k in self.override_generation_config),
               "override_generation_config", "must be a JSON object (a dict with str keys)")

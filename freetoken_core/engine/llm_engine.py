@@ -87,7 +87,7 @@ def build_engine(config: EngineConfig, progress: bool = True,
     plugins.enabled  # noqa: B018 (fail fast on an unknown plugin name)
     keep_freed_memory()
     model_dir = resolve_model(config.model, progress=progress)
-    model_config = ModelConfig.from_dir(model_dir)
+    model_config = ModelConfig.from_dir(model_dir, config.hf_overrides)
     device = config.torch_device()
     # One rank: the KV cache's shape is known now (compute_limits' whole blocks), and its
     # write overlaps the tokenizer's, the plugins' and the model's loading.
@@ -137,7 +137,8 @@ def load_engine_model(config: EngineConfig, model_dir: Path, limits: EngineLimit
     switched to the activations ``config`` asks for."""
     device = config.torch_device()
     model = load_model(model_dir, config.torch_dtype(device), device, limits.max_model_len,
-                       gguf_source(config.model), shard=shard)
+                       gguf_source(config.model), shard=shard,
+                       overrides=config.hf_overrides)
     if config.activations == "q8":
         kept = model.use_q8_activations()
         if kept:

@@ -281,7 +281,8 @@ def run_rank(spec: RankSpec) -> None:
     try:
         try:
             model_dir = resolve_model(config.model, progress=False)
-            limits = compute_limits(config, ModelConfig.from_dir(model_dir), frozenset())
+            limits = compute_limits(config, ModelConfig.from_dir(model_dir, config.hf_overrides),
+                                    frozenset())
             model = load_engine_model(config, model_dir, limits,
                                       Shard(spec.rank, config.tensor_parallel_size, comm))
             kv_caches = ModelRunner(model, limits.num_kv_blocks, limits.block_size,

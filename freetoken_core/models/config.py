@@ -127,10 +127,17 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> ModelConfig:
+    def from_dir(cls, model_dir: Path, overrides: dict[str, Any] | None = None
+                 ) -> ModelConfig:
+        """``model_dir``'s config.json, its keys replaced by ``overrides``' (``--hf-overrides``)."""
         path = Path(model_dir) / "config.json"
         try:
-            return cls.from_dict(json.loads(path.read_text()))
+            data = json.loads(path.read_text())
+            if overrides:
+                if not isinstance(data, dict):
+                    raise ModelLoadError(f"{path} is not a JSON object")
+                data = {**data, **overrides}
+            return cls.from_dict(data)
         except (OSError, json.JSONDecodeError, KeyError) as exc:
             raise ModelLoadError(f"cannot read {path}: {exc}; expected a Hugging Face "
                                  "config.json of a Llama-family model") from exc

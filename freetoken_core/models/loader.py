@@ -7,6 +7,7 @@ import ctypes
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -48,13 +49,15 @@ def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
                max_positions: int, gguf_path: Path | None = None,
-               shard: Shard | None = None) -> LlamaForCausalLM:
+               shard: Shard | None = None, overrides: dict[str, Any] | None = None
+               ) -> LlamaForCausalLM:
     """The model described by ``model_dir``'s config.json, its weights from ``gguf_path``
     where given (the GGUF file, read in place: in float32 on CPU with the native kernels the
     linears keep its blocks; elsewhere each weight is dequantized to ``dtype`` as it is
     read), else from ``model_dir``'s safetensors. ``shard``: only this tensor-parallel
-    rank's part of the weights is kept (``sharding``)."""
-    cfg = ModelConfig.from_dir(model_dir)
+    rank's part of the weights is kept (``sharding``). ``overrides``: config.json keys
+    replaced (``--hf-overrides``)."""
+    cfg = ModelConfig.from_dir(model_dir, overrides)
     if gguf_path is None:
         weights = read_weights(model_dir, dtype, device)
     else:
