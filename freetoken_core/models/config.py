@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
@@ -60,6 +61,9 @@ class ModelConfig:
     """Logits become ``cap * tanh(logits / cap)`` (Gemma's ``final_logit_softcapping``)."""
     partial_rotary_factor: float = 1.0
     """The fraction of each head's dimensions RoPE rotates (the first ones; Phi-3)."""
+    no_rope_layers: tuple[int, ...] = ()
+    """Per layer, 1 where RoPE rotates queries and keys, 0 where it does not (SmolLM3's
+    NoPE layers, transformers' ``no_rope_layers``); empty: every layer rotates."""
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -100,13 +104,17 @@ class ModelConfig:
         fields: dict[str, Any] = {
             "rope_theta": float(rope_theta or 10000.0),
             "rope_scaling": rope_scaling,
-            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", family == "gemma3")),
+            # (transformers' default where config.json leaves it out: tied for these two)
+            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings",
+                                                family in ("gemma3", "smollm3"))),
             "hidden_act": hidden_act,
         }
         if family == "gemma3":
             fields.update(_gemma3_fields(cfg))
         elif family == "phi3":
             fields.update(_phi3_fields(cfg, rope_scaling))
+        elif family == "smollm3":
+            fields.update(_smollm3_fields(cfg))
         return cls(
             architecture=family,
             vocab_size=cfg["vocab_size"],
@@ -195,6 +203,24 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "query_scale": cfg.get("query_pre_attn_scalar", 256) ** -0.5,
         "final_logit_softcap": cfg.get("final_logit_softcapping"),
     }
+
+
+def _smollm3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3's NoPE layers as transformers' ``SmolLM3Config`` reads them: ``no_rope_layers``
+    (1 rotates), else every ``no_rope_layer_interval``-th layer (default 4) without RoPE.
+    Its optional sliding window is refused (the released models have none)."""
+    layers = cfg["num_hidden_layers"]
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers or any(f not in (0, 1) for f in flags):
+        raise ModelLoadError(f"SmolLM3ForCausalLM no_rope_layers must hold 0 or 1 for each "
+                             f"of the {layers} layers, not {flags!r}")
+    if cfg.get("use_sliding_window"):
+        raise ModelLoadError("SmolLM3ForCausalLM with use_sliding_window is not supported "
+                             "(the released SmolLM3 models attend to every key)")
+    return {"no_rope_layers": tuple(int(f) for f in flags)}
 
 
 def _phi3_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None) -> dict[str, Any]:

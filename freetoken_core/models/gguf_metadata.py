@@ -311,6 +311,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 
 
@@ -351,6 +352,7 @@ def rope_scaling(reader: Any, arch: str = ARCH) -> dict[str, Any] | None:
 # ``rope_scaling`` (:func:`rope_factor_scaling`), not into the weights.
 ROPE_FACTOR_TENSORS = {
     "llama": ("rope_freqs.weight",),
+    "smollm3": ("rope_freqs.weight",),
     "phi3": ("rope_factors_long.weight", "rope_factors_short.weight"),
 }
 
@@ -402,7 +404,7 @@ def rope_factor_scaling(reader: Any, arch: str, rotary_dim: int,
     values = [factor_tensor(reader, name, rotary_dim // 2) for name in names]
     if all(v is None for v in values):
         return scaling
-    if arch == "llama":
+    if arch in ("llama", "smollm3"):
         out: dict[str, Any] = {"rope_type": "factors", "factors": values[0]}
         if scaling is not None:
             if scaling["rope_type"] != "linear":
@@ -466,6 +468,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(_gemma3_config(reader, config))
     if arch == "phi3" and rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
+    if arch == "smollm3":  # llama.cpp: every 4th layer without RoPE (n_no_rope_layer_step)
+        config["no_rope_layer_interval"] = 4
     config.update(special_token_ids(reader))
     scaling = rope_factor_scaling(reader, arch, rope_dim, rope_scaling(reader, arch))
     if scaling is not None:

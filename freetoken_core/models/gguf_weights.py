@@ -67,6 +67,7 @@ _LLAMA_NORMS = {
 }
 _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "llama": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
+    "smollm3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen2": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "gemma3": {
@@ -84,6 +85,9 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
         "ffn_down.weight": "mlp.down_proj.weight",
     },
 }
+# The architectures whose converter (LlamaModel's) stores q/k rows permuted for llama.cpp's
+# interleaved rotary pairs.
+PERMUTED_QK = frozenset({"llama", "smollm3"})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -266,7 +270,7 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
         rows = np.asarray(t.data).view(np.uint8).reshape(shape[0], -1)
         tail = name.split(".", 3)[-1]
         order = (_reverse_permutation(shape[0], heads[tail], t.name)
-                 if arch == "llama" and tail in heads else None)
+                 if arch in PERMUTED_QK and tail in heads else None)
         weights[name] = GGUFWeight(t.name, qtype, (shape[0], shape[1]), rows, order)
     missing = {"model.embed_tokens.weight", "model.norm.weight"} - set(weights)
     missing |= {f"model.layers.{i}.self_attn.o_proj.weight" for i in range(num_layers)} - set(

@@ -8,6 +8,7 @@ from freetoken_core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from freetoken_core.models.gemma3 import Gemma3ForCausalLM
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.phi3 import Phi3ForCausalLM
+from freetoken_core.models.smollm3 import SmolLM3ForCausalLM
 
 _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -16,6 +17,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen3": LlamaForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "smollm3": SmolLM3ForCausalLM,
 }
 
 SUPPORTED: tuple[str, ...] = tuple(sorted(_CLASSES))

@@ -1,0 +1,109 @@
+"""SmolLM3 (transformers' ``SmolLM3ForCausalLM``, llama.cpp's ``smollm3``): Llama with every
+4th layer not rotating queries and keys (NoPE), from a directory and from a GGUF file.
+
+The directory: a tiny random SmolLM3 saved by transformers, whose greedy tokens and logits
+FreeToken matches. The GGUF: a random file written as llama.cpp's converter writes SmolLM3
+(llama's tensors, q/k permuted), against transformers' SmolLM3 holding the same weights
+(transformers' GGUF loader reads them from the same file written as ``llama``); llama.cpp
+puts NoPE on every 4th layer, as transformers' default does. The NoPE layers matter: the
+same weights with every layer rotating give other logits."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf_models import Q8_0, write_gguf
+from gguf_reference import hf_from_gguf
+from test_arch_gemma3 import chunked_logits
+from test_gguf_rope_factors import LONG, greedy
+from tiny_models import build_tokenizer
+from transformers import GenerationConfig, SmolLM3Config, SmolLM3ForCausalLM
+
+from freetoken_core import LLM, SamplingParams
+
+PROMPTS = ["Hello world, this is", "def add(a, b):\n    return", LONG]
+
+
+def make_smollm3(out_dir: Path, seed: int = 0) -> Path:
+    tok = build_tokenizer(out_dir)
+    config = SmolLM3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=2048, rope_theta=10000.0,
+                           rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=2, pad_token_id=2)
+    config.architectures = ["SmolLM3ForCausalLM"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = SmolLM3ForCausalLM(config).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("embed_tokens.weight"):
+                param.normal_(0.0, 1.0, generator=gen)
+            elif "norm" in name:
+                param.uniform_(0.9, 1.1, generator=gen)
+            else:
+                gain = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.5
+                param.normal_(0.0, gain / math.sqrt(param.shape[1]), generator=gen)
+    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=2, pad_token_id=2)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def served(model: Path, n: int) -> tuple[LLM, list[list[int]], list[list[int]]]:
+    llm = LLM(str(model), kv_cache_tokens=1024, dtype="float32", progress=False,
+              plugins="none")
+    prompts = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n,
+                                                ignore_eos=True))
+    return llm, prompts, [o.outputs[0].token_ids for o in outs]
+
+
+def assert_nope_matters(llm: LLM, ids: list[int], ref: Any) -> None:
+    """Logits of every position equal ``ref``'s; with every layer rotating they differ."""
+    model = llm.engine.core.runner.model
+    half = len(ids) // 2
+    got = chunked_logits(model, ids, [half, len(ids) - half])
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    config = model.config
+    model.config = dataclasses.replace(config, no_rope_layers=())
+    try:
+        assert (chunked_logits(model, ids, [len(ids)]) - want).abs().max() > 0.1
+    finally:
+        model.config = config
+
+
+def test_directory_matches_transformers(tmp_path: Path) -> None:
+    model_dir = make_smollm3(tmp_path / "smollm3")
+    hf = SmolLM3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert hf.config.no_rope_layers == [1, 1, 1, 0]
+    llm, prompts, got = served(model_dir, 16)
+    cfg = llm.engine.core.runner.model.config
+    assert cfg.architecture == "smollm3" and cfg.no_rope_layers == (1, 1, 1, 0)
+    assert cfg.tie_word_embeddings
+    assert got == greedy(hf, prompts, 16)
+    assert_nope_matters(llm, prompts[-1], hf)
+
+
+def test_gguf_matches_transformers(tmp_path: Path) -> None:
+    shape = {"hidden": 64, "ff": 128, "heads": 4, "kv_heads": 2, "layers": 4,
+             "weight_type": Q8_0, "seed": 11}
+    smol = write_gguf(tmp_path / "smollm3.gguf", "smollm3", **shape)
+    same = hf_from_gguf(write_gguf(tmp_path / "as-llama.gguf", "llama", **shape))
+    c = same.config
+    config = SmolLM3Config(vocab_size=c.vocab_size, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=c.max_position_embeddings,
+                           rope_theta=10000.0, rms_norm_eps=c.rms_norm_eps,
+                           tie_word_embeddings=True, pad_token_id=0)
+    ref = SmolLM3ForCausalLM(config).float().eval()
+    ref.load_state_dict(same.state_dict())
+    llm, prompts, got = served(smol, 16)
+    assert llm.engine.core.runner.model.config.no_rope_layers == (1, 1, 1, 0)
+    assert got == greedy(ref, prompts, 16)
+    assert_nope_matters(llm, prompts[-1], ref)
