@@ -88,11 +88,13 @@ class ModelConfig:
             rope_scaling = None if kind == "default" else dict(rope_scaling, rope_type=kind)
             if kind == "yarn" and not rope_scaling.get("original_max_position_embeddings"):
                 # transformers' default: the model's own length is the original one
-                rope_scaling["original_max_position_embeddings"] = cfg.get(
-                    "original_max_position_embeddings", cfg.get("max_position_embeddings"))
-            if kind == "yarn" and not rope_scaling.get("original_max_position_embeddings"):
-                raise ModelLoadError("rope_scaling yarn needs original_max_position_embeddings "
-                                     "(or max_position_embeddings) in config.json")
+                original = cfg.get("original_max_position_embeddings",
+                                   cfg.get("max_position_embeddings"))
+                if not original:
+                    raise ModelLoadError("rope_scaling yarn needs original_max_position_"
+                                         "embeddings (or max_position_embeddings) in "
+                                         "config.json")
+                rope_scaling["original_max_position_embeddings"] = original
         use_window = cfg.get("use_sliding_window", family == "mistral")
         # transformers' Gemma reads hidden_activation (default gelu_pytorch_tanh) only.
         hidden_act = ((cfg.get("hidden_activation") or "gelu_pytorch_tanh")

@@ -391,8 +391,8 @@ def rope_factor_scaling(reader: Any, arch: str, rotary_dim: int,
     """``rope_scaling`` with the file's rotary frequency factors, as llama.cpp applies them
     (``ggml_rope_ext``'s ``freq_factors``: pair ``i`` turns at ``base^(-2i/d) / factor[i]``).
 
-    * llama's ``rope_freqs.weight`` (llama 3.1 and later: the converter's llama3 scaling,
-      computed once): type ``factors`` with those ``factors`` (and a linear ``factor`` where
+    * llama's (and smollm3's) ``rope_freqs.weight`` (llama 3.1 and later: the converter's
+      llama3 scaling, computed once): type ``factors`` with those ``factors`` (and a linear ``factor`` where
       the metadata also has one);
     * phi3's ``rope_factors_long`` / ``_short`` (LongRoPE: Phi-3 128k, Phi-3.5, Phi-4-mini):
       transformers' ``longrope`` with ``long_factor`` / ``short_factor``, the
@@ -404,7 +404,7 @@ def rope_factor_scaling(reader: Any, arch: str, rotary_dim: int,
     values = [factor_tensor(reader, name, rotary_dim // 2) for name in names]
     if all(v is None for v in values):
         return scaling
-    if arch in ("llama", "smollm3"):
+    if len(names) == 1:  # one set for every position
         out: dict[str, Any] = {"rope_type": "factors", "factors": values[0]}
         if scaling is not None:
             if scaling["rope_type"] != "linear":
