@@ -56,16 +56,24 @@ LONGER_PROMPT = (LONG_PROMPT + ", and every evening it wrote a short paragraph a
 def make_phi3(out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
     """A tiny Phi-3 directory (hidden 64, 4 heads of 16, 2 KV heads, 2 layers) with
     O(1)-scale random weights, so greedy logits are well separated."""
+    return save_tiny_model(out_dir, Phi3Config, HFPhi3, seed, **overrides)
+
+
+def save_tiny_model(out_dir: Path, config_class: type, model_class: type, seed: int = 0,
+                    **overrides: Any) -> Path:
+    """A tiny ``model_class`` directory saved by transformers (hidden 64, 4 heads of 16, 2
+    KV heads, 2 layers unless ``overrides`` say otherwise; tests/tiny_models.py's
+    tokenizer) with O(1)-scale random weights, so greedy logits are well separated."""
     tok = build_tokenizer(out_dir)
-    config = Phi3Config(**{
+    config = config_class(**{
         "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "bos_token_id": 0,
         "eos_token_id": 2, "pad_token_id": 2, **overrides})
-    config.architectures = ["Phi3ForCausalLM"]
+    config.architectures = [model_class.__name__]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = HFPhi3(config).float().eval()
+        model = model_class(config).float().eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

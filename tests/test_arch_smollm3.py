@@ -11,7 +11,6 @@ same weights with every layer rotating give other logits."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,9 @@ import torch
 from gguf_models import Q8_0, write_gguf
 from gguf_reference import hf_from_gguf
 from test_arch_gemma3 import chunked_logits
+from test_arch_phi3 import save_tiny_model
 from test_gguf_rope_factors import LONG, greedy
-from tiny_models import build_tokenizer
-from transformers import GenerationConfig, SmolLM3Config, SmolLM3ForCausalLM
+from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
 from freetoken_core import LLM, SamplingParams
 
@@ -29,28 +28,9 @@ PROMPTS = ["Hello world, this is", "def add(a, b):\n    return", LONG]
 
 
 def make_smollm3(out_dir: Path, seed: int = 0) -> Path:
-    tok = build_tokenizer(out_dir)
-    config = SmolLM3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=2048, rope_theta=10000.0,
-                           rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=2, pad_token_id=2)
-    config.architectures = ["SmolLM3ForCausalLM"]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = SmolLM3ForCausalLM(config).float().eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("embed_tokens.weight"):
-                param.normal_(0.0, 1.0, generator=gen)
-            elif "norm" in name:
-                param.uniform_(0.9, 1.1, generator=gen)
-            else:
-                gain = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.5
-                param.normal_(0.0, gain / math.sqrt(param.shape[1]), generator=gen)
-    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=2, pad_token_id=2)
-    model.save_pretrained(out_dir)
-    return out_dir
+    """A tiny SmolLM3 of 4 layers (the last without RoPE), rope base 10,000."""
+    return save_tiny_model(out_dir, SmolLM3Config, SmolLM3ForCausalLM, seed,
+                           num_hidden_layers=4, rope_theta=10000.0)
 
 
 def served(model: Path, n: int) -> tuple[LLM, list[list[int]], list[list[int]]]:
