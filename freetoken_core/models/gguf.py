@@ -124,8 +124,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
 def end_of_generation_ids(reader: Any, tokens: list[str]) -> list[int]:
     """The ids llama.cpp ends generation on (``special_eog_ids``, src/llama-vocab.cpp): the
     eos, eot and eom ids the metadata names; the fill-in-the-middle pad, repo and
-    file-separator tokens (named by their keys, else found by text); every token whose text is in its list
-    (``<|eot_id|>``, ``<|im_end|>``, ``<|end|>``, ``<end_of_turn>``, ``<|endoftext|>``, ...).
+    file-separator tokens (named by their keys, else found by text); every token whose text
+    is in its list (``<|eot_id|>``, ``<|im_end|>``, ``<|end|>``, ``<end_of_turn>``,
+    ``<|endoftext|>``, ...).
     As there, ``<|end|>`` is not one where the vocabulary also has ``<|return|>`` and
     ``<|call|>`` (or ``<|calls|>`` and ``<|flush|>``), and ``</s>`` is not one beside
     ``<|tool_response>`` or ``<|plamo:eos|>``. The eos first, the others in id order."""

@@ -392,8 +392,8 @@ def rope_factor_scaling(reader: Any, arch: str, rotary_dim: int,
     (``ggml_rope_ext``'s ``freq_factors``: pair ``i`` turns at ``base^(-2i/d) / factor[i]``).
 
     * llama's (and smollm3's) ``rope_freqs.weight`` (llama 3.1 and later: the converter's
-      llama3 scaling, computed once): type ``factors`` with those ``factors`` (and a linear ``factor`` where
-      the metadata also has one);
+      llama3 scaling, computed once): type ``factors`` with those ``factors`` (and a linear
+      ``factor`` where the metadata also has one);
     * phi3's ``rope_factors_long`` / ``_short`` (LongRoPE: Phi-3 128k, Phi-3.5, Phi-4-mini):
       transformers' ``longrope`` with ``long_factor`` / ``short_factor``, the
       ``rope.scaling.attn_factor`` (llama.cpp's default 1 where it is missing) and
