@@ -4,6 +4,7 @@ Gemma 3 (text) and Phi-3."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite",
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
@@ -61,6 +63,13 @@ class ModelConfig:
     """Logits become ``cap * tanh(logits / cap)`` (Gemma's ``final_logit_softcapping``)."""
     partial_rotary_factor: float = 1.0
     """The fraction of each head's dimensions RoPE rotates (the first ones; Phi-3)."""
+    embedding_multiplier: float = 1.0
+    """The embeddings' multiplier (Granite's ``embedding_multiplier``)."""
+    residual_multiplier: float = 1.0
+    """Each block's attention and MLP outputs' multiplier before they join the residual
+    stream (Granite's ``residual_multiplier``)."""
+    logits_scaling: float = 1.0
+    """The logits' divisor (Granite's ``logits_scaling``)."""
     no_rope_layers: tuple[int, ...] = ()
     """Per layer, 1 where RoPE rotates queries and keys, 0 where it does not (SmolLM3's
     NoPE layers, transformers' ``no_rope_layers``); empty: every layer rotates."""
@@ -117,6 +126,8 @@ class ModelConfig:
             fields.update(_phi3_fields(cfg, rope_scaling))
         elif family == "smollm3":
             fields.update(_smollm3_fields(cfg))
+        elif family == "granite":
+            fields.update(_granite_fields(cfg))
         return cls(
             architecture=family,
             vocab_size=cfg["vocab_size"],
@@ -205,6 +216,23 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "query_scale": cfg.get("query_pre_attn_scalar", 256) ** -0.5,
         "final_logit_softcap": cfg.get("final_logit_softcapping"),
     }
+
+
+def _granite_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four multipliers, transformers' ``GraniteConfig`` defaults (1) where
+    config.json leaves them out: the embeddings', the residual branches', the attention
+    scores' (in place of ``head_dim ** -0.5``) and the logits' divisor."""
+    def number(key: str) -> float:
+        value = cfg.get(key, 1.0)
+        if not isinstance(value, int | float) or not math.isfinite(value) or value == 0:
+            raise ModelLoadError(f"GraniteForCausalLM {key} must be a finite non-zero "
+                                 f"number, not {value!r}")
+        return float(value)
+
+    return {"embedding_multiplier": number("embedding_multiplier"),
+            "residual_multiplier": number("residual_multiplier"),
+            "query_scale": number("attention_multiplier"),
+            "logits_scaling": number("logits_scaling")}
 
 
 def _smollm3_fields(cfg: dict[str, Any]) -> dict[str, Any]:

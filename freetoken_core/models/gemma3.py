@@ -54,7 +54,6 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.post_attn_norm = norm_weight(self.post_attn_norm)
         self.q_norm = norm_weight(self.q_norm)
         self.k_norm = norm_weight(self.k_norm)
-        self.scale = cfg.query_scale
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                  sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata

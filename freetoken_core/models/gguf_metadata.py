@@ -312,6 +312,7 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 
 
@@ -470,6 +471,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config["partial_rotary_factor"] = rope_dim / head_dim
     if arch == "smollm3":  # llama.cpp: every 4th layer without RoPE (n_no_rope_layer_step)
         config["no_rope_layer_interval"] = 4
+    if arch == "granite":
+        config.update(_granite_config(reader, head_dim))
     config.update(special_token_ids(reader))
     scaling = rope_factor_scaling(reader, arch, rope_dim, rope_scaling(reader, arch))
     if scaling is not None:
@@ -500,6 +503,23 @@ def _gemma3_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
     }
+
+
+def _granite_config(reader: Any, head_dim: int) -> dict[str, Any]:
+    """Granite's multipliers as llama.cpp reads them (src/models/granite.cpp): a missing or
+    zero key is none (the attention scale then Llama's ``head_dim ** -0.5``)."""
+    if field(reader, "granite.rope.scaling.finetuned", True) is False:
+        raise ModelLoadError("GGUF granite without rotary embedding "
+                             "(granite.rope.scaling.finetuned false) is not supported")
+
+    def scale(key: str, default: float) -> float:
+        value = float(field(reader, f"granite.{key}", 0.0))
+        return value if value != 0.0 else default
+
+    return {"embedding_multiplier": scale("embedding_scale", 1.0),
+            "residual_multiplier": scale("residual_scale", 1.0),
+            "attention_multiplier": scale("attention.scale", head_dim ** -0.5),
+            "logits_scaling": scale("logit_scale", 1.0)}
 
 
 def embedding_rows(reader: Any) -> int:

@@ -68,6 +68,7 @@ _LLAMA_NORMS = {
 _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "llama": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "smollm3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
+    "granite": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen2": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "gemma3": {
@@ -87,7 +88,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
 }
 # The architectures whose converter (LlamaModel's) stores q/k rows permuted for llama.cpp's
 # interleaved rotary pairs.
-PERMUTED_QK = frozenset({"llama", "smollm3"})
+PERMUTED_QK = frozenset({"llama", "smollm3", "granite"})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 

@@ -81,12 +81,15 @@ class DecoderLayer:
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.native = native
+        self.scale = cfg.query_scale  # None: head_dim ** -0.5
+        self.residual_multiplier = cfg.residual_multiplier
         # The whole block in one native call (the same kernels in the same order, so the
         # same results) where it covers the layer: every linear from GGUF blocks, no bias,
-        # no q/k norm.
+        # no q/k norm, Llama's score scale and no residual multiplier.
         self.linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         self.one_call = None
-        if native and bias is None and self.q_norm is None and all(
+        if native and bias is None and self.q_norm is None and self.scale is None and (
+                self.residual_multiplier == 1.0) and all(
                 lin.blocks is not None for lin in self.linears):
             self.set_one_call_blocks()
 
@@ -120,9 +123,14 @@ class DecoderLayer:
         qk = apply_rope(qk, cos, sin, self.native)
         # Rotated keys and values side by side, as the cache stores them.
         kv = torch.cat([qk[:, h:], v.view(n, kvh, d)], dim=1).view(n, 2, kvh, d)
-        x = self.o_proj(paged_attention(qk[:, :h], kv, kv_cache, meta))
+        x = self.o_proj(paged_attention(qk[:, :h], kv, kv_cache, meta, self.scale))
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         x, residual = add_rms_norm(x, residual, self.post_attn_norm, self.eps, self.native)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native)), residual
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native))
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
+        return out, residual
 
 
 class LlamaForCausalLM:
@@ -371,6 +379,8 @@ class LlamaForCausalLM:
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat step; writes the step's KV into the cache."""
         x = self.embedding(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
         cos, sin = self.rotary.tables(positions)
         # Every block in one native call (what the loop below runs, block by block), unless
         # a block has left the one-call path (tests switch blocks to the Python path).
@@ -388,4 +398,7 @@ class LlamaForCausalLM:
         return add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps, self.native)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        return logits

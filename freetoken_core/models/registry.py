@@ -18,6 +18,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "gemma3": Gemma3ForCausalLM,
     "phi3": Phi3ForCausalLM,
     "smollm3": SmolLM3ForCausalLM,
+    "granite": LlamaForCausalLM,  # (its multipliers are ModelConfig fields Llama's reads)
 }
 
 SUPPORTED: tuple[str, ...] = tuple(sorted(_CLASSES))
