@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from gguf_models import Q8_0, write_gguf
-from gguf_reference import hf_from_gguf
+from gguf_reference import hf_with_weights_of
 from test_arch_gemma3 import chunked_logits
 from test_arch_phi3 import save_tiny_model
 from test_gguf_rope_factors import LONG, greedy
@@ -62,13 +62,7 @@ def test_gguf_matches_transformers(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "granite.gguf", "granite", **shape, metadata={
         "embedding_scale": 0.5, "residual_scale": 1.5, "attention.scale": 0.125,
         "logit_scale": 8.0})
-    same = hf_from_gguf(write_gguf(tmp_path / "as-llama.gguf", "llama", **shape))
-    c = same.config
-    config = GraniteConfig(vocab_size=c.vocab_size, hidden_size=64, intermediate_size=128,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=c.max_position_embeddings,
-                           rope_theta=10000.0, rms_norm_eps=c.rms_norm_eps,
-                           tie_word_embeddings=False, pad_token_id=0, **MULTIPLIERS)
-    ref = GraniteForCausalLM(config).float().eval()
-    ref.load_state_dict(same.state_dict())
+    ref = hf_with_weights_of(write_gguf(tmp_path / "as-llama.gguf", "llama", **shape),
+                             GraniteConfig, GraniteForCausalLM, rope_theta=10000.0,
+                             **MULTIPLIERS)
     check(path, ref)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from gguf_models import Q8_0, write_gguf
-from gguf_reference import hf_from_gguf
+from gguf_reference import hf_with_weights_of
 from test_arch_gemma3 import chunked_logits
 from test_arch_phi3 import save_tiny_model
 from test_gguf_rope_factors import LONG, greedy
@@ -74,15 +74,8 @@ def test_gguf_matches_transformers(tmp_path: Path) -> None:
     shape = {"hidden": 64, "ff": 128, "heads": 4, "kv_heads": 2, "layers": 4,
              "weight_type": Q8_0, "seed": 11}
     smol = write_gguf(tmp_path / "smollm3.gguf", "smollm3", **shape)
-    same = hf_from_gguf(write_gguf(tmp_path / "as-llama.gguf", "llama", **shape))
-    c = same.config
-    config = SmolLM3Config(vocab_size=c.vocab_size, hidden_size=64, intermediate_size=128,
-                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=c.max_position_embeddings,
-                           rope_theta=10000.0, rms_norm_eps=c.rms_norm_eps,
-                           tie_word_embeddings=True, pad_token_id=0)
-    ref = SmolLM3ForCausalLM(config).float().eval()
-    ref.load_state_dict(same.state_dict())
+    ref = hf_with_weights_of(write_gguf(tmp_path / "as-llama.gguf", "llama", **shape),
+                             SmolLM3Config, SmolLM3ForCausalLM, rope_theta=10000.0)
     llm, prompts, got = served(smol, 16)
     assert llm.engine.core.runner.model.config.no_rope_layers == (1, 1, 1, 0)
     assert got == greedy(ref, prompts, 16)
