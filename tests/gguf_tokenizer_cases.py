@@ -184,7 +184,7 @@ def _llama_tokenize(binary: Path, model: Path, text: str, scratch: Path) -> list
 
 def regenerate(binary: Path) -> None:
     """Write :data:`FIXTURE` from llama.cpp's ``llama-tokenize`` at ``binary``."""
-    from freetoken_core.models.gguf_metadata import open_header
+    from freetoken_core.models.gguf_reader import open_header
     from freetoken_core.models.gguf_tokenizer import read_vocab
     from freetoken_core.models.resolve import default_gguf_path
 

@@ -134,7 +134,7 @@ def test_output_files(converted: Path) -> None:
 
 
 def _gguf_weights(gguf_path: Path) -> dict[str, Any]:
-    from freetoken_core.models.gguf_metadata import open_header
+    from freetoken_core.models.gguf_reader import open_header
     from freetoken_core.models.gguf_weights import read_gguf_weights
 
     return read_gguf_weights(gguf_path, open_header(gguf_path), "llama", 30, 9, 3, True)
@@ -379,7 +379,7 @@ def _assert_reads_like_gguf_reader(path: Path) -> None:
     import numpy as np
     from gguf import GGUFReader
 
-    from freetoken_core.models.gguf_metadata import HeaderReader
+    from freetoken_core.models.gguf_reader import HeaderReader
 
     fast, full = HeaderReader(path), GGUFReader(path, "r")
     assert list(fast.fields) == [k for k in full.fields if not k.startswith("GGUF.")]
@@ -402,7 +402,8 @@ def test_header_reader_reads_the_default_model_like_gguf_reader(gguf_path: Path)
     ~100,000 strings that GGUFReader maps one by one): same config, same tensors."""
     from gguf import GGUFReader
 
-    from freetoken_core.models.gguf_metadata import HeaderReader, build_config
+    from freetoken_core.models.gguf_metadata import build_config
+    from freetoken_core.models.gguf_reader import HeaderReader
 
     _assert_reads_like_gguf_reader(gguf_path)
     assert build_config(HeaderReader(gguf_path)) == build_config(GGUFReader(gguf_path, "r"))
@@ -437,7 +438,7 @@ def test_header_reader_handles_every_value_type_and_the_alignment(tmp_path: Path
 
 
 def test_open_header_falls_back_to_gguf_reader_and_names_a_bad_file(tmp_path: Path) -> None:
-    from freetoken_core.models.gguf_metadata import open_header
+    from freetoken_core.models.gguf_reader import open_header
 
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file at all" * 10)

@@ -28,7 +28,7 @@ from server_fixtures import ok as _ok
 from server_fixtures import post as _post
 
 from freetoken_core.errors import ModelLoadError
-from freetoken_core.models.gguf_metadata import open_header, token_count
+from freetoken_core.models.gguf_reader import open_header, token_count
 from freetoken_core.models.resolve import default_gguf_path, resolve_model
 from freetoken_core.tokenizer import load_tokenizer
 from freetoken_plugins import fim

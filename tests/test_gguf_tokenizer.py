@@ -25,8 +25,8 @@ from gguf_tokenizer_cases import (
     write_tokenizer_gguf,
 )
 
-from freetoken_core.models.gguf_metadata import open_header
 from freetoken_core.models.gguf_pretokenizers import PRE_TOKENIZERS
+from freetoken_core.models.gguf_reader import open_header
 from freetoken_core.models.gguf_tokenizer import (
     BYTE,
     CONTROL,

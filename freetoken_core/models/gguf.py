@@ -28,12 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from freetoken_core.errors import ModelLoadError
-from freetoken_core.models.gguf_metadata import (
-    build_config,
-    field,
-    generation_config,
-    open_header,
-)
+from freetoken_core.models.gguf_metadata import build_config, generation_config
+from freetoken_core.models.gguf_reader import field, open_header
 from freetoken_core.models.gguf_tokenizer import build_tokenizer, read_vocab, tokenizer_config
 from freetoken_core.models.gguf_weights import check_tensors
 

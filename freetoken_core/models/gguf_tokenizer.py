@@ -118,7 +118,7 @@ def read_vocab(gguf_path: Path, reader: Any) -> GGUFVocab:
     """The vocabulary of ``gguf_path``, whose scalar metadata ``reader`` holds (from
     ``open_header``). Raises :class:`ModelLoadError` for a file without tokens or with a
     tokenizer model other than ``gpt2`` and ``llama``."""
-    from freetoken_core.models.gguf_metadata import field, read_arrays
+    from freetoken_core.models.gguf_reader import field, read_arrays
 
     arrays = read_arrays(gguf_path, _ARRAYS)
     model = field(reader, "tokenizer.ggml.model")

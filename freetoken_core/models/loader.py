@@ -15,7 +15,8 @@ from safetensors import safe_open
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models.config import ModelConfig
-from freetoken_core.models.gguf_metadata import architecture, open_header
+from freetoken_core.models.gguf_metadata import architecture
+from freetoken_core.models.gguf_reader import open_header
 from freetoken_core.models.gguf_weights import GGUFWeight, read_gguf_weights
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.registry import model_class
