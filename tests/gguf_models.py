@@ -132,8 +132,9 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                rope_dims: int | None = None,
                rope_factors: dict[str, Sequence[float]] | None = None,
                metadata: dict[str, int | float | str] | None = None,
-               split_max_tensors: int = 0) -> Path:
-    """A random ``arch`` model (llama, qwen2, qwen3, gemma3 or phi3) as a GGUF file.
+               split_max_tensors: int = 0, experts: int = 0, experts_used: int = 2,
+               expert_ff: int | None = None) -> Path:
+    """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, gemma3 or phi3) as a GGUF file.
 
     ``weight_type`` is every 2-d weight's type; ``types`` overrides it by the end of the
     tensor name (e.g. ``{"attn_v.weight": Q6_K, "token_embd.weight": Q6_K}``). The
@@ -154,7 +155,13 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     with it or ``tokenizer.``), an int as uint32, a float as float32, a str as a string.
     ``split_max_tensors``: a split GGUF of shards of at most that many tensors, as
     llama.cpp's ``gguf-split`` writes them (``{stem}-00001-of-0000N.gguf`` ..., the metadata
-    in the first); the first shard's path is returned."""
+    in the first); the first shard's path is returned.
+
+    ``experts``: mixture-of-experts MLPs of that many experts (a ``llama`` file with them is
+    Mixtral's; ``qwen3moe`` needs them), ``experts_used`` per token, each of ``expert_ff``
+    features (qwen3moe's ``expert_feed_forward_length``, default ``ff``; llama's experts
+    are ``ff`` wide): the F32 router ``ffn_gate_inp`` and the 3-d ``ffn_{gate,up,down}_exps``
+    tensors in place of the dense MLP's."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     from freetoken_core.models.resolve import default_gguf_path
@@ -183,6 +190,12 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     writer.add_float32(p + "attention.layer_norm_rms_epsilon", 1e-6)
     if arch == "gemma3":
         writer.add_uint32(p + "attention.sliding_window", sliding_window)
+    expert_ff = expert_ff or ff
+    if experts:
+        writer.add_uint32(p + "expert_count", experts)
+        writer.add_uint32(p + "expert_used_count", experts_used)
+        if arch != "llama":
+            writer.add_uint32(p + "expert_feed_forward_length", expert_ff)
     for key, value in (metadata or {}).items():
         key = key if key.startswith((p, "tokenizer.")) else p + key
         if isinstance(value, str):
@@ -211,6 +224,14 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
         writer.add_tensor(name, raw, raw_shape=raw.shape,
                           raw_dtype=GGMLQuantizationType(qtype))
 
+    def stacked(name: str, count: int, rows: int, cols: int) -> None:
+        # [count, rows, cols] (ggml: [cols, rows, count]): one matrix per expert
+        gain = next((g for tail, g in _GAINS.items() if name.endswith(tail)), 1.0)
+        raw = random_blocks(rng, typed(name), count * rows, cols,
+                            scale=1.7 * gain / cols ** 0.5).reshape(count, rows, -1)
+        writer.add_tensor(name, raw, raw_shape=raw.shape,
+                          raw_dtype=GGMLQuantizationType(typed(name)))
+
     def vector(name: str, n: int, around: float = 1.0) -> None:
         writer.add_tensor(name, (around + rng.normal(0, 0.1, n)).astype(np.float32))
 
@@ -229,16 +250,26 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
             matrix(b + "attn_q.weight", q, hidden)
             matrix(b + "attn_k.weight", kv, hidden)
             matrix(b + "attn_v.weight", kv, hidden)
-            matrix(b + "ffn_gate.weight", ff, hidden)
-            matrix(b + "ffn_up.weight", ff, hidden)
+            if experts:
+                # (llama-quantize keeps the router F32; logits of a few units)
+                writer.add_tensor(b + "ffn_gate_inp.weight", rng.normal(
+                    0.0, 1.5 / hidden ** 0.5, (experts, hidden)).astype(np.float32))
+                stacked(b + "ffn_gate_exps.weight", experts, expert_ff, hidden)
+                stacked(b + "ffn_up_exps.weight", experts, expert_ff, hidden)
+            else:
+                matrix(b + "ffn_gate.weight", ff, hidden)
+                matrix(b + "ffn_up.weight", ff, hidden)
         if arch == "qwen2":
             for name, n in (("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)):
                 vector(b + name, n, 0.0)
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             vector(b + "attn_q_norm.weight", head_dim, norm_one)
             vector(b + "attn_k_norm.weight", head_dim, norm_one)
         matrix(b + "attn_output.weight", hidden, q)
-        matrix(b + "ffn_down.weight", hidden, ff)
+        if experts:
+            stacked(b + "ffn_down_exps.weight", experts, hidden, expert_ff)
+        else:
+            matrix(b + "ffn_down.weight", hidden, ff)
         vector(b + "ffn_norm.weight", hidden, norm_one)
         if arch == "gemma3":
             vector(b + "post_attention_norm.weight", hidden, norm_one)

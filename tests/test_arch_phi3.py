@@ -82,7 +82,7 @@ def save_tiny_model(out_dir: Path, config_class: type, model_class: type, seed: 
             elif "norm" in name:
                 param.uniform_(0.9, 1.1, generator=gen)
             else:
-                param.normal_(0.0, 2.0 / math.sqrt(param.shape[1]), generator=gen)
+                param.normal_(0.0, 2.0 / math.sqrt(param.shape[-1]), generator=gen)
         model.lm_head.weight[:7] *= 0.5  # special tokens: rarely greedy picks
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=2, pad_token_id=2)
     model.save_pretrained(out_dir)

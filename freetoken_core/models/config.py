@@ -1,5 +1,5 @@
 """The architecture facts of a model, read from a Hugging Face config.json: the Llama family,
-Gemma 3 (text) and Phi-3."""
+Gemma 3 (text), Phi-3, and the mixture-of-experts Qwen3-MoE and Mixtral."""
 
 from __future__ import annotations
 
@@ -20,10 +20,13 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
-_ACTIVATIONS = {"gemma3": "gelu_pytorch_tanh", "phi3": "silu"}
+_ACTIVATIONS = {"gemma3": "gelu_pytorch_tanh", "phi3": "silu", "qwen3_moe": "silu",
+                "mixtral": "silu"}
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,25 @@ class ModelConfig:
     no_rope_layers: tuple[int, ...] = ()
     """Per layer, 1 where RoPE rotates queries and keys, 0 where it does not (SmolLM3's
     NoPE layers, transformers' ``no_rope_layers``); empty: every layer rotates."""
+    num_experts: int = 0
+    """Experts of each mixture-of-experts MLP (Qwen3-MoE, Mixtral); 0: a dense model."""
+    num_experts_per_tok: int = 0
+    """The experts each token's MLP output is the weighted sum of (the router's top k)."""
+    moe_intermediate_size: int = 0
+    """Each expert's hidden size (the dense layers' is ``intermediate_size``)."""
+    norm_topk_prob: bool = True
+    """The top k router probabilities rescaled to sum to 1 (Mixtral always; Qwen3-MoE's
+    ``norm_topk_prob``)."""
+    routed_scaling_factor: float = 1.0
+    """The routing weights' multiplier (llama.cpp's ``expert_weights_scale``)."""
+    moe_layers: tuple[int, ...] = ()
+    """Per layer, 1 where the MLP is a mixture of experts, 0 where it is dense (Qwen3-MoE's
+    ``mlp_only_layers`` and ``decoder_sparse_step``); empty: every layer's is, where
+    ``num_experts`` > 0."""
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and (not self.moe_layers or bool(self.moe_layers[index]))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -104,7 +126,7 @@ class ModelConfig:
                                          "embeddings (or max_position_embeddings) in "
                                          "config.json")
                 rope_scaling["original_max_position_embeddings"] = original
-        use_window = cfg.get("use_sliding_window", family == "mistral")
+        use_window = cfg.get("use_sliding_window", family in ("mistral", "mixtral"))
         # transformers' Gemma reads hidden_activation (default gelu_pytorch_tanh) only.
         hidden_act = ((cfg.get("hidden_activation") or "gelu_pytorch_tanh")
                       if family == "gemma3" else (cfg.get("hidden_act") or "silu"))
@@ -128,6 +150,8 @@ class ModelConfig:
             fields.update(_smollm3_fields(cfg))
         elif family == "granite":
             fields.update(_granite_fields(cfg))
+        elif family in ("qwen3_moe", "mixtral"):
+            fields.update(_moe_fields(cfg, arch, family))
         return cls(
             architecture=family,
             vocab_size=cfg["vocab_size"],
@@ -140,7 +164,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=family in ("qwen3", "gemma3"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -233,6 +257,43 @@ def _granite_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             "residual_multiplier": number("residual_multiplier"),
             "query_scale": number("attention_multiplier"),
             "logits_scaling": number("logits_scaling")}
+
+
+def _moe_fields(cfg: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
+    """The mixture of experts as transformers' configs read it: Qwen3-MoE's
+    ``num_experts`` (``num_local_experts`` as transformers 5 saves it),
+    ``moe_intermediate_size``, ``norm_topk_prob`` (default False) and its dense layers
+    (``mlp_only_layers``, and every layer but each ``decoder_sparse_step``-th); Mixtral's
+    ``num_local_experts`` of ``intermediate_size``, every layer sparse, top k always
+    renormalized. Both: ``num_experts_per_tok`` of them, softmax routing, SwiGLU experts."""
+    layers = cfg["num_hidden_layers"]
+    qwen = family == "qwen3_moe"
+    experts = cfg.get("num_experts", cfg.get("num_local_experts")) if qwen else cfg.get(
+        "num_local_experts", 8)
+    top_k = cfg.get("num_experts_per_tok", 2)
+    size = cfg.get("moe_intermediate_size") if qwen else cfg.get("intermediate_size")
+    for key, value, low in (("num_experts" if qwen else "num_local_experts", experts, 1),
+                            ("num_experts_per_tok", top_k, 1),
+                            ("moe_intermediate_size" if qwen else "intermediate_size", size, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ModelLoadError(f"{arch} {key} must be a positive integer, not {value!r}")
+    if top_k > experts:
+        raise ModelLoadError(f"{arch} num_experts_per_tok {top_k} exceeds its {experts} "
+                             "experts")
+    scale = cfg.get("routed_scaling_factor", 1.0)
+    if not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
+        raise ModelLoadError(f"{arch} routed_scaling_factor must be a positive number, "
+                             f"not {scale!r}")
+    flags: tuple[int, ...] = ()
+    if qwen:
+        step = cfg.get("decoder_sparse_step") or 1
+        dense = set(cfg.get("mlp_only_layers") or ())
+        flags = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(layers))
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": size,
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)) if qwen else True,
+            "routed_scaling_factor": float(scale),
+            "moe_layers": flags if 0 in flags else ()}
 
 
 def _smollm3_fields(cfg: dict[str, Any]) -> dict[str, Any]:

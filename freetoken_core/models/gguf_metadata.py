@@ -24,7 +24,10 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# A llama file with experts (llama.expert_count > 0) is Mixtral's.
+MIXTRAL = "MixtralForCausalLM"
 
 
 def architecture(reader: Any) -> str:
@@ -184,6 +187,7 @@ def build_config(reader: Any) -> dict[str, Any]:
         config["no_rope_layer_interval"] = 4
     if arch == "granite":
         config.update(_granite_config(reader, head_dim))
+    config.update(_moe_config(reader, arch, config))
     config.update(special_token_ids(reader))
     scaling = rope_factor_scaling(reader, arch, rope_dim, rope_scaling(reader, arch))
     if scaling is not None:
@@ -231,6 +235,40 @@ def _granite_config(reader: Any, head_dim: int) -> dict[str, Any]:
             "residual_multiplier": scale("residual_scale", 1.0),
             "attention_multiplier": scale("attention.scale", head_dim ** -0.5),
             "logits_scaling": scale("logit_scale", 1.0)}
+
+
+def _moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The experts of a mixture-of-experts file, as llama.cpp reads them: ``qwen3moe``
+    (``expert_feed_forward_length`` each, else the dense length over the experts used) and
+    ``llama`` with ``expert_count`` > 0 (Mixtral; experts of ``feed_forward_length``), every
+    layer sparse, softmax routing with the top k renormalized (llama.cpp passes
+    ``norm_w = true`` for both), times ``expert_weights_scale`` where the file has one.
+    Empty for a dense file. Shared experts and other gating functions are refused."""
+    p = f"{arch}."
+    experts = int(field(reader, p + "expert_count", 0))
+    if arch not in ("llama", "qwen3moe") or (arch == "llama" and experts == 0):
+        return {}
+    used = int(field(reader, p + "expert_used_count", 0))
+    if experts < 1 or not 1 <= used <= experts:
+        raise ModelLoadError(f"GGUF {p}expert_count {experts} / expert_used_count {used}: a "
+                             "mixture of experts needs 1 <= used <= count")
+    if int(field(reader, p + "expert_shared_count", 0)) or int(
+            field(reader, p + "expert_shared_feed_forward_length", 0)):
+        raise ModelLoadError(f"GGUF {arch} with shared experts is not supported")
+    gating = int(field(reader, p + "expert_gating_func", 1))
+    if gating != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ModelLoadError(f"GGUF {p}expert_gating_func {gating} is not supported "
+                             "(FreeToken routes with softmax, 1)")
+    scale = float(field(reader, p + "expert_weights_scale", 0.0))
+    out: dict[str, Any] = {"num_experts_per_tok": used, "norm_topk_prob": True,
+                           "routed_scaling_factor": scale if scale else 1.0}
+    if arch == "llama":
+        return {**out, "architectures": [MIXTRAL], "model_type": "mixtral",
+                "num_local_experts": experts}
+    size = int(field(reader, p + "expert_feed_forward_length", 0)) or (
+        config["intermediate_size"] // used)
+    return {**out, "model_type": "qwen3_moe", "num_experts": experts,
+            "moe_intermediate_size": size, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def embedding_rows(reader: Any) -> int:

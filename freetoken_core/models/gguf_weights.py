@@ -27,7 +27,7 @@ from freetoken_core.models.gguf_metadata import ROPE_FACTOR_TENSORS
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GGUF_TYPES", "GGUFWeight", "read_gguf_weights", "tensor_names"]
+__all__ = ["GGUF_TYPES", "GGUFWeight", "read_gguf_weights"]
 
 # ggml type id -> (name, weights per block, bytes per block): the types FreeToken computes
 # with (freetoken_core/kernels/csrc/gguf_types.h decodes each, bit for bit as gguf-py does).
@@ -61,16 +61,25 @@ _MLP = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Mixture-of-experts MLPs: the router, and each expert's slice of the 3-d expert tensors
+# ([experts, out, in] as Hugging Face orders them), ``{e}`` the expert.
+_MOE = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+}
 _LLAMA_NORMS = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 _LAYER_TENSORS: dict[str, dict[str, str]] = {
-    "llama": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
+    "llama": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},  # (Mixtral: llama with experts)
     "smollm3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "granite": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen2": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
+    "qwen3moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},
     "gemma3": {
         "attn_norm.weight": "input_layernorm.weight",
         "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -175,17 +184,6 @@ class GGUFWeight:
         return torch.from_numpy(np.asarray(values, dtype=np.float32)).reshape(self.shape)
 
 
-def tensor_names(arch: str, num_layers: int, tied: bool) -> set[str]:
-    """Every Hugging Face name a model of family ``arch`` may read (biases and q/k norms
-    included: which of them a family needs, its module says)."""
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not tied:
-        names.add("lm_head.weight")
-    for i in range(num_layers):
-        names.update(f"model.layers.{i}.{tail}" for tail in _LAYER_TENSORS[arch].values())
-    return names
-
-
 def hf_name(arch: str, gguf_name: str) -> str | None:
     """The Hugging Face name of tensor ``gguf_name`` of an ``arch`` file; ``None`` if the
     family has no such tensor."""
@@ -259,15 +257,22 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
         if name is None:
             raise ModelLoadError(
                 f"GGUF tensor {t.name!r} is not part of a {arch} model as FreeToken knows "
-                "it; the file may be of a variant FreeToken does not run (e.g. MoE)")
+                "it; the file may be of a variant FreeToken does not run (e.g. shared "
+                "experts)")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         qtype = int(t.tensor_type)
         if len(shape) == 1:
             weights[name] = _vector(t, qtype, arch)
             continue
-        if len(shape) != 2:
+        if len(shape) == 3 and "{e}" in name:  # one 2-d weight per expert
+            experts = np.asarray(t.data).view(np.uint8).reshape(shape[0], shape[1], -1)
+            for e in range(shape[0]):
+                weights[name.format(e=e)] = GGUFWeight(f"{t.name}[{e}]", qtype,
+                                                       (shape[1], shape[2]), experts[e])
+            continue
+        if len(shape) != 2 or "{e}" in name:
             raise ModelLoadError(f"GGUF tensor {t.name!r} has shape {list(shape)}; "
-                                 "FreeToken expects 2-d weights")
+                                 f"FreeToken expects {3 if '{e}' in name else 2}-d weights")
         rows = np.asarray(t.data).view(np.uint8).reshape(shape[0], -1)
         tail = name.split(".", 3)[-1]
         order = (_reverse_permutation(shape[0], heads[tail], t.name)

@@ -1,4 +1,5 @@
-"""Native Llama-family causal LM (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2).
+"""Native Llama-family causal LM (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2; with
+mixture-of-experts MLPs, ``moe.py``: Qwen3-MoE, Mixtral).
 
 Grouped-query attention with RoPE over the paged KV cache, RMSNorm, SwiGLU. q/k/v and
 gate/up projections are fused into one GEMM each. Weights are plain tensors, the model is
@@ -46,6 +47,7 @@ from freetoken_core.models.layers import (
     silu_and_mul,
 )
 from freetoken_core.models.linear import BlockArena, Embedding, make_linear
+from freetoken_core.models.moe import SparseMoE
 from freetoken_core.models.sharding import Shard, all_reduce, gather_logits, shard_weights
 
 # Weights by Hugging Face name: float tensors, or GGUFWeight blocks (gguf_weights).
@@ -69,9 +71,16 @@ class DecoderLayer:
             bias = torch.cat([w(attn + f"{p}_proj.bias") for p in "qkv"])
         self.qkv_proj = make_linear([w(attn + f"{p}_proj.weight") for p in "qkv"], bias, arena)
         self.o_proj = make_linear([w(attn + "o_proj.weight")], arena=arena)
-        self.gate_up_proj = make_linear([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")],
-                                        arena=arena)
-        self.down_proj = make_linear([w("mlp.down_proj.weight")], arena=arena)
+        self.moe = None
+        if cfg.is_moe_layer(int(prefix.rstrip(".").rsplit(".", 1)[-1])):
+            self.moe = SparseMoE(cfg, weights, prefix, native, arena)
+            self.gate_up_proj = self.down_proj = None
+            mlp_linears = self.moe.linears
+        else:
+            self.gate_up_proj = make_linear(
+                [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], arena=arena)
+            self.down_proj = make_linear([w("mlp.down_proj.weight")], arena=arena)
+            mlp_linears = (self.gate_up_proj, self.down_proj)
         self.input_norm = w("input_layernorm.weight")
         self.post_attn_norm = w("post_attention_layernorm.weight")
         self.q_norm = w(attn + "q_norm.weight") if cfg.qk_norm else None
@@ -85,10 +94,11 @@ class DecoderLayer:
         self.residual_multiplier = cfg.residual_multiplier
         # The whole block in one native call (the same kernels in the same order, so the
         # same results) where it covers the layer: every linear from GGUF blocks, no bias,
-        # no q/k norm, Llama's score scale and no residual multiplier.
-        self.linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        # no q/k norm, Llama's score scale, no residual multiplier and a dense MLP.
+        self.linears = (self.qkv_proj, self.o_proj, *mlp_linears)
         self.one_call = None
         if native and bias is None and self.q_norm is None and self.scale is None and (
+                self.moe is None) and (
                 self.residual_multiplier == 1.0) and all(
                 lin.blocks is not None for lin in self.linears):
             self.set_one_call_blocks()
@@ -127,7 +137,10 @@ class DecoderLayer:
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier
         x, residual = add_rms_norm(x, residual, self.post_attn_norm, self.eps, self.native)
-        out = self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native))
+        if self.moe is not None:
+            out = self.moe(x)
+        else:
+            out = self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native))
         if self.residual_multiplier != 1.0:
             out = out * self.residual_multiplier
         return out, residual
@@ -148,6 +161,10 @@ class LlamaForCausalLM:
         ranks and ``compute_logits`` gives the whole vocabulary on rank 0 only)."""
         self.config = cfg
         layer_cfg, vocab_range = cfg, (0, cfg.vocab_size)
+        if shard is not None and cfg.num_experts:
+            raise ModelLoadError(
+                f"tensor parallelism of a mixture-of-experts model ({cfg.architecture}) is "
+                "not supported; serve it on one rank (data parallelism replicates it)")
         if shard is not None:
             layer_cfg, vocab_range = shard_weights(cfg, weights, shard)
         self.num_kv_heads = layer_cfg.num_kv_heads

@@ -19,6 +19,8 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "phi3": Phi3ForCausalLM,
     "smollm3": SmolLM3ForCausalLM,
     "granite": LlamaForCausalLM,  # (its multipliers are ModelConfig fields Llama's reads)
+    "qwen3_moe": LlamaForCausalLM,  # (mixture-of-experts MLPs: moe.py, which Llama's
+    "mixtral": LlamaForCausalLM,    # blocks build where the config has experts)
 }
 
 SUPPORTED: tuple[str, ...] = tuple(sorted(_CLASSES))

@@ -1,0 +1,111 @@
+"""The mixture-of-experts MLP (transformers' Qwen3-MoE and Mixtral sparse MoE blocks,
+llama.cpp's ``build_moe_ffn`` with softmax gating), computed as transformers computes it:
+
+- the router, a linear of ``num_experts`` outputs, gives each token logits; their softmax
+  (float32) gives probabilities, of which the top ``num_experts_per_tok`` are kept (the
+  weights), rescaled to sum to 1 where ``norm_topk_prob`` (Mixtral always), times
+  ``routed_scaling_factor``;
+- each expert is a SwiGLU MLP (its gate and up projections one linear); the block's output
+  is the sum over a token's chosen experts of weight x expert output, added expert by expert
+  in the experts' order (``index_add_``, as transformers adds them).
+
+Each expert computes the rows of the tokens that chose it, as one linear call; every row's
+result depends on its own input only (the linears are batch-invariant where they compute
+from GGUF blocks), and a token's sum runs in the experts' order, so a token's output does
+not depend on the other tokens of its step.
+
+The weights, by Hugging Face name under the layer's prefix: ``mlp.gate.weight`` and
+``mlp.experts.{e}.{gate,up,down}_proj.weight`` (Qwen3-MoE, and what the GGUF reader names
+every file's experts); Mixtral's ``block_sparse_moe.gate.weight`` and
+``block_sparse_moe.experts.{e}.w1 / w3 / w2.weight``; or transformers 5's fused
+``mlp.experts.gate_up_proj`` ``[experts, 2 x size, hidden]`` and ``mlp.experts.down_proj``
+``[experts, hidden, size]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.config import ModelConfig
+from freetoken_core.models.layers import silu_and_mul
+from freetoken_core.models.linear import BlockArena, Linear, make_linear
+
+
+def _expert_weights(weights: dict[str, Any], prefix: str, num_experts: int
+                    ) -> tuple[Any, list[tuple[Any, Any, Any]]]:
+    """The router's weight and each expert's (gate, up, down) weights, popped from
+    ``weights`` in whichever of the three namings the checkpoint has."""
+    if prefix + "block_sparse_moe.gate.weight" in weights:  # Mixtral's checkpoints
+        moe = prefix + "block_sparse_moe."
+        return weights.pop(moe + "gate.weight"), [
+            tuple(weights.pop(f"{moe}experts.{e}.{w}.weight") for w in ("w1", "w3", "w2"))
+            for e in range(num_experts)]
+    mlp = prefix + "mlp."
+    router = weights.pop(mlp + "gate.weight")
+    if mlp + "experts.gate_up_proj" in weights:  # transformers 5's fused experts
+        gate_up, down = weights.pop(mlp + "experts.gate_up_proj"), weights.pop(
+            mlp + "experts.down_proj")
+        if gate_up.dim() != 3 or gate_up.shape[0] != num_experts or gate_up.shape[1] % 2:
+            raise ModelLoadError(f"{mlp}experts.gate_up_proj has shape "
+                                 f"{list(gate_up.shape)}; expected [{num_experts}, 2 x "
+                                 "expert size, hidden]")
+        return router, [(*gate_up[e].chunk(2), down[e]) for e in range(num_experts)]
+    return router, [tuple(weights.pop(f"{mlp}experts.{e}.{w}_proj.weight")
+                          for w in ("gate", "up", "down")) for e in range(num_experts)]
+
+
+class SparseMoE:
+    """One layer's mixture-of-experts MLP (module docstring): ``moe(x)`` is its output."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, Any], prefix: str, native: bool,
+                 arena: BlockArena | None = None) -> None:
+        router, experts = _expert_weights(weights, prefix, cfg.num_experts)
+        if tuple(router.shape) != (cfg.num_experts, cfg.hidden_size):
+            raise ModelLoadError(f"{prefix}: the router's weight has shape "
+                                 f"{list(router.shape)}; expected [{cfg.num_experts}, "
+                                 f"{cfg.hidden_size}] (num_experts, hidden_size)")
+        self.router = make_linear([router], arena=arena)
+        self.experts: list[tuple[Linear, Linear]] = [
+            (make_linear([gate, up], arena=arena), make_linear([down], arena=arena))
+            for gate, up, down in experts]
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.scale = cfg.routed_scaling_factor
+        self.native = native
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        """The router's and every expert's linears (for the model's block layouts)."""
+        return (self.router, *(lin for pair in self.experts for lin in pair))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights, experts)``, each ``[tokens, top_k]``: the experts each token's output
+        sums, by descending probability, and their weights (in ``x``'s dtype)."""
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scale != 1.0:
+            weights = weights * self.scale
+        return weights.to(x.dtype), chosen
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        tokens = torch.div(order, self.top_k, rounding_mode="floor")
+        pair_weights = weights.reshape(-1)[order]
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for (gate_up, down), count in zip(self.experts, counts):
+            if count == 0:
+                continue
+            rows = tokens[start:start + count]
+            h = down(silu_and_mul(gate_up(x.index_select(0, rows)), self.native))
+            out.index_add_(0, rows, h * pair_weights[start:start + count, None])
+            start += count
+        return out

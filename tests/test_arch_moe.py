@@ -1,0 +1,168 @@
+"""Mixture-of-experts models (``freetoken_core/models/moe.py``): Qwen3-MoE
+(``Qwen3MoeForCausalLM`` directories, ``qwen3moe`` GGUF files) and Mixtral
+(``MixtralForCausalLM`` directories, ``llama`` GGUF files with experts), each exact against
+transformers: greedy tokens and every position's logits.
+
+The directories are tiny random models saved by transformers (the Qwen3-MoE one with a dense
+layer among its sparse ones, ``mlp_only_layers``); the GGUF files are written as llama.cpp's
+converter writes them (3-d expert tensors, an F32 router), read by transformers' GGUF loader
+(qwen3moe) or, for Mixtral's, which that loader reads as a dense Llama, dequantized by gguf-py
+into transformers' Mixtral. The routing details matter: without renormalizing the top k
+weights the logits move."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gguf_models import Q4_K, Q6_K, Q8_0, write_gguf
+from gguf_reference import hf_from_gguf, hf_mixtral_from_gguf
+from test_arch_gemma3 import chunked_logits
+from test_arch_phi3 import save_tiny_model
+from test_gguf_rope_factors import LONG, greedy
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from freetoken_core import LLM, SamplingParams
+from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.config import ModelConfig
+
+PROMPTS = ["Hello world, this is", "def add(a, b):\n    return", LONG]
+QWEN3_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "norm_topk_prob": True, "head_dim": 16, "num_hidden_layers": 3,
+             "mlp_only_layers": [1]}
+MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48}
+
+
+def served(model: Path, n: int = 16, **kwargs: Any
+           ) -> tuple[LLM, list[list[int]], list[list[int]]]:
+    llm = LLM(str(model), kv_cache_tokens=1024, dtype="float32", progress=False,
+              plugins="none", **kwargs)
+    prompts = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n,
+                                                ignore_eos=True))
+    return llm, prompts, [o.outputs[0].token_ids for o in outs]
+
+
+def assert_logits_match(llm: LLM, ids: list[int], ref: Any) -> None:
+    """Every position's logits equal ``ref``'s (the prompt in two chunks); without the top
+    k renormalized they differ."""
+    model = llm.engine.core.runner.model
+    half = len(ids) // 2
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(chunked_logits(model, ids, [half, len(ids) - half]), want,
+                               atol=2e-4, rtol=1e-4)
+    sparse = [layer.moe for layer in model.layers if layer.moe is not None]
+    assert sparse
+    for moe in sparse:
+        moe.norm_topk_prob = False
+    try:
+        assert (chunked_logits(model, ids, [len(ids)]) - want).abs().max() > 0.05
+    finally:
+        for moe in sparse:
+            moe.norm_topk_prob = True
+
+
+def test_qwen3_moe_directory_matches_transformers(tmp_path: Path) -> None:
+    model_dir = save_tiny_model(tmp_path / "qwen3moe", Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                                **QWEN3_MOE)
+    hf = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm, prompts, got = served(model_dir)
+    model = llm.engine.core.runner.model
+    cfg = model.config
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok) == ("qwen3_moe", 8, 2)
+    assert cfg.moe_layers == (1, 0, 1) and cfg.qk_norm
+    assert [layer.moe is not None for layer in model.layers] == [True, False, True]
+    assert got == greedy(hf, prompts, 16)
+    assert_logits_match(llm, prompts[-1], hf)
+
+
+def test_mixtral_directory_matches_transformers(tmp_path: Path) -> None:
+    model_dir = save_tiny_model(tmp_path / "mixtral", MixtralConfig, MixtralForCausalLM,
+                                **MIXTRAL)
+    hf = MixtralForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm, prompts, got = served(model_dir)
+    cfg = llm.engine.core.runner.model.config
+    assert (cfg.architecture, cfg.num_experts, cfg.moe_intermediate_size) == ("mixtral", 4, 48)
+    assert got == greedy(hf, prompts, 16)
+    assert_logits_match(llm, prompts[-1], hf)
+
+
+@pytest.mark.parametrize("mix", ["Q8_0", "Q4_K+Q6_K"])
+def test_qwen3moe_gguf_matches_transformers(tmp_path: Path, mix: str) -> None:
+    """Experts of one type, and a K-quant mix (Q4_K gate/up, Q6_K down, 256 wide)."""
+    shape: dict[str, Any] = {"hidden": 64, "ff": 128, "expert_ff": 32, "weight_type": Q8_0}
+    if mix != "Q8_0":
+        shape = {"hidden": 256, "ff": 512, "expert_ff": 256, "weight_type": Q4_K,
+                 "types": {"ffn_down_exps.weight": Q6_K, "attn_v.weight": Q6_K}}
+    path = write_gguf(tmp_path / "qwen3moe.gguf", "qwen3moe", layers=2, heads=4, kv_heads=2,
+                      experts=8, experts_used=2, seed=3, **shape)
+    # (transformers' GGUF loader does not read qwen3moe.expert_feed_forward_length)
+    hf = hf_from_gguf(path, moe_intermediate_size=shape["expert_ff"])
+    assert hf.config.norm_topk_prob
+    llm, prompts, got = served(path)
+    cfg = llm.engine.core.runner.model.config
+    assert (cfg.architecture, cfg.num_experts, cfg.moe_intermediate_size) == (
+        "qwen3_moe", 8, shape["expert_ff"])
+    assert got == greedy(hf, prompts, 16)
+    assert_logits_match(llm, prompts[-1], hf)
+
+
+def test_mixtral_gguf_matches_transformers(tmp_path: Path) -> None:
+    """A llama file with experts is Mixtral's (q/k permuted as for any llama file)."""
+    path = write_gguf(tmp_path / "mixtral.gguf", "llama", hidden=64, layers=2, heads=4,
+                      kv_heads=2, ff=64, experts=4, experts_used=2, weight_type=Q8_0,
+                      tied=False, seed=5)
+    hf = hf_mixtral_from_gguf(path)
+    llm, prompts, got = served(path)
+    cfg = llm.engine.core.runner.model.config
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok) == ("mixtral", 4, 2)
+    assert got == greedy(hf, prompts, 16)
+    assert_logits_match(llm, prompts[-1], hf)
+
+
+def test_a_token_routes_the_same_in_any_batch(tmp_path: Path) -> None:
+    """A seeded request draws the same tokens with the same logprobs alone and among others
+    (its prompt cut into chunks): each expert computes its tokens' rows, every row on its
+    own, and a token's experts are summed in one order."""
+    path = write_gguf(tmp_path / "qwen3moe.gguf", "qwen3moe", hidden=64, layers=2, ff=128,
+                      expert_ff=32, experts=8, experts_used=2, weight_type=Q8_0, seed=4)
+    llm = LLM(str(path), kv_cache_tokens=4096, dtype="float32", progress=False,
+              plugins="none", max_num_batched_tokens=32, enable_prefix_caching=False)
+    ids = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    seeded = SamplingParams(seed=7, temperature=1.0, max_tokens=12, ignore_eos=True,
+                            logprobs=0)
+
+    def draw(prompts: list[list[int]]) -> tuple[list[int], list[float]]:
+        out = llm.generate(prompts, seeded)[-1].outputs[0]
+        return out.token_ids, [lp.logprob for lp in out.logprobs]
+
+    alone = draw([ids[-1]])
+    assert draw([ids[0], ids[1], ids[0] + ids[1], ids[-1]]) == alone
+
+
+def test_moe_config_errors_name_the_field() -> None:
+    base = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    assert ModelConfig.from_dict(base).num_experts == 4
+    for bad, field in (({"num_experts_per_tok": 5}, "num_experts_per_tok"),
+                       ({"num_experts": 0}, "num_experts"),
+                       ({"moe_intermediate_size": None}, "moe_intermediate_size"),
+                       ({"routed_scaling_factor": -1}, "routed_scaling_factor")):
+        with pytest.raises(ModelLoadError, match=field):
+            ModelConfig.from_dict({**base, **bad})
+
+
+def test_gguf_expert_counts_are_checked(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "bad.gguf", "qwen3moe", hidden=64, layers=1, ff=128,
+                      expert_ff=32, experts=4, experts_used=6, weight_type=Q8_0)
+    with pytest.raises(ModelLoadError, match="expert_used_count 6"):
+        LLM(str(path), kv_cache_tokens=256, dtype="float32", progress=False, plugins="none")
