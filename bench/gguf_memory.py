@@ -11,6 +11,9 @@ default model's 49,152-token vocabulary) of two shapes:
 
 * ``1b``: Llama 3.2 1B's: 16 layers, hidden 2048, ff 8192, 32 heads / 8 KV heads of 64;
 * ``3b``: Llama 3.2 3B's: 28 layers, hidden 3072, ff 8192, 24 heads / 8 KV heads of 128;
+* ``moe``: a ``qwen3moe`` file of Qwen3-30B-A3B's kind at a twelfth of its size: 16 layers,
+  hidden 1024, 16 heads / 4 KV heads of 64, 64 experts of 512 (8 a token; their down
+  projections Q6_K), 1.6 B weights;
 
 into ``--dir`` (default: a temporary directory), deleted afterwards unless ``--keep`` (a
 file already there under the same name is reused). For each file, one server at a time:
@@ -65,9 +68,13 @@ from vs_servers import BenchError, freetoken_command, stop, tail
 SHAPES = {
     "1b": {"layers": 16, "hidden": 2048, "ff": 8192, "heads": 32, "kv_heads": 8},
     "3b": {"layers": 28, "hidden": 3072, "ff": 8192, "heads": 24, "kv_heads": 8},
+    # Qwen3-30B-A3B's kind at a twelfth of its weights: 64 experts of 512, 8 a token
+    "moe": {"layers": 16, "hidden": 1024, "ff": 3072, "heads": 16, "kv_heads": 4,
+            "arch": "qwen3moe", "experts": 64, "experts_used": 8, "expert_ff": 512},
 }
 Q4_K, Q6_K = 12, 14
-MIX = {"token_embd.weight": Q6_K, "attn_v.weight": Q6_K, "ffn_down.weight": Q6_K}
+MIX = {"token_embd.weight": Q6_K, "attn_v.weight": Q6_K, "ffn_down.weight": Q6_K,
+       "ffn_down_exps.weight": Q6_K}
 PROMPT = "Hello, my name is"
 START_TIMEOUT = 600.0
 SIDES = ("freetoken", "llamacpp")
@@ -95,18 +102,20 @@ class Row:
 
 def gguf_file(directory: Path, shape: str) -> Path:
     """The ``shape`` model's file in ``directory``, written unless it is there."""
-    path = directory / f"llama-{shape}-q4_k_m-random.gguf"
+    s = SHAPES[shape]
+    arch = s.get("arch", "llama")
+    path = directory / f"{arch}-{shape}-q4_k_m-random.gguf"
     if path.exists():
         print(f"{shape}: reusing {path}", flush=True)
         return path
     from gguf_models import write_gguf
 
     start = time.perf_counter()
-    s = SHAPES[shape]
     tmp = path.with_suffix(".partial")
-    write_gguf(tmp, "llama", hidden=s["hidden"], layers=s["layers"], heads=s["heads"],
+    moe = {key: s[key] for key in ("experts", "experts_used", "expert_ff") if key in s}
+    write_gguf(tmp, arch, hidden=s["hidden"], layers=s["layers"], heads=s["heads"],
                kv_heads=s["kv_heads"], head_dim=s["hidden"] // s["heads"], ff=s["ff"],
-               weight_type=Q4_K, types=MIX, tied=True, context=8192)
+               weight_type=Q4_K, types=MIX, tied=True, context=8192, **moe)
     tmp.rename(path)
     print(f"{shape}: wrote {path} ({path.stat().st_size / 1e6:,.0f} MB) in "
           f"{time.perf_counter() - start:.1f} s", flush=True)

@@ -166,3 +166,22 @@ def test_gguf_expert_counts_are_checked(tmp_path: Path) -> None:
                       expert_ff=32, experts=4, experts_used=6, weight_type=Q8_0)
     with pytest.raises(ModelLoadError, match="expert_used_count 6"):
         LLM(str(path), kv_cache_tokens=256, dtype="float32", progress=False, plugins="none")
+
+
+def test_the_experts_in_one_native_call_compute_what_the_python_loop_computes(
+        tmp_path: Path) -> None:
+    """``moe_experts`` runs the experts' kernels from C++ in the order ``SparseMoE.loop``
+    runs them from Python: every logit to the bit, in the exact and the q8 arithmetic."""
+    path = write_gguf(tmp_path / "qwen3moe.gguf", "qwen3moe", hidden=64, layers=2, ff=128,
+                      expert_ff=32, experts=8, experts_used=2, weight_type=Q8_0, seed=6)
+    for activations in ("auto", "q8"):
+        llm = LLM(str(path), kv_cache_tokens=1024, dtype="float32", progress=False,
+                  plugins="none", activations=activations)
+        model = llm.engine.core.runner.model
+        ids = llm.tokenizer.encode(LONG, add_special_tokens=False)
+        sparse = [layer.moe for layer in model.layers]
+        assert all(moe is not None and moe.native_args is not None for moe in sparse)
+        native = chunked_logits(model, ids, [len(ids) - 3, 1, 1, 1])
+        for moe in sparse:
+            moe.native_args = None
+        assert torch.equal(chunked_logits(model, ids, [len(ids) - 3, 1, 1, 1]), native)

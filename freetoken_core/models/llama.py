@@ -260,8 +260,12 @@ class LlamaForCausalLM:
 
     def set_all_layers_args(self) -> None:
         """llama_layers' per-layer arguments (norms, linears' blocks and type ids) and
-        shapes, built once: a decode step passes them as they are."""
+        shapes, built once: a decode step passes them as they are (and the experts'
+        arguments of their native call, ``SparseMoE.set_native_args``)."""
         self.all_layers_args = None
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe.set_native_args()
         if all(layer.one_call is not None for layer in self.layers):
             first = self.layers[0]
             self.all_layers_args = (

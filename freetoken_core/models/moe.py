@@ -12,7 +12,10 @@ llama.cpp's ``build_moe_ffn`` with softmax gating), computed as transformers com
 Each expert computes the rows of the tokens that chose it, as one linear call; every row's
 result depends on its own input only (the linears are batch-invariant where they compute
 from GGUF blocks), and a token's sum runs in the experts' order, so a token's output does
-not depend on the other tokens of its step.
+not depend on the other tokens of its step. Where every expert computes from GGUF blocks on
+the native CPU path, the experts run in one native call (``moe_experts``, kernels/csrc/
+moe.cpp: the same kernels in the same order, bit for bit) instead of ~6 operator dispatches
+an expert from Python.
 
 The weights, by Hugging Face name under the layer's prefix: ``mlp.gate.weight`` and
 ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (Qwen3-MoE, and what the GGUF reader names
@@ -75,6 +78,22 @@ class SparseMoE:
         self.norm_topk_prob = cfg.norm_topk_prob
         self.scale = cfg.routed_scaling_factor
         self.native = native
+        self.native_args: tuple[list[torch.Tensor], list[int], list[torch.Tensor],
+                                list[int]] | None = None
+        self.set_native_args()
+
+    def set_native_args(self) -> None:
+        """``moe_experts``' arguments for the experts (their blocks and type ids), made again
+        whenever the blocks move (the model's ``set_all_layers_args``); None where an expert
+        has no blocks (the Python loop computes them)."""
+        linears = [lin for pair in self.experts for lin in pair]
+        self.native_args = None
+        if self.native and all(lin.blocks is not None and lin.bias is None and
+                               lin.post is None for lin in linears):
+            self.native_args = ([gu.blocks[1] for gu, _ in self.experts],
+                                [gu.blocks[0] for gu, _ in self.experts],
+                                [down.blocks[1] for _, down in self.experts],
+                                [down.blocks[0] for _, down in self.experts])
 
     @property
     def linears(self) -> tuple[Linear, ...]:
@@ -94,6 +113,14 @@ class SparseMoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
+        if self.native_args is not None:
+            return torch.ops.freetoken.moe_experts(x.contiguous(), chosen, weights,
+                                                   *self.native_args)
+        return self.loop(x, weights, chosen)
+
+    def loop(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+             ) -> torch.Tensor:
+        """The experts' sum from Python, expert by expert (what ``moe_experts`` computes)."""
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         tokens = torch.div(order, self.top_k, rounding_mode="floor")
