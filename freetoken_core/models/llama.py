@@ -126,9 +126,12 @@ class DecoderLayer:
         qkv = self.qkv_proj(x)
         qk, v = qkv.split([(h + kvh) * d, kvh * d], dim=-1)
         qk = qk.view(n, h + kvh, d)
-        if self.q_norm is not None:
-            qk = torch.cat([rms_norm(qk[:, :h], self.q_norm, self.eps),
-                            rms_norm(qk[:, h:], self.k_norm, self.eps)], dim=1)
+        if self.q_norm is not None:  # per head (Qwen3): each head's d values a row
+            qk = torch.cat([
+                rms_norm(qk[:, :h].reshape(n * h, d).contiguous(), self.q_norm, self.eps,
+                         self.native).view(n, h, d),
+                rms_norm(qk[:, h:].reshape(n * kvh, d).contiguous(), self.k_norm, self.eps,
+                         self.native).view(n, kvh, d)], dim=1)
         # One rotation for queries and keys together: they share positions.
         qk = apply_rope(qk, cos, sin, self.native)
         # Rotated keys and values side by side, as the cache stores them.

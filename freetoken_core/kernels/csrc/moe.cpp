@@ -9,13 +9,15 @@
 // gathered input; each expert's linears compute its contiguous run of rows (every row on its
 // own: the linears are batch-invariant), and each token then sums its experts' rows from the
 // lowest expert id up, each row rounded times its weight first (this file is compiled with
-// -ffp-contract=off), as index_add_ of h * w adds them. The whole call runs as one team of
-// threads (parallel.h).
+// -ffp-contract=off), as index_add_ of h * w adds them.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -23,6 +25,9 @@
 #include "parallel.h"
 
 namespace {
+
+// From this many rows an expert's linears share their features among the threads.
+constexpr int64_t kSharedRows = 16;
 
 void linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, const at::Tensor& out) {
   if (qtype & freetoken::kActivationsInt24) {
@@ -97,34 +102,58 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::
   float* xsp = xs.data_ptr<float>();
   const float* hp = hs.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  freetoken::run_team([&] {
-    freetoken::parallel_rows(pairs, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        std::memcpy(xsp + r * hidden, xp + token_of[r] * hidden, hidden * sizeof(float));
-    });
-    for (int64_t e = 0; e < experts; ++e) {
-      const int64_t first = start[e], count = start[e + 1] - start[e];
-      if (count == 0) continue;
-      const at::Tensor g = gu.narrow(0, first, count), a = act.narrow(0, first, count);
-      linear(xs.narrow(0, first, count), gate_up[e], gate_up_types[e], g);
-      freetoken::silu_and_mul(a, g);
-      linear(a, down[e], down_types[e], hs.narrow(0, first, count));
+  freetoken::parallel_rows(pairs, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      std::memcpy(xsp + r * hidden, xp + token_of[r] * hidden, hidden * sizeof(float));
+  });
+  auto expert = [&](int64_t e) {
+    const int64_t first = start[e], count = start[e + 1] - start[e];
+    const at::Tensor g = gu.narrow(0, first, count), a = act.narrow(0, first, count);
+    linear(xs.narrow(0, first, count), gate_up[e], gate_up_types[e], g);
+    freetoken::silu_and_mul(a, g);
+    linear(a, down[e], down_types[e], hs.narrow(0, first, count));
+  };
+  // An expert of many rows shares its linears' features among the threads; the others (a
+  // decode step's: a row or a few each) run side by side, one thread an expert, each
+  // streaming its own experts' blocks, with no barrier between two linears. Which thread
+  // computes a feature changes nothing in it (parallel.h).
+  std::vector<int64_t> small;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t count = start[e + 1] - start[e];
+    if (count >= kSharedRows) {
+      expert(e);
+    } else if (count > 0) {
+      small.push_back(e);
     }
-    freetoken::parallel_rows(tokens, 16, [&](int64_t begin, int64_t end) {
-      std::vector<int64_t> slots(k);
-      for (int64_t t = begin; t < end; ++t) {
-        for (int64_t s = 0; s < k; ++s) slots[s] = t * k + s;
-        std::sort(slots.begin(), slots.end(),
-                  [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
-        float* o = op + t * hidden;
-        std::fill(o, o + hidden, 0.f);
-        for (int64_t p : slots) {
-          const float* h = hp + row_of[p] * hidden;
-          const float w = wp[p];
-          for (int64_t j = 0; j < hidden; ++j) o[j] = o[j] + h[j] * w;
-        }
-      }
+  }
+  std::stable_sort(small.begin(), small.end(), [&](int64_t a, int64_t b) {
+    return start[a + 1] - start[a] > start[b + 1] - start[b];  // the longest first
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(),
+                                            static_cast<int64_t>(small.size()));
+  if (threads > 1) {
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(small.size());)
+        expert(small[i]);
     });
+  } else {
+    for (int64_t e : small) expert(e);
+  }
+  freetoken::parallel_rows(tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> slots(k);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t s = 0; s < k; ++s) slots[s] = t * k + s;
+      std::sort(slots.begin(), slots.end(),
+                [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+      float* o = op + t * hidden;
+      std::fill(o, o + hidden, 0.f);
+      for (int64_t p : slots) {
+        const float* h = hp + row_of[p] * hidden;
+        const float w = wp[p];
+        for (int64_t j = 0; j < hidden; ++j) o[j] = o[j] + h[j] * w;
+      }
+    }
   });
   return out;
 }
