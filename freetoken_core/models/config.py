@@ -265,13 +265,15 @@ def _moe_fields(cfg: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
     ``moe_intermediate_size``, ``norm_topk_prob`` (default False) and its dense layers
     (``mlp_only_layers``, and every layer but each ``decoder_sparse_step``-th); Mixtral's
     ``num_local_experts`` of ``intermediate_size``, every layer sparse, top k always
-    renormalized. Both: ``num_experts_per_tok`` of them, softmax routing, SwiGLU experts."""
+    renormalized. Both: ``num_experts_per_tok`` of them, softmax routing, SwiGLU experts.
+    A key config.json leaves out takes transformers' default; a bad value is named."""
     layers = cfg["num_hidden_layers"]
     qwen = family == "qwen3_moe"
-    experts = cfg.get("num_experts", cfg.get("num_local_experts")) if qwen else cfg.get(
+    # (transformers' defaults where config.json leaves a key out)
+    experts = cfg.get("num_experts", cfg.get("num_local_experts", 128)) if qwen else cfg.get(
         "num_local_experts", 8)
-    top_k = cfg.get("num_experts_per_tok", 2)
-    size = cfg.get("moe_intermediate_size") if qwen else cfg.get("intermediate_size")
+    top_k = cfg.get("num_experts_per_tok", 8 if qwen else 2)
+    size = cfg.get("moe_intermediate_size", 768) if qwen else cfg.get("intermediate_size")
     for key, value, low in (("num_experts" if qwen else "num_local_experts", experts, 1),
                             ("num_experts_per_tok", top_k, 1),
                             ("moe_intermediate_size" if qwen else "intermediate_size", size, 1)):
