@@ -14,6 +14,8 @@ default model's 49,152-token vocabulary) of two shapes:
 * ``moe``: a ``qwen3moe`` file of Qwen3-30B-A3B's kind at a twelfth of its size: 16 layers,
   hidden 1024, 16 heads / 4 KV heads of 64, 64 experts of 512 (8 a token; their down
   projections Q6_K), 1.6 B weights;
+* ``30b-a3b``: Qwen3-30B-A3B's own shape (48 layers, hidden 2048, 32 heads / 4 KV heads of
+  128, 128 experts of 768, 8 a token), 30 B weights, ~18 GB (not in the default list);
 
 into ``--dir`` (default: a temporary directory), deleted afterwards unless ``--keep`` (a
 file already there under the same name is reused). For each file, one server at a time:
@@ -71,6 +73,10 @@ SHAPES = {
     # Qwen3-30B-A3B's kind at a twelfth of its weights: 64 experts of 512, 8 a token
     "moe": {"layers": 16, "hidden": 1024, "ff": 3072, "heads": 16, "kv_heads": 4,
             "arch": "qwen3moe", "experts": 64, "experts_used": 8, "expert_ff": 512},
+    # Qwen3-30B-A3B's own shape (its vocabulary the default model's 49,152 tokens)
+    "30b-a3b": {"layers": 48, "hidden": 2048, "ff": 6144, "heads": 32, "kv_heads": 4,
+                "head_dim": 128, "arch": "qwen3moe", "experts": 128, "experts_used": 8,
+                "expert_ff": 768},
 }
 Q4_K, Q6_K = 12, 14
 MIX = {"token_embd.weight": Q6_K, "attn_v.weight": Q6_K, "ffn_down.weight": Q6_K,
@@ -114,7 +120,7 @@ def gguf_file(directory: Path, shape: str) -> Path:
     tmp = path.with_suffix(".partial")
     moe = {key: s[key] for key in ("experts", "experts_used", "expert_ff") if key in s}
     write_gguf(tmp, arch, hidden=s["hidden"], layers=s["layers"], heads=s["heads"],
-               kv_heads=s["kv_heads"], head_dim=s["hidden"] // s["heads"], ff=s["ff"],
+               kv_heads=s["kv_heads"], head_dim=head_dim(shape), ff=s["ff"],
                weight_type=Q4_K, types=MIX, tied=True, context=8192, **moe)
     tmp.rename(path)
     print(f"{shape}: wrote {path} ({path.stat().st_size / 1e6:,.0f} MB) in "
@@ -122,9 +128,14 @@ def gguf_file(directory: Path, shape: str) -> Path:
     return path
 
 
+def head_dim(shape: str) -> int:
+    s = SHAPES[shape]
+    return s.get("head_dim", s["hidden"] // s["heads"])
+
+
 def kv_bytes(shape: str, tokens: int, element: int) -> int:
     s = SHAPES[shape]
-    return s["layers"] * tokens * 2 * s["kv_heads"] * (s["hidden"] // s["heads"]) * element
+    return s["layers"] * tokens * 2 * s["kv_heads"] * head_dim(shape) * element
 
 
 def _status(pid: int) -> dict[str, int]:

@@ -129,23 +129,29 @@ def test_mixtral_gguf_matches_transformers(tmp_path: Path) -> None:
 
 
 def test_a_token_routes_the_same_in_any_batch(tmp_path: Path) -> None:
-    """A seeded request draws the same tokens with the same logprobs alone and among others
-    (its prompt cut into chunks): each expert computes its tokens' rows, every row on its
-    own, and a token's experts are summed in one order."""
+    """A seeded request draws the same tokens with the same logprobs alone and among others,
+    its prompt cut into chunks of 32 tokens (a few rows an expert: one thread an expert) or
+    prefilled in one step (an expert of 16 rows or more shares its features among the
+    threads): each expert computes its tokens' rows, every row on its own, and a token's
+    experts are summed in one order."""
     path = write_gguf(tmp_path / "qwen3moe.gguf", "qwen3moe", hidden=64, layers=2, ff=128,
                       expert_ff=32, experts=8, experts_used=2, weight_type=Q8_0, seed=4)
-    llm = LLM(str(path), kv_cache_tokens=4096, dtype="float32", progress=False,
-              plugins="none", max_num_batched_tokens=32, enable_prefix_caching=False)
-    ids = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     seeded = SamplingParams(seed=7, temperature=1.0, max_tokens=12, ignore_eos=True,
                             logprobs=0)
 
-    def draw(prompts: list[list[int]]) -> tuple[list[int], list[float]]:
+    def draw(llm: LLM, prompts: list[list[int]]) -> tuple[list[int], list[float]]:
         out = llm.generate(prompts, seeded)[-1].outputs[0]
         return out.token_ids, [lp.logprob for lp in out.logprobs]
 
-    alone = draw([ids[-1]])
-    assert draw([ids[0], ids[1], ids[0] + ids[1], ids[-1]]) == alone
+    draws = []
+    for step_tokens in (32, 1024):
+        llm = LLM(str(path), kv_cache_tokens=4096, dtype="float32", progress=False,
+                  plugins="none", max_num_batched_tokens=step_tokens,
+                  enable_prefix_caching=False)
+        ids = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+        assert len(ids[-1]) * 2 // 8 > 16  # (2 of 8 experts a token: > 16 rows an expert)
+        draws += [draw(llm, [ids[-1]]), draw(llm, [ids[0], ids[1], ids[0] + ids[1], ids[-1]])]
+    assert all(d == draws[0] for d in draws)
 
 
 def test_moe_config_errors_name_the_field() -> None:
@@ -185,3 +191,14 @@ def test_the_experts_in_one_native_call_compute_what_the_python_loop_computes(
         for moe in sparse:
             moe.native_args = None
         assert torch.equal(chunked_logits(model, ids, [len(ids) - 3, 1, 1, 1]), native)
+
+
+def test_tensor_parallelism_of_an_moe_model_is_refused() -> None:
+    from freetoken_core.models.llama import LlamaForCausalLM
+    from freetoken_core.models.sharding import Shard
+
+    cfg = ModelConfig.from_dict({
+        "architectures": ["MixtralForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2})
+    with pytest.raises(ModelLoadError, match="tensor parallelism of a mixture-of-experts"):
+        LlamaForCausalLM(cfg, {}, 16, shard=Shard(rank=0, world_size=2, comm=None))

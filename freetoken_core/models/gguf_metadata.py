@@ -243,7 +243,7 @@ def _moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any
     ``llama`` with ``expert_count`` > 0 (Mixtral; experts of ``feed_forward_length``), every
     layer sparse, softmax routing with the top k renormalized (llama.cpp passes
     ``norm_w = true`` for both), times ``expert_weights_scale`` where the file has one.
-    Empty for a dense file. Shared experts and other gating functions are refused."""
+    Empty for a dense file. Shared experts and gating other than softmax are refused."""
     p = f"{arch}."
     experts = int(field(reader, p + "expert_count", 0))
     if arch not in ("llama", "qwen3moe") or (arch == "llama" and experts == 0):
