@@ -148,7 +148,8 @@ def test_a_token_routes_the_same_in_any_batch(tmp_path: Path) -> None:
         llm = LLM(str(path), kv_cache_tokens=4096, dtype="float32", progress=False,
                   plugins="none", max_num_batched_tokens=step_tokens,
                   enable_prefix_caching=False)
-        ids = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+        ids = [llm.tokenizer.encode(p, add_special_tokens=False)
+               for p in [*PROMPTS[:2], " ".join([LONG] * 3)]]
         assert len(ids[-1]) * 2 // 8 > 16  # (2 of 8 experts a token: > 16 rows an expert)
         draws += [draw(llm, [ids[-1]]), draw(llm, [ids[0], ids[1], ids[0] + ids[1], ids[-1]])]
     assert all(d == draws[0] for d in draws)

@@ -956,15 +956,29 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t u = 0; u < num_units; ++u) {
         uint8_t* gu = out + (g * num_units + u) * int_unit_bytes(QT);
-        std::memset(gu, 0, int_unit_bytes(QT));  // the nibbles and high bits are or-ed in
+        std::memset(gu, 0, int_unit_bytes(QT));  // (the fifth and high bits are or-ed in)
         for (int64_t f = 0; f < kIntGroup; ++f) {
           const FeatureBlocks fb = feature_blocks(blocks, features, row_bytes,
                                                   kernel_unit_bytes(QT), g * kIntGroup + f);
           const uint8_t* unit = fb.first + u * fb.stride;
-          // Weight k of block j (its integer as the VNNI path reads it: Q6_K's q + 32).
-          auto put_nibble = [&](int64_t j, int k, uint8_t q) {
-            uint8_t& byte = gu[int_weights_offset(QT, j) + (k / 8) * 64 + 4 * f + k % 4];
-            byte |= (k % 8) < 4 ? q : static_cast<uint8_t>(q << 4);
+          // (Weights as the VNNI path reads them: Q6_K's q + 32; a layout word holds 8 of a
+          // block's weights, little-endian.)
+          static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "a little-endian CPU");
+          // Weights 8c .. 8c + 7 of block j, the low (shift 0) or high (shift 4) nibbles of
+          // the 8 bytes at src: one 4-byte word of the layout, weight 8c + i in byte i's low
+          // nibble and 8c + 4 + i in its high one.
+          auto put_nibbles8 = [&](int64_t j, int c, const uint8_t* src, int shift) {
+            uint64_t x;
+            std::memcpy(&x, src, 8);
+            const uint64_t n = (x >> shift) & 0x0F0F0F0F0F0F0F0FULL;
+            const uint32_t word =
+                static_cast<uint32_t>(n) | (static_cast<uint32_t>(n >> 32) << 4);
+            std::memcpy(gu + int_weights_offset(QT, j) + c * 64 + 4 * f, &word, 4);
+          };
+          // A 32-weight block whose weight k < 16 is the low nibble of qs[k] and k + 16 the
+          // high one (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS).
+          auto put_split_nibbles = [&](int64_t j, const uint8_t* qs) {
+            for (int c = 0; c < 4; ++c) put_nibbles8(j, c, qs + 8 * (c % 2), 4 * (c / 2));
           };
           auto put_fifth = [&](int64_t j, int k, uint32_t bit) {
             gu[int_weights_offset(QT, j) + 256 + 4 * f + k % 4] |=
@@ -976,8 +990,7 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
               const uint16_t h = c10::Half(load_float(unit + 4 * i)).x;
               std::memcpy(gu + kMinAt * i + 2 * f, &h, 2);
             }
-            for (int k = 0; k < kBlock; ++k)
-              put_nibble(0, k, k < 16 ? (unit[8 + k] & 0x0F) : (unit[8 + k - 16] >> 4));
+            put_split_nibbles(0, unit + 8);
           } else if constexpr (QT == kQ4_0 || QT == kQ5_0 || QT == kQ5_1 || QT == kIQ4_NL) {
             // Q4_0, IQ4_NL: d@0, qs[16]@2; Q5_0: d@0, qh[4]@2, qs[16]@6; Q5_1: d@0, m@2,
             // qh[4]@4, qs[16]@8 (gguf_types.h).
@@ -992,15 +1005,15 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
             const uint8_t* qs = unit + (QT == kQ5_0 ? 6 : QT == kQ5_1 ? 8 : 2);
             uint32_t qh = 0;
             if constexpr (fifth_bit(QT)) std::memcpy(&qh, unit + qh_at, 4);
-            for (int k = 0; k < kBlock; ++k) {
-              put_nibble(0, k, k < 16 ? (qs[k] & 0x0F) : (qs[k - 16] >> 4));
-              if constexpr (fifth_bit(QT)) put_fifth(0, k, (qh >> k) & 1);
-            }
+            put_split_nibbles(0, qs);
+            if constexpr (fifth_bit(QT))
+              for (int k = 0; k < kBlock; ++k) put_fifth(0, k, (qh >> k) & 1);
           } else if constexpr (QT == kQ8_0) {
             const float d = half_to_float(unit);
             std::memcpy(gu + 4 * f, &d, 4);
             uint8_t* wq = gu + int_weights_offset(QT, 0);
-            for (int k = 0; k < kBlock; ++k) wq[(k / 4) * 64 + 4 * f + k % 4] = unit[2 + k];
+            for (int c = 0; c < kBlock / 4; ++c)
+              std::memcpy(wq + c * 64 + 4 * f, unit + 2 + 4 * c, 4);
           } else if constexpr (k4_scales(QT)) {
             // Q4_K: d@0, dmin@2, scales[12]@4, qs[128]@16; Q5_K: qh[32]@16, qs[128]@48, bit j
             // of qh[k] the fifth of sub-block j's weight k (gguf_types.h).
@@ -1012,10 +1025,10 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
               types::detail::scale_min_k4(unit + 4, j, sc, mn);
               gu[kScalesAt + 16 * j + f] = static_cast<uint8_t>(sc);
               gu[kMinsAt + 16 * j + f] = static_cast<uint8_t>(mn);
-              for (int k = 0; k < kBlock; ++k) {
-                put_nibble(j, k, (qs[32 * (j / 2) + k] >> (4 * (j % 2))) & 15);
-                if constexpr (QT == kQ5_K) put_fifth(j, k, (unit[16 + k] >> j) & 1);
-              }
+              for (int c = 0; c < 4; ++c)
+                put_nibbles8(j, c, qs + 32 * (j / 2) + 8 * c, 4 * (j % 2));
+              if constexpr (QT == kQ5_K)
+                for (int k = 0; k < kBlock; ++k) put_fifth(j, k, (unit[16 + k] >> j) & 1);
             }
           } else if constexpr (two_bits(QT)) {
             // Q2_K: scales[16]@0 (scale | min << 4), qs[64]@16, d@80, dmin@82; Q3_K:
@@ -1050,23 +1063,30 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
             for (int j = 0; j < 8; ++j) {
               gu[kScalesAt + 16 * j + f] = static_cast<uint8_t>(
                   static_cast<int8_t>(types::detail::scale_iq4_xs(unit, j) - 32));
-              const uint8_t* qs = unit + 8 + 16 * j;
-              for (int k = 0; k < kBlock; ++k)
-                put_nibble(j, k, k < 16 ? (qs[k] & 0x0F) : (qs[k - 16] >> 4));
+              put_split_nibbles(j, unit + 8 + 16 * j);
             }
           } else {
             // Q6_K: ql[128]@0, qh[64]@128, int8 scales[16]@192, d@208 (Type<Q6_K>).
             const float d = half_to_float(unit + 208);
             std::memcpy(gu + 4 * f, &d, 4);
             for (int s = 0; s < 16; ++s) gu[kScalesAt + 16 * s + f] = unit[192 + s];
+            // Block j = 4 h + c: weight k's low four bits are nibble c / 2 of
+            // ql[64 h + 32 (c % 2) + k], its high two bits pair c of qh[32 h + k]; those go
+            // to byte k % 4 of word k / 16 (after the nibbles), pair (k / 4) % 4.
             for (int j = 0; j < 8; ++j) {
               const int h = j / 4, c = j % 4;
-              for (int k = 0; k < kBlock; ++k) {
-                const int q = ((unit[64 * h + 32 * (c % 2) + k] >> (4 * (c / 2))) & 15) |
-                              (((unit[128 + 32 * h + k] >> (2 * c)) & 3) << 4);
-                put_nibble(j, k, static_cast<uint8_t>(q & 15));
-                gu[int_weights_offset(QT, j) + 256 + (k / 16) * 64 + 4 * f + k % 4] |=
-                    static_cast<uint8_t>((q >> 4) << (2 * ((k / 4) % 4)));
+              for (int w = 0; w < 4; ++w)
+                put_nibbles8(j, w, unit + 64 * h + 32 * (c % 2) + 8 * w, 4 * (c / 2));
+              for (int half = 0; half < 2; ++half) {
+                uint64_t x[2];
+                std::memcpy(x, unit + 128 + 32 * h + 16 * half, 16);
+                const uint64_t lo = (x[0] >> (2 * c)) & 0x0303030303030303ULL;
+                const uint64_t hi = (x[1] >> (2 * c)) & 0x0303030303030303ULL;
+                const uint32_t word = static_cast<uint32_t>(lo) |
+                                      (static_cast<uint32_t>(lo >> 32) << 2) |
+                                      (static_cast<uint32_t>(hi) << 4) |
+                                      (static_cast<uint32_t>(hi >> 32) << 6);
+                std::memcpy(gu + int_weights_offset(QT, j) + 256 + half * 64 + 4 * f, &word, 4);
               }
             }
           }
