@@ -16,6 +16,7 @@ Environment and arguments pass through: ``FREETOKEN_KERNEL_MARCH=znver3`` and an
 (docs/operations.md).
 
     python bench/gguf_sitting.py [--dir DIR] [--files default,Q4_K_M,Q6_K,Q8_0,Q4_0,F16,1b]
+        (also ``moe``: bench/gguf_memory.py's random Qwen3-MoE file, 64 tokens)
         [--arithmetics exact,q8] [--clients 1,16] [--passes 2] [--llama-server PATH]
         [--llama-quantize PATH]
 """
@@ -32,6 +33,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 FILES = ("default", "Q4_K_M", "Q6_K", "Q8_0", "Q4_0", "F16", "1b")
+# More files --files may name: a random mixture-of-experts file of Qwen3-30B-A3B's kind
+# (bench/gguf_memory.py's moe shape)
+MORE_FILES = ("moe",)
+
 NO_Q8 = {"F16"}  # weights without an 8-bit-activation kernel
 BARS = {1: 1.0, 16: 1.5}  # issue 30: >= llama.cpp at one client, >= 1.5x at 16
 
@@ -61,12 +66,12 @@ def make_file(name: str, directory: Path, quantize: Path | None) -> Path:
     """The file of ``name`` in ``directory``, made unless it is there."""
     if name == "default":
         return default_gguf()
-    if name == "1b":
+    if name in ("1b", "moe"):
         sys.path.insert(0, str(HERE))
         sys.path.insert(0, str(HERE.parent / "tests"))
         from gguf_memory import gguf_file
 
-        return gguf_file(directory, "1b")
+        return gguf_file(directory, name)
     path = directory / f"smollm2-{name}.gguf"
     if not path.exists():
         assert quantize is not None
@@ -81,7 +86,8 @@ def run_file(path: Path, arithmetic: str, out: Path, args: argparse.Namespace) -
     """One vs_llamacpp.py run; its JSON figures."""
     command = [sys.executable, str(HERE / "vs_llamacpp.py"), "--model", str(path),
                "--clients", args.clients, "--passes", str(args.passes),
-               "--max-tokens", "64" if path.name.startswith("llama-1b") else "128",
+               "--max-tokens", "64" if path.name.startswith(("llama-1b", "qwen3moe-moe"))
+               else "128",
                "--json", str(out)]
     if arithmetic == "q8":
         command += ["--serve-args", "--activations q8"]
@@ -133,10 +139,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--llama-quantize", default=None)
     args = parser.parse_args(argv)
     names = [n for n in args.files.split(",") if n]
-    unknown = [n for n in names if n not in FILES]
+    unknown = [n for n in names if n not in FILES + MORE_FILES]
     arithmetics = [a for a in args.arithmetics.split(",") if a]
     if unknown or not names:
-        parser.error(f"--files: unknown {unknown or names}; choose from {', '.join(FILES)}")
+        parser.error(f"--files: unknown {unknown or names}; choose from "
+                     f"{', '.join(FILES + MORE_FILES)}")
     if not set(arithmetics) <= {"exact", "q8"} or not arithmetics:
         parser.error("--arithmetics: exact, q8 or both")
     args.dir.mkdir(parents=True, exist_ok=True)
