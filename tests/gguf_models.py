@@ -133,8 +133,9 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                rope_factors: dict[str, Sequence[float]] | None = None,
                metadata: dict[str, int | float | str] | None = None,
                split_max_tensors: int = 0, experts: int = 0, experts_used: int = 2,
-               expert_ff: int | None = None) -> Path:
-    """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, gemma3 or phi3) as a GGUF file.
+               expert_ff: int | None = None, shared_ff: int = 0) -> Path:
+    """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gemma3 or phi3) as a
+    GGUF file.
 
     ``weight_type`` is every 2-d weight's type; ``types`` overrides it by the end of the
     tensor name (e.g. ``{"attn_v.weight": Q6_K, "token_embd.weight": Q6_K}``). The
@@ -161,7 +162,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     Mixtral's; ``qwen3moe`` needs them), ``experts_used`` per token, each of ``expert_ff``
     features (qwen3moe's ``expert_feed_forward_length``, default ``ff``; llama's experts
     are ``ff`` wide): the F32 router ``ffn_gate_inp`` and the 3-d ``ffn_{gate,up,down}_exps``
-    tensors in place of the dense MLP's."""
+    tensors in place of the dense MLP's; ``shared_ff``: qwen2moe's shared expert
+    (``ffn_{gate,up,down}_shexp``, its 1-d F32 gate ``ffn_gate_inp_shexp``) of that width."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     from freetoken_core.models.resolve import default_gguf_path
@@ -196,6 +198,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
         writer.add_uint32(p + "expert_used_count", experts_used)
         if arch != "llama":
             writer.add_uint32(p + "expert_feed_forward_length", expert_ff)
+        if shared_ff:
+            writer.add_uint32(p + "expert_shared_feed_forward_length", shared_ff)
     for key, value in (metadata or {}).items():
         key = key if key.startswith((p, "tokenizer.")) else p + key
         if isinstance(value, str):
@@ -256,10 +260,15 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                     0.0, 1.5 / hidden ** 0.5, (experts, hidden)).astype(np.float32))
                 stacked(b + "ffn_gate_exps.weight", experts, expert_ff, hidden)
                 stacked(b + "ffn_up_exps.weight", experts, expert_ff, hidden)
+                if shared_ff:
+                    vector(b + "ffn_gate_inp_shexp.weight", hidden, 0.0)
+                    matrix(b + "ffn_gate_shexp.weight", shared_ff, hidden)
+                    matrix(b + "ffn_up_shexp.weight", shared_ff, hidden)
+                    matrix(b + "ffn_down_shexp.weight", hidden, shared_ff)
             else:
                 matrix(b + "ffn_gate.weight", ff, hidden)
                 matrix(b + "ffn_up.weight", ff, hidden)
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2moe"):
             for name, n in (("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)):
                 vector(b + name, n, 0.0)
         if arch in ("qwen3", "qwen3moe", "gemma3"):

@@ -25,6 +25,8 @@ from test_gguf_rope_factors import LONG, greedy
 from transformers import (
     MixtralConfig,
     MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
@@ -38,6 +40,8 @@ QWEN3_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size"
              "norm_topk_prob": True, "head_dim": 16, "num_hidden_layers": 3,
              "mlp_only_layers": [1]}
 MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48}
+QWEN2_MOE = {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 96, "num_hidden_layers": 2}
 
 
 def served(model: Path, n: int = 16, **kwargs: Any
@@ -50,9 +54,10 @@ def served(model: Path, n: int = 16, **kwargs: Any
     return llm, prompts, [o.outputs[0].token_ids for o in outs]
 
 
-def assert_logits_match(llm: LLM, ids: list[int], ref: Any) -> None:
-    """Every position's logits equal ``ref``'s (the prompt in two chunks); without the top
-    k renormalized they differ."""
+def assert_logits_match(llm: LLM, ids: list[int], ref: Any, renormalized: bool = True
+                        ) -> None:
+    """Every position's logits equal ``ref``'s (the prompt in two chunks); with the top k
+    renormalized the other way round they differ."""
     model = llm.engine.core.runner.model
     half = len(ids) // 2
     with torch.no_grad():
@@ -62,12 +67,12 @@ def assert_logits_match(llm: LLM, ids: list[int], ref: Any) -> None:
     sparse = [layer.moe for layer in model.layers if layer.moe is not None]
     assert sparse
     for moe in sparse:
-        moe.norm_topk_prob = False
+        moe.norm_topk_prob = not renormalized
     try:
         assert (chunked_logits(model, ids, [len(ids)]) - want).abs().max() > 0.05
     finally:
         for moe in sparse:
-            moe.norm_topk_prob = True
+            moe.norm_topk_prob = renormalized
 
 
 def test_qwen3_moe_directory_matches_transformers(tmp_path: Path) -> None:
@@ -82,6 +87,34 @@ def test_qwen3_moe_directory_matches_transformers(tmp_path: Path) -> None:
     assert [layer.moe is not None for layer in model.layers] == [True, False, True]
     assert got == greedy(hf, prompts, 16)
     assert_logits_match(llm, prompts[-1], hf)
+
+
+def test_qwen2_moe_directory_matches_transformers(tmp_path: Path) -> None:
+    """Qwen2-MoE: q/k/v biases, the top k not renormalized, a shared expert gated by a
+    sigmoid."""
+    model_dir = save_tiny_model(tmp_path / "qwen2moe", Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                                **QWEN2_MOE)
+    hf = Qwen2MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm, prompts, got = served(model_dir)
+    cfg = llm.engine.core.runner.model.config
+    assert (cfg.architecture, cfg.shared_expert_intermediate_size) == ("qwen2_moe", 96)
+    assert cfg.attention_bias and not cfg.norm_topk_prob
+    assert got == greedy(hf, prompts, 16)
+    assert_logits_match(llm, prompts[-1], hf, renormalized=False)
+
+
+def test_qwen2moe_gguf_matches_transformers(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "qwen2moe.gguf", "qwen2moe", hidden=64, layers=2, heads=4,
+                      kv_heads=2, ff=128, expert_ff=32, shared_ff=96, experts=8,
+                      experts_used=3, weight_type=Q8_0, tied=False, seed=8)
+    # (transformers' GGUF loader reads neither expert length)
+    hf = hf_from_gguf(path, moe_intermediate_size=32, shared_expert_intermediate_size=96)
+    llm, prompts, got = served(path)
+    cfg = llm.engine.core.runner.model.config
+    assert (cfg.architecture, cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size) == (
+        "qwen2_moe", 3, 96)
+    assert got == greedy(hf, prompts, 16)
+    assert_logits_match(llm, prompts[-1], hf, renormalized=False)
 
 
 def test_mixtral_directory_matches_transformers(tmp_path: Path) -> None:

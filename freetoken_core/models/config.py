@@ -21,12 +21,13 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
 _ACTIVATIONS = {"gemma3": "gelu_pytorch_tanh", "phi3": "silu", "qwen3_moe": "silu",
-                "mixtral": "silu"}
+                "qwen2_moe": "silu", "mixtral": "silu"}
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,9 @@ class ModelConfig:
     ``norm_topk_prob``)."""
     routed_scaling_factor: float = 1.0
     """The routing weights' multiplier (llama.cpp's ``expert_weights_scale``)."""
+    shared_expert_intermediate_size: int = 0
+    """The hidden size of the shared expert every token also goes through, its output
+    gated by a sigmoid (Qwen2-MoE); 0: none."""
     moe_layers: tuple[int, ...] = ()
     """Per layer, 1 where the MLP is a mixture of experts, 0 where it is dense (Qwen3-MoE's
     ``mlp_only_layers`` and ``decoder_sparse_step``); empty: every layer's is, where
@@ -150,7 +154,7 @@ class ModelConfig:
             fields.update(_smollm3_fields(cfg))
         elif family == "granite":
             fields.update(_granite_fields(cfg))
-        elif family in ("qwen3_moe", "mixtral"):
+        elif family in ("qwen3_moe", "qwen2_moe", "mixtral"):
             fields.update(_moe_fields(cfg, arch, family))
         return cls(
             architecture=family,
@@ -163,7 +167,8 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            attention_bias=(family == "qwen2" or bool(cfg.get("attention_bias", False))
+                            or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
             qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),
@@ -260,7 +265,8 @@ def _granite_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _moe_fields(cfg: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
-    """The mixture of experts as transformers' configs read it: Qwen3-MoE's
+    """The mixture of experts as transformers' configs read it: Qwen3-MoE's (and Qwen2-MoE's,
+    with its shared expert of ``shared_expert_intermediate_size``)
     ``num_experts`` (``num_local_experts`` as transformers 5 saves it),
     ``moe_intermediate_size``, ``norm_topk_prob`` (default False) and its dense layers
     (``mlp_only_layers``, and every layer but each ``decoder_sparse_step``-th); Mixtral's
@@ -268,17 +274,21 @@ def _moe_fields(cfg: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
     renormalized. Both: ``num_experts_per_tok`` of them, softmax routing, SwiGLU experts.
     A key config.json leaves out takes transformers' default; a bad value is named."""
     layers = cfg["num_hidden_layers"]
-    qwen = family == "qwen3_moe"
+    qwen = family in ("qwen3_moe", "qwen2_moe")
+    qwen2 = family == "qwen2_moe"
     # (transformers' defaults where config.json leaves a key out)
-    experts = cfg.get("num_experts", cfg.get("num_local_experts", 128)) if qwen else cfg.get(
-        "num_local_experts", 8)
-    top_k = cfg.get("num_experts_per_tok", 8 if qwen else 2)
-    size = cfg.get("moe_intermediate_size", 768) if qwen else cfg.get("intermediate_size")
+    experts = cfg.get("num_experts", cfg.get("num_local_experts", 60 if qwen2 else 128)) if (
+        qwen) else cfg.get("num_local_experts", 8)
+    top_k = cfg.get("num_experts_per_tok", (4 if qwen2 else 8) if qwen else 2)
+    size = cfg.get("moe_intermediate_size", 1408 if qwen2 else 768) if qwen else cfg.get(
+        "intermediate_size")
+    shared = cfg.get("shared_expert_intermediate_size", 5632) if qwen2 else 0
     for key, value, low in (("num_experts" if qwen else "num_local_experts", experts, 1),
                             ("num_experts_per_tok", top_k, 1),
-                            ("moe_intermediate_size" if qwen else "intermediate_size", size, 1)):
+                            ("moe_intermediate_size" if qwen else "intermediate_size", size, 1),
+                            ("shared_expert_intermediate_size", shared, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ModelLoadError(f"{arch} {key} must be a positive integer, not {value!r}")
+            raise ModelLoadError(f"{arch} {key} must be an integer >= {low}, not {value!r}")
     if top_k > experts:
         raise ModelLoadError(f"{arch} num_experts_per_tok {top_k} exceeds its {experts} "
                              "experts")
@@ -295,6 +305,7 @@ def _moe_fields(cfg: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
             "moe_intermediate_size": size,
             "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)) if qwen else True,
             "routed_scaling_factor": float(scale),
+            "shared_expert_intermediate_size": shared,
             "moe_layers": flags if 0 in flags else ()}
 
 

@@ -25,6 +25,7 @@ ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
 }
 # A llama file with experts (llama.expert_count > 0) is Mixtral's.
 MIXTRAL = "MixtralForCausalLM"
@@ -239,36 +240,45 @@ def _granite_config(reader: Any, head_dim: int) -> dict[str, Any]:
 
 def _moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any]:
     """The experts of a mixture-of-experts file, as llama.cpp reads them: ``qwen3moe``
-    (``expert_feed_forward_length`` each, else the dense length over the experts used) and
+    (``expert_feed_forward_length`` each, else the dense length over the experts used),
+    ``qwen2moe`` (the same, and a shared expert of ``expert_shared_feed_forward_length``) and
     ``llama`` with ``expert_count`` > 0 (Mixtral; experts of ``feed_forward_length``), every
-    layer sparse, softmax routing with the top k renormalized (llama.cpp passes
-    ``norm_w = true`` for both), times ``expert_weights_scale`` where the file has one.
-    Empty for a dense file. Shared experts and gating other than softmax are refused."""
+    layer sparse, softmax routing with the top k renormalized (llama.cpp passes ``norm_w =
+    true`` for qwen3moe and llama, false for qwen2moe), times ``expert_weights_scale`` where
+    the file has one. Empty for a dense file. Shared experts of other families and gating
+    other than softmax are refused."""
     p = f"{arch}."
     experts = int(field(reader, p + "expert_count", 0))
-    if arch not in ("llama", "qwen3moe") or (arch == "llama" and experts == 0):
+    if arch not in ("llama", "qwen3moe", "qwen2moe") or (arch == "llama" and experts == 0):
         return {}
     used = int(field(reader, p + "expert_used_count", 0))
     if experts < 1 or not 1 <= used <= experts:
         raise ModelLoadError(f"GGUF {p}expert_count {experts} / expert_used_count {used}: a "
                              "mixture of experts needs 1 <= used <= count")
-    if int(field(reader, p + "expert_shared_count", 0)) or int(
-            field(reader, p + "expert_shared_feed_forward_length", 0)):
+    shared = int(field(reader, p + "expert_shared_feed_forward_length", 0))
+    if arch != "qwen2moe" and (int(field(reader, p + "expert_shared_count", 0)) or shared):
         raise ModelLoadError(f"GGUF {arch} with shared experts is not supported")
     gating = int(field(reader, p + "expert_gating_func", 1))
     if gating != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise ModelLoadError(f"GGUF {p}expert_gating_func {gating} is not supported "
                              "(FreeToken routes with softmax, 1)")
     scale = float(field(reader, p + "expert_weights_scale", 0.0))
-    out: dict[str, Any] = {"num_experts_per_tok": used, "norm_topk_prob": True,
+    out: dict[str, Any] = {"num_experts_per_tok": used, "norm_topk_prob": arch != "qwen2moe",
                            "routed_scaling_factor": scale if scale else 1.0}
     if arch == "llama":
         return {**out, "architectures": [MIXTRAL], "model_type": "mixtral",
                 "num_local_experts": experts}
     size = int(field(reader, p + "expert_feed_forward_length", 0)) or (
         config["intermediate_size"] // used)
-    return {**out, "model_type": "qwen3_moe", "num_experts": experts,
-            "moe_intermediate_size": size, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if arch == "qwen2moe":
+        # (llama.cpp: the dense length where the file has no shared length)
+        out.update(model_type="qwen2_moe",
+                   shared_expert_intermediate_size=shared or config["intermediate_size"],
+                   qkv_bias="blk.0.attn_q.bias" in {t.name for t in reader.tensors})
+    else:
+        out["model_type"] = "qwen3_moe"
+    return {**out, "num_experts": experts, "moe_intermediate_size": size,
+            "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def embedding_rows(reader: Any) -> int:

@@ -69,6 +69,13 @@ _MOE = {
     "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
 }
+# Qwen2-MoE's shared expert and its gate (1-d in the file: ``[hidden]``).
+_SHARED_EXPERT = {
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
 _LLAMA_NORMS = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -80,6 +87,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "qwen2": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen3moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},
+    "qwen2moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE, **_SHARED_EXPERT},
     "gemma3": {
         "attn_norm.weight": "input_layernorm.weight",
         "post_attention_norm.weight": "post_attention_layernorm.weight",

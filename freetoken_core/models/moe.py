@@ -7,7 +7,9 @@ llama.cpp's ``build_moe_ffn`` with softmax gating), computed as transformers com
   ``routed_scaling_factor``;
 - each expert is a SwiGLU MLP (its gate and up projections one linear); the block's output
   is the sum over a token's chosen experts of weight x expert output, added expert by expert
-  in the experts' order (``index_add_``, as transformers adds them).
+  in the experts' order (``index_add_``, as transformers adds them);
+- Qwen2-MoE's shared expert, a SwiGLU MLP every token goes through, is added last, times
+  the sigmoid of its gate (a linear of one output).
 
 Each expert computes the rows of the tokens that chose it, as one linear call; every row's
 result depends on its own input only (the linears are batch-invariant where they compute
@@ -22,7 +24,8 @@ The weights, by Hugging Face name under the layer's prefix: ``mlp.gate.weight`` 
 every file's experts); Mixtral's ``block_sparse_moe.gate.weight`` and
 ``block_sparse_moe.experts.{e}.w1 / w3 / w2.weight``; or transformers 5's fused
 ``mlp.experts.gate_up_proj`` ``[experts, 2 x size, hidden]`` and ``mlp.experts.down_proj``
-``[experts, hidden, size]``.
+``[experts, hidden, size]``; the shared expert's ``mlp.shared_expert.{gate,up,down}_proj.weight``
+and ``mlp.shared_expert_gate.weight`` (``[1, hidden]``, or ``[hidden]`` as GGUF has it).
 """
 
 from __future__ import annotations
@@ -74,6 +77,16 @@ class SparseMoE:
         self.experts: list[tuple[Linear, Linear]] = [
             (make_linear([gate, up], arena=arena), make_linear([down], arena=arena))
             for gate, up, down in experts]
+        self.shared: tuple[Linear, Linear] | None = None
+        self.shared_gate: Linear | None = None
+        if cfg.shared_expert_intermediate_size:
+            mlp = prefix + "mlp.shared_expert"
+            self.shared = (make_linear([weights.pop(f"{mlp}.gate_proj.weight"),
+                                        weights.pop(f"{mlp}.up_proj.weight")], arena=arena),
+                           make_linear([weights.pop(f"{mlp}.down_proj.weight")], arena=arena))
+            gate = weights.pop(f"{mlp}_gate.weight")
+            self.shared_gate = make_linear([gate.reshape(1, -1) if isinstance(
+                gate, torch.Tensor) else gate], arena=arena)
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.scale = cfg.routed_scaling_factor
@@ -97,8 +110,10 @@ class SparseMoE:
 
     @property
     def linears(self) -> tuple[Linear, ...]:
-        """The router's and every expert's linears (for the model's block layouts)."""
-        return (self.router, *(lin for pair in self.experts for lin in pair))
+        """The router's, every expert's and the shared expert's linears (for the model's
+        block layouts)."""
+        shared = (*self.shared, self.shared_gate) if self.shared is not None else ()
+        return (self.router, *(lin for pair in self.experts for lin in pair), *shared)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights, experts)``, each ``[tokens, top_k]``: the experts each token's output
@@ -114,9 +129,15 @@ class SparseMoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
         if self.native_args is not None:
-            return torch.ops.freetoken.moe_experts(x.contiguous(), chosen, weights,
-                                                   *self.native_args)
-        return self.loop(x, weights, chosen)
+            out = torch.ops.freetoken.moe_experts(x.contiguous(), chosen, weights,
+                                                  *self.native_args)
+        else:
+            out = self.loop(x, weights, chosen)
+        if self.shared is None:
+            return out
+        gate_up, down = self.shared
+        shared = down(silu_and_mul(gate_up(x), self.native))
+        return out + torch.sigmoid(self.shared_gate(x)) * shared
 
     def loop(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
              ) -> torch.Tensor:

@@ -20,7 +20,8 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "smollm3": SmolLM3ForCausalLM,
     "granite": LlamaForCausalLM,  # (its multipliers are ModelConfig fields Llama's reads)
     "qwen3_moe": LlamaForCausalLM,  # (mixture-of-experts MLPs: moe.py, which Llama's
-    "mixtral": LlamaForCausalLM,    # blocks build where the config has experts)
+    "qwen2_moe": LlamaForCausalLM,  # blocks build where the config has experts)
+    "mixtral": LlamaForCausalLM,
 }
 
 SUPPORTED: tuple[str, ...] = tuple(sorted(_CLASSES))
