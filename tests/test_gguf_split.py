@@ -53,3 +53,15 @@ def test_wrong_or_missing_shard_is_named(tmp_path: Path) -> None:
     first.rename(renamed)
     with pytest.raises(ModelLoadError, match="not named like one"):
         LLM(str(renamed), kv_cache_tokens=512, progress=False, plugins="none")
+
+
+def test_file_bytes_counts_every_shard(tmp_path: Path) -> None:
+    """The memory check before the KV cache is written counts every shard's bytes."""
+    from freetoken_core.models.gguf_reader import file_bytes
+
+    first = write_gguf(tmp_path / "m.gguf", "llama", weight_type=Q8_0, split_max_tensors=8)
+    shards = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert len(shards) > 1 and first == shards[0]
+    assert file_bytes(first) == sum(p.stat().st_size for p in shards)
+    whole = write_gguf(tmp_path / "whole.gguf", "llama", weight_type=Q8_0)
+    assert file_bytes(whole) == whole.stat().st_size

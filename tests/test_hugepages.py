@@ -141,6 +141,22 @@ def test_a_kv_cache_the_memory_cannot_hold_is_refused_before_it_is_written(
     LLM(None, progress=False, kv_cache_tokens=4096, plugins="none", kv_cache_prefault=False)
 
 
+def test_a_kv_cache_that_does_not_fit_beside_the_weights_is_refused_naming_what_fits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF file's weights count: with 100 MiB free beyond the default file, its 180 MiB
+    cache of 4,096 tokens is refused, the message naming the weights and the 2,048 tokens
+    that fit; those start."""
+    from freetoken_core import LLM, ModelLoadError
+    from freetoken_core.models.resolve import default_gguf_path
+
+    weights = default_gguf_path().stat().st_size
+    monkeypatch.setattr(hugepages, "available_bytes", lambda: weights + (100 << 20))
+    with pytest.raises(ModelLoadError, match=r"the model's weights ~0\.1 GiB, more than the "
+                                             r"0\.2 GiB .* \(about 2,048 fit\)"):
+        LLM(None, progress=False, kv_cache_tokens=4096, plugins="none")
+    LLM(None, progress=False, kv_cache_tokens=2048, plugins="none")
+
+
 def test_the_kv_cache_is_written_on_a_thread_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """``KvCache`` writes the cache while the engine loads the rest (the default model's
     start 2.6 -> 1.1-1.6 s on the Zen 5 VM): ``tensor()`` gives it zeroed, of its shape;

@@ -22,6 +22,7 @@ from freetoken_core.engine.tensor_parallel import TensorParallelGroup, start_gro
 from freetoken_core.errors import InvalidRequest, ModelLoadError
 from freetoken_core.models.block_layout import INT24_TYPES
 from freetoken_core.models.config import ModelConfig
+from freetoken_core.models.gguf_reader import file_bytes
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.loader import load_model, return_freed_memory
 from freetoken_core.models.resolve import gguf_source, resolve_model
@@ -90,14 +91,17 @@ def build_engine(config: EngineConfig, progress: bool = True,
     model_config = ModelConfig.from_dir(model_dir, config.hf_overrides)
     device = config.torch_device()
     # One rank: the KV cache's shape is known now (compute_limits' whole blocks), and its
-    # write overlaps the tokenizer's, the plugins' and the model's loading.
+    # write overlaps the tokenizer's, the plugins' and the model's loading (a GGUF file's
+    # weights, about its size, checked to fit beside it).
+    gguf = gguf_source(config.model)
     kv_cache = None if config.tensor_parallel_size > 1 else KvCache(
         kv_cache_shape(model_config.num_layers, config.kv_cache_tokens // config.block_size,
                        config.block_size, model_config.num_kv_heads, model_config.head_dim),
-        config.kv_torch_dtype(device), device, config.kv_cache_prefault)
+        config.kv_torch_dtype(device), device, config.kv_cache_prefault,
+        weights_bytes=file_bytes(gguf) if gguf is not None else 0)
     tokenizer = load_tokenizer(model_dir, config.chat_template_text())
     generation_config = generation_defaults.read(config, model_dir,
-                                                 gguf_source(config.model) is not None)
+                                                 gguf is not None)
     limits = compute_limits(config, model_config,
                             eos_token_ids(model_dir, model_config, tokenizer)
                             | generation_config.eos_token_ids())

@@ -88,16 +88,24 @@ def run_plan(model: LlamaForCausalLM, kv_caches: torch.Tensor, plan: StepPlan,
         torch.tensor(rows, dtype=torch.long, device=device)]) for rows in plan.logits_rows]
 
 
-def _check_kv_fits(shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    """A KV cache to be written at start that the memory available cannot hold: a clear
-    error now, rather than the kernel's OOM killer during the write."""
+def _check_kv_fits(shape: tuple[int, ...], dtype: torch.dtype, weights_bytes: int = 0) -> None:
+    """A KV cache to be written at start that the memory available cannot hold beside the
+    model's weights (``weights_bytes``, about to be loaded: a GGUF file's size): a clear
+    error now, naming the cache size that fits, rather than the kernel's OOM killer while
+    the cache or the weights are written (a 30B MoE file of 19.5 GB and the default
+    32,768-token cache, 6 GiB for it in float32, on a 24 GiB machine)."""
     nbytes = hugepages.tensor_bytes(shape, dtype)
     available = hugepages.available_bytes()
-    if available is not None and nbytes > available:
-        raise ModelLoadError(
-            f"the KV cache of {shape[1]:,} token slots ({shape[0]} layers, {dtype}) takes "
-            f"{nbytes / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of memory "
-            "available; lower --kv-cache-tokens")
+    if available is None or nbytes + weights_bytes <= available:
+        return
+    weights = (f" and the model's weights ~{weights_bytes / 2**30:.1f} GiB" if weights_bytes
+               else "")
+    fit = int((available - weights_bytes) * 0.9 / (nbytes / shape[1])) // 1024 * 1024
+    hint = f" (about {fit:,} fit)" if fit > 0 else " (the weights alone do not fit)"
+    raise ModelLoadError(
+        f"the KV cache of {shape[1]:,} token slots ({shape[0]} layers, {dtype}) takes "
+        f"{nbytes / 2**30:.1f} GiB{weights}, more than the {available / 2**30:.1f} GiB of "
+        f"memory available; lower --kv-cache-tokens{hint}")
 
 
 def kv_cache_shape(num_layers: int, num_kv_blocks: int, block_size: int, num_kv_heads: int,
@@ -114,12 +122,14 @@ class KvCache:
     refused here, at once. ``tensor()`` waits for it (and raises what the thread raised)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 prefault: bool = True) -> None:
+                 prefault: bool = True, weights_bytes: int = 0) -> None:
+        """``weights_bytes``: the memory the model's weights are about to take beside the
+        cache (checked with it)."""
         self.shape = shape
         self._tensor: torch.Tensor | None = None
         self._error: BaseException | None = None
         if device.type == "cpu" and prefault:
-            _check_kv_fits(shape, dtype)
+            _check_kv_fits(shape, dtype, weights_bytes)
 
         def allocate() -> None:
             try:

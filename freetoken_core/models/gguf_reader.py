@@ -4,6 +4,7 @@ array fields), split files as one, and typed access to the fields (used by
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -252,6 +253,19 @@ class SplitReader:
             raise ModelLoadError(
                 f"{first_path}'s split GGUF should hold {int(expected)} tensors but its "
                 f"{count} shards hold {len(self.tensors)}; re-download the shards")
+
+
+def file_bytes(gguf_path: Path) -> int:
+    """The bytes of the GGUF file ``gguf_path``: of every shard where it is the first of a
+    split file (``{prefix}-00001-of-0000N.gguf``, the shards beside it), for the memory the
+    model's weights will take (they are laid out from the file, byte for byte or nearly)."""
+    match = re.fullmatch(r"(.+)-00001-of-(\d{5})\.gguf", gguf_path.name)
+    if match is None:
+        return gguf_path.stat().st_size
+    prefix, count = match.group(1), int(match.group(2))
+    shards = [gguf_path.with_name(f"{prefix}-{i:05d}-of-{count:05d}.gguf")
+              for i in range(1, count + 1)]
+    return sum(shard.stat().st_size for shard in shards if shard.is_file())
 
 
 def read_arrays(gguf_path: Path, keys: Collection[str]) -> dict[str, list[Any]]:
