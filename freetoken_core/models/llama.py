@@ -1,5 +1,5 @@
 """Native Llama-family causal LM (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2; with
-mixture-of-experts MLPs, ``moe.py``: Qwen3-MoE, Mixtral).
+mixture-of-experts MLPs, ``moe.py``: Qwen3-MoE, Qwen2-MoE, Mixtral).
 
 Grouped-query attention with RoPE over the paged KV cache, RMSNorm, SwiGLU. q/k/v and
 gate/up projections are fused into one GEMM each. Weights are plain tensors, the model is

@@ -1,5 +1,6 @@
-"""The mixture-of-experts MLP (transformers' Qwen3-MoE and Mixtral sparse MoE blocks,
-llama.cpp's ``build_moe_ffn`` with softmax gating), computed as transformers computes it:
+"""The mixture-of-experts MLP (transformers' Qwen3-MoE, Qwen2-MoE and Mixtral sparse MoE
+blocks, llama.cpp's ``build_moe_ffn`` with softmax gating), computed as transformers computes
+it:
 
 - the router, a linear of ``num_experts`` outputs, gives each token logits; their softmax
   (float32) gives probabilities, of which the top ``num_experts_per_tok`` are kept (the
