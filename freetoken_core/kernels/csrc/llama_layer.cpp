@@ -23,14 +23,9 @@
 
 namespace {
 
-void linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, const at::Tensor& out) {
-  if (qtype & freetoken::kActivationsInt24) {
-    freetoken::gguf_linear_int(x, blocks, qtype & ~freetoken::kActivationsInt24, out);
-  } else if (qtype & freetoken::kActivationsQ8) {
-    freetoken::gguf_linear_q8(x, blocks, qtype & ~freetoken::kActivationsQ8, out);
-  } else {
-    freetoken::gguf_linear(x, blocks, qtype, out);
-  }
+// A linear's output features (ops.h).
+int64_t features(const at::Tensor& blocks, int64_t qtype) {
+  return freetoken::linear_out_features(blocks, qtype, "llama_layer");
 }
 
 // Each token's key and value into its cache slot. A row of the fused projection is
@@ -82,17 +77,6 @@ void write_kv(const at::Tensor& qkv_out, int64_t k_offset, at::Tensor& kv_cache,
   });
 }
 
-// The output features of a linear: its blocks' rows, or for a linear of parts (kParts) the
-// sum of the parts' in its header (gguf_linear).
-int64_t out_features(const at::Tensor& blocks, int64_t qtype) {
-  if ((qtype & ~(freetoken::kActivationsQ8 | freetoken::kActivationsInt24)) != freetoken::kParts)
-    return blocks.size(0);
-  int64_t n = 0;
-  for (const freetoken::LinearPart& p : freetoken::linear_parts(blocks, "llama_layer"))
-    n += p.n;
-  return n;
-}
-
 // The activations of a step's blocks, allocated once and reused by every block.
 struct Scratch {
   at::Tensor x, qkv, attn, y, gate_up, act;
@@ -126,7 +110,7 @@ void block(bool first, at::Tensor& residual, Scratch& s, const at::Tensor& out,
   } else {
     freetoken::fused_add_rms_norm(s.x, residual, input_norm, eps);
   }
-  linear(s.x, qkv, qkv_type, s.qkv);
+  freetoken::linear(s.x, qkv, qkv_type, s.qkv);
   // Queries and keys rotated together, in place, then keys and values side by side into
   // their cache slots.
   const at::Tensor qk = s.qkv.narrow(1, 0, (h + kvh) * d).view({n, h + kvh, d});
@@ -134,11 +118,11 @@ void block(bool first, at::Tensor& residual, Scratch& s, const at::Tensor& out,
   write_kv(s.qkv, h * d, kv_cache, slot_mapping);
   freetoken::paged_decode_attention(qk.narrow(1, 0, h), kv_cache, block_tables, context_lens,
                                     block_size, scale, s.attn);
-  linear(s.attn.view({n, h * d}), o, o_type, s.y);
+  freetoken::linear(s.attn.view({n, h * d}), o, o_type, s.y);
   freetoken::fused_add_rms_norm(s.y, residual, post_norm, eps);
-  linear(s.y, gate_up, gate_up_type, s.gate_up);
+  freetoken::linear(s.y, gate_up, gate_up_type, s.gate_up);
   freetoken::silu_and_mul(s.act, s.gate_up);
-  linear(s.act, down, down_type, out);
+  freetoken::linear(s.act, down, down_type, out);
 }
 
 void check_x(const at::Tensor& x) {
@@ -157,7 +141,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
   check_x(x);
   // The first block: its input is the embeddings, and the residual stream.
   at::Tensor residual = residual_in.has_value() ? *residual_in : x;
-  Scratch s = scratch(x, out_features(qkv, qkv_type), out_features(gate_up, gate_up_type),
+  Scratch s = scratch(x, features(qkv, qkv_type), features(gate_up, gate_up_type),
                       num_heads, head_dim);
   if (residual_in.has_value()) s.x = x;  // normed in place, as the Python path does
   at::Tensor out = at::empty_like(residual);
@@ -186,12 +170,12 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
               "llama_layers: one input norm, post norm, cache and four linears per layer");
   check_x(x);
   for (int64_t i = 4; i < 4 * layers; ++i)
-    TORCH_CHECK(out_features(linears[i], linear_types[i]) ==
-                    out_features(linears[i % 4], linear_types[i % 4]),
+    TORCH_CHECK(features(linears[i], linear_types[i]) ==
+                    features(linears[i % 4], linear_types[i % 4]),
                 "llama_layers: every layer's linears must have the first layer's outputs");
   at::Tensor residual = x;
-  Scratch s = scratch(x, out_features(linears[0], linear_types[0]),
-                      out_features(linears[2], linear_types[2]), num_heads, head_dim);
+  Scratch s = scratch(x, features(linears[0], linear_types[0]),
+                      features(linears[2], linear_types[2]), num_heads, head_dim);
   std::vector<at::Tensor> caches;
   for (int64_t l = 0; l < layers; ++l) caches.push_back(kv_caches.select(0, l));
   freetoken::run_team([&] {

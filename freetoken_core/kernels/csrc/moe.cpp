@@ -26,26 +26,13 @@
 
 namespace {
 
+// A linear's output features (ops.h).
+int64_t features(const at::Tensor& blocks, int64_t qtype) {
+  return freetoken::linear_out_features(blocks, qtype, "moe_experts");
+}
+
 // From this many rows an expert's linears share their features among the threads.
 constexpr int64_t kSharedRows = 16;
-
-void linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, const at::Tensor& out) {
-  if (qtype & freetoken::kActivationsInt24) {
-    freetoken::gguf_linear_int(x, blocks, qtype & ~freetoken::kActivationsInt24, out);
-  } else if (qtype & freetoken::kActivationsQ8) {
-    freetoken::gguf_linear_q8(x, blocks, qtype & ~freetoken::kActivationsQ8, out);
-  } else {
-    freetoken::gguf_linear(x, blocks, qtype, out);
-  }
-}
-
-int64_t out_features(const at::Tensor& blocks, int64_t qtype) {
-  if ((qtype & ~(freetoken::kActivationsQ8 | freetoken::kActivationsInt24)) != freetoken::kParts)
-    return blocks.size(0);
-  int64_t n = 0;
-  for (const freetoken::LinearPart& p : freetoken::linear_parts(blocks, "moe_experts")) n += p.n;
-  return n;
-}
 
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights,
                        at::TensorList gate_up, at::IntArrayRef gate_up_types,
@@ -65,11 +52,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::
                   static_cast<int64_t>(down.size()) == experts &&
                   static_cast<int64_t>(down_types.size()) == experts,
               "moe_experts: one gate/up and one down linear per expert");
-  const int64_t gate_up_features = out_features(gate_up[0], gate_up_types[0]);
+  const int64_t gate_up_features = features(gate_up[0], gate_up_types[0]);
   TORCH_CHECK(gate_up_features % 2 == 0, "moe_experts: gate/up outputs must be even");
   for (int64_t e = 0; e < experts; ++e)
-    TORCH_CHECK(out_features(gate_up[e], gate_up_types[e]) == gate_up_features &&
-                    out_features(down[e], down_types[e]) == hidden,
+    TORCH_CHECK(features(gate_up[e], gate_up_types[e]) == gate_up_features &&
+                    features(down[e], down_types[e]) == hidden,
                 "moe_experts: expert ", e, "'s linears do not have the first one's shapes");
 
   // The pairs grouped by expert (a counting sort: stable, so each expert's rows keep the
@@ -109,9 +96,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::
   auto expert = [&](int64_t e) {
     const int64_t first = start[e], count = start[e + 1] - start[e];
     const at::Tensor g = gu.narrow(0, first, count), a = act.narrow(0, first, count);
-    linear(xs.narrow(0, first, count), gate_up[e], gate_up_types[e], g);
+    freetoken::linear(xs.narrow(0, first, count), gate_up[e], gate_up_types[e], g);
     freetoken::silu_and_mul(a, g);
-    linear(a, down[e], down_types[e], hs.narrow(0, first, count));
+    freetoken::linear(a, down[e], down_types[e], hs.narrow(0, first, count));
   };
   // An expert of many rows shares its linears' features among the threads; the others (a
   // decode step's: a row or a few each) run side by side, one thread an expert, each

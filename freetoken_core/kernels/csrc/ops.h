@@ -47,6 +47,14 @@ inline std::vector<LinearPart> linear_parts(const at::Tensor& blocks, const char
   }
   return parts;
 }
+// The output features of a linear: its blocks' rows, or for a linear of parts (kParts) the
+// sum of the parts' in its header; `op` names the caller in the errors.
+inline int64_t linear_out_features(const at::Tensor& blocks, int64_t qtype, const char* op) {
+  if ((qtype & ~(kActivationsQ8 | kActivationsInt24)) != kParts) return blocks.size(0);
+  int64_t n = 0;
+  for (const LinearPart& p : linear_parts(blocks, op)) n += p.n;
+  return n;
+}
 // An embedding's token ids (`ids`: a contiguous int64 [T] tensor), each checked to be one of
 // its n rows; `op` names the caller in the errors.
 inline const int64_t* embedding_ids(const at::Tensor& ids, int64_t n, const char* op) {
@@ -67,6 +75,18 @@ at::Tensor gguf_int_blocks(const at::Tensor& blocks, int64_t qtype);
 int64_t gguf_int_row_bytes(int64_t qtype, int64_t k);
 void gguf_linear_int(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, at::Tensor out,
                      int64_t mode = 0);
+// The product of a linear's blocks whatever its kernel: gguf_linear_int or gguf_linear_q8
+// where the type id carries their bit, else gguf_linear.
+inline void linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype,
+                   const at::Tensor& out) {
+  if (qtype & kActivationsInt24) {
+    gguf_linear_int(x, blocks, qtype & ~kActivationsInt24, out);
+  } else if (qtype & kActivationsQ8) {
+    gguf_linear_q8(x, blocks, qtype & ~kActivationsQ8, out);
+  } else {
+    gguf_linear(x, blocks, qtype, out);
+  }
+}
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& w, double eps);
 void silu_and_mul(at::Tensor out, const at::Tensor& x);
