@@ -15,8 +15,9 @@ it is first touched, which the kernel backs with huge pages where
 most distributions), and with 4 KiB pages otherwise: nothing fails either way. Pages are
 zero until written and are allocated as they are first touched, unless ``populate`` writes
 them all at once (the KV cache, ``--kv-cache-prefault``). ``FREETOKEN_HUGE_PAGES=0`` turns
-it off (plain ``torch.zeros``); so does a platform without ``madvise`` or below one huge
-page of size.
+the advice off (the memory is mapped the same way, in 4 KiB pages); a platform without
+``madvise`` gets that too, and one without anonymous mappings, or a tensor below one huge
+page of size, plain ``torch.zeros``.
 """
 
 from __future__ import annotations
@@ -56,10 +57,14 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, populate: bool = False) ->
     import torch
 
     nbytes = tensor_bytes(shape, dtype)
-    if nbytes < HUGE_PAGE or not enabled():
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MAP_ANONYMOUS"):
         return torch.zeros(shape, dtype=dtype)  # (written: torch.zeros fills its memory)
+    # Mapped, not torch.zeros, with huge pages off too: its pages come as they are written
+    # (a model's re-layout writes a new arena while giving the old one's pages back: with
+    # torch.zeros both were resident at once, and a 19.5 GB file's load met the OOM killer).
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_HUGEPAGE)
+    if enabled():
+        mapping.madvise(mmap.MADV_HUGEPAGE)
     raw = np.frombuffer(mapping, dtype=np.uint8)  # holds the mapping open
     start = -raw.ctypes.data % HUGE_PAGE
     tensor = torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)

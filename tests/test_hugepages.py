@@ -61,6 +61,19 @@ def test_small_tensors_and_the_switch_give_plain_zeros(monkeypatch: pytest.Monke
     assert big.shape == (1 << 20,) and not big.any()
 
 
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mincore"), reason="no mincore")
+def test_with_huge_pages_off_the_memory_still_comes_as_it_is_written(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FREETOKEN_HUGE_PAGES=0`` keeps the lazy mapping (4 KiB pages): a model's re-layout
+    writes its new arena while it gives the old one back, so the two are never resident
+    together (torch.zeros' were: a 19.5 GB file's load was OOM-killed)."""
+    monkeypatch.setenv("FREETOKEN_HUGE_PAGES", "0")
+    lazy = hugepages.zeros((16 << 20,), torch.uint8)
+    assert _resident_kib(lazy) < 1024
+    lazy[: 4 << 20] = 1
+    assert 4096 <= _resident_kib(lazy) < 5120
+
+
 needs_mappings = pytest.mark.skipif(
     not hugepages.enabled() or not hasattr(ctypes.CDLL(None), "mincore"),
     reason="huge-page mappings off, or no mincore")
