@@ -1,5 +1,5 @@
 """The architecture facts of a model, read from a Hugging Face config.json: the Llama family,
-Gemma 3 (text), Phi-3, and the mixture-of-experts Qwen3-MoE and Mixtral."""
+Gemma 3 (text), Phi-3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE and Mixtral."""
 
 from __future__ import annotations
 
@@ -78,13 +78,13 @@ class ModelConfig:
     """Per layer, 1 where RoPE rotates queries and keys, 0 where it does not (SmolLM3's
     NoPE layers, transformers' ``no_rope_layers``); empty: every layer rotates."""
     num_experts: int = 0
-    """Experts of each mixture-of-experts MLP (Qwen3-MoE, Mixtral); 0: a dense model."""
+    """Experts of each mixture-of-experts MLP (Qwen2/3-MoE, Mixtral); 0: a dense model."""
     num_experts_per_tok: int = 0
     """The experts each token's MLP output is the weighted sum of (the router's top k)."""
     moe_intermediate_size: int = 0
     """Each expert's hidden size (the dense layers' is ``intermediate_size``)."""
     norm_topk_prob: bool = True
-    """The top k router probabilities rescaled to sum to 1 (Mixtral always; Qwen3-MoE's
+    """The top k router probabilities rescaled to sum to 1 (Mixtral always; the Qwens'
     ``norm_topk_prob``)."""
     routed_scaling_factor: float = 1.0
     """The routing weights' multiplier (llama.cpp's ``expert_weights_scale``)."""
