@@ -21,7 +21,7 @@ from gguf_models import Q4_K, Q6_K, Q8_0, write_gguf
 from gguf_reference import hf_from_gguf, hf_mixtral_from_gguf
 from test_arch_gemma3 import chunked_logits
 from test_arch_phi3 import save_tiny_model
-from test_gguf_rope_factors import LONG, greedy
+from test_gguf_rope_factors import LONG, greedy, served
 from transformers import (
     MixtralConfig,
     MixtralForCausalLM,
@@ -42,16 +42,6 @@ QWEN3_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size"
 MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48}
 QWEN2_MOE = {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
              "shared_expert_intermediate_size": 96, "num_hidden_layers": 2}
-
-
-def served(model: Path, n: int = 16, **kwargs: Any
-           ) -> tuple[LLM, list[list[int]], list[list[int]]]:
-    llm = LLM(str(model), kv_cache_tokens=1024, dtype="float32", progress=False,
-              plugins="none", **kwargs)
-    prompts = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n,
-                                                ignore_eos=True))
-    return llm, prompts, [o.outputs[0].token_ids for o in outs]
 
 
 def assert_logits_match(llm: LLM, ids: list[int], ref: Any, renormalized: bool = True
@@ -79,7 +69,7 @@ def test_qwen3_moe_directory_matches_transformers(tmp_path: Path) -> None:
     model_dir = save_tiny_model(tmp_path / "qwen3moe", Qwen3MoeConfig, Qwen3MoeForCausalLM,
                                 **QWEN3_MOE)
     hf = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm, prompts, got = served(model_dir)
+    llm, prompts, got = served(model_dir, PROMPTS, 16)
     model = llm.engine.core.runner.model
     cfg = model.config
     assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok) == ("qwen3_moe", 8, 2)
@@ -95,7 +85,7 @@ def test_qwen2_moe_directory_matches_transformers(tmp_path: Path) -> None:
     model_dir = save_tiny_model(tmp_path / "qwen2moe", Qwen2MoeConfig, Qwen2MoeForCausalLM,
                                 **QWEN2_MOE)
     hf = Qwen2MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm, prompts, got = served(model_dir)
+    llm, prompts, got = served(model_dir, PROMPTS, 16)
     cfg = llm.engine.core.runner.model.config
     assert (cfg.architecture, cfg.shared_expert_intermediate_size) == ("qwen2_moe", 96)
     assert cfg.attention_bias and not cfg.norm_topk_prob
@@ -109,7 +99,7 @@ def test_qwen2moe_gguf_matches_transformers(tmp_path: Path) -> None:
                       experts_used=3, weight_type=Q8_0, tied=False, seed=8)
     # (transformers' GGUF loader reads neither expert length)
     hf = hf_from_gguf(path, moe_intermediate_size=32, shared_expert_intermediate_size=96)
-    llm, prompts, got = served(path)
+    llm, prompts, got = served(path, PROMPTS, 16)
     cfg = llm.engine.core.runner.model.config
     assert (cfg.architecture, cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size) == (
         "qwen2_moe", 3, 96)
@@ -121,7 +111,7 @@ def test_mixtral_directory_matches_transformers(tmp_path: Path) -> None:
     model_dir = save_tiny_model(tmp_path / "mixtral", MixtralConfig, MixtralForCausalLM,
                                 **MIXTRAL)
     hf = MixtralForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm, prompts, got = served(model_dir)
+    llm, prompts, got = served(model_dir, PROMPTS, 16)
     cfg = llm.engine.core.runner.model.config
     assert (cfg.architecture, cfg.num_experts, cfg.moe_intermediate_size) == ("mixtral", 4, 48)
     assert got == greedy(hf, prompts, 16)
@@ -140,7 +130,7 @@ def test_qwen3moe_gguf_matches_transformers(tmp_path: Path, mix: str) -> None:
     # (transformers' GGUF loader does not read qwen3moe.expert_feed_forward_length)
     hf = hf_from_gguf(path, moe_intermediate_size=shape["expert_ff"])
     assert hf.config.norm_topk_prob
-    llm, prompts, got = served(path)
+    llm, prompts, got = served(path, PROMPTS, 16)
     cfg = llm.engine.core.runner.model.config
     assert (cfg.architecture, cfg.num_experts, cfg.moe_intermediate_size) == (
         "qwen3_moe", 8, shape["expert_ff"])
@@ -154,7 +144,7 @@ def test_mixtral_gguf_matches_transformers(tmp_path: Path) -> None:
                       kv_heads=2, ff=64, experts=4, experts_used=2, weight_type=Q8_0,
                       tied=False, seed=5)
     hf = hf_mixtral_from_gguf(path)
-    llm, prompts, got = served(path)
+    llm, prompts, got = served(path, PROMPTS, 16)
     cfg = llm.engine.core.runner.model.config
     assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok) == ("mixtral", 4, 2)
     assert got == greedy(hf, prompts, 16)

@@ -19,10 +19,10 @@ from gguf_models import Q8_0, write_gguf
 from gguf_reference import hf_with_weights_of
 from test_arch_gemma3 import chunked_logits
 from test_arch_phi3 import save_tiny_model
-from test_gguf_rope_factors import LONG, greedy
+from test_gguf_rope_factors import LONG, greedy, served
 from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
-from freetoken_core import LLM, SamplingParams
+from freetoken_core import LLM
 
 PROMPTS = ["Hello world, this is", "def add(a, b):\n    return", LONG]
 
@@ -31,15 +31,6 @@ def make_smollm3(out_dir: Path, seed: int = 0) -> Path:
     """A tiny SmolLM3 of 4 layers (the last without RoPE), rope base 10,000."""
     return save_tiny_model(out_dir, SmolLM3Config, SmolLM3ForCausalLM, seed,
                            num_hidden_layers=4, rope_theta=10000.0)
-
-
-def served(model: Path, n: int) -> tuple[LLM, list[list[int]], list[list[int]]]:
-    llm = LLM(str(model), kv_cache_tokens=1024, dtype="float32", progress=False,
-              plugins="none")
-    prompts = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n,
-                                                ignore_eos=True))
-    return llm, prompts, [o.outputs[0].token_ids for o in outs]
 
 
 def assert_nope_matters(llm: LLM, ids: list[int], ref: Any) -> None:
@@ -62,7 +53,7 @@ def test_directory_matches_transformers(tmp_path: Path) -> None:
     model_dir = make_smollm3(tmp_path / "smollm3")
     hf = SmolLM3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     assert hf.config.no_rope_layers == [1, 1, 1, 0]
-    llm, prompts, got = served(model_dir, 16)
+    llm, prompts, got = served(model_dir, PROMPTS, 16)
     cfg = llm.engine.core.runner.model.config
     assert cfg.architecture == "smollm3" and cfg.no_rope_layers == (1, 1, 1, 0)
     assert cfg.tie_word_embeddings
@@ -76,7 +67,7 @@ def test_gguf_matches_transformers(tmp_path: Path) -> None:
     smol = write_gguf(tmp_path / "smollm3.gguf", "smollm3", **shape)
     ref = hf_with_weights_of(write_gguf(tmp_path / "as-llama.gguf", "llama", **shape),
                              SmolLM3Config, SmolLM3ForCausalLM, rope_theta=10000.0)
-    llm, prompts, got = served(smol, 16)
+    llm, prompts, got = served(smol, PROMPTS, 16)
     assert llm.engine.core.runner.model.config.no_rope_layers == (1, 1, 1, 0)
     assert got == greedy(ref, prompts, 16)
     assert_nope_matters(llm, prompts[-1], ref)

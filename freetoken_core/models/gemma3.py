@@ -44,12 +44,13 @@ def norm_weight(w: torch.Tensor) -> torch.Tensor:
 class Gemma3DecoderLayer(DecoderLayer):
     """Llama's block with Gemma's four norms, q/k norms, query scale and GELU-tanh MLP."""
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, prefix: str, native: bool,
+    def __init__(self, cfg: ModelConfig, weights: Weights, index: int, native: bool,
                  arena: BlockArena | None = None) -> None:
+        prefix = f"model.layers.{index}."
         self.pre_ff_norm = norm_weight(weights.pop(prefix + "pre_feedforward_layernorm.weight"))
         self.post_ff_norm = norm_weight(
             weights.pop(prefix + "post_feedforward_layernorm.weight"))
-        super().__init__(cfg, weights, prefix, native, arena)  # cfg.qk_norm: no one_call
+        super().__init__(cfg, weights, index, native, arena)  # cfg.qk_norm: no one_call
         self.input_norm = norm_weight(self.input_norm)
         self.post_attn_norm = norm_weight(self.post_attn_norm)
         self.q_norm = norm_weight(self.q_norm)

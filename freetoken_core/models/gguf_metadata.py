@@ -274,7 +274,7 @@ def _moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any
         # (llama.cpp: the dense length where the file has no shared length)
         out.update(model_type="qwen2_moe",
                    shared_expert_intermediate_size=shared or config["intermediate_size"],
-                   qkv_bias="blk.0.attn_q.bias" in {t.name for t in reader.tensors})
+                   qkv_bias=config["attention_bias"])
     else:
         out["model_type"] = "qwen3_moe"
     return {**out, "num_experts": experts, "moe_intermediate_size": size,

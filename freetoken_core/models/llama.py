@@ -58,10 +58,13 @@ Relayout = tuple[int, tuple[int, ...], Callable[[torch.Tensor], object]]
 
 
 class DecoderLayer:
-    """One transformer block; its weights come from ``weights`` under ``prefix``."""
+    """Transformer block ``index``; its weights come from ``weights`` under
+    ``model.layers.{index}.``."""
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, prefix: str, native: bool,
+    def __init__(self, cfg: ModelConfig, weights: Weights, index: int, native: bool,
                  arena: BlockArena | None = None) -> None:
+        prefix = f"model.layers.{index}."
+
         def w(name: str) -> Any:
             return weights.pop(prefix + name)
 
@@ -72,7 +75,7 @@ class DecoderLayer:
         self.qkv_proj = make_linear([w(attn + f"{p}_proj.weight") for p in "qkv"], bias, arena)
         self.o_proj = make_linear([w(attn + "o_proj.weight")], arena=arena)
         self.moe = None
-        if cfg.is_moe_layer(int(prefix.rstrip(".").rsplit(".", 1)[-1])):
+        if cfg.is_moe_layer(index):
             self.moe = SparseMoE(cfg, weights, prefix, native, arena)
             self.gate_up_proj = self.down_proj = None
             mlp_linears = self.moe.linears
@@ -186,8 +189,8 @@ class LlamaForCausalLM:
         self.native = (self.embedding.device.type == "cpu"
                        and self.embedding.dtype in (torch.float32, torch.bfloat16)
                        and cpu_kernels_available())
-        self.layers = [self.layer_class(layer_cfg, weights, f"model.layers.{i}.", self.native,
-                                        arena) for i in range(cfg.num_layers)]
+        self.layers = [self.layer_class(layer_cfg, weights, i, self.native, arena)
+                       for i in range(cfg.num_layers)]
         self.norm = weights.pop("model.norm.weight")
         self.uses_gguf_blocks = arena is not None
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,

@@ -1,5 +1,5 @@
 // The experts of a mixture-of-experts MLP for a step of the native CPU path, in one call:
-// what SparseMoE.__call__ (models/moe.py) runs from Python expert by expert (gather the rows
+// what SparseMoE.loop (models/moe.py) runs from Python expert by expert (gather the rows
 // of the tokens that chose the expert, its gate/up linear, SiLU-and-mul, its down linear,
 // each row times its routing weight, added into the token's output in the experts' order),
 // on the same kernels in the same order, so the results are bit-identical; without the ~6
