@@ -134,8 +134,9 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                metadata: dict[str, int | float | str] | None = None,
                split_max_tensors: int = 0, experts: int = 0, experts_used: int = 2,
                expert_ff: int | None = None, shared_ff: int = 0) -> Path:
-    """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gemma3 or phi3) as a
-    GGUF file.
+    """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gpt-oss, gemma3 or
+    phi3) as a GGUF file (gpt-oss: biases, sinks and expert biases as its files have them;
+    its rope scaling from ``metadata``).
 
     ``weight_type`` is every 2-d weight's type; ``types`` overrides it by the end of the
     tensor name (e.g. ``{"attn_v.weight": Q6_K, "token_embd.weight": Q6_K}``). The
@@ -190,7 +191,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     writer.add_uint32(p + "rope.dimension_count", rope_dims or head_dim)
     writer.add_float32(p + "rope.freq_base", rope_theta)
     writer.add_float32(p + "attention.layer_norm_rms_epsilon", 1e-6)
-    if arch == "gemma3":
+    if arch in ("gemma3", "gpt-oss"):
         writer.add_uint32(p + "attention.sliding_window", sliding_window)
     expert_ff = expert_ff or ff
     if experts:
@@ -260,6 +261,11 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                     0.0, 1.5 / hidden ** 0.5, (experts, hidden)).astype(np.float32))
                 stacked(b + "ffn_gate_exps.weight", experts, expert_ff, hidden)
                 stacked(b + "ffn_up_exps.weight", experts, expert_ff, hidden)
+                if arch == "gpt-oss":  # (F32 biases, [experts, features] as in its files)
+                    vector(b + "ffn_gate_inp.bias", experts, 0.0)
+                    for name, n in (("gate", expert_ff), ("up", expert_ff), ("down", hidden)):
+                        writer.add_tensor(f"{b}ffn_{name}_exps.bias", rng.normal(
+                            0.0, 0.1, (experts, n)).astype(np.float32))
                 if shared_ff:
                     vector(b + "ffn_gate_inp_shexp.weight", hidden, 0.0)
                     matrix(b + "ffn_gate_shexp.weight", shared_ff, hidden)
@@ -268,9 +274,13 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
             else:
                 matrix(b + "ffn_gate.weight", ff, hidden)
                 matrix(b + "ffn_up.weight", ff, hidden)
-        if arch in ("qwen2", "qwen2moe"):
+        if arch in ("qwen2", "qwen2moe", "gpt-oss"):
             for name, n in (("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)):
                 vector(b + name, n, 0.0)
+        if arch == "gpt-oss":
+            vector(b + "attn_output.bias", hidden, 0.0)
+            writer.add_tensor(b + "attn_sinks.weight", rng.normal(0.0, 1.0, heads).astype(
+                np.float32))
         if arch in ("qwen3", "qwen3moe", "gemma3"):
             vector(b + "attn_q_norm.weight", head_dim, norm_one)
             vector(b + "attn_k_norm.weight", head_dim, norm_one)
@@ -279,7 +289,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
             stacked(b + "ffn_down_exps.weight", experts, hidden, expert_ff)
         else:
             matrix(b + "ffn_down.weight", hidden, ff)
-        vector(b + "ffn_norm.weight", hidden, norm_one)
+        vector(b + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight"),
+               hidden, norm_one)
         if arch == "gemma3":
             vector(b + "post_attention_norm.weight", hidden, norm_one)
             vector(b + "post_ffw_norm.weight", hidden, norm_one)

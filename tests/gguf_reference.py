@@ -95,3 +95,72 @@ def hf_mixtral_from_gguf(path: Path) -> torch.nn.Module:
     model = MixtralForCausalLM(config).float().eval()
     model.load_state_dict(state)
     return model
+
+
+def hf_gpt_oss_from_gguf(path: Path) -> torch.nn.Module:
+    """transformers' ``GptOssForCausalLM`` of a ``gpt-oss`` GGUF file (transformers' GGUF
+    loader does not read that architecture): every tensor dequantized by gguf-py, the
+    experts' gate and up columns interleaved and transposed as transformers holds them, the
+    rope as llama.cpp reads the file (YaRN with its corrections floored and ceiled, the
+    even layers sliding-window ones)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    reader = GGUFReader(str(path))
+
+    def key(name: str, default: object = None) -> object:
+        field = reader.fields.get("gpt-oss." + name)
+        return default if field is None else field.contents()
+
+    tensors = {t.name: torch.from_numpy(np.array(
+        dequantize(t.data, t.tensor_type), dtype=np.float32)) for t in reader.tensors}
+    layers = key("block_count")
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": key("rope.freq_base")}
+    if key("rope.scaling.type") == "yarn":
+        rope = {**rope, "rope_type": "yarn", "factor": key("rope.scaling.factor"),
+                "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+                "beta_fast": key("rope.scaling.yarn_beta_fast", 32.0),
+                "beta_slow": key("rope.scaling.yarn_beta_slow", 1.0), "truncate": True}
+    config = GptOssConfig(
+        vocab_size=tensors["token_embd.weight"].shape[0], hidden_size=key("embedding_length"),
+        intermediate_size=key("expert_feed_forward_length"), num_hidden_layers=layers,
+        num_attention_heads=key("attention.head_count"),
+        num_key_value_heads=key("attention.head_count_kv"),
+        head_dim=key("attention.key_length"),
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
+        max_position_embeddings=key("context_length"), rope_parameters=rope,
+        num_local_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+        sliding_window=key("attention.sliding_window"),
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                     for i in range(layers)],
+        tie_word_embeddings="output.weight" not in tensors, pad_token_id=0)
+    names = {"attn_norm.weight": "input_layernorm.weight",
+             "post_attention_norm.weight": "post_attention_layernorm.weight",
+             "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.weight": "mlp.router.weight",
+             "ffn_gate_inp.bias": "mlp.router.bias"}
+    for short, proj in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
+                        ("attn_output", "o_proj")):
+        for kind in ("weight", "bias"):
+            names[f"{short}.{kind}"] = f"self_attn.{proj}.{kind}"
+    state = {"model.embed_tokens.weight": tensors["token_embd.weight"],
+             "model.norm.weight": tensors["output_norm.weight"],
+             "lm_head.weight": tensors.get("output.weight", tensors["token_embd.weight"])}
+    for i in range(layers):
+        b, p = f"blk.{i}.", f"model.layers.{i}.mlp.experts."
+        for short, hf in names.items():
+            state[f"model.layers.{i}.{hf}"] = tensors[b + short]
+
+        def interleaved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            return torch.stack([gate, up], dim=-1).flatten(-2)  # gate, up, gate, up ...
+
+        state[p + "gate_up_proj"] = interleaved(
+            tensors[b + "ffn_gate_exps.weight"].transpose(1, 2),
+            tensors[b + "ffn_up_exps.weight"].transpose(1, 2))
+        state[p + "gate_up_proj_bias"] = interleaved(tensors[b + "ffn_gate_exps.bias"],
+                                                     tensors[b + "ffn_up_exps.bias"])
+        state[p + "down_proj"] = tensors[b + "ffn_down_exps.weight"].transpose(1, 2)
+        state[p + "down_proj_bias"] = tensors[b + "ffn_down_exps.bias"]
+    model = GptOssForCausalLM(config).float().eval()
+    model.load_state_dict({k: v.contiguous() for k, v in state.items()})
+    return model

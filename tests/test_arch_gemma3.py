@@ -222,10 +222,10 @@ def test_registry_maps_every_architecture() -> None:
                for name, family in SUPPORTED_ARCHITECTURES.items()}
     assert classes["gemma3"] is Gemma3ForCausalLM and classes["phi3"] is Phi3ForCausalLM
     assert all(classes[f] is llama.LlamaForCausalLM for f in (
-        "llama", "mistral", "qwen2", "qwen3", "granite", "qwen3_moe", "mixtral"))
+        "llama", "mistral", "qwen2", "qwen3", "granite", "qwen3_moe", "mixtral", "gpt_oss"))
     assert set(SUPPORTED) == set(classes)
     unknown = dataclasses.replace(config("LlamaForCausalLM"), architecture="gpt2")
-    with pytest.raises(ModelLoadError, match=r"'gpt2'; FreeToken runs gemma3, granite, llama"):
+    with pytest.raises(ModelLoadError, match=r"'gpt2'; FreeToken runs gemma3, gpt_oss, granite, llama"):
         model_class(unknown)
 
 

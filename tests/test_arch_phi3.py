@@ -228,7 +228,8 @@ def test_batched_greedy_matches_transformers(variant: str, model_dir: Path, hf_m
                   device=device, max_model_len=max_model_len)
         model = llm.engine.core.runner.model
         assert isinstance(model, Phi3ForCausalLM) and model.native is native
-        assert model.window == (7 if variant == "window" else None)
+        window = 7 if variant == "window" else None
+        assert model.windows == [window] * model.config.num_layers
         prompts = [llm.tokenizer.encode(p, add_special_tokens=False) for p in texts]
         if max_model_len is None:
             assert min(len(p) for p in prompts) > ORIGINAL

@@ -175,17 +175,45 @@ def _gather(kv_cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> 
     return flat.view(*slots.shape, *kv_cache.shape[1:]).to(dtype)
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            is_causal: bool, scale: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` of ``q`` [B, H, Q, D] over ``k``, ``v`` [B, KVH, K,
+    D] (grouped-query: each KV head serves H / KVH query heads); with ``sinks`` ([H]
+    float32), each head's sink logit joins the softmax and takes its share of the weight
+    with no value (transformers' gpt-oss eager attention: the scores and the sink, less
+    their maximum, through a softmax, the sink's column dropped)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                              enable_gqa=True, scale=scale)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool,
+                          device=q.device).tril(k.shape[-2] - q.shape[-2])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
+
+
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Write the step's keys and values into the cache, then attend.
 
     ``q``: [T, H, D]; ``kv``: [T, 2, KVH, D] (keys, values); ``kv_cache``:
     [num_slots, 2, KVH, D], keys and values of a slot side by side so one gather reads
     both. ``scale`` multiplies the scores (``None``: 1/sqrt(D)); ``meta.window`` limits
-    each query to its last keys. Returns [T, H * D]. A cache of another dtype than ``q``'s
-    (``kv_cache_dtype``) stores the keys and values rounded to it, and every query attends
-    to the stored values, this step's too: a prompt's result is the same whether its
-    prefix was computed in this chunk or found in the cache.
+    each query to its last keys; ``sinks`` ([H] float32) are the heads' attention sinks
+    (gpt-oss: a logit per head in every query's softmax, with no value). Returns [T, H *
+    D]. A cache of another dtype than ``q``'s (``kv_cache_dtype``) stores the keys and
+    values rounded to it, and every query attends to the stored values, this step's too: a
+    prompt's result is the same whether its prefix was computed in this chunk or found in
+    the cache.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv.shape[2]
@@ -198,7 +226,7 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
         torch.ops.freetoken.paged_decode_attention(
             q[:d], kv_cache, meta.decode_block_tables, meta.decode_context_lens,
             meta.block_size, head_dim ** -0.5 if scale is None else scale, od,
-            meta.window or 0)
+            meta.window or 0, sinks)
         od = od.view(d, num_heads * head_dim)
         if not meta.prefills:
             return od
@@ -209,8 +237,11 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
         qd = q[:d].view(d, num_kv_heads, group, head_dim)
         ctx = _gather(kv_cache, meta.decode_slots, q.dtype)  # [D, L, 2, KVH, D]
         kd, vd = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
-                                            scale=scale)
+        if sinks is None:
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
+                                                scale=scale)
+        else:  # (one query per sequence: the heads on the batch axis's side)
+            od = _attend(q[:d].unsqueeze(2), kd, vd, meta.decode_mask, False, scale, sinks)
         od = od.reshape(d, num_heads * head_dim)
         if not meta.prefills:
             return od
@@ -225,8 +256,6 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
             ctx = _gather(kv_cache, span.context_slots, q.dtype)
         kp = ctx[:, 0].transpose(0, 1).unsqueeze(0)
         vp = ctx[:, 1].transpose(0, 1).unsqueeze(0)
-        op = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True,
-            scale=scale)
+        op = _attend(qp, kp, vp, span.mask, span.mask is None, scale, sinks)
         out[span.start:span.end] = op[0].transpose(0, 1)
     return out.view(num_tokens, num_heads * head_dim)

@@ -1,5 +1,5 @@
 """The architecture facts of a model, read from a Hugging Face config.json: the Llama family,
-Gemma 3 (text), Phi-3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE and Mixtral."""
+Gemma 3 (text), Phi-3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
@@ -95,6 +96,21 @@ class ModelConfig:
     """Per layer, 1 where the MLP is a mixture of experts, 0 where it is dense (Qwen3-MoE's
     ``mlp_only_layers`` and ``decoder_sparse_step``); empty: every layer's is, where
     ``num_experts`` > 0."""
+    expert_gating: str = "softmax"
+    """How the router's logits weight the experts: ``softmax`` (the softmax of all of them,
+    then the top k) or ``softmax_weight`` (the top k logits, then their softmax: gpt-oss;
+    llama.cpp's ``LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT``)."""
+    expert_bias: bool = False
+    """The router and each expert's linears have biases (gpt-oss)."""
+    swiglu_limit: float | None = None
+    """gpt-oss's clamped SwiGLU in the experts: the gate clamped to at most the limit, the up
+    projection to [-limit, limit], then ``(up + 1) * gate * sigmoid(alpha * gate)``;
+    ``None``: plain SwiGLU."""
+    swiglu_alpha: float = 1.0
+    """The sigmoid's slope of that SwiGLU (gpt-oss: 1.702)."""
+    attention_sinks: bool = False
+    """Each attention head has a learned sink logit in its softmax (gpt-oss's
+    ``self_attn.sinks``)."""
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index``'s MLP is a mixture of experts."""
@@ -156,6 +172,8 @@ class ModelConfig:
             fields.update(_granite_fields(cfg))
         elif family in ("qwen3_moe", "qwen2_moe", "mixtral"):
             fields.update(_moe_fields(cfg, arch, family))
+        elif family == "gpt_oss":
+            fields.update(_gpt_oss_fields(cfg, rope_scaling))
         return cls(
             architecture=family,
             vocab_size=cfg["vocab_size"],
@@ -167,7 +185,8 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            attention_bias=(family == "qwen2" or bool(cfg.get("attention_bias", False))
+            attention_bias=(family == "qwen2" or bool(cfg.get("attention_bias",
+                                                               family == "gpt_oss"))
                             or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
             qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             sliding_window=cfg.get("sliding_window") if use_window else None,
@@ -307,6 +326,53 @@ def _moe_fields(cfg: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
             "routed_scaling_factor": float(scale),
             "shared_expert_intermediate_size": shared,
             "moe_layers": flags if 0 in flags else ()}
+
+
+def _gpt_oss_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None
+                    ) -> dict[str, Any]:
+    """gpt-oss's fields as transformers' ``GptOssConfig`` reads them (its defaults where
+    config.json leaves a key out): ``num_local_experts`` experts of ``intermediate_size``,
+    ``num_experts_per_tok`` of them weighted by the softmax of their router logits (the
+    router and the experts with biases), the clamped SwiGLU (``swiglu_limit``,
+    ``swiglu_alpha``), a sink per attention head, and ``layer_types``: sliding-window
+    layers attend to their last ``sliding_window`` keys (default: alternating, the first
+    sliding). The rope is YaRN's (``rope_scaling`` / ``rope_parameters``)."""
+    layers = cfg["num_hidden_layers"]
+    experts = cfg.get("num_local_experts", 128)
+    top_k = cfg.get("num_experts_per_tok", 4)
+    size = cfg.get("intermediate_size", 2880)
+    for key, value in (("num_local_experts", experts), ("num_experts_per_tok", top_k),
+                       ("intermediate_size", size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelLoadError(f"GptOssForCausalLM {key} must be an integer >= 1, not "
+                                 f"{value!r}")
+    if top_k > experts:
+        raise ModelLoadError(f"GptOssForCausalLM num_experts_per_tok {top_k} exceeds its "
+                             f"{experts} experts")
+    limit, alpha = cfg.get("swiglu_limit", 7.0), cfg.get("swiglu_alpha", 1.702)
+    for key, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+        if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise ModelLoadError(f"GptOssForCausalLM {key} must be a positive number, not "
+                                 f"{value!r}")
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if len(layer_types) != layers or set(layer_types) - {"sliding_attention",
+                                                         "full_attention"}:
+        raise ModelLoadError(f"GptOssForCausalLM layer_types {layer_types!r}: expected "
+                             f"{layers} of 'sliding_attention' / 'full_attention'")
+    window = cfg.get("sliding_window", 128)
+    if "sliding_attention" in layer_types and (not isinstance(window, int) or window < 1):
+        raise ModelLoadError(f"GptOssForCausalLM with sliding-window layers needs "
+                             f"sliding_window >= 1, not {window!r}")
+    if rope_scaling is not None and rope_scaling["rope_type"] != "yarn":
+        raise ModelLoadError(f"GptOssForCausalLM with rope type {rope_scaling['rope_type']!r} "
+                             "is not supported (its checkpoints use yarn)")
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": size, "expert_gating": "softmax_weight",
+            "expert_bias": True, "swiglu_limit": float(limit), "swiglu_alpha": float(alpha),
+            "attention_sinks": True,
+            "layer_windows": tuple(window if t == "sliding_attention" else None
+                                   for t in layer_types)}
 
 
 def _smollm3_fields(cfg: dict[str, Any]) -> dict[str, Any]:

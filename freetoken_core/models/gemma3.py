@@ -96,11 +96,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5).to(dtype=dtype, device=device)
         self.local_rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_local_theta,
                                             None, dtype, device)
-        layer_windows = cfg.layer_windows or (None,) * cfg.num_layers
-        self.is_sliding = [w is not None for w in layer_windows]
-        # A window as long as the context limits nothing: such layers attend as global ones.
-        self.windows = [w if w is not None and w < max_positions else None
-                        for w in layer_windows]
+        # (self.windows: each layer's window, LlamaForCausalLM's; a sliding layer keeps its
+        # local rope where its window is as long as the context.)
+        self.is_sliding = [w is not None for w in cfg.layer_windows or (None,) * cfg.num_layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -26,6 +26,7 @@ ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # A llama file with experts (llama.expert_count > 0) is Mixtral's.
 MIXTRAL = "MixtralForCausalLM"
@@ -60,6 +61,10 @@ def rope_scaling(reader: Any, arch: str = ARCH) -> dict[str, Any] | None:
         # llama.cpp: YaRN's 0.1 ln(factor) + 1, times the file's attention factor
         scaling["attention_factor"] = float(attn_factor) * (
             0.1 * math.log(float(factor)) + 1.0 if float(factor) > 1 else 1.0)
+    for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        value = field(reader, f"{arch}.rope.scaling.{key}")
+        if kind == "yarn" and value is not None:
+            scaling[name] = float(value)
     return scaling
 
 
@@ -189,6 +194,8 @@ def build_config(reader: Any) -> dict[str, Any]:
     if arch == "granite":
         config.update(_granite_config(reader, head_dim))
     config.update(_moe_config(reader, arch, config))
+    if arch == "gpt-oss":
+        config.update(_gpt_oss_config(reader, config))
     config.update(special_token_ids(reader))
     scaling = rope_factor_scaling(reader, arch, rope_dim, rope_scaling(reader, arch))
     if scaling is not None:
@@ -279,6 +286,32 @@ def _moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any
         out["model_type"] = "qwen3_moe"
     return {**out, "num_experts": experts, "moe_intermediate_size": size,
             "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def _gpt_oss_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's keys as llama.cpp reads them (``LLM_ARCH_OPENAI_MOE``): experts of
+    ``expert_feed_forward_length``, the even layers sliding-window ones (its SWA pattern
+    of 2) of ``attention.sliding_window`` keys, biases on the attention's projections
+    (transformers' ``attention_bias``), the clamped SwiGLU's limit 7 and slope 1.702
+    (llama.cpp's ``LLM_FFN_SWIGLU_OAI_MOE`` constants)."""
+    experts = int(field(reader, "gpt-oss.expert_count", 0))
+    used = int(field(reader, "gpt-oss.expert_used_count", 0))
+    if experts < 1 or not 1 <= used <= experts:
+        raise ModelLoadError(f"GGUF gpt-oss.expert_count {experts} / expert_used_count {used}: "
+                             "a mixture of experts needs 1 <= used <= count")
+    window = field(reader, "gpt-oss.attention.sliding_window")
+    if window is None:
+        raise ModelLoadError("GGUF gpt-oss lacks 'gpt-oss.attention.sliding_window'; "
+                             "re-export the model with llama.cpp")
+    layers = config["num_hidden_layers"]
+    return {"model_type": "gpt_oss", "num_local_experts": experts,
+            "num_experts_per_tok": used,
+            "intermediate_size": int(field(reader, "gpt-oss.expert_feed_forward_length",
+                                           config["intermediate_size"])),
+            "sliding_window": int(window),
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                            for i in range(layers)],
+            "attention_bias": True, "swiglu_limit": 7.0, "swiglu_alpha": 1.702}
 
 
 def embedding_rows(reader: Any) -> int:

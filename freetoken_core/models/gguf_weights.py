@@ -76,6 +76,23 @@ _SHARED_EXPERT = {
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
+# gpt-oss's: biases on the attention's projections, a sink per head, a router with a bias,
+# experts with biases (``ffn_gate_up_exps``: gate and up in one tensor, as llama.cpp's
+# converter can write them).
+_GPT_OSS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    **_ATTENTION,
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_sinks.weight": "self_attn.sinks",
+    **_MOE,
+    "ffn_gate_inp.bias": "mlp.gate.bias",
+    "ffn_gate_exps.bias": "mlp.experts.{e}.gate_proj.bias",
+    "ffn_up_exps.bias": "mlp.experts.{e}.up_proj.bias",
+    "ffn_down_exps.bias": "mlp.experts.{e}.down_proj.bias",
+    "ffn_gate_up_exps.weight": "mlp.experts.{e}.gate_up_proj.weight",
+    "ffn_gate_up_exps.bias": "mlp.experts.{e}.gate_up_proj.bias",
+}
 _LLAMA_NORMS = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -88,6 +105,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "qwen3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen3moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},
     "qwen2moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE, **_SHARED_EXPERT},
+    "gpt-oss": _GPT_OSS,
     "gemma3": {
         "attn_norm.weight": "input_layernorm.weight",
         "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -271,6 +289,12 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
         qtype = int(t.tensor_type)
         if len(shape) == 1:
             weights[name] = _vector(t, qtype, arch)
+            continue
+        if len(shape) == 2 and "{e}" in name and name.endswith(".bias"):  # one per expert
+            values = GGUFWeight(t.name, qtype, (shape[0], shape[1]),
+                                np.asarray(t.data).view(np.uint8).reshape(shape[0], -1))
+            for e, row in enumerate(values.dequantize()):
+                weights[name.format(e=e)] = row.clone()
             continue
         if len(shape) == 3 and "{e}" in name:  # one 2-d weight per expert
             experts = np.asarray(t.data).view(np.uint8).reshape(shape[0], shape[1], -1)

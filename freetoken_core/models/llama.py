@@ -1,5 +1,7 @@
 """Native Llama-family causal LM (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2; with
-mixture-of-experts MLPs, ``moe.py``: Qwen3-MoE, Qwen2-MoE, Mixtral).
+mixture-of-experts MLPs, ``moe.py``: Qwen3-MoE, Qwen2-MoE, Mixtral, and gpt-oss, whose
+blocks add attention sinks, biases on every projection and alternating sliding-window
+layers).
 
 Grouped-query attention with RoPE over the paged KV cache, RMSNorm, SwiGLU. q/k/v and
 gate/up projections are fused into one GEMM each. Weights are plain tensors, the model is
@@ -73,7 +75,15 @@ class DecoderLayer:
         if cfg.attention_bias:
             bias = torch.cat([w(attn + f"{p}_proj.bias") for p in "qkv"])
         self.qkv_proj = make_linear([w(attn + f"{p}_proj.weight") for p in "qkv"], bias, arena)
-        self.o_proj = make_linear([w(attn + "o_proj.weight")], arena=arena)
+        # (Llama's attention_bias and gpt-oss's give the o projection one too; Qwen2's not.)
+        o_bias = weights.pop(prefix + attn + "o_proj.bias", None)
+        self.o_proj = make_linear([w(attn + "o_proj.weight")], o_bias, arena)
+        self.sinks = None
+        if cfg.attention_sinks:
+            self.sinks = w(attn + "sinks").float().contiguous()
+            if tuple(self.sinks.shape) != (cfg.num_heads,):
+                raise ModelLoadError(f"{prefix}{attn}sinks has shape {list(self.sinks.shape)}; "
+                                     f"expected [{cfg.num_heads}] (one per attention head)")
         self.moe = None
         if cfg.is_moe_layer(index):
             self.moe = SparseMoE(cfg, weights, prefix, native, arena)
@@ -97,11 +107,12 @@ class DecoderLayer:
         self.residual_multiplier = cfg.residual_multiplier
         # The whole block in one native call (the same kernels in the same order, so the
         # same results) where it covers the layer: every linear from GGUF blocks, no bias,
-        # no q/k norm, Llama's score scale, no residual multiplier and a dense MLP.
+        # no q/k norm, Llama's score scale, no sinks, no residual multiplier and a dense
+        # MLP (the model takes it away from a layer with a sliding window).
         self.linears = (self.qkv_proj, self.o_proj, *mlp_linears)
         self.one_call = None
-        if native and bias is None and self.q_norm is None and self.scale is None and (
-                self.moe is None) and (
+        if native and bias is None and o_bias is None and self.q_norm is None and (
+                self.scale is None and self.sinks is None and self.moe is None) and (
                 self.residual_multiplier == 1.0) and all(
                 lin.blocks is not None for lin in self.linears):
             self.set_one_call_blocks()
@@ -139,7 +150,8 @@ class DecoderLayer:
         qk = apply_rope(qk, cos, sin, self.native)
         # Rotated keys and values side by side, as the cache stores them.
         kv = torch.cat([qk[:, h:], v.view(n, kvh, d)], dim=1).view(n, 2, kvh, d)
-        x = self.o_proj(paged_attention(qk[:, :h], kv, kv_cache, meta, self.scale))
+        x = self.o_proj(paged_attention(qk[:, :h], kv, kv_cache, meta, self.scale,
+                                        self.sinks))
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier
         x, residual = add_rms_norm(x, residual, self.post_attn_norm, self.eps, self.native)
@@ -191,6 +203,14 @@ class LlamaForCausalLM:
                        and cpu_kernels_available())
         self.layers = [self.layer_class(layer_cfg, weights, i, self.native, arena)
                        for i in range(cfg.num_layers)]
+        # Each layer's sliding window (``with_window``), None where it has none or where it
+        # is as long as the context (it limits nothing); the one-call kernel attends to
+        # every key, so a layer with a window leaves it.
+        self.windows = [w if w is not None and w < max_positions else None
+                        for w in (cfg.layer_windows or (None,) * cfg.num_layers)]
+        for layer, window in zip(self.layers, self.windows):
+            if window is not None:
+                layer.one_call = None
         self.norm = weights.pop("model.norm.weight")
         self.uses_gguf_blocks = arena is not None
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
@@ -420,8 +440,9 @@ class LlamaForCausalLM:
             return add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps,
                                 self.native)[0]
         residual = None
-        for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, cache, meta)
+        metas = {window: meta.with_window(window) for window in set(self.windows)}
+        for layer, window, cache in zip(self.layers, self.windows, kv_caches):
+            x, residual = layer(x, residual, cos, sin, cache, metas[window])
         return add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps, self.native)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

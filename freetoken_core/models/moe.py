@@ -1,14 +1,16 @@
-"""The mixture-of-experts MLP (transformers' Qwen3-MoE, Qwen2-MoE and Mixtral sparse MoE
-blocks, llama.cpp's ``build_moe_ffn`` with softmax gating), computed as transformers computes
-it:
+"""The mixture-of-experts MLP (transformers' Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss sparse
+MoE blocks, llama.cpp's ``build_moe_ffn`` with softmax gating), computed as transformers
+computes it:
 
 - the router, a linear of ``num_experts`` outputs, gives each token logits; their softmax
   (float32) gives probabilities, of which the top ``num_experts_per_tok`` are kept (the
   weights), rescaled to sum to 1 where ``norm_topk_prob`` (Mixtral always), times
-  ``routed_scaling_factor``;
-- each expert is a SwiGLU MLP (its gate and up projections one linear); the block's output
-  is the sum over a token's chosen experts of weight x expert output, added expert by expert
-  in the experts' order (``index_add_``, as transformers adds them);
+  ``routed_scaling_factor``; gpt-oss's router (with a bias) keeps the top k logits and
+  their softmax is the weights (``expert_gating`` ``softmax_weight``);
+- each expert is a SwiGLU MLP (its gate and up projections one linear; gpt-oss's with
+  biases and its clamped SwiGLU, ``swiglu_oai``); the block's output is the sum over a
+  token's chosen experts of weight x expert output, added expert by expert in the experts'
+  order (``index_add_``, as transformers adds them);
 - Qwen2-MoE's shared expert, a SwiGLU MLP every token goes through, is added last, times
   the sigmoid of its gate (a linear of one output).
 
@@ -25,8 +27,10 @@ The weights, by Hugging Face name under the layer's prefix: ``mlp.gate.weight`` 
 every file's experts); Mixtral's ``block_sparse_moe.gate.weight`` and
 ``block_sparse_moe.experts.{e}.w1 / w3 / w2.weight``; or transformers 5's fused
 ``mlp.experts.gate_up_proj`` ``[experts, 2 x size, hidden]`` and ``mlp.experts.down_proj``
-``[experts, hidden, size]``; the shared expert's ``mlp.shared_expert.{gate,up,down}_proj.weight``
-and ``mlp.shared_expert_gate.weight`` (``[1, hidden]``, or ``[hidden]`` as GGUF has it).
+``[experts, hidden, size]``; gpt-oss's ``mlp.router.weight`` / ``.bias`` and its fused
+experts (``_gpt_oss_experts``), or from GGUF the per-expert names above with ``.bias`` too;
+the shared expert's ``mlp.shared_expert.{gate,up,down}_proj.weight`` and
+``mlp.shared_expert_gate.weight`` (``[1, hidden]``, or ``[hidden]`` as GGUF has it).
 """
 
 from __future__ import annotations
@@ -40,18 +44,24 @@ from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.layers import silu_and_mul
 from freetoken_core.models.linear import BlockArena, Linear, make_linear
 
+# One expert's weights: gate, up and down projections, and their biases (None: none).
+ExpertWeights = tuple[Any, Any, Any, Any, Any, Any]
+
 
 def _expert_weights(weights: dict[str, Any], prefix: str, num_experts: int
-                    ) -> tuple[Any, list[tuple[Any, Any, Any]]]:
-    """The router's weight and each expert's (gate, up, down) weights, popped from
-    ``weights`` in whichever of the three namings the checkpoint has."""
+                    ) -> tuple[Any, Any, list[ExpertWeights]]:
+    """The router's weight and bias (None where it has none) and each expert's weights,
+    popped from ``weights`` in whichever of the namings the checkpoint has."""
     if prefix + "block_sparse_moe.gate.weight" in weights:  # Mixtral's checkpoints
         moe = prefix + "block_sparse_moe."
-        return weights.pop(moe + "gate.weight"), [
-            tuple(weights.pop(f"{moe}experts.{e}.{w}.weight") for w in ("w1", "w3", "w2"))
-            for e in range(num_experts)]
+        return weights.pop(moe + "gate.weight"), None, [
+            (*(weights.pop(f"{moe}experts.{e}.{w}.weight") for w in ("w1", "w3", "w2")),
+             None, None, None) for e in range(num_experts)]
     mlp = prefix + "mlp."
-    router = weights.pop(mlp + "gate.weight")
+    if mlp + "router.weight" in weights:  # gpt-oss's checkpoints
+        return (weights.pop(mlp + "router.weight"), weights.pop(mlp + "router.bias"),
+                _gpt_oss_experts(weights, mlp, num_experts))
+    router, router_bias = weights.pop(mlp + "gate.weight"), weights.pop(mlp + "gate.bias", None)
     if mlp + "experts.gate_up_proj" in weights:  # transformers 5's fused experts
         gate_up, down = weights.pop(mlp + "experts.gate_up_proj"), weights.pop(
             mlp + "experts.down_proj")
@@ -59,9 +69,62 @@ def _expert_weights(weights: dict[str, Any], prefix: str, num_experts: int
             raise ModelLoadError(f"{mlp}experts.gate_up_proj has shape "
                                  f"{list(gate_up.shape)}; expected [{num_experts}, 2 x "
                                  "expert size, hidden]")
-        return router, [(*gate_up[e].chunk(2), down[e]) for e in range(num_experts)]
-    return router, [tuple(weights.pop(f"{mlp}experts.{e}.{w}_proj.weight")
-                          for w in ("gate", "up", "down")) for e in range(num_experts)]
+        return router, router_bias, [(*gate_up[e].chunk(2), down[e], None, None, None)
+                                     for e in range(num_experts)]
+
+    def expert(e: int) -> ExpertWeights:
+        names = [f"{mlp}experts.{e}.{w}_proj" for w in ("gate", "up", "down")]
+        fused = f"{mlp}experts.{e}.gate_up_proj"
+        if fused + ".weight" in weights:  # (a GGUF file's ffn_gate_up_exps: gate rows first)
+            gate_up, bias = weights.pop(fused + ".weight"), weights.pop(fused + ".bias", None)
+            half = gate_up.shape[0] // 2
+            gate, up = ((gate_up.take_rows(0, half), gate_up.take_rows(half, 2 * half))
+                        if hasattr(gate_up, "take_rows") else gate_up.chunk(2))
+            biases = (None, None) if bias is None else bias.chunk(2)
+            return (gate, up, weights.pop(names[2] + ".weight"), *biases,
+                    weights.pop(names[2] + ".bias", None))
+        return (*(weights.pop(n + ".weight") for n in names),
+                *(weights.pop(n + ".bias", None) for n in names))
+
+    return router, router_bias, [expert(e) for e in range(num_experts)]
+
+
+def _gpt_oss_experts(weights: dict[str, Any], mlp: str, num_experts: int
+                     ) -> list[ExpertWeights]:
+    """gpt-oss's experts as transformers holds them: ``gate_up_proj`` ``[experts, hidden, 2
+    x size]`` with the gate and up columns interleaved (gate first) and its bias ``[experts,
+    2 x size]``, ``down_proj`` ``[experts, size, hidden]`` and its bias ``[experts,
+    hidden]``: each expert's weights transposed to a linear's ``[out, in]``, the gate and up
+    rows de-interleaved. (The released checkpoints' MXFP4 experts, ``*_blocks`` and
+    ``*_scales``, are refused: transformers dequantizes them on load, a GGUF file keeps
+    them.)"""
+    experts = mlp + "experts."
+    if experts + "gate_up_proj_blocks" in weights:
+        raise ModelLoadError(
+            f"{experts}gate_up_proj is MXFP4-quantized (gate_up_proj_blocks / _scales), "
+            "which FreeToken does not read from a Hugging Face directory; serve the model's "
+            "GGUF file (MXFP4 experts), or a directory saved with dequantized experts")
+    gate_up, gate_up_bias = weights.pop(experts + "gate_up_proj"), weights.pop(
+        experts + "gate_up_proj_bias")
+    down, down_bias = weights.pop(experts + "down_proj"), weights.pop(
+        experts + "down_proj_bias")
+    if gate_up.dim() != 3 or gate_up.shape[0] != num_experts or gate_up.shape[2] % 2:
+        raise ModelLoadError(f"{experts}gate_up_proj has shape {list(gate_up.shape)}; "
+                             f"expected [{num_experts}, hidden, 2 x expert size]")
+    return [(gate_up[e][:, 0::2].t().contiguous(), gate_up[e][:, 1::2].t().contiguous(),
+             down[e].t().contiguous(), gate_up_bias[e][0::2].contiguous(),
+             gate_up_bias[e][1::2].contiguous(), down_bias[e].contiguous())
+            for e in range(num_experts)]
+
+
+def swiglu_oai(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of the fused ``[gate | up]`` output, as transformers'
+    ``GptOssExperts._apply_gate``: the gate clamped to at most ``limit``, the up projection
+    to ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(gate * alpha)``."""
+    gate, up = x.chunk(2, -1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class SparseMoE:
@@ -69,15 +132,20 @@ class SparseMoE:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, Any], prefix: str, native: bool,
                  arena: BlockArena | None = None) -> None:
-        router, experts = _expert_weights(weights, prefix, cfg.num_experts)
+        router, router_bias, experts = _expert_weights(weights, prefix, cfg.num_experts)
         if tuple(router.shape) != (cfg.num_experts, cfg.hidden_size):
             raise ModelLoadError(f"{prefix}: the router's weight has shape "
                                  f"{list(router.shape)}; expected [{cfg.num_experts}, "
                                  f"{cfg.hidden_size}] (num_experts, hidden_size)")
-        self.router = make_linear([router], arena=arena)
+        if cfg.expert_bias and (router_bias is None or any(b is None for e in experts
+                                                            for b in e[3:])):
+            raise ModelLoadError(f"{prefix}: {cfg.architecture}'s router and experts have "
+                                 "biases; the checkpoint lacks some of them")
+        self.router = make_linear([router], router_bias, arena=arena)
         self.experts: list[tuple[Linear, Linear]] = [
-            (make_linear([gate, up], arena=arena), make_linear([down], arena=arena))
-            for gate, up, down in experts]
+            (make_linear([gate, up], None if gate_b is None else torch.cat([gate_b, up_b]),
+                         arena=arena), make_linear([down], down_b, arena=arena))
+            for gate, up, down, gate_b, up_b, down_b in experts]
         self.shared: tuple[Linear, Linear] | None = None
         self.shared_gate: Linear | None = None
         if cfg.shared_expert_intermediate_size:
@@ -89,25 +157,32 @@ class SparseMoE:
             self.shared_gate = make_linear([gate.reshape(1, -1) if isinstance(
                 gate, torch.Tensor) else gate], arena=arena)
         self.top_k = cfg.num_experts_per_tok
+        self.gating = cfg.expert_gating
+        self.swiglu = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit else None
         self.norm_topk_prob = cfg.norm_topk_prob
         self.scale = cfg.routed_scaling_factor
         self.native = native
-        self.native_args: tuple[list[torch.Tensor], list[int], list[torch.Tensor],
-                                list[int]] | None = None
+        self.native_args: tuple[Any, ...] | None = None
         self.set_native_args()
 
     def set_native_args(self) -> None:
-        """``moe_experts``' arguments for the experts (their blocks and type ids), made again
-        whenever the blocks move (the model's ``set_all_layers_args``); None where an expert
-        has no blocks (the Python loop computes them)."""
+        """``moe_experts``' arguments for the experts (their blocks and type ids, biases and
+        gpt-oss's SwiGLU constants), made again whenever the blocks move (the model's
+        ``set_all_layers_args``); None where an expert has no blocks (the Python loop
+        computes them)."""
         linears = [lin for pair in self.experts for lin in pair]
         self.native_args = None
-        if self.native and all(lin.blocks is not None and lin.bias is None and
-                               lin.post is None for lin in linears):
+        biased = [lin.bias is not None for lin in linears]
+        if self.native and (all(biased) or not any(biased)) and all(
+                lin.blocks is not None and lin.post is None for lin in linears):
+            alpha, limit = self.swiglu or (0.0, 0.0)
             self.native_args = ([gu.blocks[1] for gu, _ in self.experts],
                                 [gu.blocks[0] for gu, _ in self.experts],
                                 [down.blocks[1] for _, down in self.experts],
-                                [down.blocks[0] for _, down in self.experts])
+                                [down.blocks[0] for _, down in self.experts],
+                                [gu.bias for gu, _ in self.experts] if any(biased) else [],
+                                [down.bias for _, down in self.experts] if any(biased) else [],
+                                alpha, limit)
 
     @property
     def linears(self) -> tuple[Linear, ...]:
@@ -119,7 +194,11 @@ class SparseMoE:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights, experts)``, each ``[tokens, top_k]``: the experts each token's output
         sums, by descending probability, and their weights (in ``x``'s dtype)."""
-        probs = torch.softmax(self.router(x).float(), dim=-1)
+        logits = self.router(x).float()
+        if self.gating == "softmax_weight":  # the top k logits, then their softmax
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1).to(x.dtype), chosen
+        probs = torch.softmax(logits, dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -140,6 +219,13 @@ class SparseMoE:
         shared = down(silu_and_mul(gate_up(x), self.native))
         return out + torch.sigmoid(self.shared_gate(x)) * shared
 
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """An expert's activation of its fused ``[gate | up]`` output: SwiGLU, or gpt-oss's
+        clamped one."""
+        if self.swiglu is not None:
+            return swiglu_oai(gate_up, *self.swiglu)
+        return silu_and_mul(gate_up, self.native)
+
     def loop(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
              ) -> torch.Tensor:
         """The experts' sum from Python, expert by expert (what ``moe_experts`` computes)."""
@@ -154,7 +240,7 @@ class SparseMoE:
             if count == 0:
                 continue
             rows = tokens[start:start + count]
-            h = down(silu_and_mul(gate_up(x.index_select(0, rows)), self.native))
+            h = down(self.activation(gate_up(x.index_select(0, rows))))
             out.index_add_(0, rows, h * pair_weights[start:start + count, None])
             start += count
         return out

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from freetoken_core.errors import ModelLoadError
-from freetoken_core.models.attention import AttentionMetadata
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.llama import LlamaForCausalLM, Weights
 from freetoken_core.models.sharding import Shard
@@ -158,14 +157,4 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         self.config = cfg
         self.rotary = phi3_rope(cfg, max_positions, rot, self.embedding.dtype,
                                 self.embedding.device)
-        window = cfg.layer_windows[0] if cfg.layer_windows else None
-        # A window as long as the context limits nothing.
-        self.window = window if window is not None and window < max_positions else None
-        if self.window is not None:
-            for layer in self.layers:  # the one-call kernel attends to every key
-                layer.one_call = None
-            self.set_all_layers_args()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return super().forward(input_ids, positions, kv_caches, meta.with_window(self.window))

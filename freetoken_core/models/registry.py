@@ -22,6 +22,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen3_moe": LlamaForCausalLM,  # (mixture-of-experts MLPs: moe.py, which Llama's
     "qwen2_moe": LlamaForCausalLM,  # blocks build where the config has experts)
     "mixtral": LlamaForCausalLM,
+    "gpt_oss": LlamaForCausalLM,  # (sinks, biases and windows: config fields too)
 }
 
 SUPPORTED: tuple[str, ...] = tuple(sorted(_CLASSES))

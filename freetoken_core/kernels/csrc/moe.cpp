@@ -10,11 +10,16 @@
 // own: the linears are batch-invariant), and each token then sums its experts' rows from the
 // lowest expert id up, each row rounded times its weight first (this file is compiled with
 // -ffp-contract=off), as index_add_ of h * w adds them.
+//
+// gpt-oss's experts: biases added to each linear's output (as Linear adds them, add_), and
+// its clamped SwiGLU in place of SiLU-and-mul (moe.py swiglu_oai's torch operators, in its
+// order), where `swiglu_limit` > 0.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <atomic>
@@ -36,7 +41,9 @@ constexpr int64_t kSharedRows = 16;
 
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::Tensor& weights,
                        at::TensorList gate_up, at::IntArrayRef gate_up_types,
-                       at::TensorList down, at::IntArrayRef down_types) {
+                       at::TensorList down, at::IntArrayRef down_types,
+                       at::TensorList gate_up_bias, at::TensorList down_bias,
+                       double swiglu_alpha, double swiglu_limit) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "moe_experts: x must be a contiguous float32 [T, hidden] tensor");
   const int64_t tokens = x.size(0), hidden = x.size(1);
@@ -58,6 +65,15 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::
     TORCH_CHECK(features(gate_up[e], gate_up_types[e]) == gate_up_features &&
                     features(down[e], down_types[e]) == hidden,
                 "moe_experts: expert ", e, "'s linears do not have the first one's shapes");
+  const bool biases = !gate_up_bias.empty();
+  TORCH_CHECK(gate_up_bias.size() == down_bias.size() &&
+                  (!biases || static_cast<int64_t>(gate_up_bias.size()) == experts),
+              "moe_experts: a gate/up and a down bias per expert, or none");
+  for (int64_t e = 0; biases && e < experts; ++e)
+    TORCH_CHECK(gate_up_bias[e].scalar_type() == at::kFloat &&
+                    gate_up_bias[e].numel() == gate_up_features &&
+                    down_bias[e].scalar_type() == at::kFloat && down_bias[e].numel() == hidden,
+                "moe_experts: expert ", e, "'s biases must be float32 of its outputs' sizes");
 
   // The pairs grouped by expert (a counting sort: stable, so each expert's rows keep the
   // tokens' order), and where each pair's row lands.
@@ -94,11 +110,24 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::
       std::memcpy(xsp + r * hidden, xp + token_of[r] * hidden, hidden * sizeof(float));
   });
   auto expert = [&](int64_t e) {
+    // (The ATen operators below run on the pool's threads too, where the caller's inference
+    // mode is not set, and its tensors are inference tensors.)
+    c10::InferenceMode inference;
     const int64_t first = start[e], count = start[e + 1] - start[e];
-    const at::Tensor g = gu.narrow(0, first, count), a = act.narrow(0, first, count);
+    at::Tensor g = gu.narrow(0, first, count), a = act.narrow(0, first, count);
     freetoken::linear(xs.narrow(0, first, count), gate_up[e], gate_up_types[e], g);
-    freetoken::silu_and_mul(a, g);
-    freetoken::linear(a, down[e], down_types[e], hs.narrow(0, first, count));
+    if (biases) g.add_(gate_up_bias[e]);
+    if (swiglu_limit > 0) {
+      const int64_t half = gate_up_features / 2;
+      const at::Tensor gate = g.narrow(1, 0, half).clamp_max(swiglu_limit);
+      const at::Tensor up = g.narrow(1, half, half).clamp(-swiglu_limit, swiglu_limit);
+      at::mul_out(a, up + 1, gate * at::sigmoid(gate * swiglu_alpha));
+    } else {
+      freetoken::silu_and_mul(a, g);
+    }
+    at::Tensor h = hs.narrow(0, first, count);
+    freetoken::linear(a, down[e], down_types[e], h);
+    if (biases) h.add_(down_bias[e]);
   };
   // An expert of many rows shares its linears' features among the threads; the others (a
   // decode step's: a row or a few each) run side by side, one thread an expert, each
@@ -149,6 +178,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::
 
 TORCH_LIBRARY_FRAGMENT(freetoken, m) {
   m.def("moe_experts(Tensor x, Tensor chosen, Tensor weights, Tensor[] gate_up, "
-        "int[] gate_up_types, Tensor[] down, int[] down_types) -> Tensor",
+        "int[] gate_up_types, Tensor[] down, int[] down_types, Tensor[] gate_up_bias, "
+        "Tensor[] down_bias, float swiglu_alpha, float swiglu_limit) -> Tensor",
         &moe_experts);
 }

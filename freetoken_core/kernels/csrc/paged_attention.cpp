@@ -18,6 +18,9 @@
 //   context_lens [D] int32              keys each query attends to, its own included
 //   window                              > 0: only the last `window` of those (sliding-window
 //                                       attention: 0 <= query pos - key pos < window)
+//   sinks        [H] float32, optional  each head's attention sink (gpt-oss): a logit that
+//                                       joins every query's softmax with no value, so the
+//                                       weights of its keys sum to less than one
 //   out          [D, H, hd]             contiguous
 // q and out float32 or bfloat16, the cache float32, bfloat16 or float16 (--kv-cache-dtype);
 // sums are float32 either way.
@@ -31,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 #include "ops.h"
@@ -378,7 +382,8 @@ constexpr int64_t kRun = 8, kRunChunk = 64;
 template <typename TQ, typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens,
-                      int64_t block_size, double scale, int64_t window, at::Tensor& out) {
+                      int64_t block_size, double scale, int64_t window, const float* sinks,
+                      at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = kv_cache.size(2), group = num_heads / num_kv_heads;
   const int64_t q_stride = q.stride(0), slot_stride = kv_cache.stride(0);
@@ -516,9 +521,22 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
       for (int64_t i = 0; i < count; ++i) {
         TQ* o = out_ptr + ((first + i) * num_heads + kv0 * group) * head_dim;
         for (int64_t r = 0; r < rows; ++r) {
-          const float inv = 1.f / sums[i * rows + r];
-          for (int64_t e = 0; e < head_dim; ++e)
-            from_float(acc[(i * rows + r) * head_dim + e] * inv, o + r * head_dim + e);
+          float* a = acc.data() + (i * rows + r) * head_dim;
+          float l = sums[i * rows + r];
+          if (sinks != nullptr) {
+            // The sink's exponential joins the sum, against the larger of the sink and the
+            // keys' maximum (the values rescaled where the sink is larger).
+            const float sink = sinks[kv0 * group + r], m = maxes[i * rows + r];
+            if (sink > m) {
+              const float rescale = std::exp(m - sink);
+              for (int64_t e = 0; e < head_dim; ++e) a[e] *= rescale;
+              l = l * rescale + 1.f;
+            } else {
+              l += std::exp(sink - m);
+            }
+          }
+          const float inv = 1.f / l;
+          for (int64_t e = 0; e < head_dim; ++e) from_float(a[e] * inv, o + r * head_dim + e);
         }
       }
     }
@@ -529,11 +547,20 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
 
 namespace freetoken {
 
-// paged_decode_attention with a sliding window (the op's `window` argument; 0: none).
+// paged_decode_attention with a sliding window (the op's `window` argument; 0: none) and
+// attention sinks (`sinks`: none where absent).
 void paged_window_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            int64_t block_size, double scale, at::Tensor out, int64_t window) {
+                            int64_t block_size, double scale, at::Tensor out, int64_t window,
+                            const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0");
+  const float* sink_ptr = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->dim() == 1 && sinks->size(0) == q.size(1),
+                "paged_decode_attention: sinks must be contiguous float32 [heads]");
+    sink_ptr = sinks->data_ptr<float>();
+  }
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_cache.size(1) == 2, "bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q: heads must be contiguous");
@@ -549,13 +576,13 @@ void paged_window_attention(const at::Tensor& q, const at::Tensor& kv_cache,
     switch (kv_cache.scalar_type()) {
       case at::kFloat:
         return decode_attention<TQ, float>(q, kv_cache, block_tables, context_lens, block_size,
-                                           scale, window, out);
+                                           scale, window, sink_ptr, out);
       case at::kBFloat16:
         return decode_attention<TQ, c10::BFloat16>(q, kv_cache, block_tables, context_lens,
-                                                   block_size, scale, window, out);
+                                                   block_size, scale, window, sink_ptr, out);
       case at::kHalf:
         return decode_attention<TQ, c10::Half>(q, kv_cache, block_tables, context_lens,
-                                               block_size, scale, window, out);
+                                               block_size, scale, window, sink_ptr, out);
       default:
         TORCH_CHECK(false, "paged_decode_attention: a float32, bfloat16 or float16 cache only");
     }
@@ -572,13 +599,15 @@ void paged_window_attention(const at::Tensor& q, const at::Tensor& kv_cache,
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
                             int64_t block_size, double scale, at::Tensor out) {
-  paged_window_attention(q, kv_cache, block_tables, context_lens, block_size, scale, out, 0);
+  paged_window_attention(q, kv_cache, block_tables, context_lens, block_size, scale, out, 0,
+                         std::nullopt);
 }
 
 }  // namespace freetoken
 
 TORCH_LIBRARY(freetoken, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
-        "Tensor context_lens, int block_size, float scale, Tensor(a!) out, int window=0) -> ()",
+        "Tensor context_lens, int block_size, float scale, Tensor(a!) out, int window=0, "
+        "Tensor? sinks=None) -> ()",
         &freetoken::paged_window_attention);
 }

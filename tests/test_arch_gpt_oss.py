@@ -1,0 +1,188 @@
+"""gpt-oss (``GptOssForCausalLM`` directories, ``gpt-oss`` GGUF files), exact against
+transformers: greedy tokens and every position's logits.
+
+Its differences from the other mixture-of-experts models, each of which moves the logits
+when left out: a sink logit per attention head in every query's softmax, biases on the
+attention's four projections, the router and the experts, the router's top k logits
+softmaxed into the weights, the clamped SwiGLU, and sliding-window layers (every other one;
+a window of 8 keys here, so the long prompt's queries see a part of it) beside global ones,
+with YaRN's rope. The directory is a tiny random model saved by transformers; the GGUF file
+is written as llama.cpp's converter writes gpt-oss (F32 biases and sinks, 3-d expert
+tensors), its reference transformers' model built from gguf-py's dequantization
+(transformers' GGUF loader does not read gpt-oss)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gguf_models import Q8_0, write_gguf
+from gguf_reference import hf_gpt_oss_from_gguf
+from test_arch_gemma3 import chunked_logits
+from test_arch_phi3 import save_tiny_model
+from test_gguf_rope_factors import LONG, greedy, served
+from transformers import GptOssConfig, GptOssForCausalLM
+
+from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.attention import AttentionMetadata, paged_attention
+from freetoken_core.models.config import ModelConfig
+
+PROMPTS = ["Hello world, this is", "def add(a, b):\n    return", LONG]
+YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "original_max_position_embeddings": 64, "rope_theta": 150000.0}
+GPT_OSS = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48,
+           "head_dim": 16, "num_hidden_layers": 4, "sliding_window": 8,
+           "layer_types": ["sliding_attention", "full_attention"] * 2,
+           "rope_parameters": {**YARN, "truncate": False}}
+GGUF_YARN = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+             "rope.scaling.original_context_length": 64, "rope.scaling.yarn_beta_fast": 32.0,
+             "rope.scaling.yarn_beta_slow": 1.0}
+
+
+def assert_logits_match(llm: Any, ids: list[int], ref: torch.nn.Module) -> None:
+    """Every position's logits equal ``ref``'s (the prompt in two chunks), and without
+    the sinks, or without the sliding windows, they differ."""
+    model = llm.engine.core.runner.model
+    half = len(ids) // 2
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(chunked_logits(model, ids, [half, len(ids) - half]), want,
+                               atol=2e-4, rtol=1e-4)
+    sinks = [layer.sinks for layer in model.layers]
+    windows = model.windows
+    try:
+        for layer in model.layers:
+            layer.sinks = None
+        assert (chunked_logits(model, ids, [len(ids)]) - want).abs().max() > 0.05
+        for layer, sink in zip(model.layers, sinks):
+            layer.sinks = sink
+        model.windows = [None] * len(windows)
+        assert (chunked_logits(model, ids, [len(ids)]) - want).abs().max() > 0.05
+    finally:
+        for layer, sink in zip(model.layers, sinks):
+            layer.sinks = sink
+        model.windows = windows
+
+
+def test_gpt_oss_directory_matches_transformers(tmp_path: Path) -> None:
+    model_dir = save_tiny_model(tmp_path / "gpt-oss", GptOssConfig, GptOssForCausalLM,
+                                **GPT_OSS)
+    hf = GptOssForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm, prompts, got = served(model_dir, PROMPTS, 16)
+    model = llm.engine.core.runner.model
+    cfg = model.config
+    assert (cfg.architecture, cfg.num_experts, cfg.moe_intermediate_size) == ("gpt_oss", 4, 48)
+    assert cfg.layer_windows == (8, None, 8, None) and cfg.expert_gating == "softmax_weight"
+    assert len(prompts[-1]) > 4 * 8  # (the windows cut the long prompt)
+    assert got == greedy(hf, prompts, 16)
+    assert_logits_match(llm, prompts[-1], hf)
+
+
+def test_gpt_oss_gguf_matches_transformers(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "gpt-oss.gguf", "gpt-oss", hidden=64, layers=4, heads=4,
+                      kv_heads=2, head_dim=16, ff=48, expert_ff=32, experts=4,
+                      experts_used=2, weight_type=Q8_0, tied=False, seed=5, sliding_window=8,
+                      rope_theta=150000.0, metadata=GGUF_YARN)
+    hf = hf_gpt_oss_from_gguf(path)
+    llm, prompts, got = served(path, PROMPTS, 16)
+    cfg = llm.engine.core.runner.model.config
+    assert (cfg.architecture, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+        "gpt_oss", 2, 32)
+    assert cfg.layer_windows == (8, None, 8, None)
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 4.0
+    assert got == greedy(hf, prompts, 16)
+    assert_logits_match(llm, prompts[-1], hf)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_sinks_native_and_torch_paths(window: int | None) -> None:
+    """Both paths of ``paged_attention`` with sinks (prefill chunks and decoding tokens)
+    against the softmax over each query's scores and its head's sink, computed directly."""
+    from freetoken_core.kernels import cpu_kernels_available
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, block = 4, 2, 16, 4
+    lens = [9, 13]  # two sequences: the first decodes its last token, the second prefills 6
+    queries = [1, 6]
+    tables = [[3, 1, 0], [5, 2, 4, 6]]
+    cache = torch.zeros(8 * block, 2, kv_heads, dim)
+    keys = [torch.randn(n, 2, kv_heads, dim, generator=gen) for n in lens]
+    for table, kv in zip(tables, keys):  # the cached part of each context
+        for pos in range(len(kv)):
+            cache[table[pos // block] * block + pos % block] = kv[pos]
+    q = torch.randn(sum(queries), heads, dim, generator=gen)
+    sinks = torch.randn(heads, generator=gen) * 2
+    step_kv = torch.cat([kv[n - m:] for kv, n, m in zip(keys, lens, queries)])
+
+    want = []
+    for kv, n, m, start in zip(keys, lens, queries, (0, 1)):
+        for i in range(m):
+            pos = n - m + i
+            lo = 0 if window is None else max(0, pos + 1 - window)
+            k = kv[lo:pos + 1, 0].repeat_interleave(2, dim=1)  # [keys, heads, dim]
+            v = kv[lo:pos + 1, 1].repeat_interleave(2, dim=1)
+            scores = torch.einsum("hd,khd->hk", q[start + i], k) * dim ** -0.5
+            probs = torch.softmax(torch.cat([scores, sinks[:, None]], dim=1), dim=1)[:, :-1]
+            want.append(torch.einsum("hk,khd->hd", probs, v))
+    want = torch.stack(want).reshape(len(want), heads * dim)
+    paths = [False, True] if cpu_kernels_available() else [False]
+    for native in paths:
+        meta = AttentionMetadata.build(tables, lens, queries, block, torch.device("cpu"),
+                                       native=native).with_window(window)
+        got = paged_attention(q, step_kv, cache.clone(), meta, None, sinks)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt_oss_config_errors_name_the_field() -> None:
+    base = {"architectures": ["GptOssForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_local_experts": 4, "num_experts_per_tok": 2}
+    cfg = ModelConfig.from_dict(base)
+    assert cfg.layer_windows == (128, None) and cfg.swiglu_limit == 7.0
+    assert cfg.attention_sinks and cfg.attention_bias and cfg.expert_bias
+    for bad, field in (({"num_experts_per_tok": 5}, "num_experts_per_tok"),
+                       ({"swiglu_limit": -1}, "swiglu_limit"),
+                       ({"layer_types": ["full_attention"]}, "layer_types"),
+                       ({"sliding_window": 0}, "sliding_window"),
+                       ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope type")):
+        with pytest.raises(ModelLoadError, match=field):
+            ModelConfig.from_dict({**base, **bad})
+
+
+def test_mxfp4_experts_in_a_directory_are_refused(tmp_path: Path) -> None:
+    """The released checkpoints keep their experts in MXFP4 (``*_blocks``, ``*_scales``):
+    a clear error that points to the GGUF file, not a missing-weight trace."""
+    from freetoken_core.models.moe import _expert_weights
+
+    weights = {"model.layers.0.mlp.router.weight": torch.zeros(4, 8),
+               "model.layers.0.mlp.router.bias": torch.zeros(4),
+               "model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(1),
+               "model.layers.0.mlp.experts.gate_up_proj_scales": torch.zeros(1)}
+    with pytest.raises(ModelLoadError, match="MXFP4.*GGUF"):
+        _expert_weights(weights, "model.layers.0.", 4)
+
+
+def test_the_experts_in_one_native_call_compute_what_the_python_loop_computes(
+        tmp_path: Path) -> None:
+    """``moe_experts`` with gpt-oss's expert biases and clamped SwiGLU: every logit to the
+    bit of ``SparseMoE.loop``'s, in the exact and the q8 arithmetic."""
+    from freetoken_core import LLM
+
+    path = write_gguf(tmp_path / "gpt-oss.gguf", "gpt-oss", hidden=64, layers=2, heads=4,
+                      kv_heads=2, head_dim=16, ff=48, expert_ff=32, experts=4,
+                      experts_used=2, weight_type=Q8_0, tied=False, seed=6, sliding_window=8,
+                      metadata=GGUF_YARN)
+    for activations in ("auto", "q8"):
+        llm = LLM(str(path), kv_cache_tokens=1024, dtype="float32", progress=False,
+                  plugins="none", activations=activations)
+        model = llm.engine.core.runner.model
+        ids = llm.tokenizer.encode(LONG, add_special_tokens=False)
+        sparse = [layer.moe for layer in model.layers]
+        assert all(moe is not None and moe.native_args is not None for moe in sparse)
+        assert all(moe.native_args[4] and moe.native_args[7] == 7.0 for moe in sparse)
+        native = chunked_logits(model, ids, [len(ids) - 3, 1, 1, 1])
+        for moe in sparse:
+            moe.native_args = None
+        assert torch.equal(chunked_logits(model, ids, [len(ids) - 3, 1, 1, 1]), native)
