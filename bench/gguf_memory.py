@@ -16,6 +16,11 @@ default model's 49,152-token vocabulary) of two shapes:
   projections Q6_K), 1.6 B weights;
 * ``30b-a3b``: Qwen3-30B-A3B's own shape (48 layers, hidden 2048, 32 heads / 4 KV heads of
   128, 128 experts of 768, 8 a token), 30 B weights, ~18 GB (not in the default list);
+* ``gpt-oss``: a ``gpt-oss`` file of gpt-oss-20b's kind, 8 layers of hidden 1440, 32 heads /
+  4 KV heads of 64, 32 experts of 1440 (4 a token), MXFP4 experts and Q8_0 elsewhere (as
+  its GGUF files), sliding windows of 128 keys on every other layer, ~0.9 GB;
+* ``gpt-oss-20b``: gpt-oss-20b's own shape (24 layers, hidden 2880, 64 / 8 heads of 64, 32
+  experts of 2880), 21 B weights with the default vocabulary, ~11 GB;
 
 into ``--dir`` (default: a temporary directory), deleted afterwards unless ``--keep`` (a
 file already there under the same name is reused). For each file, one server at a time:
@@ -77,10 +82,23 @@ SHAPES = {
     "30b-a3b": {"layers": 48, "hidden": 2048, "ff": 6144, "heads": 32, "kv_heads": 4,
                 "head_dim": 128, "arch": "qwen3moe", "experts": 128, "experts_used": 8,
                 "expert_ff": 768},
+    # gpt-oss-20b's kind at a third of its layers and half its width, and its own shape:
+    # MXFP4 experts, the rest Q8_0, as its GGUF files (a 2880-wide row is not whole
+    # K-quant super-blocks)
+    "gpt-oss": {"layers": 8, "hidden": 1440, "ff": 1440, "heads": 32, "kv_heads": 4,
+                "head_dim": 64, "arch": "gpt-oss", "experts": 32, "experts_used": 4,
+                "expert_ff": 1440, "mix": "mxfp4"},
+    "gpt-oss-20b": {"layers": 24, "hidden": 2880, "ff": 2880, "heads": 64, "kv_heads": 8,
+                    "head_dim": 64, "arch": "gpt-oss", "experts": 32, "experts_used": 4,
+                    "expert_ff": 2880, "mix": "mxfp4"},
 }
-Q4_K, Q6_K = 12, 14
+Q8_0, Q4_K, Q6_K, MXFP4 = 8, 12, 14, 39
 MIX = {"token_embd.weight": Q6_K, "attn_v.weight": Q6_K, "ffn_down.weight": Q6_K,
        "ffn_down_exps.weight": Q6_K}
+# gpt-oss's: every expert MXFP4, the rest Q8_0; its rope YaRN's, its window 128 keys
+MXFP4_MIX = {f"ffn_{w}_exps.weight": MXFP4 for w in ("gate", "up", "down")}
+GPT_OSS_METADATA = {"rope.scaling.type": "yarn", "rope.scaling.factor": 32.0,
+                    "rope.scaling.original_context_length": 4096}
 PROMPT = "Hello, my name is"
 START_TIMEOUT = 600.0
 SIDES = ("freetoken", "llamacpp")
@@ -110,7 +128,7 @@ def gguf_file(directory: Path, shape: str) -> Path:
     """The ``shape`` model's file in ``directory``, written unless it is there."""
     s = SHAPES[shape]
     arch = s.get("arch", "llama")
-    path = directory / f"{arch}-{shape}-q4_k_m-random.gguf"
+    path = directory / f"{arch}-{shape}-{s.get('mix', 'q4_k_m')}-random.gguf"
     if path.exists():
         print(f"{shape}: reusing {path}", flush=True)
         return path
@@ -119,9 +137,14 @@ def gguf_file(directory: Path, shape: str) -> Path:
     start = time.perf_counter()
     tmp = path.with_suffix(".partial")
     moe = {key: s[key] for key in ("experts", "experts_used", "expert_ff") if key in s}
+    kinds: dict = {"weight_type": Q4_K, "types": MIX, "tied": True}
+    if s.get("mix") == "mxfp4":
+        kinds = {"weight_type": Q8_0, "types": MXFP4_MIX, "tied": False,
+                 "rope_theta": 150000.0, "sliding_window": 128,
+                 "metadata": GPT_OSS_METADATA}
     write_gguf(tmp, arch, hidden=s["hidden"], layers=s["layers"], heads=s["heads"],
-               kv_heads=s["kv_heads"], head_dim=head_dim(shape), ff=s["ff"],
-               weight_type=Q4_K, types=MIX, tied=True, context=8192, **moe)
+               kv_heads=s["kv_heads"], head_dim=head_dim(shape), ff=s["ff"], context=8192,
+               **kinds, **moe)
     tmp.rename(path)
     print(f"{shape}: wrote {path} ({path.stat().st_size / 1e6:,.0f} MB) in "
           f"{time.perf_counter() - start:.1f} s", flush=True)

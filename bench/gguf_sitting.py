@@ -33,9 +33,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 FILES = ("default", "Q4_K_M", "Q6_K", "Q8_0", "Q4_0", "F16", "1b")
-# More files --files may name: a random mixture-of-experts file of Qwen3-30B-A3B's kind
-# (bench/gguf_memory.py's moe shape)
-MORE_FILES = ("moe",)
+# More files --files may name: random mixture-of-experts files of Qwen3-30B-A3B's kind and
+# of gpt-oss-20b's (bench/gguf_memory.py's moe and gpt-oss shapes)
+MORE_FILES = ("moe", "gpt-oss")
 
 NO_Q8 = {"F16"}  # weights without an 8-bit-activation kernel
 BARS = {1: 1.0, 16: 1.5}  # issue 30: >= llama.cpp at one client, >= 1.5x at 16
@@ -66,7 +66,7 @@ def make_file(name: str, directory: Path, quantize: Path | None) -> Path:
     """The file of ``name`` in ``directory``, made unless it is there."""
     if name == "default":
         return default_gguf()
-    if name in ("1b", "moe"):
+    if name in ("1b", *MORE_FILES):
         sys.path.insert(0, str(HERE))
         sys.path.insert(0, str(HERE.parent / "tests"))
         from gguf_memory import gguf_file
@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     if not set(arithmetics) <= {"exact", "q8"} or not arithmetics:
         parser.error("--arithmetics: exact, q8 or both")
     args.dir.mkdir(parents=True, exist_ok=True)
-    needs_quantize = any(n not in ("default", "1b") and not (args.dir / f"smollm2-{n}.gguf")
-                         .exists() for n in names)
+    needs_quantize = any(n not in ("default", "1b", *MORE_FILES)
+                         and not (args.dir / f"smollm2-{n}.gguf").exists() for n in names)
     quantize = find_quantize(args.llama_quantize, args.llama_server) if needs_quantize else None
     march = os.environ.get("FREETOKEN_KERNEL_MARCH", "native")
     results: dict[str, dict[str, dict]] = {}
