@@ -62,8 +62,10 @@ def freetoken_chat_template(chat: ChatView) -> None:
 
     When: per chat request (and ``/tokenize`` with ``messages``, where ``chat.params`` is
     ``None``), in the server process (offline: never, as ``LLM`` takes prompts), in a
-    worker thread, after validation and before the template. Every enabled plugin runs.
-    Return: nothing. Raises: ``InvalidRequest`` naming the message field at fault.
+    worker thread, after validation and before the template. Every enabled plugin runs;
+    it may also change ``chat.params`` (the request about to run), e.g. keep the special
+    tokens its markup is made of. Return: nothing. Raises: ``InvalidRequest`` naming the
+    message field at fault, or the request field the template cannot honour.
     """
 
 

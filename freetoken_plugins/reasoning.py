@@ -1,12 +1,15 @@
-"""The reasoning plugin: split ``<think>…</think>`` out of chat answers and count it.
+"""The reasoning plugin: split a chat answer's reasoning out as ``reasoning_content`` and
+count it; pass ``reasoning_effort`` to the chat template.
 
-Switch: no request field. Like vLLM's ``--reasoning-parser``, it is on for every
-``POST /v1/chat/completions`` while the plugin is enabled and the model's vocabulary has
-``<think>`` and ``</think>`` as whole tokens (Qwen3, DeepSeek-R1 and the test tokenizer do;
-SmolLM2 does not, so there it does nothing). Turn it off with ``--plugins`` without
-``reasoning``. Completions are never touched.
+Switch: no request field. Like vLLM's ``--reasoning-parser``, the split is on for every
+``POST /v1/chat/completions`` while the plugin is enabled and the model's vocabulary has one
+of the two formats as whole tokens: harmony's ``<|channel|>``, ``<|message|>``, ``<|end|>``
+and ``<|start|>`` (OpenAI's gpt-oss; harmony wins when a vocabulary has both), or
+``<think>`` and ``</think>`` (Qwen3, DeepSeek-R1 and the test tokenizer; SmolLM2 has
+neither, so there it does nothing). Turn it off with ``--plugins`` without ``reasoning``.
+Completions are never touched.
 
-Semantics, per choice, on the generated text (``ThinkSplitter``):
+``<think>`` semantics, per choice, on the generated text (``ThinkSplitter``):
 
 - The answer starts *inside* reasoning when the prompt left a ``<think>`` open (its last
   ``<think>`` token comes after its last ``</think>``, as templates that open the block
@@ -14,42 +17,74 @@ Semantics, per choice, on the generated text (``ThinkSplitter``):
 - From content, the first ``<think>`` opens reasoning (text before it stays content);
   the first ``</think>`` after that closes it, and all the rest is content, verbatim
   (further tags included). Only one reasoning block.
-- ``message.reasoning_content`` is the text between the tags; it is absent when the
-  answer never reasoned. ``message.content`` is the text outside the tags (``""`` when
-  everything was reasoning, e.g. cut by ``max_tokens`` inside the block).
-- Streaming: each chunk's ``delta.content`` is split the same way into
-  ``delta.reasoning_content`` and ``delta.content``; a text that could be the start of a
-  tag (``<th``) is held back until the next chunk shows it is not, and flushed with the
-  choice's finishing chunk. Concatenated deltas equal the non-streamed fields.
 - ``usage.completion_tokens_details.reasoning_tokens``: per choice, the generated tokens
   up to and including the first ``</think>`` token after reasoning opened (all of them if
   it never came; 0 if reasoning never opened), summed over choices. Counted on token ids:
   a tag the model spelled out in pieces splits the text but is not counted as a tag.
+- The tags must reach the text, so a model whose ``<think>`` is a *special* token needs
+  ``skip_special_tokens: false``.
+
+Harmony semantics (``freetoken_plugins.harmony``, which is the reference):
+
+- The body of each analysis-channel message is reasoning; the body of each final or
+  commentary message, and text written without any channel header, is content; headers,
+  ``<|end|>`` / ``<|return|>`` / ``<|call|>`` and every other special token are in
+  neither. A message addressed to a recipient (``to=functions.get_weather``, a call) stays
+  in the content raw, markup included, for the tool_calls plugin (its ``harmony`` family)
+  to turn into ``tool_calls``; without tools in the request it comes back that way.
+- The markup is special tokens, so for chat requests on such a vocabulary the plugin
+  decodes the answer with them (it sets ``skip_special_tokens`` false in
+  ``freetoken_chat_template``) and the split removes them all: a request's own
+  ``skip_special_tokens`` does not change a harmony chat answer.
+- ``reasoning_tokens``: per choice, the tokens of its analysis messages, each from the
+  first token of its header to its ``<|end|>``.
+- Where the prompt leaves the answer (after ``<|start|>assistant``; inside a channel
+  header or a message body it opened) is read from the prompt's text after its last
+  ``<|start|>``.
+
+Both formats: ``message.reasoning_content`` is the reasoning, absent when the answer never
+reasoned; ``message.content`` is the rest (``""`` when everything was reasoning, e.g. cut
+by ``max_tokens``). Streaming: each chunk's ``delta.content`` is split the same way into
+``delta.reasoning_content`` and ``delta.content``; text that could be the start of a tag
+or a marker (``<th``, ``<|cha``) is held back until the next chunk shows what it is, and
+flushed with the choice's finishing chunk. Concatenated deltas equal the non-streamed
+fields.
+
+``reasoning_effort`` (the plugin's request field, chat only): ``low``, ``medium`` or
+``high`` (else a 400 naming it), handed to the chat template as its ``reasoning_effort``
+variable in ``freetoken_chat_template``; a template that does not read that variable is a
+400 naming the field rather than an effort silently ignored. (``chat_template_kwargs``
+cannot set it: a request field is sent at the top level.)
 
 Response fields (``MessageFields``, ``UsageFields``): ``reasoning_content`` on messages and
 deltas, ``completion_tokens_details`` on usage; the server adds them without naming them.
-Per-request state (one splitter per choice) lives in
+Per-request state (the format, one splitter per streamed choice) lives in
 ``response.plugin_state["reasoning"]``.
-The tags must reach the text, so a model whose ``<think>`` is a *special* token needs
-``skip_special_tokens: false``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import lru_cache, partial
+from typing import Any, Literal, Protocol
 
+import jinja2
+import jinja2.meta
 import msgspec
 
 from freetoken_core import hookimpl
+from freetoken_core.errors import InvalidRequest
 from freetoken_core.processors import (
     AnswerStart,
+    ChatView,
     Plugin,
+    RequestFields,
     RequestView,
     ResponseFields,
     ResponseView,
 )
+from freetoken_plugins import harmony
 
 OPEN_TAG, CLOSE_TAG = "<think>", "</think>"
 STATE_KEY = "reasoning"
@@ -128,38 +163,111 @@ def _token_id(tokenizer: Any, token: str) -> int | None:
     return None if token_id is None or token_id == tokenizer.unk_token_id else token_id
 
 
+def harmony_marker_ids(tokenizer: Any) -> dict[str, int] | None:
+    """The harmony markers the vocabulary has as whole tokens → their ids; ``None`` unless
+    it has all of ``harmony.REQUIRED_TOKENS``."""
+    ids = {marker: _token_id(tokenizer, marker) for marker in sorted(harmony.MARKERS)}
+    if any(ids[marker] is None for marker in harmony.REQUIRED_TOKENS):
+        return None
+    return {marker: i for marker, i in ids.items() if i is not None}
+
+
+@lru_cache(maxsize=4)
+def special_texts(tokenizer: Any) -> frozenset[str]:
+    """The texts of the vocabulary's special tokens (markup in a harmony answer)."""
+    texts = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts.update(token.content for token in decoder.values() if getattr(token, "special", False))
+    return frozenset(texts | harmony.MARKERS)
+
+
+@lru_cache(maxsize=64)
+def template_reads(template: str, variable: str) -> bool:
+    """Whether the chat template ``template`` reads the variable ``variable``."""
+    if not template:
+        return False
+    try:
+        parsed = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return variable in template
+    return variable in jinja2.meta.find_undeclared_variables(parsed)
+
+
+class _Splitter(Protocol):
+    has_reasoned: bool
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]: ...
+
+
+class _Think:
+    """The ``<think>`` tags of one request's prompts."""
+
+    def __init__(self, open_id: int, close_id: int, prompts: list[list[int]]) -> None:
+        self.open_id, self.close_id = open_id, close_id
+        self.in_reasoning = [prompt_leaves_open(ids, open_id, close_id) for ids in prompts]
+        """Per prompt: did the prompt leave a ``<think>`` open."""
+
+    def splitter(self, prompt_index: int) -> _Splitter:
+        return ThinkSplitter(self.in_reasoning[prompt_index])
+
+    def reasoning_tokens(self, token_ids: list[int], prompt_index: int) -> int:
+        return count_reasoning_tokens(token_ids, self.open_id, self.close_id,
+                                      self.in_reasoning[prompt_index])
+
+
+class _Harmony:
+    """The harmony channels of one request's prompts."""
+
+    def __init__(self, tokenizer: Any, marker_ids: dict[str, int],
+                 prompts: list[list[int]]) -> None:
+        self.marker_ids = marker_ids
+        self.decode = partial(tokenizer.decode, skip_special_tokens=False)
+        self.is_marker = special_texts(tokenizer).__contains__
+        start = marker_ids[harmony.START]
+        self.tails = [self.decode(ids[_last_index(ids, start):]) if start in ids else ""
+                      for ids in prompts]
+        """Per prompt: its text from its last ``<|start|>`` (where the answer starts)."""
+
+    def splitter(self, prompt_index: int) -> _Splitter:
+        return harmony.HarmonySplitter(self.is_marker, self.tails[prompt_index])
+
+    def reasoning_tokens(self, token_ids: list[int], prompt_index: int) -> int:
+        in_reasoning = harmony.HarmonySplitter(self.is_marker,
+                                               self.tails[prompt_index]).in_reasoning
+        return harmony.count_reasoning_tokens(token_ids, self.marker_ids, self.decode,
+                                              in_reasoning)
+
+
+def _last_index(ids: Sequence[int], token: int) -> int:
+    return len(ids) - 1 - list(reversed(ids)).index(token)
+
+
 @dataclass
 class _RequestState:
-    open_id: int
-    close_id: int
-    in_reasoning: list[bool]
-    """Per prompt: did the prompt leave a ``<think>`` open."""
-    splitters: dict[int, ThinkSplitter] = field(default_factory=dict)
+    format: _Think | _Harmony
+    splitters: dict[int, _Splitter] = field(default_factory=dict)
 
 
 def _state(response: ResponseView) -> _RequestState | None:
-    """This request's state, made on first use; ``None`` when the model has no tags."""
+    """This request's state, made on first use; ``None`` when the model has neither the
+    harmony markers nor the ``<think>`` tags."""
     if STATE_KEY in response.plugin_state:
         return response.plugin_state[STATE_KEY]
-    open_id = _token_id(response.tokenizer, OPEN_TAG)
-    close_id = _token_id(response.tokenizer, CLOSE_TAG)
+    tokenizer, prompts = response.tokenizer, response.prompt_token_ids
     state = None
-    if open_id is not None and close_id is not None:
-        in_reasoning = [prompt_leaves_open(ids, open_id, close_id)
-                        for ids in response.prompt_token_ids]
-        state = _RequestState(open_id, close_id, in_reasoning)
+    marker_ids = harmony_marker_ids(tokenizer)
+    open_id, close_id = _token_id(tokenizer, OPEN_TAG), _token_id(tokenizer, CLOSE_TAG)
+    if marker_ids is not None:
+        state = _RequestState(_Harmony(tokenizer, marker_ids, prompts))
+    elif open_id is not None and close_id is not None:
+        state = _RequestState(_Think(open_id, close_id, prompts))
     response.plugin_state[STATE_KEY] = state
     return state
 
 
-def _starts_in_reasoning(state: _RequestState, response: ResponseView, index: int) -> bool:
-    return state.in_reasoning[index // response.params.n]
-
-
 def _reasoning_tokens(state: _RequestState, response: ResponseView) -> int:
     num_choices = len(response.prompt_token_ids) * response.params.n
-    return sum(count_reasoning_tokens(response.token_ids(i), state.open_id, state.close_id,
-                                      _starts_in_reasoning(state, response, i))
+    return sum(state.format.reasoning_tokens(response.token_ids(i), i // response.params.n)
                for i in range(num_choices))
 
 
@@ -177,7 +285,42 @@ def prompt_leaves_open(prompt_token_ids: Sequence[int], open_id: int, close_id: 
 
 
 class Reasoning(Plugin):
-    """Split <think>…</think> out of chat answers as reasoning_content, and count it."""
+    """Split the reasoning out of chat answers (<think> tags, harmony's analysis channel) as
+    reasoning_content, count it, and pass reasoning_effort to the chat template."""
+
+    routes = frozenset({"chat"})
+
+    class Fields(RequestFields):
+        reasoning_effort: Literal["low", "medium", "high"] | None = None
+        """How much the model reasons before it answers: low, medium or high, handed to the
+        chat template as its reasoning_effort variable (gpt-oss: the system message's
+        "Reasoning:" line). A 400 on a model whose chat template does not read it."""
+
+    class MessageFields(ResponseFields):
+        reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+        """The reasoning: the text between <think> and </think>, or the answer's analysis
+        channel (harmony); absent when the answer never reasoned."""
+
+    class UsageFields(ResponseFields):
+        completion_tokens_details: CompletionTokensDetails | msgspec.UnsetType = msgspec.UNSET
+
+    @staticmethod
+    @hookimpl
+    def freetoken_chat_template(chat: ChatView) -> None:
+        """``reasoning_effort`` becomes the template variable (a 400 when the template does
+        not read it); on a harmony vocabulary the answer keeps its special tokens, which
+        the split reads (and removes)."""
+        if chat.params is None:
+            return
+        fields = chat.params.fields.get(STATE_KEY)
+        if fields is not None and fields.reasoning_effort is not None:
+            if not template_reads(chat.template, "reasoning_effort"):
+                raise InvalidRequest("reasoning_effort", "this model's chat template does not "
+                                     "read reasoning_effort, so the model cannot be told how "
+                                     "much to reason")
+            chat.variables["reasoning_effort"] = fields.reasoning_effort
+        if harmony_marker_ids(chat.tokenizer) is not None:
+            chat.params.skip_special_tokens = False
 
     @staticmethod
     @hookimpl
@@ -192,13 +335,6 @@ class Reasoning(Plugin):
         inside = prompt_leaves_open(request.prompt_token_ids, open_id, close_id)
         return AnswerStart(close_id, inside, open_id)
 
-    class MessageFields(ResponseFields):
-        reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
-        """The text between the tags; absent when the answer never reasoned."""
-
-    class UsageFields(ResponseFields):
-        completion_tokens_details: CompletionTokensDetails | msgspec.UnsetType = msgspec.UNSET
-
     @staticmethod
     @hookimpl
     def freetoken_decorate_response(response: ResponseView) -> None:
@@ -208,11 +344,12 @@ class Reasoning(Plugin):
         if state is None:
             return
         for choice in response.choices:
-            inside = _starts_in_reasoning(state, response, choice.index)
+            prompt_index = choice.index // response.params.n
             if not response.is_chunk:
-                reasoning, content = split(choice.text or "", inside)
+                splitter = state.format.splitter(prompt_index)
+                reasoning, content = splitter.feed(choice.text or "", final=True)
                 choice.text = content
-                if reasoning is not None:
+                if splitter.has_reasoned:
                     choice.message.reasoning_content = reasoning
                 continue
             final = choice.finish_reason is not None
@@ -220,7 +357,7 @@ class Reasoning(Plugin):
                 continue
             splitter = state.splitters.get(choice.index)
             if splitter is None:
-                splitter = state.splitters[choice.index] = ThinkSplitter(inside)
+                splitter = state.splitters[choice.index] = state.format.splitter(prompt_index)
             reasoning, content = splitter.feed(choice.text or "", final)
             if reasoning:
                 choice.message.reasoning_content = reasoning

@@ -32,11 +32,12 @@ BUILTIN_FIELDS = {
     "min_p": ["min_p"],
     "stop_tokens": ["stop_token_ids"],
     "fim": ["suffix"],
-    "reasoning": [],
+    "reasoning": ["reasoning_effort"],
 }
 PROCESSORS = {"penalties", "logit_bias", "min_tokens", "min_p"}
 HOOKS = {"stop_tokens": ["freetoken_check_stop"], "fim": ["freetoken_rewrite_prompt"],
-         "reasoning": ["freetoken_answer_start", "freetoken_decorate_response"]}
+         "reasoning": ["freetoken_answer_start", "freetoken_chat_template",
+                       "freetoken_decorate_response"]}
 KEYS = ["name", "distribution", "version", "enabled", "kind", "description", "hooks",
         "fields"]
 SMALL = ["--batch", "4", "--vocab", "1024", "--history", "16", "--steps", "3"]

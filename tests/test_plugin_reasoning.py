@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import msgspec
 import pytest
 from server_fixtures import Server
 from server_fixtures import events as _events
@@ -108,7 +109,8 @@ def test_answer_start_of_chat_sequences(tiny_model_dir: Path) -> None:
     assert hook(request=_view([5, OPEN], True), tokenizer=tokenizer) == AnswerStart(
         CLOSE, True, OPEN)
     assert hook(request=_view([5, OPEN], False), tokenizer=tokenizer) is None  # completions
-    assert Reasoning.Fields is None  # a switch, not a request field
+    # The split is a switch: the plugin's one request field is reasoning_effort.
+    assert [f.name for f in msgspec.structs.fields(Reasoning.Fields)] == ["reasoning_effort"]
 
 
 def test_no_answer_start_without_think_tokens() -> None:

@@ -269,11 +269,14 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_p
     ``freetoken_chat_template`` hooks then adapt messages and variables for the template
     (``params``: the validated request; ``None`` on ``/tokenize``)."""
     kwargs = dict(chat_template_kwargs or {})
-    reserved = RESERVED_TEMPLATE_KWARGS | (set(plugins.field_owners()) if plugins else set())
-    refused = sorted(reserved & kwargs.keys())
+    fields = set(plugins.field_owners()) if plugins else set()
+    refused = sorted((RESERVED_TEMPLATE_KWARGS | fields) & kwargs.keys())
     if refused:
+        as_fields = [name for name in refused if name in fields]
+        hint = (f" ({', '.join(as_fields)}: a request field, sent at the top level of the "
+                f"body)" if as_fields else "")
         raise InvalidRequest("chat_template_kwargs",
-                             f"chat_template_kwargs cannot set {', '.join(refused)}")
+                             f"chat_template_kwargs cannot set {', '.join(refused)}{hint}")
     if continue_final_message and messages[-1].role != "assistant":
         raise InvalidRequest("continue_final_message", "continue_final_message needs the "
                              "last message to be the assistant's")
