@@ -19,6 +19,16 @@ Families (``BUILTIN_PARSERS``; third parties add one with an entry point of the
   whitespace, a call object or a JSON array of them; otherwise all content. It may be fenced
   as Markdown code: an opening ```` ``` ```` plus an optional language word (```` ```json ````)
   before the JSON, and a closing ```` ``` ```` after it, both markup.
+- ``harmony`` (OpenAI's gpt-oss; vLLM's ``openai`` parser): a message addressed
+  ``to=functions.NAME`` (in its header, before or after the channel) is a call of NAME,
+  its body the arguments, as written, up to ``<|call|>`` (or ``<|end|>``, ``<|return|>``,
+  the next ``<|start|>`` / ``<|channel|>``): ``<|start|>assistant<|channel|>commentary
+  to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>``. The
+  call commits at its ``<|message|>``. Everything else is content, verbatim: with the
+  reasoning plugin that is only the final and commentary text it kept, without it the raw
+  harmony text. A message to another recipient, or to a function that is not one of the
+  tools, is content, markup included. The markers are special tokens (the format is read
+  by ``freetoken_plugins.harmony``).
 """
 
 from __future__ import annotations
@@ -28,12 +38,13 @@ import logging
 from collections.abc import Collection
 from importlib import metadata
 
+from freetoken_plugins import harmony
 from freetoken_plugins.tool_calls.json_scan import (
     WHITESPACE,
     JsonScanner,
     JsonSyntaxError,
 )
-from freetoken_plugins.tool_calls.parsers import ToolParser
+from freetoken_plugins.tool_calls.parsers import Parsed, ToolParser
 
 log = logging.getLogger("freetoken.tool_calls")
 
@@ -233,8 +244,115 @@ class Json(ToolParser):
                                for name, args in calls) + "]"
 
 
+class Harmony(ToolParser):
+    """OpenAI's gpt-oss: ``…<|channel|>commentary to=functions.NAME <|constrain|>json
+    <|message|>{arguments}<|call|>``."""
+
+    name = "harmony"
+    template_markers = ("<|channel|>", "to=functions.")
+    needs_special_tokens = True
+    FUNCTIONS = "functions."
+
+    def __init__(self, tool_names: Collection[str]) -> None:
+        super().__init__(tool_names)
+        self._lexer = harmony.MarkerLexer(harmony.MARKERS.__contains__)
+        self._at_start = True
+        """Nothing read yet: the first header may begin with `` to=`` (held meanwhile)."""
+        self._header: str | None = None
+        """The header of a message being read (held: content unless it is a call)."""
+        self._in_call = False
+
+    def feed(self, text: str) -> Parsed:
+        self._read(self._lexer.feed(text))
+        return self._take()
+
+    def finish(self) -> Parsed:
+        self._read(self._lexer.feed("", final=True))
+        self._emit(self._held + (self._header or ""))
+        self._held, self._header, self._in_call = "", None, False
+        return self._take()
+
+    def _read(self, events: list[tuple[bool, str]]) -> None:
+        for is_marker, piece in events:
+            if is_marker:
+                self._marker(piece)
+            else:
+                self._text(piece)
+
+    def _text(self, text: str) -> None:
+        if self._in_call:
+            self._deltas.append((self._num_calls - 1, None, text))
+        elif self._header is not None:
+            self._header += text
+        elif self._at_start:
+            self._held += text
+            if self._held.startswith(harmony.RECIPIENT_FIRST):
+                self._header, self._held, self._at_start = self._held, "", False
+            elif not harmony.RECIPIENT_FIRST.startswith(self._held):
+                self._emit(self._held)
+                self._held, self._at_start = "", False
+        else:
+            self._emit(text)
+
+    def _marker(self, marker: str) -> None:
+        if self._at_start:
+            self._emit(self._held)
+            self._held, self._at_start = "", False
+        if self._in_call:
+            if marker in harmony.ENDS:
+                self._in_call = False
+                return
+            if marker not in harmony.OPENS:
+                self._deltas.append((self._num_calls - 1, None, marker))
+                return
+            self._in_call = False  # the next message opens: read its marker below
+        if self._header is not None:
+            if marker == harmony.MESSAGE:
+                self._resolve()
+                return
+            if marker in (harmony.CHANNEL, harmony.CONSTRAIN):
+                self._header += marker
+                return
+            self._emit(self._header)  # not a call: the header was content
+            self._header = None
+        if marker in harmony.OPENS:
+            self._header = marker
+        else:
+            self._emit(marker)
+
+    def _resolve(self) -> None:
+        """``<|message|>`` ends the header: a call of one of the tools, or content."""
+        assert self._header is not None
+        _, recipient = harmony.parse_header(self._header)
+        name = (recipient[len(self.FUNCTIONS):]
+                if recipient is not None and recipient.startswith(self.FUNCTIONS) else None)
+        if name is None or name not in self.tool_names:
+            self._emit(self._header + harmony.MESSAGE)
+            self._header = None
+            return
+        self._header = None
+        self._deltas.append((self._num_calls, name, ""))
+        self._num_calls += 1
+        self._in_call = True
+
+    def _start(self, c: str) -> bool:  # feed and finish are its own: no character states
+        raise AssertionError("Harmony reads markers, not characters")
+
+    @classmethod
+    def instructions(cls) -> str:
+        return ("To call a function, write <|start|>assistant<|channel|>commentary "
+                "to=functions.NAME <|constrain|>json<|message|>, its arguments as a JSON "
+                "object, and <|call|>:\n" + cls.render_calls(cls.EXAMPLE))
+
+    @classmethod
+    def render_calls(cls, calls: list[tuple[str, str]]) -> str:
+        return "".join(f"{harmony.START}assistant{harmony.CHANNEL}commentary "
+                       f"to=functions.{name} {harmony.CONSTRAIN}json{harmony.MESSAGE}{args}"
+                       f"{harmony.CALL}" for name, args in calls)
+
+
 BUILTIN_PARSERS: dict[str, type[ToolParser]] = {
-    cls.name: cls for cls in (Hermes, Llama3Json, Mistral, Json)
+    cls.name: cls for cls in (Hermes, Llama3Json, Mistral, Json, Harmony)
 }
 
 

@@ -25,11 +25,13 @@ A request, read top to bottom:
    carries ``index``, ``id``, ``type`` and ``function.name``, later ones ``index`` and
    pieces of ``function.arguments``; markup of a call being parsed never reaches
    ``content``. A malformed call is returned as content. With the reasoning plugin, the
-   parser sees the answer after ``</think>`` (it runs after the reasoning split).
+   parser sees the answer after ``</think>`` (it runs after the reasoning split); on a
+   harmony model (gpt-oss) it sees the final and commentary text and each message
+   addressed to a recipient, raw, which the ``harmony`` family reads.
 
 Options: ``--tool-calls-parser`` (``auto``: from the chat template's markers; or a family
-name: ``hermes``, ``llama3_json``, ``mistral``, ``json``, or one a package adds through
-the ``freetoken.tool_parsers`` entry-point group), ``--tool-calls-max-tools`` (128).
+name: ``hermes``, ``llama3_json``, ``mistral``, ``json``, ``harmony``, or one a package
+adds through the ``freetoken.tool_parsers`` entry-point group), ``--tool-calls-max-tools`` (128).
 """
 
 from __future__ import annotations
@@ -392,8 +394,8 @@ class ToolCalls(Plugin):
     def freetoken_add_cli_options(parser: argparse._ArgumentGroup) -> None:
         parser.add_argument("--tool-calls-parser", default="auto", metavar="FAMILY",
                             help="how tool calls are written: auto (from the chat "
-                                 "template), hermes, llama3_json, mistral, json, or a "
-                                 "family a package adds (default: auto)")
+                                 "template), hermes, llama3_json, mistral, json, harmony, "
+                                 "or a family a package adds (default: auto)")
         parser.add_argument("--tool-calls-max-tools", type=int, default=DEFAULT_MAX_TOOLS,
                             metavar="N",
                             help=f"most tools per request (default: {DEFAULT_MAX_TOOLS})")
