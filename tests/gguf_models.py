@@ -30,6 +30,9 @@ _LAYOUT: dict[int, tuple[int, int, tuple[int, ...], float]] = {
     20: (32, 18, (0,), 127),          # IQ4_NL
     23: (256, 136, (0,), 4064),       # IQ4_XS: (ls - 32) table
 }
+# MXFP4 (39): 32 weights in 17 bytes, 2^(e - 128) x level for its E8M0 byte e at 0 (no
+# float16 scale: random_blocks sets e itself).
+_MXFP4_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 # The min (Q4_1 / Q5_1 m, K-quants' dmin) over d that puts the mean weight near zero: the
 # mean quant (x the mean sub-scale over the mean sub-min, for the K-quants), negated where
@@ -41,7 +44,7 @@ _GAINS = {"attn_q.weight": 2.0, "attn_k.weight": 2.0, "attn_qkv.weight": 2.0,
           "output.weight": 3.0}
 
 F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 30, 2, 3, 6, 7, 8
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 10, 11, 12, 13, 14, 20, 23
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 = 10, 11, 12, 13, 14, 20, 23, 39
 
 
 def random_blocks(rng: np.random.Generator, qtype: int, rows: int, cols: int,
@@ -55,6 +58,14 @@ def random_blocks(rng: np.random.Generator, qtype: int, rows: int, cols: int,
         if qtype == F16:
             return values.astype(np.float16).view(np.uint8).reshape(rows, -1)
         return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(rows, -1)
+    if qtype == MXFP4:
+        # d the power of two nearest the one that spreads the levels (uniform nibbles) to
+        # scale / 2, or half of it
+        blocks = rng.integers(0, 256, size=(rows * cols // 32, 17), dtype=np.uint8)
+        spread = float(np.std(_MXFP4_LEVELS))
+        e = 128 + round(np.log2((scale / 2) / spread)) - rng.integers(0, 2, blocks.shape[0])
+        blocks[:, 0] = e
+        return blocks.reshape(rows, -1)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -76,6 +87,15 @@ def random_blocks(rng: np.random.Generator, qtype: int, rows: int, cols: int,
     for offset, value in zip(fields, values):
         blocks[:, offset:offset + 2] = value.astype(np.float16).view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
+
+
+def mxfp4_exponents(rows: np.ndarray, exponents: np.ndarray) -> np.ndarray:
+    """MXFP4 rows (uint8 ``[rows, blocks * 17]``) with their blocks' E8M0 bytes set to
+    ``exponents`` in turn (repeated to the block count): blocks at scales 2^(e - 128) the
+    caller picks, e.g. a wide range, or the subnormal and overflowing ones."""
+    blocks = rows.copy().reshape(-1, 17)
+    blocks[:, 0] = np.resize(np.asarray(exponents, dtype=np.uint8), blocks.shape[0])
+    return blocks.reshape(rows.shape)
 
 
 def _tokenizer_fields(source: Path) -> list[tuple[str, Any, Any]]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from gguf_models import Q4_K, Q6_K, Q8_0, write_gguf
+from gguf_models import MXFP4, Q4_K, Q6_K, Q8_0, write_gguf
 from gguf_reference import hf_from_gguf, hf_mixtral_from_gguf
 from test_arch_gemma3 import chunked_logits
 from test_arch_phi3 import save_tiny_model
@@ -118,11 +118,14 @@ def test_mixtral_directory_matches_transformers(tmp_path: Path) -> None:
     assert_logits_match(llm, prompts[-1], hf)
 
 
-@pytest.mark.parametrize("mix", ["Q8_0", "Q4_K+Q6_K"])
+@pytest.mark.parametrize("mix", ["Q8_0", "Q4_K+Q6_K", "MXFP4 experts"])
 def test_qwen3moe_gguf_matches_transformers(tmp_path: Path, mix: str) -> None:
-    """Experts of one type, and a K-quant mix (Q4_K gate/up, Q6_K down, 256 wide)."""
+    """Experts of one type, a K-quant mix (Q4_K gate/up, Q6_K down, 256 wide), and MXFP4
+    experts beside Q8_0 attention (as gpt-oss's files store their experts)."""
     shape: dict[str, Any] = {"hidden": 64, "ff": 128, "expert_ff": 32, "weight_type": Q8_0}
-    if mix != "Q8_0":
+    if mix == "MXFP4 experts":
+        shape["types"] = {f"ffn_{name}_exps.weight": MXFP4 for name in ("gate", "up", "down")}
+    elif mix != "Q8_0":
         shape = {"hidden": 256, "ff": 512, "expert_ff": 256, "weight_type": Q4_K,
                  "types": {"ffn_down_exps.weight": Q6_K, "attn_v.weight": Q6_K}}
     path = write_gguf(tmp_path / "qwen3moe.gguf", "qwen3moe", layers=2, heads=4, kv_heads=2,

@@ -54,6 +54,30 @@ def test_gguf_linear_matches_float64_of_the_dequantized_weights(qtype: int) -> N
         assert torch.equal(part, full[:rows_now]), rows_now
 
 
+def test_mxfp4_blocks_at_scales_2_to_the_minus_28_to_2_to_the_12() -> None:
+    """MXFP4 blocks whose power-of-two scales span 2^40 (E8M0 bytes 100..140, each block
+    its own): the float32 kernel against float64 of gguf-py's weights, and the same floats
+    at every row count."""
+    from gguf_models import MXFP4, mxfp4_exponents
+
+    k, n = 256, 37
+    rng = np.random.default_rng(5)
+    rows = mxfp4_exponents(random_blocks(rng, MXFP4, n, k), rng.integers(100, 141, n * k // 32))
+    w64 = torch.from_numpy(np.asarray(dequantize(rows.reshape(-1), GGMLQuantizationType.MXFP4),
+                                      dtype=np.float64).reshape(n, k))
+    assert w64.abs().max() > 2.0 ** 10 and w64[w64 != 0].abs().min() < 2.0 ** -26
+    blocks = kernel_blocks(torch.from_numpy(rows), MXFP4)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(5))
+    full = torch.empty(16, n)
+    torch.ops.freetoken.gguf_linear(x, blocks, MXFP4, full)
+    bound = 4e-6 * (x.double().abs() @ w64.abs().T)
+    assert torch.all((full.double() - x.double() @ w64.T).abs() <= bound)
+    for rows_now in (1, 3, 11):
+        part = torch.empty(rows_now, n)
+        torch.ops.freetoken.gguf_linear(x[:rows_now].contiguous(), blocks, MXFP4, part)
+        assert torch.equal(part, full[:rows_now]), rows_now
+
+
 def test_gguf_linear_names_a_row_width_that_is_not_whole_units() -> None:
     rows, _ = _case(12, 4, 256, 0)
     x = torch.randn(1, 128)

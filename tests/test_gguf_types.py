@@ -30,13 +30,15 @@ pytestmark = pytest.mark.skipif(not cpu_kernels_available(),
 CSRC = Path(__file__).resolve().parent.parent / "freetoken_core" / "kernels" / "csrc"
 
 # Unit (weights, bytes) per type as the kernels count them (F32/F16/BF16: 32 values), and
-# where each unit keeps its float16 scales.
+# where each unit keeps its float16 scales (MXFP4: none, its E8M0 exponent byte at 0 takes
+# every value).
 UNITS = {
     QT.F32: (32, 128, ()), QT.F16: (32, 64, ()), QT.BF16: (32, 64, ()),
     QT.Q4_0: (32, 18, (0,)), QT.Q4_1: (32, 20, (0, 2)), QT.Q5_0: (32, 22, (0,)),
     QT.Q5_1: (32, 24, (0, 2)), QT.Q8_0: (32, 34, (0,)), QT.Q2_K: (256, 84, (80, 82)),
     QT.Q3_K: (256, 110, (108,)), QT.Q4_K: (256, 144, (0, 2)), QT.Q5_K: (256, 176, (0, 2)),
     QT.Q6_K: (256, 210, (208,)), QT.IQ4_NL: (32, 18, (0,)), QT.IQ4_XS: (256, 136, (0,)),
+    QT.MXFP4: (32, 17, ()),
 }
 TYPES = list(UNITS)
 VARIANTS = ("native", "avx2", "generic")
@@ -114,7 +116,19 @@ def random_rows(rng: np.random.Generator, qtype: QT, n: int, units: int) -> np.n
     for offset in scales:
         raw[:, :, offset:offset + 2] = (
             finite_halves(rng, n * units).view(np.uint8).reshape(n, units, 2))
+    if qtype == QT.MXFP4:
+        # Any exponent byte, and a quarter of them the extremes: the subnormal scales 2^-128
+        # and 2^-127 (e = 0, 1), and 2^126 and 2^127 (e = 254, 255), whose products with the
+        # larger levels overflow to inf.
+        extreme = rng.choice(np.array([0, 1, 254, 255], dtype=np.uint8), (n, units))
+        raw[:, :, 0] = np.where(rng.random((n, units)) < 0.25, extreme, raw[:, :, 0])
     return np.ascontiguousarray(raw.reshape(n, units * nbytes))
+
+
+def dequantized(raw: np.ndarray, qtype: QT) -> np.ndarray:
+    """gguf-py's values of ``raw`` (MXFP4's largest scales overflow to inf, as numpy says)."""
+    with np.errstate(over="ignore"):
+        return quants.dequantize(raw, qtype)
 
 
 def assert_bits_equal(got: torch.Tensor, want: np.ndarray) -> None:
@@ -138,7 +152,7 @@ def test_dequantize_is_gguf_py_bit_for_bit(ops, qtype: QT) -> None:
     rng = np.random.default_rng(int(qtype))
     for units in (1, 3, 7):
         raw = random_rows(rng, qtype, 37, units)
-        want = quants.dequantize(raw, qtype)
+        want = dequantized(raw, qtype)
         rows = torch.from_numpy(raw)
         for vector in (True, False):
             assert_bits_equal(ops.gguf_dequantize(rows, int(qtype), vector), want)
@@ -148,7 +162,7 @@ def test_dequantize_is_gguf_py_bit_for_bit(ops, qtype: QT) -> None:
 def test_embedding_selects_dequantized_rows(ops, qtype: QT) -> None:
     rng = np.random.default_rng(100 + int(qtype))
     raw = random_rows(rng, qtype, 50, 3)
-    want = quants.dequantize(raw, qtype)
+    want = dequantized(raw, qtype)
     rows = torch.from_numpy(raw)
     ids = rng.integers(0, 50, 200)
     ids[:3] = (0, 49, 0)
@@ -185,7 +199,7 @@ def test_decoders_read_nothing_past_the_rows(ops) -> None:
             area[page - raw.size:page] = raw.tobytes()
             rows = torch.frombuffer(area, dtype=torch.uint8, count=raw.size,
                                     offset=page - raw.size).view(1, -1)
-            want = quants.dequantize(raw, qtype)
+            want = dequantized(raw, qtype)
             for vector in (True, False):
                 assert_bits_equal(ops.gguf_dequantize(rows, int(qtype), vector), want)
             assert_bits_equal(ops.gguf_embedding(torch.tensor([0, 0]), rows, int(qtype)),
@@ -201,6 +215,8 @@ def test_bad_inputs_raise(ops) -> None:
         ops.gguf_dequantize(rows, 16, True)
     with pytest.raises(RuntimeError, match="not whole Q4_0 units of 18 bytes"):
         ops.gguf_dequantize(torch.zeros(2, 20, dtype=torch.uint8), int(QT.Q4_0), True)
+    with pytest.raises(RuntimeError, match="not whole MXFP4 units of 17 bytes"):
+        ops.gguf_dequantize(torch.zeros(2, 18, dtype=torch.uint8), int(QT.MXFP4), True)
     with pytest.raises(RuntimeError, match="uint8"):
         ops.gguf_dequantize(rows.float(), int(QT.Q8_0), True)
     with pytest.raises(RuntimeError, match="int64"):
@@ -208,17 +224,22 @@ def test_bad_inputs_raise(ops) -> None:
 
 
 # The types gguf-py can quantize as well as dequantize.
-QUANTIZABLE = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]
+QUANTIZABLE = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0,
+               QT.MXFP4]
 
 
 @pytest.mark.parametrize("qtype", QUANTIZABLE, ids=lambda t: t.name)
 def test_round_trip_through_gguf_py_quantize(ops, qtype: QT) -> None:
     rng = np.random.default_rng(200 + int(qtype))
     x = (rng.standard_normal((24, 7 * 32)) * rng.uniform(0.001, 2, (24, 1))).astype(np.float32)
-    x[0, :32] = 0  # an all-zero block: d = 0
+    x[0, :32] = 0  # an all-zero block: d = 0 (MXFP4: e = 0, the smallest scale)
     raw = quants.quantize(x, qtype).view(np.uint8).reshape(24, -1)
-    want = quants.dequantize(raw, qtype)
-    np.testing.assert_allclose(want, x, rtol=0, atol=float(np.abs(x).max()) / 6)
+    want = dequantized(raw, qtype)
+    # (MXFP4's gguf-py quantizer: the largest level, 12 d, is 1.5 times the power of two
+    # at or below a block's largest magnitude, which may be up to twice that power: an
+    # error of up to a quarter of it)
+    worst = 4 if qtype == QT.MXFP4 else 6
+    np.testing.assert_allclose(want, x, rtol=0, atol=float(np.abs(x).max()) / worst)
     rows = torch.from_numpy(np.ascontiguousarray(raw))
     for vector in (True, False):
         assert_bits_equal(ops.gguf_dequantize(rows, int(qtype), vector), want)

@@ -571,8 +571,8 @@ def run_int24(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int, mode: i
     return out
 
 
-# Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS
-INT24_TYPES = [2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23]
+# Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4
+INT24_TYPES = [2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 39]
 
 
 @needs_int24
@@ -644,6 +644,40 @@ def test_int24_layout_embeds_rows_as_gguf_py_decodes_them(qtype: int) -> None:
     assert torch.equal(rows, torch.ops.freetoken.gguf_embedding_blocks(ids, kernel, qtype, k))
     with pytest.raises(RuntimeError, match="outside the embedding"):
         torch.ops.freetoken.gguf_int_embedding(torch.tensor([48]), blocks, qtype, k)
+
+
+@needs_int24
+def test_int24_mxfp4_at_every_scale() -> None:
+    """MXFP4's E8M0 scales in the int24 layout (d as the float32 2^(e - 128)): blocks at
+    scales 2^-28..2^12 compute as the float32 kernel's error allows, the same on every path
+    and row count; and every one of the 256 exponents, the subnormal scales and those
+    whose weights overflow to inf included, comes back from the layout as gguf-py decodes
+    it (``gguf_int_embedding``, which rebuilds the file's byte e)."""
+    from gguf import quants
+    from gguf_models import MXFP4, mxfp4_exponents, random_blocks
+
+    n, k = 64, 512
+    rng = np.random.default_rng(6)
+    raw = mxfp4_exponents(random_blocks(rng, MXFP4, n, k), rng.integers(100, 141, n * k // 32))
+    w = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.MXFP4)).double()
+    kernel = kernel_blocks(torch.from_numpy(raw), MXFP4)
+    blocks = torch.ops.freetoken.gguf_int_blocks(kernel, MXFP4)
+    x = torch.randn(24, k, generator=torch.Generator().manual_seed(6))
+    exact, scale = x.double() @ w.T, x.double().abs() @ w.abs().T
+    out = run_int24(x, blocks, MXFP4, n)
+    assert ((out.double() - exact).abs() / scale).max() < 3e-7
+    for mode in (1, 2):
+        assert torch.equal(run_int24(x, blocks, MXFP4, n, mode), out)
+    for rows in (1, 5, 9, 17):
+        assert torch.equal(run_int24(x[:rows], blocks, MXFP4, n), out[:rows])
+    every = mxfp4_exponents(raw, np.arange(256))  # 1,024 blocks: each exponent four times
+    with np.errstate(over="ignore"):
+        want = torch.from_numpy(quants.dequantize(every, GGMLQuantizationType.MXFP4))
+    assert want.isinf().any() and (want.abs() < 2.0 ** -126).logical_and(want != 0).any()
+    laid = torch.ops.freetoken.gguf_int_blocks(kernel_blocks(torch.from_numpy(every), MXFP4),
+                                               MXFP4)
+    got = torch.ops.freetoken.gguf_int_embedding(torch.arange(n), laid, MXFP4, k)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 @needs_int24

@@ -161,6 +161,8 @@ def test_q8_kernel_names_what_it_cannot_compute() -> None:
         q8_blocks(q3k, 11)
     assert torch.ops.freetoken.q8_linear_supports(14)
     assert not torch.ops.freetoken.q8_linear_supports(11)
+    # IQ4_NL, IQ4_XS and MXFP4 have no 8-bit kernel either: their linears keep float32
+    assert not any(torch.ops.freetoken.q8_linear_supports(t) for t in (20, 23, 39))
 
 
 def test_a_q4_k_m_model_switches_the_linears_that_have_an_8_bit_kernel(tmp_path) -> None:

@@ -245,7 +245,7 @@ def computes_natively(weight: GGUFWeight) -> bool:
 
 # The ggml types the integer kernel computes with (int_linear.cpp), by name for messages.
 INT24_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K",
-               12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS"}
+               12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS", 39: "MXFP4"}
 
 
 def int_blocks(blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
@@ -255,9 +255,10 @@ def int_blocks(blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
     feature per 32-bit lane; bits a weight against the file's: Q4_0 and IQ4_NL 5 for 4.5,
     Q4_1 5 as the file, Q5_0 6 for 5.5, Q5_1 6 as the file, Q8_0 9 for 8.5, Q2_K 2.625 as
     the file, Q3_K 3.625 for 3.4375, Q4_K 4.625 for 4.5, Q5_K 5.625 for 5.5, Q6_K 6.625 for
-    6.5625, IQ4_XS 4.375 for 4.25). ``out``: where to write them (``int_shape``'s shape,
-    uint8, contiguous), e.g. their place in the model's arena, so that no temporary of the
-    new layout is made (a linear of parts still makes one, given back at once)."""
+    6.5625, IQ4_XS 4.375 for 4.25, MXFP4 5 for 4.25). ``out``: where to write them
+    (``int_shape``'s shape, uint8, contiguous), e.g. their place in the model's arena, so
+    that no temporary of the new layout is made (a linear of parts still makes one, given
+    back at once)."""
     return _lay_out(blocks, qtype, out, torch.ops.freetoken.gguf_int_blocks,
                     torch.ops.freetoken.gguf_int_blocks_into)
 

@@ -36,7 +36,7 @@ GGUF_TYPES: dict[int, tuple[str, int, int]] = {
     2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
     12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
-    20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136),
+    20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136), 39: ("MXFP4", 32, 17),
 }
 
 # GGUF tensor name -> Hugging Face name, per architecture family; ``{i}`` is the layer.

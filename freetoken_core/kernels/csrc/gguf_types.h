@@ -18,9 +18,10 @@
 // e.g. Q3_K's (d * sc) * q and d * (sc * q) are the same value but differ in the sign of a
 // zero when sc < 0 and q = 0, and the decoders keep gguf-py's order everywhere.
 //
-// Units: 32 weights for the legacy types and IQ4_NL (one block), 256 for the K-quants and
-// IQ4_XS (one super-block, 8 sub-blocks of 32), and 32 for F32/F16/BF16 (32 consecutive
-// values, 128/64/64 bytes). A row of ne[0] weights is ne[0] / kWeights units back to back.
+// Units: 32 weights for the legacy types, IQ4_NL and MXFP4 (one block), 256 for the
+// K-quants and IQ4_XS (one super-block, 8 sub-blocks of 32), and 32 for F32/F16/BF16 (32
+// consecutive values, 128/64/64 bytes). A row of ne[0] weights is ne[0] / kWeights units
+// back to back.
 //
 // The vector decoders are a matmul's inner loop (one call per 32 weights of each output
 // feature), where the shuffle port is what runs out first on Intel cores: widening bytes to
@@ -50,7 +51,7 @@ namespace freetoken::gguf::types {
 // ggml type ids (gguf-py GGMLQuantizationType, ggml.h enum ggml_type).
 constexpr int64_t F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10,
                   Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23,
-                  BF16 = 30;
+                  BF16 = 30, MXFP4 = 39;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(FREETOKEN_AVX2)
 using vf = __m512;
@@ -85,6 +86,20 @@ inline uint32_t load_u32(const uint8_t* p) {
 // IQ4_NL's (and IQ4_XS's) 16 non-linear levels (gguf-py IQ4_NL.kvalues).
 constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                    1,    13,   25,  38,  53,  69,  89,  113};
+
+// MXFP4's 16 levels, the E2M1 values doubled (gguf-py MXFP4.kvalues).
+constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// MXFP4's scale: the E8M0 exponent byte e as 2^(e - 128), float32 (ggml's
+// GGML_E8M0_TO_FP32_HALF, gguf-py MXFP4.e8m0_to_fp32_half: the E8M0 value halved, for the
+// doubled levels). e < 2 gives the subnormals 2^-128 and 2^-127; e = 255 gives 2^127, never
+// a NaN.
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float d;
+  std::memcpy(&d, &bits, 4);
+  return d;
+}
 
 // Q4_K / Q5_K: the 6-bit scale and min of sub-block j < 8 from the 12 packed bytes s
 // (ggml get_scale_min_k4; gguf-py Q4_K.get_scale_min).
@@ -175,7 +190,7 @@ inline __m128 halves4(const uint8_t* p) {
 inline __m256i bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
 
 // 16 bytes of packed nibbles as 32 bytes 0..15: the low nibbles (weights 0-15), then the high
-// ones (16-31), the order of the legacy blocks, IQ4_NL and IQ4_XS.
+// ones (16-31), the order of the legacy blocks, IQ4_NL, IQ4_XS and MXFP4.
 inline __m256i nibbles(const uint8_t* p) {
   const __m128i q = load16(p);
   const __m128i m = _mm_set1_epi8(0x0F);
@@ -864,6 +879,40 @@ struct Type<IQ4_XS> {
 #endif
 };
 
+// MXFP4: e@0 (an E8M0 exponent), qs[16]@1 (Q4_0's nibble order); w = d * kvalues[nibble],
+// d = 2^(e - 128) (e8m0_half): IQ4_NL's decoders with a power-of-two scale and other
+// levels. Each weight is one float32 product, d * level, as gguf-py forms it (exact: a
+// subnormal at the smallest scales, inf past float32's range at the largest).
+template <>
+struct Type<MXFP4> {
+  static constexpr int64_t kWeights = 32, kBytes = 17;
+  static constexpr int kSubs = kWeights / 32;
+  static constexpr bool kSimd = true;
+  static void scalar(const uint8_t* unit, int, float* w) {
+    const float d = detail::e8m0_half(unit[0]);
+    const uint8_t* qs = unit + 1;
+    for (int j = 0; j < 16; ++j) {
+      w[j] = d * static_cast<float>(detail::kMXFP4Values[qs[j] & 15]);
+      w[j + 16] = d * static_cast<float>(detail::kMXFP4Values[qs[j] >> 4]);
+    }
+  }
+#ifdef FREETOKEN_AVX2
+  static void vec(const uint8_t* unit, int, vf w[kVecs]) {
+    using namespace detail;
+    const vf d = set1(e8m0_half(unit[0]));
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const vf values = _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    lookup16(unit + 1, vmul(d, values), w);
+#else
+    const __m256i table = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMXFP4Values)));
+    int8_to_floats_via_memory(_mm256_shuffle_epi8(table, nibbles(unit + 1)), w);
+    for (int v = 0; v < 4; ++v) w[v] = vmul(d, w[v]);
+#endif
+  }
+#endif
+};
+
 // A name for a ggml type id, for messages (the ids gguf-py knows; "?" otherwise).
 inline const char* type_name(int64_t qtype) {
   switch (qtype) {
@@ -927,6 +976,7 @@ void dispatch(int64_t qtype, F&& f) {
     FREETOKEN_GGUF_TYPE_CASE(Q6_K)
     FREETOKEN_GGUF_TYPE_CASE(IQ4_NL)
     FREETOKEN_GGUF_TYPE_CASE(IQ4_XS)
+    FREETOKEN_GGUF_TYPE_CASE(MXFP4)
     default:
       break;
   }
@@ -934,7 +984,7 @@ void dispatch(int64_t qtype, F&& f) {
   TORCH_CHECK(false, "GGUF type ", qtype, " (", type_name(qtype),
               ") has no decoder; supported: F32 0, F16 1, BF16 30, Q4_0 2, Q4_1 3, Q5_0 6, "
               "Q5_1 7, Q8_0 8, Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, "
-              "IQ4_XS 23");
+              "IQ4_XS 23, MXFP4 39");
 }
 
 // Weights and bytes per unit of a type id, at run time (TORCH_CHECK for an unsupported id).

@@ -1,7 +1,7 @@
 // y[M, N] = x[M, K] @ W[N, K]^T from GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
-// Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS) in integer arithmetic, on CPUs with AVX-512 VNNI (and AMX tiles
-// from a few rows, where the CPU has them): the exact path's numerics there. The AMX path is
-// tested on CPUs without AMX by a build whose tile instructions are emulated
+// Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS or MXFP4) in integer arithmetic, on CPUs with AVX-512 VNNI
+// (and AMX tiles from a few rows, where the CPU has them): the exact path's numerics there.
+// The AMX path is tested on CPUs without AMX by a build whose tile instructions are emulated
 // (amx_emulation.h, tests/test_int_linear_amx.py).
 //
 // Each block of 32 activations of a row is written in 24-bit fixed point against its largest
@@ -13,9 +13,9 @@
 // X_k = 65536 h_k + 256 m_k + l_k (h signed, m and l unsigned), and a block of weights
 // (integers q: Q2_K 0..3, Q4_1 and Q4_K 0..15, Q5_1 and Q5_K 0..31, Q4_0 -8..7, Q5_0
 // -16..15, Q8_0 -128..127, Q3_K -4..3, Q6_K -32..31, IQ4_NL and IQ4_XS their levels
-// -127..113) meets the block of
-// activations in three integer dot products, P_h = sum h_k q_k and likewise P_m, P_l, which
-// are exact. Then, in float32, in this order:
+// -127..113, MXFP4 its levels -12..12) meets the block of activations in three integer
+// dot products, P_h = sum h_k q_k and likewise P_m, P_l, which are exact. Then, in float32,
+// in this order:
 //
 //   S = fma(P_h, 65536, fma(P_m, 256, P_l))                     the block's sum of X_k q_k
 //   y = fma(d, S * s, y)                                         (S * s exact: a power of two)
@@ -52,6 +52,8 @@
 //         bits: bit i of byte 4f + e belongs to weight 4i + e                        (384)
 //   Q5_1: d[16], m[16] as float16, then the nibbles and fifth bits as Q5_0's          (384)
 //   IQ4_NL: d[16] as float32, then the nibbles (level indices) as Q4_1's              (320)
+//   MXFP4: d[16] as float32 (2^(e - 128) of its E8M0 byte e: exact), then the nibbles
+//         (level indices) as Q4_1's                                                   (320)
 //   Q4_K: d[16], dmin[16] as float16, sc[8][16] and m[8][16] (the 6-bit scales and mins,
 //         a byte each, [sub-block][feature]), then each sub-block's nibbles as Q4_1's
 //         (256 bytes each)                                           (2368 bytes: 4.625 bits)
@@ -122,18 +124,18 @@ using namespace freetoken::gguf;
 constexpr int64_t kQ4_0 = types::Q4_0, kQ5_0 = types::Q5_0, kQ5_1 = types::Q5_1,
                   kQ2_K = types::Q2_K, kQ3_K = types::Q3_K, kQ4_K = types::Q4_K,
                   kQ5_K = types::Q5_K, kQ6_K = types::Q6_K, kIQ4_NL = types::IQ4_NL,
-                  kIQ4_XS = types::IQ4_XS;
+                  kIQ4_XS = types::IQ4_XS, kMXFP4 = types::MXFP4;
 
-constexpr int64_t kIntTypes[] = {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ2_K,
-                                 kQ3_K, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS};
+constexpr int64_t kIntTypes[] = {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ2_K, kQ3_K,
+                                 kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS, kMXFP4};
 constexpr bool int_type(int64_t qt) {
   for (int64_t t : kIntTypes)
     if (t == qt) return true;
   return false;
 }
 // The types whose weights are unsigned (0..3, 0..15, 0..31) with a min (w = d q + m); the
-// others' are signed (q - 8, q - 16, int8, q - 4, q - 32, IQ4's levels): VNNI's unsigned
-// operand against h is then q + 128, and 128 * sum(h) is taken off after the block.
+// others' are signed (q - 8, q - 16, int8, q - 4, q - 32, IQ4's and MXFP4's levels): VNNI's
+// unsigned operand against h is then q + 128, and 128 * sum(h) is taken off after the block.
 constexpr bool with_min(int64_t qt) {
   return qt == kQ4_1 || qt == kQ5_1 || qt == kQ2_K || qt == kQ4_K || qt == kQ5_K;
 }
@@ -146,7 +148,8 @@ constexpr bool super_blocks(int64_t qt) {
 constexpr bool halves(int64_t qt) { return qt == kQ2_K || qt == kQ3_K || qt == kQ6_K; }
 // Two bits a weight in 2 x 64 bytes a block (Q3_K's third in 64 more), not nibbles.
 constexpr bool two_bits(int64_t qt) { return qt == kQ2_K || qt == kQ3_K; }
-// The offset of the signed types' stored weights (stored q + kZero, all but Q8_0's and IQ4's).
+// The offset of the signed types' stored weights (stored q + kZero, all but Q8_0's and the
+// levels').
 constexpr int weight_zero(int64_t qt) {
   return qt == kQ4_0 ? 8 : qt == kQ5_0 ? 16 : qt == kQ3_K ? 4 : qt == kQ6_K ? 32 : 0;
 }
@@ -154,19 +157,24 @@ constexpr int weight_zero(int64_t qt) {
 constexpr bool k4_scales(int64_t qt) { return qt == kQ4_K || qt == kQ5_K; }
 // A fifth bit a weight, in 64 bytes after the block's nibbles.
 constexpr bool fifth_bit(int64_t qt) { return qt == kQ5_0 || qt == kQ5_1 || qt == kQ5_K; }
-constexpr bool iq4_levels(int64_t qt) { return qt == kIQ4_NL || qt == kIQ4_XS; }
+// Nibbles that index a table of 16 int8 levels (the weights): IQ4_NL's and IQ4_XS's, MXFP4's.
+constexpr bool with_levels(int64_t qt) { return qt == kIQ4_NL || qt == kIQ4_XS || qt == kMXFP4; }
+constexpr const int8_t* level_values(int64_t qt) {
+  return qt == kMXFP4 ? types::detail::kMXFP4Values : types::detail::kIQ4Values;
+}
 constexpr int64_t kIntGroup = 16;  // features of a group-unit
 // Blocks of 32 a unit, and a group-unit's bytes (see above).
 constexpr int64_t unit_blocks(int64_t qt) { return super_blocks(qt) ? 8 : 1; }
 constexpr int64_t int_unit_bytes(int64_t qt) {
-  return qt == kQ4_0 || qt == kIQ4_NL || qt == kQ4_1 ? 320 : qt == kQ5_0 || qt == kQ5_1 ? 384
+  return qt == kQ4_0 || qt == kIQ4_NL || qt == kMXFP4 || qt == kQ4_1 ? 320
+         : qt == kQ5_0 || qt == kQ5_1 ? 384
          : qt == kQ8_0 ? 576 : qt == kQ2_K ? 1344 : qt == kQ3_K ? 1856 : qt == kQ4_K ? 2368
          : qt == kQ5_K ? 2880 : qt == kIQ4_XS ? 2240 : 3392;
 }
 // Where block j's weights start in a group-unit.
 constexpr int64_t int_weights_offset(int64_t qt, int64_t j) {
   return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ5_1 || qt == kQ8_0 ||
-                 qt == kIQ4_NL ? 64
+                 qt == kIQ4_NL || qt == kMXFP4 ? 64
          : qt == kQ2_K ? 320 + 128 * j : qt == kQ3_K ? 320 + 192 * j
          : qt == kQ4_K ? 320 + 256 * j : qt == kQ5_K ? 320 + 320 * j
          : qt == kIQ4_XS ? 192 + 256 * j : 320 + 384 * j;
@@ -178,7 +186,8 @@ constexpr int64_t kMinAt = 32, kScalesAt = 64, kMinsAt = 192;
 // A unit's bytes in the kernel blocks the layout is made from (gguf_blocks.h's for Q4_1 and
 // Q8_0; the K-quants' super-blocks as the file stores them).
 constexpr int64_t kernel_unit_bytes(int64_t qt) {
-  return qt == kQ4_0 || qt == kIQ4_NL ? 18 : qt == kQ5_0 ? 22 : qt == kQ5_1 ? 24
+  return qt == kQ4_0 || qt == kIQ4_NL ? 18 : qt == kMXFP4 ? 17 : qt == kQ5_0 ? 22
+         : qt == kQ5_1 ? 24
          : qt == kQ2_K ? 84 : qt == kQ3_K ? 110 : qt == kQ4_K ? 144 : qt == kQ5_K ? 176
          : qt == kQ6_K ? 210 : qt == kIQ4_XS ? 136 : block_bytes(qt);
 }
@@ -351,7 +360,7 @@ inline int32_t weight_int(const uint8_t* gu, int64_t j, int f, int k) {
       const int32_t q = low | ((w[256 + 4 * f + k % 4] >> (k / 4)) & 1) << 4;
       return QT == kQ5_0 ? q - 16 : q;
     }
-    if constexpr (iq4_levels(QT)) return types::detail::kIQ4Values[low];
+    if constexpr (with_levels(QT)) return level_values(QT)[low];
     if constexpr (QT == kQ4_0) return low - 8;
     return low;
   }
@@ -540,10 +549,10 @@ inline __m512i weight_quad(const uint8_t* w, int t) {
                                      : _mm512_srli_epi16(hv, 2);
       q = _mm512_or_si512(q, _mm512_and_si512(moved, _mm512_set1_epi8(0x30)));
     }
-    if constexpr (iq4_levels(QT)) {
+    if constexpr (with_levels(QT)) {
       // The levels (int8), looked up by nibble in each 128-bit lane.
       const __m512i levels = _mm512_broadcast_i32x4(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(types::detail::kIQ4Values)));
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(level_values(QT))));
       q = _mm512_shuffle_epi8(levels, q);
     }
     if constexpr (fifth_bit(QT)) {
@@ -583,7 +592,7 @@ void rows_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t ldo, 
       // q + 128, the 128 * sum(h) taken off after the block).
       const __m512i w8 = weight_quad<QT>(wp, t);
       __m512i w = w8, wu = w8;
-      if constexpr (QT == kQ8_0 || iq4_levels(QT)) {
+      if constexpr (QT == kQ8_0 || with_levels(QT)) {
         wu = _mm512_xor_si512(w8, _mm512_set1_epi8(static_cast<char>(0x80)));
       } else if constexpr (signed_weights(QT)) {
         constexpr int kZero = weight_zero(QT);  // q - kZero
@@ -651,13 +660,12 @@ void groups_vnni(const Digits& x, int64_t r0, const uint8_t* blocks, int64_t ldo
 #ifdef FREETOKEN_AMX
 // The tiles take every type of the kernel. A tile product is 16 rows' digits of a
 // block against 16 features' 32 weights, the weights as bytes in B (unpacked once a group:
-// nibbles, two bits, fifth bits, Q3_K's and Q6_K's high bits, IQ4's levels; Q8_0's read in
-// place), unsigned for the types with a min and signed for the others (q - 8, q - 16, q - 4,
-// q - 32, the levels, int8),
-// so that every product is exact without the VNNI path's q + 128 correction: h (s8) against
-// the weights in TDPBSUD / TDPBSSD, m and l (u8) in TDPBUUD / TDPBUSD. The halves of 16 of
-// Q2_K, Q3_K and Q6_K have their own scales: two products of 16 weights a digit
-// (group_amx_halves).
+// nibbles, two bits, fifth bits, Q3_K's and Q6_K's high bits, IQ4's and MXFP4's levels;
+// Q8_0's read in place), unsigned for the types with a min and signed for the others (q - 8,
+// q - 16, q - 4, q - 32, the levels, int8), so that every product is exact without the VNNI
+// path's q + 128 correction: h (s8) against the weights in TDPBSUD / TDPBSSD, m and l (u8) in
+// TDPBUUD / TDPBUSD. The halves of 16 of Q2_K, Q3_K and Q6_K have their own scales: two
+// products of 16 weights a digit (group_amx_halves).
 
 // Linux grants a process the AMX tile state on request (once); false where it refuses.
 bool amx_permitted() {
@@ -739,8 +747,8 @@ FREETOKEN_TILE_PRODUCTS(tile_products_odd, 3, 4, 5)
 #undef FREETOKEN_TILE_PRODUCTS
 
 // Weights 4t..4t+3 of the 16 features of a block as the tiles' B takes them: weight_quad's
-// bytes, the signed types' less their offset (Q4_0 8, Q5_0 16, Q3_K 4, Q6_K 32; IQ4's levels
-// and Q8_0's bytes are signed already).
+// bytes, the signed types' less their offset (Q4_0 8, Q5_0 16, Q3_K 4, Q6_K 32; IQ4's and
+// MXFP4's levels and Q8_0's bytes are signed already).
 template <int64_t QT>
 inline __m512i amx_weight_quad(const uint8_t* w, int t) {
   const __m512i q = weight_quad<QT>(w, t);
@@ -976,7 +984,7 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
             std::memcpy(gu + int_weights_offset(QT, j) + c * 64 + 4 * f, &word, 4);
           };
           // A 32-weight block whose weight k < 16 is the low nibble of qs[k] and k + 16 the
-          // high one (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS).
+          // high one (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4).
           auto put_split_nibbles = [&](int64_t j, const uint8_t* qs) {
             for (int c = 0; c < 4; ++c) put_nibbles8(j, c, qs + 8 * (c % 2), 4 * (c / 2));
           };
@@ -1008,6 +1016,11 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
             put_split_nibbles(0, qs);
             if constexpr (fifth_bit(QT))
               for (int k = 0; k < kBlock; ++k) put_fifth(0, k, (qh >> k) & 1);
+          } else if constexpr (QT == kMXFP4) {
+            // e@0, qs[16]@1 (gguf_types.h): d = 2^(e - 128) as the float32 the decoders use.
+            const float d = types::detail::e8m0_half(unit[0]);
+            std::memcpy(gu + 4 * f, &d, 4);
+            put_split_nibbles(0, unit + 1);
           } else if constexpr (QT == kQ8_0) {
             const float d = half_to_float(unit);
             std::memcpy(gu + 4 * f, &d, 4);
@@ -1128,6 +1141,13 @@ void file_unit(const uint8_t* gu, int f, uint8_t* unit) {
   if constexpr (QT == kQ4_0 || QT == kIQ4_NL) {  // d@0, qs[16]@2
     float_d(unit);
     nibbles32(0, unit + 2);
+  } else if constexpr (QT == kMXFP4) {  // e@0, qs[16]@1
+    // d = 2^(e - 128) back to e: (e - 1) << 23 for e >= 2, the subnormals 2^-128 and
+    // 2^-127 for e = 0 and 1 (e8m0_half).
+    uint32_t bits;
+    std::memcpy(&bits, gu + 4 * f, 4);
+    unit[0] = static_cast<uint8_t>(bits >= (1u << 23) ? (bits >> 23) + 1 : bits >> 22);
+    nibbles32(0, unit + 1);
   } else if constexpr (QT == kQ4_1) {  // d@0, m@2, qs[16]@4
     std::memcpy(unit, gu + 2 * f, 2);
     std::memcpy(unit + 2, gu + kMinAt + 2 * f, 2);
@@ -1230,8 +1250,10 @@ void int_dispatch(int64_t qtype, F&& f) {
     case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
     case kIQ4_NL: return f(std::integral_constant<int64_t, kIQ4_NL>{});
     case kIQ4_XS: return f(std::integral_constant<int64_t, kIQ4_XS>{});
+    case kMXFP4: return f(std::integral_constant<int64_t, kMXFP4>{});
     default: TORCH_CHECK(false, "the int24 kernel takes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, "
-                                "Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS, not ggml type ", qtype);
+                                "Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4, not ggml type ",
+                         qtype);
   }
 }
 
