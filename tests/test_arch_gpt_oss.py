@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from gguf_models import Q8_0, write_gguf
+from gguf_models import MXFP4, Q8_0, write_gguf
 from gguf_reference import hf_gpt_oss_from_gguf
 from test_arch_gemma3 import chunked_logits
 from test_arch_phi3 import save_tiny_model
@@ -80,11 +80,15 @@ def test_gpt_oss_directory_matches_transformers(tmp_path: Path) -> None:
     assert_logits_match(llm, prompts[-1], hf)
 
 
-def test_gpt_oss_gguf_matches_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("experts", ["Q8_0", "MXFP4"])
+def test_gpt_oss_gguf_matches_transformers(tmp_path: Path, experts: str) -> None:
+    """Experts of Q8_0, and of MXFP4 as gpt-oss's files have them (the rest Q8_0)."""
+    types = {f"ffn_{w}_exps.weight": MXFP4 for w in ("gate", "up", "down")}
     path = write_gguf(tmp_path / "gpt-oss.gguf", "gpt-oss", hidden=64, layers=4, heads=4,
                       kv_heads=2, head_dim=16, ff=48, expert_ff=32, experts=4,
                       experts_used=2, weight_type=Q8_0, tied=False, seed=5, sliding_window=8,
-                      rope_theta=150000.0, metadata=GGUF_YARN)
+                      rope_theta=150000.0, metadata=GGUF_YARN,
+                      types=types if experts == "MXFP4" else None)
     hf = hf_gpt_oss_from_gguf(path)
     llm, prompts, got = served(path, PROMPTS, 16)
     cfg = llm.engine.core.runner.model.config
@@ -92,6 +96,9 @@ def test_gpt_oss_gguf_matches_transformers(tmp_path: Path) -> None:
         "gpt_oss", 2, 32)
     assert cfg.layer_windows == (8, None, 8, None)
     assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 4.0
+    expert = llm.engine.core.runner.model.layers[0].moe.experts[0][0]
+    assert expert.blocks is not None and expert.blocks[0] & 0xFF == (
+        MXFP4 if experts == "MXFP4" else Q8_0)
     assert got == greedy(hf, prompts, 16)
     assert_logits_match(llm, prompts[-1], hf)
 
