@@ -255,7 +255,7 @@ def int_blocks(blocks: torch.Tensor, qtype: int, out: torch.Tensor | None = None
     feature per 32-bit lane; bits a weight against the file's: Q4_0 and IQ4_NL 5 for 4.5,
     Q4_1 5 as the file, Q5_0 6 for 5.5, Q5_1 6 as the file, Q8_0 9 for 8.5, Q2_K 2.625 as
     the file, Q3_K 3.625 for 3.4375, Q4_K 4.625 for 4.5, Q5_K 5.625 for 5.5, Q6_K 6.625 for
-    6.5625, IQ4_XS 4.375 for 4.25, MXFP4 5 for 4.25). ``out``: where to write them
+    6.5625, IQ4_XS 4.375 for 4.25, MXFP4 4.25 as the file). ``out``: where to write them
     (``int_shape``'s shape, uint8, contiguous), e.g. their place in the model's arena, so
     that no temporary of the new layout is made (a linear of parts still makes one, given
     back at once)."""

@@ -52,8 +52,8 @@
 //         bits: bit i of byte 4f + e belongs to weight 4i + e                        (384)
 //   Q5_1: d[16], m[16] as float16, then the nibbles and fifth bits as Q5_0's          (384)
 //   IQ4_NL: d[16] as float32, then the nibbles (level indices) as Q4_1's              (320)
-//   MXFP4: d[16] as float32 (2^(e - 128) of its E8M0 byte e: exact), then the nibbles
-//         (level indices) as Q4_1's                                                   (320)
+//   MXFP4: e[16] (the file's E8M0 bytes: d = 2^(e - 128), made a float32 as the decoders
+//         make it), then the nibbles (level indices) as Q4_1's       (272: the file's bytes)
 //   Q4_K: d[16], dmin[16] as float16, sc[8][16] and m[8][16] (the 6-bit scales and mins,
 //         a byte each, [sub-block][feature]), then each sub-block's nibbles as Q4_1's
 //         (256 bytes each)                                           (2368 bytes: 4.625 bits)
@@ -166,15 +166,17 @@ constexpr int64_t kIntGroup = 16;  // features of a group-unit
 // Blocks of 32 a unit, and a group-unit's bytes (see above).
 constexpr int64_t unit_blocks(int64_t qt) { return super_blocks(qt) ? 8 : 1; }
 constexpr int64_t int_unit_bytes(int64_t qt) {
-  return qt == kQ4_0 || qt == kIQ4_NL || qt == kMXFP4 || qt == kQ4_1 ? 320
+  return qt == kMXFP4 ? 272
+         : qt == kQ4_0 || qt == kIQ4_NL || qt == kQ4_1 ? 320
          : qt == kQ5_0 || qt == kQ5_1 ? 384
          : qt == kQ8_0 ? 576 : qt == kQ2_K ? 1344 : qt == kQ3_K ? 1856 : qt == kQ4_K ? 2368
          : qt == kQ5_K ? 2880 : qt == kIQ4_XS ? 2240 : 3392;
 }
 // Where block j's weights start in a group-unit.
 constexpr int64_t int_weights_offset(int64_t qt, int64_t j) {
-  return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ5_1 || qt == kQ8_0 ||
-                 qt == kIQ4_NL || qt == kMXFP4 ? 64
+  return qt == kMXFP4 ? 16
+         : qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ5_1 || qt == kQ8_0 ||
+                 qt == kIQ4_NL ? 64
          : qt == kQ2_K ? 320 + 128 * j : qt == kQ3_K ? 320 + 192 * j
          : qt == kQ4_K ? 320 + 256 * j : qt == kQ5_K ? 320 + 320 * j
          : qt == kIQ4_XS ? 192 + 256 * j : 320 + 384 * j;
@@ -369,6 +371,7 @@ inline int32_t weight_int(const uint8_t* gu, int64_t j, int f, int k) {
 // Block j's d and m of feature f (m: Q4_1's, -(dmin * min) for Q4_K, 0 for the others).
 template <int64_t QT>
 inline float block_d(const uint8_t* gu, int64_t j, int f) {
+  if constexpr (QT == kMXFP4) return types::detail::e8m0_half(gu[f]);
   const float d = with_min(QT) ? half_to_float(gu + 2 * f) : load_float(gu + 4 * f);
   if constexpr (k4_scales(QT)) return d * static_cast<float>(gu[kScalesAt + 16 * j + f]);
   if constexpr (QT == kIQ4_XS)
@@ -447,6 +450,15 @@ void rows_scalar(const Digits& x, int64_t rows, const uint8_t* blocks, int64_t l
 // Block j's d and m of the 16 features (block_d, block_m lane by lane).
 template <int64_t QT>
 inline __m512 block_d16(const uint8_t* gu, int64_t j) {
+  if constexpr (QT == kMXFP4) {
+    // e8m0_half lane by lane: (e - 1) << 23 for e >= 2, 0x00200000 << e (2^-128, 2^-127)
+    // below.
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gu)));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 low = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(low, normal, tiny));
+  }
   // (The types with a min keep d and m as float16: one conversion a block.)
   const __m512 d = with_min(QT)
       ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gu)))
@@ -1017,9 +1029,8 @@ void make_int_blocks(const uint8_t* blocks, int64_t features, int64_t row_bytes,
             if constexpr (fifth_bit(QT))
               for (int k = 0; k < kBlock; ++k) put_fifth(0, k, (qh >> k) & 1);
           } else if constexpr (QT == kMXFP4) {
-            // e@0, qs[16]@1 (gguf_types.h): d = 2^(e - 128) as the float32 the decoders use.
-            const float d = types::detail::e8m0_half(unit[0]);
-            std::memcpy(gu + 4 * f, &d, 4);
+            // e@0, qs[16]@1 (gguf_types.h): the byte as it is.
+            gu[f] = unit[0];
             put_split_nibbles(0, unit + 1);
           } else if constexpr (QT == kQ8_0) {
             const float d = half_to_float(unit);
@@ -1142,11 +1153,7 @@ void file_unit(const uint8_t* gu, int f, uint8_t* unit) {
     float_d(unit);
     nibbles32(0, unit + 2);
   } else if constexpr (QT == kMXFP4) {  // e@0, qs[16]@1
-    // d = 2^(e - 128) back to e: (e - 1) << 23 for e >= 2, the subnormals 2^-128 and
-    // 2^-127 for e = 0 and 1 (e8m0_half).
-    uint32_t bits;
-    std::memcpy(&bits, gu + 4 * f, 4);
-    unit[0] = static_cast<uint8_t>(bits >= (1u << 23) ? (bits >> 23) + 1 : bits >> 22);
+    unit[0] = gu[f];
     nibbles32(0, unit + 1);
   } else if constexpr (QT == kQ4_1) {  // d@0, m@2, qs[16]@4
     std::memcpy(unit, gu + 2 * f, 2);
