@@ -50,6 +50,23 @@ or a marker (``<th``, ``<|cha``) is held back until the next chunk shows what it
 flushed with the choice's finishing chunk. Concatenated deltas equal the non-streamed
 fields.
 
+History (the plugin's message keys, ``ChatMessageFields``): an assistant message may carry
+an earlier answer's reasoning back, as ``reasoning_content`` (what this plugin returns, as
+DeepSeek, llama.cpp's server and vLLM before 0.11 do) or ``reasoning`` (vLLM's newer name),
+a string or ``null`` (``null``: as if absent). Clients send it back as they got it: the
+official ``openai`` client's ``messages.append(response.choices[0].message)``, agent loops
+around tool calls. The template receives the text under three keys of the message, the
+names templates read it by: ``reasoning_content`` (Qwen3's writes ``<think>…</think>`` for
+the assistant turns after the last user message), ``reasoning`` (vLLM hands both) and
+``thinking`` (gpt-oss's writes it as the analysis message before a tool call; recent
+transformers fills ``thinking`` from the other two itself). A template that reads none of
+them renders nothing of it; the field is still accepted, as vLLM and llama.cpp do. 400s,
+naming ``messages[i].<key>``: a value that is not a string, the key on a message that is
+not the assistant's, and ``reasoning`` and ``reasoning_content`` that differ on one message
+(the same text twice, as vLLM's responses carry it, is one reasoning). The keys are checked
+before any other plugin adapts the messages (``tryfirst``): ``tool_calls`` may merge tool
+messages into new user messages, which would drop the key and shift the indices.
+
 ``reasoning_effort`` (the plugin's request field, chat only): ``low``, ``medium`` or
 ``high`` (else a 400 naming it), handed to the chat template as its ``reasoning_effort``
 variable in ``freetoken_chat_template``; a template that does not read that variable is a
@@ -193,6 +210,33 @@ def template_reads(template: str, variable: str) -> bool:
     return variable in jinja2.meta.find_undeclared_variables(parsed)
 
 
+HISTORY_KEYS = ("reasoning_content", "reasoning")
+"""The message keys an earlier answer's reasoning comes back under, as clients send it."""
+TEMPLATE_KEYS = ("reasoning_content", "reasoning", "thinking")
+"""The message keys chat templates read it from: Qwen3's and most others'
+``reasoning_content``, vLLM's ``reasoning``, gpt-oss's ``thinking``."""
+
+
+def hand_history(messages: list[dict[str, Any]]) -> None:
+    """Each message's earlier reasoning under every one of ``TEMPLATE_KEYS``, in place (a
+    template reads the one it knows; recent transformers fills ``thinking`` itself too).
+    Raises ``InvalidRequest`` for a key on a message that is not the assistant's, and for
+    ``reasoning`` and ``reasoning_content`` that differ (both named ``messages[i].key``)."""
+    for i, message in enumerate(messages):
+        sent = {key: message.pop(key) for key in HISTORY_KEYS if key in message}
+        if not sent:
+            continue
+        if message["role"] != "assistant":
+            key = next(iter(sent))
+            raise InvalidRequest(f"messages[{i}].{key}", f"only assistant messages carry "
+                                 f"{key} (the reasoning of an earlier answer)")
+        if len(set(sent.values())) > 1:
+            raise InvalidRequest(f"messages[{i}].reasoning", "reasoning and "
+                                 "reasoning_content are two names for one text and differ "
+                                 "here: send one")
+        message.update(dict.fromkeys(TEMPLATE_KEYS, next(iter(sent.values()))))
+
+
 class _Splitter(Protocol):
     has_reasoned: bool
 
@@ -286,7 +330,8 @@ def prompt_leaves_open(prompt_token_ids: Sequence[int], open_id: int, close_id: 
 
 class Reasoning(Plugin):
     """Split the reasoning out of chat answers (<think> tags, harmony's analysis channel) as
-    reasoning_content, count it, and pass reasoning_effort to the chat template."""
+    reasoning_content, count it, take it back on earlier assistant messages, and pass
+    reasoning_effort to the chat template."""
 
     routes = frozenset({"chat"})
 
@@ -295,6 +340,16 @@ class Reasoning(Plugin):
         """How much the model reasons before it answers: low, medium or high, handed to the
         chat template as its reasoning_effort variable (gpt-oss: the system message's
         "Reasoning:" line). A 400 on a model whose chat template does not read it."""
+
+    class ChatMessageFields(RequestFields):
+        reasoning_content: str | None = None
+        """On an assistant message: the reasoning of that earlier answer, as this plugin
+        returned it; handed to the chat template as the message's reasoning_content,
+        reasoning and thinking (Qwen3's renders it in <think> tags, gpt-oss's as the
+        analysis message before a tool call); a template that reads none of them renders
+        nothing of it."""
+        reasoning: str | None = None
+        """vLLM's newer name for reasoning_content: send either (both: the same text)."""
 
     class MessageFields(ResponseFields):
         reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
@@ -305,11 +360,14 @@ class Reasoning(Plugin):
         completion_tokens_details: CompletionTokensDetails | msgspec.UnsetType = msgspec.UNSET
 
     @staticmethod
-    @hookimpl
+    @hookimpl(tryfirst=True)
     def freetoken_chat_template(chat: ChatView) -> None:
-        """``reasoning_effort`` becomes the template variable (a 400 when the template does
+        """Earlier answers' reasoning goes to the template under the keys templates read
+        (``hand_history``; first, while the messages are still those the client sent);
+        ``reasoning_effort`` becomes the template variable (a 400 when the template does
         not read it); on a harmony vocabulary the answer keeps its special tokens, which
         the split reads (and removes)."""
+        hand_history(chat.messages)
         if chat.params is None:
             return
         fields = chat.params.fields.get(STATE_KEY)

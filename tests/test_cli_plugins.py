@@ -32,7 +32,7 @@ BUILTIN_FIELDS = {
     "min_p": ["min_p"],
     "stop_tokens": ["stop_token_ids"],
     "fim": ["suffix"],
-    "reasoning": ["reasoning_effort"],
+    "reasoning": ["messages[].reasoning", "messages[].reasoning_content", "reasoning_effort"],
 }
 PROCESSORS = {"penalties", "logit_bias", "min_tokens", "min_p"}
 HOOKS = {"stop_tokens": ["freetoken_check_stop"], "fim": ["freetoken_rewrite_prompt"],

@@ -3,7 +3,8 @@
 The splitter, the token counter and the ``harmony`` tool-call family against expected
 values and against themselves fed in pieces; then end to end on a real ``freetoken serve``
 of a tiny model whose vocabulary has the harmony special tokens and whose chat template is a
-small harmony template (it reads ``reasoning_effort`` and ``tools``). The model writes
+small harmony template (it reads ``reasoning_effort``, ``tools``, and an assistant call's
+``thinking``, which it writes as the analysis message before the call, as gpt-oss's does). The model writes
 scripted answers: a test plugin (``tests/plugins/freetoken_script.py``, installed for that
 server process only) makes each choice draw the tokens of ``script_token_ids``, special
 tokens included, which no grammar could force. ``<|return|>`` and ``<|call|>`` are the
@@ -52,6 +53,9 @@ type {{ tool.function.name }} = (_: {{ tool.function.parameters | tojson }}) => 
 {%- endif -%}
 {%- for message in messages -%}
 {%- if message.role == "assistant" and message.tool_calls -%}
+{%- if message.thinking -%}
+<|start|>assistant<|channel|>analysis<|message|>{{ message.thinking }}<|end|>
+{%- endif -%}
 {%- for call in message.tool_calls -%}
 <|start|>assistant to=functions.{{ call.function.name }}<|channel|>commentary json\
 <|message|>{{ call.function.arguments | tojson }}<|call|>
@@ -359,6 +363,23 @@ def test_the_call_history_renders(server: Server, tokenizer: Any) -> None:
     prompt = _prompt_text(server, {"messages": messages, "tools": TOOLS})
     assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
             '{"city": "Paris"}<|call|>') in prompt
+
+
+def test_the_reasoning_of_a_call_goes_back_as_its_analysis(server: Server,
+                                                           tokenizer: Any) -> None:
+    """An agent loop: the answer (reasoning and a call) sent back as it came, with the
+    call's result; the template reads the reasoning as the message's ``thinking``."""
+    first = _ok(server, "/v1/chat/completions", {
+        "messages": USER, "tools": TOOLS, "max_tokens": 100,
+        "script_token_ids": _script(tokenizer, ANALYSIS + CALL)})["choices"][0]["message"]
+    assert first["reasoning_content"] == "The user wants the weather."
+    messages = [*USER, first, {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"],
+                               "content": "sunny"}]
+    analysis = ("<|start|>assistant<|channel|>analysis<|message|>The user wants the weather."
+                "<|end|><|start|>assistant to=functions.get_weather")
+    assert analysis in _prompt_text(server, {"messages": messages, "tools": TOOLS})
+    tokens = _ok(server, "/tokenize", {"messages": messages})["tokens"]
+    assert analysis in tokenizer.decode(tokens, skip_special_tokens=False)
 
 
 def _prompt_text(server: Server, body: dict[str, Any]) -> str:
