@@ -21,6 +21,7 @@ import torch
 from gguf_models import MXFP4, Q8_0, write_gguf
 from gguf_reference import hf_gpt_oss_from_gguf
 from test_arch_gemma3 import chunked_logits
+from test_arch_moe import matching_logits
 from test_arch_phi3 import save_tiny_model
 from test_gguf_rope_factors import LONG, greedy, served
 from transformers import GptOssConfig, GptOssForCausalLM
@@ -44,12 +45,7 @@ GGUF_YARN = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
 def assert_logits_match(llm: Any, ids: list[int], ref: torch.nn.Module) -> None:
     """Every position's logits equal ``ref``'s (the prompt in two chunks), and without
     the sinks, or without the sliding windows, they differ."""
-    model = llm.engine.core.runner.model
-    half = len(ids) // 2
-    with torch.no_grad():
-        want = ref(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(chunked_logits(model, ids, [half, len(ids) - half]), want,
-                               atol=2e-4, rtol=1e-4)
+    model, want = matching_logits(llm, ids, ref)
     sinks = [layer.sinks for layer in model.layers]
     windows = model.windows
     try:

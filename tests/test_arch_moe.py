@@ -44,16 +44,23 @@ QWEN2_MOE = {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size"
              "shared_expert_intermediate_size": 96, "num_hidden_layers": 2}
 
 
-def assert_logits_match(llm: LLM, ids: list[int], ref: Any, renormalized: bool = True
-                        ) -> None:
-    """Every position's logits equal ``ref``'s (the prompt in two chunks); with the top k
-    renormalized the other way round they differ."""
+def matching_logits(llm: LLM, ids: list[int], ref: Any) -> tuple[Any, torch.Tensor]:
+    """The served model and ``ref``'s logits of every position of ``ids``, which the model's
+    equal (the prompt in two chunks)."""
     model = llm.engine.core.runner.model
     half = len(ids) // 2
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(chunked_logits(model, ids, [half, len(ids) - half]), want,
                                atol=2e-4, rtol=1e-4)
+    return model, want
+
+
+def assert_logits_match(llm: LLM, ids: list[int], ref: Any, renormalized: bool = True
+                        ) -> None:
+    """Every position's logits equal ``ref``'s (the prompt in two chunks); with the top k
+    renormalized the other way round they differ."""
+    model, want = matching_logits(llm, ids, ref)
     sparse = [layer.moe for layer in model.layers if layer.moe is not None]
     assert sparse
     for moe in sparse:

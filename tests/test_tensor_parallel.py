@@ -171,3 +171,22 @@ def test_logprobs_and_prompt_logprobs_on_tp2(tiny_model_dir: Path) -> None:
         for token in a:
             assert a[token].rank == b[token].rank
             assert abs(a[token].logprob - b[token].logprob) < 1e-4
+
+
+def test_an_o_projection_bias_is_added_once(tmp_path: Path) -> None:
+    """Llama's ``attention_bias`` gives the o projection a bias too (as gpt-oss has one): one
+    rank adds it to the all-reduced sum. TP=1 matches transformers, and TP=2 TP=1."""
+    import torch
+    from test_arch_phi3 import save_tiny_model
+    from test_gguf_rope_factors import greedy, served
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    model_dir = save_tiny_model(tmp_path / "llama-bias", LlamaConfig, HFLlama,
+                                attention_bias=True)
+    hf = HFLlama.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert hf.model.layers[0].self_attn.o_proj.bias is not None
+    llm, prompts, got = served(model_dir, PROMPTS, 12)
+    llm.close()
+    assert got == greedy(hf, prompts, 12)
+    _check_tp_equals_one_rank(str(model_dir), dtype="float32")

@@ -166,6 +166,9 @@ def shard_weights(cfg: ModelConfig, weights: dict[str, Any], shard: Shard
                     weights[key] = take_rows(weights[key], a * d, b * d)
         key = p + "self_attn.o_proj.weight"
         weights[key] = take_columns(weights[key], heads.q0 * d, heads.q1 * d)
+        bias = p + "self_attn.o_proj.bias"
+        if bias in weights and rank != 0:  # (added once to the ranks' all-reduced sum)
+            weights[bias] = torch.zeros_like(weights[bias])
         down = p + "mlp.down_proj.weight"
         i0, i1 = _feature_ranges(weights, down, cfg.intermediate_size, world)[rank]
         intermediate = i1 - i0
