@@ -21,8 +21,7 @@ import torch
 from gguf_models import MXFP4, Q8_0, write_gguf
 from gguf_reference import hf_gpt_oss_from_gguf
 from test_arch_gemma3 import chunked_logits
-from test_arch_moe import matching_logits
-from test_arch_phi3 import save_tiny_model
+from test_arch_moe import assert_native_experts_equal_loop, matching_logits, served_directory
 from test_gguf_rope_factors import LONG, greedy, served
 from transformers import GptOssConfig, GptOssForCausalLM
 
@@ -63,10 +62,8 @@ def assert_logits_match(llm: Any, ids: list[int], ref: torch.nn.Module) -> None:
 
 
 def test_gpt_oss_directory_matches_transformers(tmp_path: Path) -> None:
-    model_dir = save_tiny_model(tmp_path / "gpt-oss", GptOssConfig, GptOssForCausalLM,
-                                **GPT_OSS)
-    hf = GptOssForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm, prompts, got = served(model_dir, PROMPTS, 16)
+    hf, llm, prompts, got = served_directory(tmp_path / "gpt-oss", GptOssConfig,
+                                             GptOssForCausalLM, **GPT_OSS)
     model = llm.engine.core.runner.model
     cfg = model.config
     assert (cfg.architecture, cfg.num_experts, cfg.moe_intermediate_size) == ("gpt_oss", 4, 48)
@@ -171,21 +168,9 @@ def test_the_experts_in_one_native_call_compute_what_the_python_loop_computes(
         tmp_path: Path) -> None:
     """``moe_experts`` with gpt-oss's expert biases and clamped SwiGLU: every logit to the
     bit of ``SparseMoE.loop``'s, in the exact and the q8 arithmetic."""
-    from freetoken_core import LLM
-
     path = write_gguf(tmp_path / "gpt-oss.gguf", "gpt-oss", hidden=64, layers=2, heads=4,
                       kv_heads=2, head_dim=16, ff=48, expert_ff=32, experts=4,
                       experts_used=2, weight_type=Q8_0, tied=False, seed=6, sliding_window=8,
                       metadata=GGUF_YARN)
-    for activations in ("auto", "q8"):
-        llm = LLM(str(path), kv_cache_tokens=1024, dtype="float32", progress=False,
-                  plugins="none", activations=activations)
-        model = llm.engine.core.runner.model
-        ids = llm.tokenizer.encode(LONG, add_special_tokens=False)
-        sparse = [layer.moe for layer in model.layers]
-        assert all(moe is not None and moe.native_args is not None for moe in sparse)
-        assert all(moe.native_args[4] and moe.native_args[7] == 7.0 for moe in sparse)
-        native = chunked_logits(model, ids, [len(ids) - 3, 1, 1, 1])
-        for moe in sparse:
-            moe.native_args = None
-        assert torch.equal(chunked_logits(model, ids, [len(ids) - 3, 1, 1, 1]), native)
+    # (the biases passed, and the SwiGLU's limit)
+    assert_native_experts_equal_loop(path, lambda args: args[4] and args[7] == 7.0)

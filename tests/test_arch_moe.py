@@ -44,6 +44,15 @@ QWEN2_MOE = {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size"
              "shared_expert_intermediate_size": 96, "num_hidden_layers": 2}
 
 
+def served_directory(path: Path, config_class: type, model_class: type, **config: Any
+                     ) -> tuple[Any, LLM, list[list[int]], list[list[int]]]:
+    """A tiny ``model_class`` directory saved by transformers at ``path``: transformers' model
+    of it, and ``served``'s engine, prompt ids and greedy tokens of ``PROMPTS``."""
+    model_dir = save_tiny_model(path, config_class, model_class, **config)
+    hf = model_class.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return (hf, *served(model_dir, PROMPTS, 16))
+
+
 def matching_logits(llm: LLM, ids: list[int], ref: Any) -> tuple[Any, torch.Tensor]:
     """The served model and ``ref``'s logits of every position of ``ids``, which the model's
     equal (the prompt in two chunks)."""
@@ -73,10 +82,8 @@ def assert_logits_match(llm: LLM, ids: list[int], ref: Any, renormalized: bool =
 
 
 def test_qwen3_moe_directory_matches_transformers(tmp_path: Path) -> None:
-    model_dir = save_tiny_model(tmp_path / "qwen3moe", Qwen3MoeConfig, Qwen3MoeForCausalLM,
-                                **QWEN3_MOE)
-    hf = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm, prompts, got = served(model_dir, PROMPTS, 16)
+    hf, llm, prompts, got = served_directory(tmp_path / "qwen3moe", Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                                             **QWEN3_MOE)
     model = llm.engine.core.runner.model
     cfg = model.config
     assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok) == ("qwen3_moe", 8, 2)
@@ -89,10 +96,8 @@ def test_qwen3_moe_directory_matches_transformers(tmp_path: Path) -> None:
 def test_qwen2_moe_directory_matches_transformers(tmp_path: Path) -> None:
     """Qwen2-MoE: q/k/v biases, the top k not renormalized, a shared expert gated by a
     sigmoid."""
-    model_dir = save_tiny_model(tmp_path / "qwen2moe", Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                                **QWEN2_MOE)
-    hf = Qwen2MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm, prompts, got = served(model_dir, PROMPTS, 16)
+    hf, llm, prompts, got = served_directory(tmp_path / "qwen2moe", Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                                             **QWEN2_MOE)
     cfg = llm.engine.core.runner.model.config
     assert (cfg.architecture, cfg.shared_expert_intermediate_size) == ("qwen2_moe", 96)
     assert cfg.attention_bias and not cfg.norm_topk_prob
@@ -115,10 +120,8 @@ def test_qwen2moe_gguf_matches_transformers(tmp_path: Path) -> None:
 
 
 def test_mixtral_directory_matches_transformers(tmp_path: Path) -> None:
-    model_dir = save_tiny_model(tmp_path / "mixtral", MixtralConfig, MixtralForCausalLM,
-                                **MIXTRAL)
-    hf = MixtralForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm, prompts, got = served(model_dir, PROMPTS, 16)
+    hf, llm, prompts, got = served_directory(tmp_path / "mixtral", MixtralConfig, MixtralForCausalLM,
+                                             **MIXTRAL)
     cfg = llm.engine.core.runner.model.config
     assert (cfg.architecture, cfg.num_experts, cfg.moe_intermediate_size) == ("mixtral", 4, 48)
     assert got == greedy(hf, prompts, 16)
@@ -214,6 +217,14 @@ def test_the_experts_in_one_native_call_compute_what_the_python_loop_computes(
     runs them from Python: every logit to the bit, in the exact and the q8 arithmetic."""
     path = write_gguf(tmp_path / "qwen3moe.gguf", "qwen3moe", hidden=64, layers=2, ff=128,
                       expert_ff=32, experts=8, experts_used=2, weight_type=Q8_0, seed=6)
+    assert_native_experts_equal_loop(path)
+
+
+def assert_native_experts_equal_loop(path: Path, args: Any = None) -> None:
+    """The GGUF model ``path`` (every layer sparse) computes every logit of the long prompt
+    the same to the bit with its experts in ``moe_experts`` and in ``SparseMoE.loop``, in
+    the exact and the q8 arithmetic; ``args(native_args)`` checks the native call's
+    arguments."""
     for activations in ("auto", "q8"):
         llm = LLM(str(path), kv_cache_tokens=1024, dtype="float32", progress=False,
                   plugins="none", activations=activations)
@@ -221,6 +232,7 @@ def test_the_experts_in_one_native_call_compute_what_the_python_loop_computes(
         ids = llm.tokenizer.encode(LONG, add_special_tokens=False)
         sparse = [layer.moe for layer in model.layers]
         assert all(moe is not None and moe.native_args is not None for moe in sparse)
+        assert args is None or all(args(moe.native_args) for moe in sparse)
         native = chunked_logits(model, ids, [len(ids) - 3, 1, 1, 1])
         for moe in sparse:
             moe.native_args = None
