@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,23 +45,29 @@ def hf_with_weights_of(path: Path, config_class: type, model_class: type,
     return model
 
 
+def _dequantized(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    """gguf-py's reader of ``path`` and every tensor of it dequantized to float32."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    return reader, {t.name: torch.from_numpy(np.array(
+        dequantize(t.data, t.tensor_type), dtype=np.float32)) for t in reader.tensors}
+
+
 def hf_mixtral_from_gguf(path: Path) -> torch.nn.Module:
     """transformers' ``MixtralForCausalLM`` of a ``llama`` GGUF file with experts (Mixtral's,
     which transformers' GGUF loader reads as a dense Llama): every tensor dequantized by
     gguf-py, q/k un-permuted by transformers' ``LlamaTensorProcessor``, the experts'
     slices stacked as transformers 5 holds them (gate and up rows in one tensor)."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
     from transformers import MixtralConfig, MixtralForCausalLM
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-    reader = GGUFReader(str(path))
+    reader, tensors = _dequantized(path)
 
     def key(name: str) -> object:
         return reader.fields[name].contents()
 
-    tensors = {t.name: torch.from_numpy(np.array(
-        dequantize(t.data, t.tensor_type), dtype=np.float32)) for t in reader.tensors}
     heads, kv_heads = key("llama.attention.head_count"), key("llama.attention.head_count_kv")
     config = MixtralConfig(
         vocab_size=tensors["token_embd.weight"].shape[0],
@@ -103,18 +110,14 @@ def hf_gpt_oss_from_gguf(path: Path) -> torch.nn.Module:
     experts' gate and up columns interleaved and transposed as transformers holds them, the
     rope as llama.cpp reads the file (YaRN with its corrections floored and ceiled, the
     even layers sliding-window ones)."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    reader = GGUFReader(str(path))
+    reader, tensors = _dequantized(path)
 
     def key(name: str, default: object = None) -> object:
         field = reader.fields.get("gpt-oss." + name)
         return default if field is None else field.contents()
 
-    tensors = {t.name: torch.from_numpy(np.array(
-        dequantize(t.data, t.tensor_type), dtype=np.float32)) for t in reader.tensors}
     layers = key("block_count")
     rope: dict[str, object] = {"rope_type": "default", "rope_theta": key("rope.freq_base")}
     if key("rope.scaling.type") == "yarn":

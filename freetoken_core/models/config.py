@@ -247,23 +247,42 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         pattern = cfg.get("sliding_window_pattern") or 6
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                        for i in range(num_layers)]
-    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
-    if len(layer_types) != num_layers or unknown:
-        raise ModelLoadError(f"Gemma3ForCausalLM layer_types {layer_types!r}: expected "
-                             f"{num_layers} of 'sliding_attention' / 'full_attention'")
-    window = cfg.get("sliding_window")
-    if "sliding_attention" in layer_types and (window is None or window < 1):
-        raise ModelLoadError(f"Gemma3ForCausalLM with sliding-window layers needs "
-                             f"sliding_window >= 1, not {window!r}")
     return {
         "rope_theta": float(full["rope_theta"]),
         "rope_scaling": None if kind == "default" else dict(full, rope_type=kind),
         "rope_local_theta": float(local["rope_theta"]),
-        "layer_windows": tuple(window if t == "sliding_attention" else None
-                               for t in layer_types),
+        "layer_windows": _layer_windows("Gemma3ForCausalLM", layer_types, num_layers,
+                                        cfg.get("sliding_window")),
         "query_scale": cfg.get("query_pre_attn_scalar", 256) ** -0.5,
         "final_logit_softcap": cfg.get("final_logit_softcapping"),
     }
+
+
+def _layer_windows(arch: str, layer_types: list[str], num_layers: int, window: Any
+                   ) -> tuple[int | None, ...]:
+    """Each layer's window from ``layer_types`` (``sliding_attention`` layers attend to
+    their last ``window`` keys, ``full_attention`` ones to all), checked: one type a layer,
+    and a window of at least one key where a layer slides."""
+    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention",
+                                                             "full_attention"}:
+        raise ModelLoadError(f"{arch} layer_types {layer_types!r}: expected {num_layers} of "
+                             "'sliding_attention' / 'full_attention'")
+    if "sliding_attention" in layer_types and (not isinstance(window, int) or window < 1):
+        raise ModelLoadError(f"{arch} with sliding-window layers needs sliding_window >= 1, "
+                             f"not {window!r}")
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def _expert_counts(arch: str, counts: tuple[tuple[str, Any, int], ...], top_k: int,
+                   experts: int) -> None:
+    """Each ``(key, value, least)`` an integer of at least ``least``, and no more experts a
+    token than there are."""
+    for key, value, low in counts:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ModelLoadError(f"{arch} {key} must be an integer >= {low}, not {value!r}")
+    if top_k > experts:
+        raise ModelLoadError(f"{arch} num_experts_per_tok {top_k} exceeds its {experts} "
+                             "experts")
 
 
 def _granite_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -302,15 +321,10 @@ def _moe_fields(cfg: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
     size = cfg.get("moe_intermediate_size", 1408 if qwen2 else 768) if qwen else cfg.get(
         "intermediate_size")
     shared = cfg.get("shared_expert_intermediate_size", 5632) if qwen2 else 0
-    for key, value, low in (("num_experts" if qwen else "num_local_experts", experts, 1),
-                            ("num_experts_per_tok", top_k, 1),
-                            ("moe_intermediate_size" if qwen else "intermediate_size", size, 1),
-                            ("shared_expert_intermediate_size", shared, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ModelLoadError(f"{arch} {key} must be an integer >= {low}, not {value!r}")
-    if top_k > experts:
-        raise ModelLoadError(f"{arch} num_experts_per_tok {top_k} exceeds its {experts} "
-                             "experts")
+    _expert_counts(arch, (("num_experts" if qwen else "num_local_experts", experts, 1),
+                          ("num_experts_per_tok", top_k, 1),
+                          ("moe_intermediate_size" if qwen else "intermediate_size", size, 1),
+                          ("shared_expert_intermediate_size", shared, 0)), top_k, experts)
     scale = cfg.get("routed_scaling_factor", 1.0)
     if not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
         raise ModelLoadError(f"{arch} routed_scaling_factor must be a positive number, "
@@ -337,42 +351,27 @@ def _gpt_oss_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None
     ``swiglu_alpha``), a sink per attention head, and ``layer_types``: sliding-window
     layers attend to their last ``sliding_window`` keys (default: alternating, the first
     sliding). The rope is YaRN's (``rope_scaling`` / ``rope_parameters``)."""
-    layers = cfg["num_hidden_layers"]
+    arch, layers = "GptOssForCausalLM", cfg["num_hidden_layers"]
     experts = cfg.get("num_local_experts", 128)
     top_k = cfg.get("num_experts_per_tok", 4)
     size = cfg.get("intermediate_size", 2880)
-    for key, value in (("num_local_experts", experts), ("num_experts_per_tok", top_k),
-                       ("intermediate_size", size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ModelLoadError(f"GptOssForCausalLM {key} must be an integer >= 1, not "
-                                 f"{value!r}")
-    if top_k > experts:
-        raise ModelLoadError(f"GptOssForCausalLM num_experts_per_tok {top_k} exceeds its "
-                             f"{experts} experts")
+    _expert_counts(arch, (("num_local_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
+                          ("intermediate_size", size, 1)), top_k, experts)
     limit, alpha = cfg.get("swiglu_limit", 7.0), cfg.get("swiglu_alpha", 1.702)
     for key, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
         if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-            raise ModelLoadError(f"GptOssForCausalLM {key} must be a positive number, not "
-                                 f"{value!r}")
+            raise ModelLoadError(f"{arch} {key} must be a positive number, not {value!r}")
     layer_types = cfg.get("layer_types") or [
         "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    if len(layer_types) != layers or set(layer_types) - {"sliding_attention",
-                                                         "full_attention"}:
-        raise ModelLoadError(f"GptOssForCausalLM layer_types {layer_types!r}: expected "
-                             f"{layers} of 'sliding_attention' / 'full_attention'")
-    window = cfg.get("sliding_window", 128)
-    if "sliding_attention" in layer_types and (not isinstance(window, int) or window < 1):
-        raise ModelLoadError(f"GptOssForCausalLM with sliding-window layers needs "
-                             f"sliding_window >= 1, not {window!r}")
     if rope_scaling is not None and rope_scaling["rope_type"] != "yarn":
-        raise ModelLoadError(f"GptOssForCausalLM with rope type {rope_scaling['rope_type']!r} "
-                             "is not supported (its checkpoints use yarn)")
+        raise ModelLoadError(f"{arch} with rope type {rope_scaling['rope_type']!r} is not "
+                             "supported (its checkpoints use yarn)")
     return {"num_experts": experts, "num_experts_per_tok": top_k,
             "moe_intermediate_size": size, "expert_gating": "softmax_weight",
             "expert_bias": True, "swiglu_limit": float(limit), "swiglu_alpha": float(alpha),
             "attention_sinks": True,
-            "layer_windows": tuple(window if t == "sliding_attention" else None
-                                   for t in layer_types)}
+            "layer_windows": _layer_windows(arch, layer_types, layers,
+                                            cfg.get("sliding_window", 128))}
 
 
 def _smollm3_fields(cfg: dict[str, Any]) -> dict[str, Any]:

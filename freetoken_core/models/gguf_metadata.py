@@ -258,10 +258,7 @@ def _moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any
     experts = int(field(reader, p + "expert_count", 0))
     if arch not in ("llama", "qwen3moe", "qwen2moe") or (arch == "llama" and experts == 0):
         return {}
-    used = int(field(reader, p + "expert_used_count", 0))
-    if experts < 1 or not 1 <= used <= experts:
-        raise ModelLoadError(f"GGUF {p}expert_count {experts} / expert_used_count {used}: a "
-                             "mixture of experts needs 1 <= used <= count")
+    used = _experts_used(reader, arch, experts)
     shared = int(field(reader, p + "expert_shared_feed_forward_length", 0))
     if arch != "qwen2moe" and (int(field(reader, p + "expert_shared_count", 0)) or shared):
         raise ModelLoadError(f"GGUF {arch} with shared experts is not supported")
@@ -288,6 +285,15 @@ def _moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any
             "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
+def _experts_used(reader: Any, arch: str, experts: int) -> int:
+    """``{arch}.expert_used_count``, checked against the file's ``experts``."""
+    used = int(field(reader, f"{arch}.expert_used_count", 0))
+    if experts < 1 or not 1 <= used <= experts:
+        raise ModelLoadError(f"GGUF {arch}.expert_count {experts} / expert_used_count {used}: "
+                             "a mixture of experts needs 1 <= used <= count")
+    return used
+
+
 def _gpt_oss_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     """gpt-oss's keys as llama.cpp reads them (``LLM_ARCH_OPENAI_MOE``): experts of
     ``expert_feed_forward_length``, the even layers sliding-window ones (its SWA pattern
@@ -295,10 +301,7 @@ def _gpt_oss_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     (transformers' ``attention_bias``), the clamped SwiGLU's limit 7 and slope 1.702
     (llama.cpp's ``LLM_FFN_SWIGLU_OAI_MOE`` constants)."""
     experts = int(field(reader, "gpt-oss.expert_count", 0))
-    used = int(field(reader, "gpt-oss.expert_used_count", 0))
-    if experts < 1 or not 1 <= used <= experts:
-        raise ModelLoadError(f"GGUF gpt-oss.expert_count {experts} / expert_used_count {used}: "
-                             "a mixture of experts needs 1 <= used <= count")
+    used = _experts_used(reader, "gpt-oss", experts)
     window = field(reader, "gpt-oss.attention.sliding_window")
     if window is None:
         raise ModelLoadError("GGUF gpt-oss lacks 'gpt-oss.attention.sliding_window'; "
