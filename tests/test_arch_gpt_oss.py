@@ -174,3 +174,29 @@ def test_the_experts_in_one_native_call_compute_what_the_python_loop_computes(
                       metadata=GGUF_YARN)
     # (the biases passed, and the SwiGLU's limit)
     assert_native_experts_equal_loop(path, lambda args: args[4] and args[7] == 7.0)
+
+
+def test_a_gguf_files_fused_gate_up_experts_are_split() -> None:
+    """``ffn_gate_up_exps`` (llama.cpp's converter can write gpt-oss's gate and up in one
+    tensor, gate rows first, and its bias likewise): each expert's first half of rows is
+    its gate, the second its up, the blocks still the file's."""
+    import numpy as np
+
+    from freetoken_core.models.gguf_weights import GGUFWeight
+    from freetoken_core.models.moe import _expert_weights
+
+    rows = np.arange(8 * 34, dtype=np.uint8).reshape(8, 34)  # 8 features of one Q8_0 block
+    down = GGUFWeight("ffn_down_exps.weight[0]", Q8_0, (32, 32), np.zeros((32, 34), np.uint8))
+    p = "model.layers.0.mlp."
+    weights = {p + "gate.weight": torch.zeros(1, 32), p + "gate.bias": torch.zeros(1),
+               p + "experts.0.gate_up_proj.weight": GGUFWeight(
+                   "ffn_gate_up_exps.weight[0]", Q8_0, (8, 32), rows),
+               p + "experts.0.gate_up_proj.bias": torch.arange(8.0),
+               p + "experts.0.down_proj.weight": down, p + "experts.0.down_proj.bias":
+                   torch.ones(32)}
+    _, bias, [(gate, up, got_down, gate_b, up_b, down_b)] = _expert_weights(
+        weights, "model.layers.0.", 1)
+    assert not weights and bias is not None and got_down is down
+    assert np.array_equal(gate.rows, rows[:4]) and np.array_equal(up.rows, rows[4:])
+    assert gate_b.tolist() == [0, 1, 2, 3] and up_b.tolist() == [4, 5, 6, 7]
+    assert torch.equal(down_b, torch.ones(32))
