@@ -22,6 +22,7 @@ from gguf_models import MXFP4, Q8_0, write_gguf
 from gguf_reference import hf_gpt_oss_from_gguf
 from test_arch_gemma3 import chunked_logits
 from test_arch_moe import assert_native_experts_equal_loop, matching_logits, served_directory
+from test_arch_phi3 import save_tiny_model
 from test_gguf_rope_factors import LONG, greedy, served
 from transformers import GptOssConfig, GptOssForCausalLM
 
@@ -151,17 +152,120 @@ def test_gpt_oss_config_errors_name_the_field() -> None:
             ModelConfig.from_dict({**base, **bad})
 
 
-def test_mxfp4_experts_in_a_directory_are_refused(tmp_path: Path) -> None:
-    """The released checkpoints keep their experts in MXFP4 (``*_blocks``, ``*_scales``):
-    a clear error that points to the GGUF file, not a missing-weight trace."""
-    from freetoken_core.models.moe import _expert_weights
+def test_mxfp4_blocks_decode_as_transformers_dequantizes_them() -> None:
+    """The checkpoints' MXFP4 (codes of weights 2i, 2i + 1 in byte i, an E8M0 byte a block)
+    as GGUF blocks decode to transformers' ``convert_moe_packed_tensors`` floats, bit for
+    bit: every code in every nibble, every exponent byte."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    weights = {"model.layers.0.mlp.router.weight": torch.zeros(4, 8),
-               "model.layers.0.mlp.router.bias": torch.zeros(4),
-               "model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(1),
-               "model.layers.0.mlp.experts.gate_up_proj_scales": torch.zeros(1)}
-    with pytest.raises(ModelLoadError, match="MXFP4.*GGUF"):
-        _expert_weights(weights, "model.layers.0.", 4)
+    from freetoken_core.models.gguf_weights import GGUFWeight
+    from freetoken_core.models.mxfp4 import gguf_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (256, 3, 16), dtype=torch.uint8, generator=gen)
+    blocks[:, 0] = torch.arange(256, dtype=torch.uint8)[:, None]  # each byte in each place
+    scales = torch.randperm(256, generator=gen).to(torch.uint8)[:, None].repeat(1, 3)
+    want = convert_moe_packed_tensors(blocks[None], scales[None], dtype=torch.float32)[0].T
+    got = GGUFWeight("w", MXFP4, (256, 96), gguf_blocks(blocks, scales)).dequantize()
+    assert torch.equal(got, want) and want.isfinite().sum() > 256 * 90
+
+
+def test_mxfp4_experts_are_split_per_expert_and_dequantized_off_the_native_path() -> None:
+    """Without the native kernels (another dtype or device) each expert's weights are
+    transformers' dequantized ones, the gate and up rows de-interleaved, in that dtype."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from freetoken_core.models.mxfp4 import split_experts
+
+    gen = torch.Generator().manual_seed(1)
+    experts = "model.layers.0.mlp.experts."
+    shapes = {"gate_up_proj": (3, 8, 2), "down_proj": (3, 4, 1)}  # (experts, out, groups)
+    weights: dict[str, Any] = {}
+    for name, (e, n, g) in shapes.items():
+        weights[experts + name + "_blocks"] = torch.randint(0, 256, (e, n, g, 16),
+                                                            dtype=torch.uint8, generator=gen)
+        weights[experts + name + "_scales"] = torch.randint(120, 130, (e, n, g),
+                                                            dtype=torch.uint8, generator=gen)
+        weights[experts + name + "_bias"] = torch.randn(e, n, generator=gen)
+    want = {name: convert_moe_packed_tensors(weights[experts + name + "_blocks"],
+                                             weights[experts + name + "_scales"],
+                                             dtype=torch.float32) for name in shapes}
+    bias = weights[experts + "gate_up_proj_bias"]
+    split_experts(weights, 1, 3, False, torch.bfloat16, torch.device("cpu"))
+    for e in range(3):
+        got = {w: weights.pop(f"{experts}{e}.{w}_proj.weight") for w in ("gate", "up", "down")}
+        assert all(t.dtype == torch.bfloat16 for t in got.values())
+        assert torch.equal(got["gate"], want["gate_up_proj"][e][:, 0::2].T.bfloat16())
+        assert torch.equal(got["up"], want["gate_up_proj"][e][:, 1::2].T.bfloat16())
+        assert torch.equal(got["down"], want["down_proj"][e].T.bfloat16())
+        assert torch.equal(weights.pop(f"{experts}{e}.up_proj.bias"),
+                           bias[e][1::2].bfloat16())
+        for w in ("gate", "down"):
+            weights.pop(f"{experts}{e}.{w}_proj.bias")
+    assert not weights
+
+
+def mxfp4_directory(path: Path, seed: int) -> tuple[Path, GptOssForCausalLM]:
+    """A tiny gpt-oss directory as OpenAI released gpt-oss (config.json's quantization_config
+    ``mxfp4``; each layer's experts as ``*_blocks`` / ``*_scales``, random codes with
+    exponents of 2^-5..2^-3), and transformers' model with those experts dequantized by its
+    own ``convert_moe_packed_tensors``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    save_tiny_model(path, GptOssConfig, GptOssForCausalLM, **{**GPT_OSS,
+                                                              "intermediate_size": 64})
+    hf = GptOssForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    for layer, block in enumerate(hf.model.layers):
+        experts = block.mlp.experts
+        for name in ("gate_up_proj", "down_proj"):
+            param = getattr(experts, name)  # [experts, in, out]
+            e, k, n = param.shape
+            codes = torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8, generator=gen)
+            scales = torch.randint(122, 125, (e, n, k // 32), dtype=torch.uint8, generator=gen)
+            with torch.no_grad():
+                param.copy_(convert_moe_packed_tensors(codes, scales, dtype=torch.float32))
+            key = f"model.layers.{layer}.mlp.experts.{name}"
+            del tensors[key]
+            tensors[key + "_blocks"], tensors[key + "_scales"] = codes, scales
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config))
+    return path, hf
+
+
+def test_gpt_oss_mxfp4_directory_matches_transformers(tmp_path: Path) -> None:
+    """The released checkpoints' MXFP4 experts are served from their blocks (the GGUF MXFP4
+    kernels, no float copy), exact against transformers' dequantized experts."""
+    path, hf = mxfp4_directory(tmp_path / "gpt-oss-mxfp4", seed=7)
+    llm, prompts, got = served(path, PROMPTS, 16)
+    model = llm.engine.core.runner.model
+    assert model.config.mxfp4_experts
+    for layer in model.layers:
+        for linear in (w for expert in layer.moe.experts for w in expert[:2]):
+            assert linear.blocks is not None and linear.blocks[0] & 0xFF == MXFP4
+    assert got == greedy(hf, prompts, 16)
+    assert_logits_match(llm, prompts[-1], hf)
+
+
+def test_other_quantized_directories_are_refused_naming_the_method() -> None:
+    base = {"architectures": ["GptOssForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    assert ModelConfig.from_dict({**base, "quantization_config": {
+        "quant_method": "mxfp4"}}).mxfp4_experts
+    assert not ModelConfig.from_dict(base).mxfp4_experts
+    for arch, method in (("GptOssForCausalLM", "gptq"), ("LlamaForCausalLM", "mxfp4"),
+                         ("LlamaForCausalLM", "awq"), ("LlamaForCausalLM", "fp8")):
+        with pytest.raises(ModelLoadError, match=f"quant_method '{method}' is not supported"):
+            ModelConfig.from_dict({**base, "architectures": [arch],
+                                   "quantization_config": {"quant_method": method}})
 
 
 def test_the_experts_in_one_native_call_compute_what_the_python_loop_computes(

@@ -111,6 +111,9 @@ class ModelConfig:
     attention_sinks: bool = False
     """Each attention head has a learned sink logit in its softmax (gpt-oss's
     ``self_attn.sinks``)."""
+    mxfp4_experts: bool = False
+    """The experts' weights are MXFP4 blocks (``*_blocks`` / ``*_scales``: gpt-oss as OpenAI
+    released it, ``quantization_config.quant_method`` ``mxfp4``; ``models/mxfp4.py``)."""
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index``'s MLP is a mixture of experts."""
@@ -174,6 +177,8 @@ class ModelConfig:
             fields.update(_moe_fields(cfg, arch, family))
         elif family == "gpt_oss":
             fields.update(_gpt_oss_fields(cfg, rope_scaling))
+        fields["mxfp4_experts"] = _quantized_experts(arch, family,
+                                                     cfg.get("quantization_config"))
         return cls(
             architecture=family,
             vocab_size=cfg["vocab_size"],
@@ -372,6 +377,21 @@ def _gpt_oss_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None
             "attention_sinks": True,
             "layer_windows": _layer_windows(arch, layer_types, layers,
                                             cfg.get("sliding_window", 128))}
+
+
+def _quantized_experts(arch: str, family: str, quantization: Any) -> bool:
+    """Whether config.json's ``quantization_config`` says the experts are MXFP4 (gpt-oss's
+    released checkpoints); any other quantization (GPTQ, AWQ, FP8, bitsandbytes, ...) is
+    refused here, naming it, rather than met later as weights of unknown names."""
+    if quantization is None:
+        return False
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method == "mxfp4" and family == "gpt_oss":
+        return True
+    raise ModelLoadError(
+        f"{arch} with quantization_config.quant_method {method!r} is not supported: FreeToken "
+        "reads float safetensors (and gpt-oss's MXFP4 experts) from a directory; serve a "
+        "GGUF file of the model (any common quant type) or its unquantized checkpoint")
 
 
 def _smollm3_fields(cfg: dict[str, Any]) -> dict[str, Any]:

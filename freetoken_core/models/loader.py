@@ -19,6 +19,7 @@ from freetoken_core.models.gguf_metadata import architecture
 from freetoken_core.models.gguf_reader import open_header
 from freetoken_core.models.gguf_weights import GGUFWeight, read_gguf_weights
 from freetoken_core.models.llama import LlamaForCausalLM
+from freetoken_core.models.mxfp4 import split_experts
 from freetoken_core.models.registry import model_class
 from freetoken_core.models.sharding import Shard
 
@@ -42,7 +43,10 @@ def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    tensor = f.get_tensor(name)
+                    # (integer tensors, gpt-oss's MXFP4 blocks and scales, stay as they are)
+                    weights[name] = (tensor.to(device=device, dtype=dtype)
+                                     if tensor.is_floating_point() else tensor)
         except (OSError, RuntimeError) as exc:
             raise ModelLoadError(f"cannot read weights {path}: {exc}") from exc
     return weights
@@ -61,6 +65,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     cfg = ModelConfig.from_dir(model_dir, overrides)
     if gguf_path is None:
         weights = read_weights(model_dir, dtype, device)
+        if cfg.mxfp4_experts:
+            split_experts(weights, cfg.num_layers, cfg.num_experts,
+                          keeps_blocks(dtype, device), dtype, device)
     else:
         weights = gguf_weights(gguf_path, cfg, dtype, device)
     try:
@@ -81,8 +88,7 @@ def gguf_weights(gguf_path: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
     weights: dict[str, object] = dict(read_gguf_weights(
         gguf_path, reader, architecture(reader), cfg.num_layers, cfg.num_heads,
         cfg.num_kv_heads, cfg.tie_word_embeddings))
-    keep_blocks = (dtype == torch.float32 and device.type == "cpu"
-                   and cpu_kernels_available())
+    keep_blocks = keeps_blocks(dtype, device)
     for name, w in weights.items():
         if isinstance(w, GGUFWeight):
             if not keep_blocks:
@@ -90,6 +96,12 @@ def gguf_weights(gguf_path: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
         else:
             weights[name] = w.to(device=device, dtype=dtype)
     return weights
+
+
+def keeps_blocks(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the linears compute from quantized blocks (``GGUFWeight``): in float32 on CPU
+    with the native kernels; elsewhere the blocks are dequantized to ``dtype`` as read."""
+    return dtype == torch.float32 and device.type == "cpu" and cpu_kernels_available()
 
 
 def return_freed_memory() -> None:

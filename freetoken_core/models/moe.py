@@ -72,21 +72,24 @@ def _expert_weights(weights: dict[str, Any], prefix: str, num_experts: int
         return router, router_bias, [(*gate_up[e].chunk(2), down[e], None, None, None)
                                      for e in range(num_experts)]
 
-    def expert(e: int) -> ExpertWeights:
-        names = [f"{mlp}experts.{e}.{w}_proj" for w in ("gate", "up", "down")]
-        fused = f"{mlp}experts.{e}.gate_up_proj"
-        if fused + ".weight" in weights:  # (a GGUF file's ffn_gate_up_exps: gate rows first)
-            gate_up, bias = weights.pop(fused + ".weight"), weights.pop(fused + ".bias", None)
-            half = gate_up.shape[0] // 2
-            gate, up = ((gate_up.take_rows(0, half), gate_up.take_rows(half, 2 * half))
-                        if hasattr(gate_up, "take_rows") else gate_up.chunk(2))
-            biases = (None, None) if bias is None else bias.chunk(2)
-            return (gate, up, weights.pop(names[2] + ".weight"), *biases,
-                    weights.pop(names[2] + ".bias", None))
-        return (*(weights.pop(n + ".weight") for n in names),
-                *(weights.pop(n + ".bias", None) for n in names))
+    return router, router_bias, [_named_expert(weights, mlp, e) for e in range(num_experts)]
 
-    return router, router_bias, [expert(e) for e in range(num_experts)]
+
+def _named_expert(weights: dict[str, Any], mlp: str, e: int) -> ExpertWeights:
+    """Expert ``e``'s weights by their per-expert names (``experts.{e}.gate_proj`` ...,
+    or a GGUF file's fused ``gate_up_proj``), popped from ``weights``."""
+    names = [f"{mlp}experts.{e}.{w}_proj" for w in ("gate", "up", "down")]
+    fused = f"{mlp}experts.{e}.gate_up_proj"
+    if fused + ".weight" in weights:  # (a GGUF file's ffn_gate_up_exps: gate rows first)
+        gate_up, bias = weights.pop(fused + ".weight"), weights.pop(fused + ".bias", None)
+        half = gate_up.shape[0] // 2
+        gate, up = ((gate_up.take_rows(0, half), gate_up.take_rows(half, 2 * half))
+                    if hasattr(gate_up, "take_rows") else gate_up.chunk(2))
+        biases = (None, None) if bias is None else bias.chunk(2)
+        return (gate, up, weights.pop(names[2] + ".weight"), *biases,
+                weights.pop(names[2] + ".bias", None))
+    return (*(weights.pop(n + ".weight") for n in names),
+            *(weights.pop(n + ".bias", None) for n in names))
 
 
 def _gpt_oss_experts(weights: dict[str, Any], mlp: str, num_experts: int
@@ -95,15 +98,11 @@ def _gpt_oss_experts(weights: dict[str, Any], mlp: str, num_experts: int
     x size]`` with the gate and up columns interleaved (gate first) and its bias ``[experts,
     2 x size]``, ``down_proj`` ``[experts, size, hidden]`` and its bias ``[experts,
     hidden]``: each expert's weights transposed to a linear's ``[out, in]``, the gate and up
-    rows de-interleaved. (The released checkpoints' MXFP4 experts, ``*_blocks`` and
-    ``*_scales``, are refused: transformers dequantizes them on load, a GGUF file keeps
-    them.)"""
+    rows de-interleaved. Or per-expert weights by name (a GGUF file's, and the released
+    checkpoints' MXFP4 experts as ``mxfp4.split_experts`` makes them)."""
     experts = mlp + "experts."
-    if experts + "gate_up_proj_blocks" in weights:
-        raise ModelLoadError(
-            f"{experts}gate_up_proj is MXFP4-quantized (gate_up_proj_blocks / _scales), "
-            "which FreeToken does not read from a Hugging Face directory; serve the model's "
-            "GGUF file (MXFP4 experts), or a directory saved with dequantized experts")
+    if experts + "gate_up_proj" not in weights:
+        return [_named_expert(weights, mlp, e) for e in range(num_experts)]
     gate_up, gate_up_bias = weights.pop(experts + "gate_up_proj"), weights.pop(
         experts + "gate_up_proj_bias")
     down, down_bias = weights.pop(experts + "down_proj"), weights.pop(
