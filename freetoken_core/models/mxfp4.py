@@ -29,12 +29,16 @@ MXFP4 = 39  # the ggml type
 
 def gguf_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
     """uint8 ``[rows, groups x 17]``: GGUF MXFP4 blocks (``e``, then 16 bytes of codes) of a
-    checkpoint's ``blocks`` ``[rows, groups, 16]`` and ``scales`` ``[rows, groups]``."""
-    packed = blocks.numpy()
-    codes = np.stack((packed & 0x0F, packed >> 4), axis=-1).reshape(*packed.shape[:-1], 32)
-    gguf = codes[..., :16] | (codes[..., 16:] << 4)
-    return np.concatenate((scales.numpy()[..., None], gguf), axis=-1).reshape(
-        packed.shape[0], -1)
+    checkpoint's ``blocks`` ``[rows, groups, 16]`` and ``scales`` ``[rows, groups]``. GGUF's
+    byte ``2i`` holds weights ``2i`` and ``2i + 16``: the low nibbles of the checkpoint's
+    bytes ``i`` and ``i + 8``; its byte ``2i + 1`` weights ``2i + 1`` and ``2i + 17``: their
+    high nibbles."""
+    first, second = blocks[..., :8], blocks[..., 8:]
+    out = torch.empty(*blocks.shape[:-1], 17, dtype=torch.uint8)
+    out[..., 0] = scales
+    out[..., 1::2] = (first & 0x0F) | ((second & 0x0F) << 4)
+    out[..., 2::2] = (first >> 4) | (second & 0xF0)
+    return out.reshape(blocks.shape[0], -1).numpy()
 
 
 def split_experts(weights: dict[str, Any], num_layers: int, num_experts: int,
