@@ -154,8 +154,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                metadata: dict[str, int | float | str] | None = None,
                split_max_tensors: int = 0, experts: int = 0, experts_used: int = 2,
                expert_ff: int | None = None, shared_ff: int = 0) -> Path:
-    """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gpt-oss, gemma3 or
-    phi3) as a GGUF file (gpt-oss: biases, sinks and expert biases as its files have them;
+    """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gpt-oss, gemma3,
+    glm4 or phi3) as a GGUF file (gpt-oss: biases, sinks and expert biases as its files have them;
     its rope scaling from ``metadata``).
 
     ``weight_type`` is every 2-d weight's type; ``types`` overrides it by the end of the
@@ -271,6 +271,11 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
         if arch == "phi3":
             matrix(b + "attn_qkv.weight", q + 2 * kv, hidden)
             matrix(b + "ffn_up.weight", 2 * ff, hidden)
+        elif arch == "glm4":  # (q/k/v apart, gate and up in one tensor: gate rows first)
+            matrix(b + "attn_q.weight", q, hidden)
+            matrix(b + "attn_k.weight", kv, hidden)
+            matrix(b + "attn_v.weight", kv, hidden)
+            matrix(b + "ffn_up.weight", 2 * ff, hidden)
         else:
             matrix(b + "attn_q.weight", q, hidden)
             matrix(b + "attn_k.weight", kv, hidden)
@@ -294,7 +299,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
             else:
                 matrix(b + "ffn_gate.weight", ff, hidden)
                 matrix(b + "ffn_up.weight", ff, hidden)
-        if arch in ("qwen2", "qwen2moe", "gpt-oss"):
+        if arch in ("qwen2", "qwen2moe", "gpt-oss", "glm4"):
             for name, n in (("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)):
                 vector(b + name, n, 0.0)
         if arch == "gpt-oss":
@@ -311,7 +316,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
             matrix(b + "ffn_down.weight", hidden, ff)
         vector(b + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight"),
                hidden, norm_one)
-        if arch == "gemma3":
+        if arch in ("gemma3", "glm4"):
             vector(b + "post_attention_norm.weight", hidden, norm_one)
             vector(b + "post_ffw_norm.weight", hidden, norm_one)
     vector("output_norm.weight", hidden, norm_one)

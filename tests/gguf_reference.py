@@ -167,3 +167,47 @@ def hf_gpt_oss_from_gguf(path: Path) -> torch.nn.Module:
     model = GptOssForCausalLM(config).float().eval()
     model.load_state_dict({k: v.contiguous() for k, v in state.items()})
     return model
+
+
+def hf_glm4_from_gguf(path: Path) -> torch.nn.Module:
+    """transformers' ``Glm4ForCausalLM`` of a ``glm4`` GGUF file (transformers' GGUF loader
+    does not read that architecture): every tensor dequantized by gguf-py under the name
+    llama.cpp's converter gave it (gguf-py's tensor map for GLM4, read backwards; the
+    weights unpermuted, as the converter leaves them), the rotated fraction of each head
+    from ``rope.dimension_count``."""
+    from transformers import Glm4Config, Glm4ForCausalLM
+
+    reader, tensors = _dequantized(path)
+
+    def key(name: str) -> object:
+        return reader.fields["glm4." + name].contents()
+
+    heads, head_dim = key("attention.head_count"), key("attention.key_length")
+    config = Glm4Config(
+        vocab_size=tensors["token_embd.weight"].shape[0],
+        hidden_size=key("embedding_length"), intermediate_size=key("feed_forward_length"),
+        num_hidden_layers=key("block_count"), num_attention_heads=heads,
+        num_key_value_heads=key("attention.head_count_kv"), head_dim=head_dim,
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
+        partial_rotary_factor=key("rope.dimension_count") / head_dim,
+        rope_theta=key("rope.freq_base"), max_position_embeddings=key("context_length"),
+        attention_bias=True, tie_word_embeddings="output.weight" not in tensors,
+        pad_token_id=0)
+    names = {"attn_norm.weight": "input_layernorm.weight",
+             "post_attention_norm.weight": "post_self_attn_layernorm.weight",
+             "ffn_norm.weight": "post_attention_layernorm.weight",
+             "post_ffw_norm.weight": "post_mlp_layernorm.weight",
+             "attn_output.weight": "self_attn.o_proj.weight",
+             "ffn_up.weight": "mlp.gate_up_proj.weight",
+             "ffn_down.weight": "mlp.down_proj.weight",
+             **{f"attn_{p}.{kind}": f"self_attn.{p}_proj.{kind}"
+                for p in "qkv" for kind in ("weight", "bias")}}
+    state = {"model.embed_tokens.weight": tensors["token_embd.weight"],
+             "model.norm.weight": tensors["output_norm.weight"],
+             "lm_head.weight": tensors.get("output.weight", tensors["token_embd.weight"])}
+    for i in range(config.num_hidden_layers):
+        for short, hf in names.items():
+            state[f"model.layers.{i}.{hf}"] = tensors[f"blk.{i}.{short}"]
+    model = Glm4ForCausalLM(config).float().eval()
+    model.load_state_dict(state)
+    return model

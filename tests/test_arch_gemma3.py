@@ -29,6 +29,7 @@ from freetoken_core.models import llama, loader
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from freetoken_core.models.gemma3 import Gemma3ForCausalLM
+from freetoken_core.models.glm4 import Glm4ForCausalLM
 from freetoken_core.models.phi3 import Phi3ForCausalLM
 from freetoken_core.models.registry import SUPPORTED, model_class
 
@@ -221,11 +222,12 @@ def test_registry_maps_every_architecture() -> None:
     classes = {family: model_class(config(name))
                for name, family in SUPPORTED_ARCHITECTURES.items()}
     assert classes["gemma3"] is Gemma3ForCausalLM and classes["phi3"] is Phi3ForCausalLM
+    assert classes["glm4"] is Glm4ForCausalLM
     assert all(classes[f] is llama.LlamaForCausalLM for f in (
         "llama", "mistral", "qwen2", "qwen3", "granite", "qwen3_moe", "mixtral", "gpt_oss"))
     assert set(SUPPORTED) == set(classes)
     unknown = dataclasses.replace(config("LlamaForCausalLM"), architecture="gpt2")
-    with pytest.raises(ModelLoadError, match=r"'gpt2'; FreeToken runs gemma3, gpt_oss, granite, llama"):
+    with pytest.raises(ModelLoadError, match=r"'gpt2'; FreeToken runs gemma3, glm4, gpt_oss, granite, llama"):
         model_class(unknown)
 
 

@@ -24,11 +24,12 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
+    "Glm4ForCausalLM": "glm4",
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
 _ACTIVATIONS = {"gemma3": "gelu_pytorch_tanh", "phi3": "silu", "qwen3_moe": "silu",
-                "qwen2_moe": "silu", "mixtral": "silu"}
+                "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu"}
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,8 @@ class ModelConfig:
             fields.update(_moe_fields(cfg, arch, family))
         elif family == "gpt_oss":
             fields.update(_gpt_oss_fields(cfg, rope_scaling))
+        elif family == "glm4":
+            fields.update(_glm4_fields(cfg, rope_scaling))
         fields["mxfp4_experts"] = _quantized_experts(arch, family,
                                                      cfg.get("quantization_config"))
         return cls(
@@ -191,7 +194,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             attention_bias=(family == "qwen2" or bool(cfg.get("attention_bias",
-                                                               family == "gpt_oss"))
+                                                               family in ("gpt_oss", "glm4")))
                             or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
             qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             sliding_window=cfg.get("sliding_window") if use_window else None,
@@ -377,6 +380,19 @@ def _gpt_oss_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None
             "attention_sinks": True,
             "layer_windows": _layer_windows(arch, layer_types, layers,
                                             cfg.get("sliding_window", 128))}
+
+
+def _glm4_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None
+                 ) -> dict[str, Any]:
+    """GLM-4's fields as transformers' ``Glm4Config`` reads them: the rotated fraction of
+    each head (``partial_rotary_factor``, top level or in ``rope_parameters``; default 0.5)
+    and the default rope (the released checkpoints scale none)."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    factor = cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.5
+    if rope_scaling is not None:
+        raise ModelLoadError(f"Glm4ForCausalLM with rope type {rope_scaling['rope_type']!r} "
+                             "is not supported (its checkpoints use the default rope)")
+    return {"partial_rotary_factor": float(factor)}
 
 
 def _quantized_experts(arch: str, family: str, quantization: Any) -> bool:

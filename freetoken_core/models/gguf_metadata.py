@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "glm4": "Glm4ForCausalLM",
 }
 # A llama file with experts (llama.expert_count > 0) is Mixtral's.
 MIXTRAL = "MixtralForCausalLM"
@@ -157,14 +158,14 @@ def build_config(reader: Any) -> dict[str, Any]:
     kv_heads = int(field(reader, p + "attention.head_count_kv", heads))
     head_dim = int(field(reader, p + "attention.key_length", hidden // heads))
     rope_dim = int(field(reader, p + "rope.dimension_count", head_dim))
-    # Partial rotary (Phi-4-mini: the first 3/4 of each head): llama.cpp's NEOX rotation of
-    # the first rope_dim dimensions is transformers' partial_rotary_factor.
-    if rope_dim != head_dim and not (arch == "phi3" and 0 < rope_dim < head_dim
+    # Partial rotary (Phi-4-mini: the first 3/4 of each head; GLM-4: half): llama.cpp's
+    # rotation of the first rope_dim dimensions is transformers' partial_rotary_factor.
+    if rope_dim != head_dim and not (arch in ("phi3", "glm4") and 0 < rope_dim < head_dim
                                      and rope_dim % 2 == 0):
         raise ModelLoadError(
             f"GGUF {p}rope.dimension_count {rope_dim} != head_dim {head_dim} (partial rotary) "
-            "is supported for phi3 only; use a GGUF whose rotary embedding covers the whole "
-            "head")
+            "is supported for phi3 and glm4 only; use a GGUF whose rotary embedding covers "
+            "the whole head")
     names = {t.name for t in reader.tensors}
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
@@ -189,6 +190,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(_gemma3_config(reader, config))
     if arch == "phi3" and rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
+    if arch == "glm4":
+        config.update(_glm4_config(reader, rope_dim / head_dim, names))
     if arch == "smollm3":  # llama.cpp: every 4th layer without RoPE (n_no_rope_layer_step)
         config["no_rope_layer_interval"] = 4
     if arch == "granite":
@@ -226,6 +229,22 @@ def _gemma3_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
     }
+
+
+def _glm4_config(reader: Any, factor: float, names: set[str]) -> dict[str, Any]:
+    """GLM-4's keys as llama.cpp reads them: the rotated fraction of each head (written
+    always: transformers' default is 0.5), biases on q/k/v. Refused: M-RoPE files (the
+    vision models' converter writes ``rope.dimension_sections`` and NEOX-permuted q/k) and
+    NextN prediction layers (GLM-OCR), which the text model here does not run."""
+    if field(reader, "glm4.rope.dimension_sections") is not None:
+        raise ModelLoadError("GGUF glm4 with glm4.rope.dimension_sections (M-RoPE, the "
+                             "GLM-4V vision models) is not supported; FreeToken runs the "
+                             "text-only GLM-4 files (GLM-4-0414, GLM-Z1)")
+    if int(field(reader, "glm4.nextn_predict_layers", 0)):
+        raise ModelLoadError("GGUF glm4 with glm4.nextn_predict_layers (NextN prediction "
+                             "layers) is not supported")
+    return {"partial_rotary_factor": factor,
+            "attention_bias": "blk.0.attn_q.bias" in names}
 
 
 def _granite_config(reader: Any, head_dim: int) -> dict[str, Any]:

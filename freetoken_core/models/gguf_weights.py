@@ -113,6 +113,15 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
         "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
         **_ATTENTION, **_MLP,
     },
+    "glm4": {
+        "attn_norm.weight": "input_layernorm.weight",
+        "post_attention_norm.weight": "post_self_attn_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_mlp_layernorm.weight",
+        **_ATTENTION,
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+    },
     "phi3": {
         **_LLAMA_NORMS,
         "attn_qkv.weight": "self_attn.qkv_proj.weight",

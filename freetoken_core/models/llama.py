@@ -107,7 +107,7 @@ class DecoderLayer:
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(output, residual)``: the hidden state is their sum. The first block gets
         ``residual=None`` and the embeddings as ``x``."""
-        n, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.one_call is not None and meta.decode_block_tables is not None:
             return torch.ops.freetoken.llama_layer(
                 x, residual, self.input_norm, self.post_attn_norm, self.eps, *self.one_call,
@@ -118,6 +118,24 @@ class DecoderLayer:
             x = rms_norm(x, self.input_norm, self.eps, self.native)
         else:
             x, residual = add_rms_norm(x, residual, self.input_norm, self.eps, self.native)
+        x = self.self_attention(x, cos, sin, kv_cache, meta)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
+        x, residual = add_rms_norm(x, residual, self.post_attn_norm, self.eps, self.native)
+        if self.moe is not None:
+            out = self.moe(x)
+        else:
+            out = self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native))
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
+        return out, residual
+
+    def self_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention of the normed hidden states ``x`` (q/k/v, q/k norms, rotation,
+        paged attention, which writes the step's keys and values into ``kv_cache``), through
+        the o projection."""
+        n, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         qk, v = qkv.split([(h + kvh) * d, kvh * d], dim=-1)
         qk = qk.view(n, h + kvh, d)
@@ -131,18 +149,8 @@ class DecoderLayer:
         qk = apply_rope(qk, cos, sin, self.native)
         # Rotated keys and values side by side, as the cache stores them.
         kv = torch.cat([qk[:, h:], v.view(n, kvh, d)], dim=1).view(n, 2, kvh, d)
-        x = self.o_proj(paged_attention(qk[:, :h], kv, kv_cache, meta, self.scale,
-                                        self.sinks))
-        if self.residual_multiplier != 1.0:
-            x = x * self.residual_multiplier
-        x, residual = add_rms_norm(x, residual, self.post_attn_norm, self.eps, self.native)
-        if self.moe is not None:
-            out = self.moe(x)
-        else:
-            out = self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native))
-        if self.residual_multiplier != 1.0:
-            out = out * self.residual_multiplier
-        return out, residual
+        return self.o_proj(paged_attention(qk[:, :h], kv, kv_cache, meta, self.scale,
+                                           self.sinks))
 
 
 class LlamaForCausalLM(BlockLayouts):

@@ -61,7 +61,7 @@ def rotary_dim(cfg: ModelConfig) -> int:
     dim = int(cfg.head_dim * cfg.partial_rotary_factor)
     if dim <= 0 or dim % 2 or (cfg.head_dim - dim) % 2:
         raise ModelLoadError(
-            f"Phi3ForCausalLM partial_rotary_factor {cfg.partial_rotary_factor} rotates {dim} "
+            f"{cfg.architecture} partial_rotary_factor {cfg.partial_rotary_factor} rotates {dim} "
             f"of {cfg.head_dim} dimensions per head; FreeToken needs an even number of both "
             "rotated and passed dimensions")
     return dim

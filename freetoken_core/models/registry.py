@@ -6,6 +6,7 @@ from __future__ import annotations
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from freetoken_core.models.gemma3 import Gemma3ForCausalLM
+from freetoken_core.models.glm4 import Glm4ForCausalLM
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.phi3 import Phi3ForCausalLM
 from freetoken_core.models.smollm3 import SmolLM3ForCausalLM
@@ -23,6 +24,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen2_moe": LlamaForCausalLM,  # blocks build where the config has experts)
     "mixtral": LlamaForCausalLM,
     "gpt_oss": LlamaForCausalLM,  # (sinks, biases and windows: config fields too)
+    "glm4": Glm4ForCausalLM,
 }
 
 SUPPORTED: tuple[str, ...] = tuple(sorted(_CLASSES))
