@@ -1,5 +1,6 @@
 """The architecture facts of a model, read from a Hugging Face config.json: the Llama family,
-Gemma 3 (text), Phi-3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss."""
+Gemma 2, Gemma 3 (text), Phi-3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE, Mixtral and
+gpt-oss."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
@@ -27,8 +29,8 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
-_ACTIVATIONS = {"gemma3": "gelu_pytorch_tanh", "phi3": "silu", "qwen3_moe": "silu",
-                "qwen2_moe": "silu", "mixtral": "silu"}
+_ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "phi3": "silu",
+                "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ class ModelConfig:
     """Attention's score scale; ``None``: ``head_dim ** -0.5``."""
     final_logit_softcap: float | None = None
     """Logits become ``cap * tanh(logits / cap)`` (Gemma's ``final_logit_softcapping``)."""
+    attn_logit_softcap: float | None = None
+    """Each attention score (scaled) becomes ``cap * tanh(score / cap)`` before the softmax
+    (Gemma 2's ``attn_logit_softcapping``); ``None``: none."""
     partial_rotary_factor: float = 1.0
     """The fraction of each head's dimensions RoPE rotates (the first ones; Phi-3)."""
     embedding_multiplier: float = 1.0
@@ -149,7 +154,7 @@ class ModelConfig:
         use_window = cfg.get("use_sliding_window", family in ("mistral", "mixtral"))
         # transformers' Gemma reads hidden_activation (default gelu_pytorch_tanh) only.
         hidden_act = ((cfg.get("hidden_activation") or "gelu_pytorch_tanh")
-                      if family == "gemma3" else (cfg.get("hidden_act") or "silu"))
+                      if family in ("gemma2", "gemma3") else (cfg.get("hidden_act") or "silu"))
         expected = _ACTIVATIONS.get(family)
         if expected is not None and hidden_act != expected:
             raise ModelLoadError(f"{arch} with hidden activation {hidden_act!r} is not "
@@ -159,11 +164,14 @@ class ModelConfig:
             "rope_scaling": rope_scaling,
             # (transformers' default where config.json leaves it out: tied for these two)
             "tie_word_embeddings": bool(cfg.get("tie_word_embeddings",
-                                                family in ("gemma3", "smollm3"))),
+                                                family in ("gemma2", "gemma3",
+                                                           "smollm3"))),
             "hidden_act": hidden_act,
         }
         if family == "gemma3":
             fields.update(_gemma3_fields(cfg))
+        elif family == "gemma2":
+            fields.update(_gemma2_fields(cfg))
         elif family == "phi3":
             fields.update(_phi3_fields(cfg, rope_scaling))
         elif family == "smollm3":
@@ -220,12 +228,13 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3's fields, read as transformers' ``Gemma3TextConfig`` reads them: the rope of
     each layer type (``rope_parameters`` per type, or the legacy ``rope_theta``,
     ``rope_local_base_freq`` and ``rope_scaling`` keys, which apply to the global layers),
-    ``layer_types`` (or every ``sliding_window_pattern``-th layer global), the query scale."""
+    ``layer_types`` (or every ``sliding_window_pattern``-th layer global), the query scale,
+    the logits' softcap where set."""
     if cfg.get("attn_logit_softcapping") is not None:
         raise ModelLoadError(
             f"Gemma3ForCausalLM with attn_logit_softcapping={cfg['attn_logit_softcapping']} is "
-            "not supported (FreeToken's attention does not softcap scores; Gemma 3 "
-            "checkpoints have it null)")
+            "not supported (transformers' Gemma 3 attention ignores it, llama.cpp's converter "
+            "refuses it; Gemma 3 checkpoints have it null)")
     if cfg.get("use_bidirectional_attention"):
         raise ModelLoadError("Gemma3ForCausalLM with use_bidirectional_attention (an encoder, "
                              "e.g. EmbeddingGemma) is not supported: FreeToken generates text")
@@ -254,8 +263,52 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "layer_windows": _layer_windows("Gemma3ForCausalLM", layer_types, num_layers,
                                         cfg.get("sliding_window")),
         "query_scale": cfg.get("query_pre_attn_scalar", 256) ** -0.5,
-        "final_logit_softcap": cfg.get("final_logit_softcapping"),
+        "final_logit_softcap": _softcap("Gemma3ForCausalLM", cfg, "final_logit_softcapping",
+                                        None),
     }
+
+
+def _gemma2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's fields as transformers' ``Gemma2Config`` reads them (its defaults where
+    config.json leaves a key out): the scores softcapped at ``attn_logit_softcapping`` (50)
+    and the logits at ``final_logit_softcapping`` (30), either off where null; the query
+    scaled by ``query_pre_attn_scalar ** -0.5`` (256); ``layer_types`` (default: every
+    other layer, the first included, sliding over ``sliding_window`` keys, 4096). One rope,
+    ``rope_theta`` with ``rope_scaling``, on every layer (the common keys)."""
+    arch, layers = "Gemma2ForCausalLM", cfg["num_hidden_layers"]
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{arch} with use_bidirectional_attention (an encoder) is not "
+                             "supported: FreeToken generates text")
+    scalar = cfg.get("query_pre_attn_scalar", 256)
+    if _positive(scalar) is None:
+        raise ModelLoadError(f"{arch} query_pre_attn_scalar must be a positive number, "
+                             f"not {scalar!r}")
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    return {"query_scale": scalar ** -0.5,
+            "attn_logit_softcap": _softcap(arch, cfg, "attn_logit_softcapping", 50.0),
+            "final_logit_softcap": _softcap(arch, cfg, "final_logit_softcapping", 30.0),
+            "layer_windows": _layer_windows(arch, layer_types, layers,
+                                            cfg.get("sliding_window", 4096))}
+
+
+def _positive(value: Any) -> float | None:
+    """``value`` as a float where it is a finite positive number, else ``None``."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and (
+            math.isfinite(value) and value > 0):
+        return float(value)
+    return None
+
+
+def _softcap(arch: str, cfg: dict[str, Any], key: str, default: float | None
+             ) -> float | None:
+    """A softcap ``key`` (``default`` where config.json leaves it out): a positive number,
+    or null for none."""
+    value = cfg.get(key, default)
+    if value is not None and _positive(value) is None:
+        raise ModelLoadError(f"{arch} {key} must be a positive number or null (none), "
+                             f"not {value!r}")
+    return _positive(value)
 
 
 def _layer_windows(arch: str, layer_types: list[str], num_layers: int, window: Any
