@@ -262,7 +262,7 @@ def test_gguf_matches_transformers(tmp_path: Path) -> None:
 def test_gguf_keys_as_llama_cpp_reads_them(tmp_path: Path) -> None:
     """Without the softcap and window keys, llama.cpp's defaults (50, 30, 4096); the
     46-layer 27B's query scalar is hidden / heads, the others' the head size."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader, GGUFWriter
 
     from freetoken_core.models.gguf_metadata import build_config
 
@@ -272,8 +272,7 @@ def test_gguf_keys_as_llama_cpp_reads_them(tmp_path: Path) -> None:
     assert config["query_pre_attn_scalar"] == 32 and config["sliding_window"] == 8
     assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (50.0, 30.0)
     assert config["layer_types"] == ["sliding_attention", "full_attention"]
-    from gguf import GGUFWriter
-
+    # The keys alone of a 27B-shaped file (46 layers, hidden 4608, 32 heads of 128).
     bare = tmp_path / "keys.gguf"
     writer = GGUFWriter(str(bare), "gemma2")
     for key, value in (("embedding_length", 4608), ("block_count", 46),
