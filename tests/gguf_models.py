@@ -154,9 +154,10 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                metadata: dict[str, int | float | str] | None = None,
                split_max_tensors: int = 0, experts: int = 0, experts_used: int = 2,
                expert_ff: int | None = None, shared_ff: int = 0) -> Path:
-    """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gpt-oss, gemma3,
-    glm4 or phi3) as a GGUF file (gpt-oss: biases, sinks and expert biases as its files have them;
-    its rope scaling from ``metadata``).
+    """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gpt-oss, gemma2,
+    gemma3, glm4 or phi3) as a GGUF file (gpt-oss: biases, sinks and expert biases as its
+    files have them; its rope scaling from ``metadata``; gemma2: its softcaps from
+    ``metadata``, else 50 and 30, as the converter writes transformers' defaults).
 
     ``weight_type`` is every 2-d weight's type; ``types`` overrides it by the end of the
     tensor name (e.g. ``{"attn_v.weight": Q6_K, "token_embd.weight": Q6_K}``). The
@@ -211,8 +212,12 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     writer.add_uint32(p + "rope.dimension_count", rope_dims or head_dim)
     writer.add_float32(p + "rope.freq_base", rope_theta)
     writer.add_float32(p + "attention.layer_norm_rms_epsilon", 1e-6)
-    if arch in ("gemma3", "gpt-oss"):
+    if arch in ("gemma2", "gemma3", "gpt-oss"):
         writer.add_uint32(p + "attention.sliding_window", sliding_window)
+    if arch == "gemma2":
+        for key, cap in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+            if key not in (metadata or {}):
+                writer.add_float32(p + key, cap)
     expert_ff = expert_ff or ff
     if experts:
         writer.add_uint32(p + "expert_count", experts)
@@ -242,7 +247,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
         # O(1)-scale activations, as tests/tiny_models.py's gains make them: logits well
         # apart, so greedy decoding is not decided by rounding noise.
         gain = next((g for tail, g in _GAINS.items() if name.endswith(tail)), 1.0)
-        if arch == "gemma3" and name == "token_embd.weight":
+        if arch in ("gemma2", "gemma3") and name == "token_embd.weight":
             gain /= hidden ** 0.5  # Gemma scales the embeddings by sqrt(hidden)
         qtype = typed(name)
         raw = random_blocks(rng, qtype, rows, cols, scale=1.7 * gain / cols ** 0.5)
@@ -316,7 +321,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
             matrix(b + "ffn_down.weight", hidden, ff)
         vector(b + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight"),
                hidden, norm_one)
-        if arch in ("gemma3", "glm4"):
+        if arch in ("gemma2", "gemma3", "glm4"):
             vector(b + "post_attention_norm.weight", hidden, norm_one)
             vector(b + "post_ffw_norm.weight", hidden, norm_one)
     vector("output_norm.weight", hidden, norm_one)

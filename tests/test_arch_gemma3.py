@@ -28,6 +28,7 @@ from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models import llama, loader
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from freetoken_core.models.gemma2 import Gemma2ForCausalLM
 from freetoken_core.models.gemma3 import Gemma3ForCausalLM
 from freetoken_core.models.glm4 import Glm4ForCausalLM
 from freetoken_core.models.phi3 import Phi3ForCausalLM
@@ -200,6 +201,7 @@ def test_config_reads_hub_style_keys(model_dir: Path) -> None:
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
+    ({"final_logit_softcapping": -1.0}, "final_logit_softcapping must be a positive number"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"hidden_activation": "gelu"}, "hidden activation 'gelu' is not supported"),
     ({"sliding_window": None}, "needs sliding_window >= 1"),
@@ -223,11 +225,13 @@ def test_registry_maps_every_architecture() -> None:
                for name, family in SUPPORTED_ARCHITECTURES.items()}
     assert classes["gemma3"] is Gemma3ForCausalLM and classes["phi3"] is Phi3ForCausalLM
     assert classes["glm4"] is Glm4ForCausalLM
+    assert classes["gemma2"] is Gemma2ForCausalLM
     assert all(classes[f] is llama.LlamaForCausalLM for f in (
         "llama", "mistral", "qwen2", "qwen3", "granite", "qwen3_moe", "mixtral", "gpt_oss"))
     assert set(SUPPORTED) == set(classes)
     unknown = dataclasses.replace(config("LlamaForCausalLM"), architecture="gpt2")
-    with pytest.raises(ModelLoadError, match=r"'gpt2'; FreeToken runs gemma3, glm4, gpt_oss, granite, llama"):
+    with pytest.raises(ModelLoadError,
+                       match=r"'gpt2'; FreeToken runs gemma2, gemma3, glm4, gpt_oss, granite"):
         model_class(unknown)
 
 

@@ -1,6 +1,6 @@
 """Every architecture FreeToken reads from GGUF metadata, exact against transformers.
 
-For llama (incl. Mistral files, which use it), qwen2, qwen3, gemma3 and phi3: a small
+For llama (incl. Mistral files, which use it), qwen2, qwen3, gemma2, gemma3 and phi3: a small
 random-weight GGUF written the way llama.cpp's converter names tensors and keys
 (tests/gguf_models.py), in a mix of block types as real files mix them; FreeToken's greedy
 tokens, in one batch, equal transformers' own GGUF loader's (which dequantizes every block
@@ -57,7 +57,8 @@ PROMPTS = [
 # arch -> write_gguf arguments: each a different mix of block types (K-quants need rows of
 # 256 weights, so those models are 256 wide). Head sizes as the real families have them,
 # where transformers' GGUF loader takes its default instead of the file's key (Qwen3's
-# head_dim 128, Gemma 3's query_pre_attn_scalar 256 = head_dim).
+# head_dim 128, Gemma's query_pre_attn_scalar 256 = head_dim; Gemma 2's softcaps, 50 and 30,
+# its loader's defaults and the converter's values).
 CASES = {
     "llama": {"hidden": 256, "ff": 512, "heads": 4, "kv_heads": 2, "weight_type": Q4_K,
               "types": {"attn_v.weight": Q6_K, "ffn_down.weight": Q6_K,
@@ -69,6 +70,10 @@ CASES = {
               "weight_type": IQ4_XS, "tied": False,
               "types": {"attn_output.weight": Q5_K, "ffn_gate.weight": Q3_K,
                         "ffn_up.weight": Q2_K, "token_embd.weight": Q6_K}},
+    "gemma2": {"hidden": 64, "ff": 128, "heads": 2, "kv_heads": 1, "head_dim": 256,
+               "layers": 4, "weight_type": Q5_0, "sliding_window": 6,
+               "types": {"token_embd.weight": BF16, "attn_output.weight": Q4_K,
+                         "ffn_up.weight": Q8_0}},
     "gemma3": {"hidden": 64, "ff": 128, "heads": 2, "kv_heads": 1, "head_dim": 256,
                "layers": 6, "rope_theta": 1e6, "weight_type": Q4_0, "sliding_window": 6,
                "types": {"token_embd.weight": F16, "ffn_down.weight": IQ4_NL}},

@@ -1,6 +1,7 @@
 """Tensor parallelism (``tensor_parallel_size=2``, gloo + shared memory on this machine):
 the split itself, and greedy tokens equal to one rank's on the exactness prompts, for the
-default model and random Qwen3- and Gemma3-shaped models as HF directories and GGUF files."""
+default model and random Qwen3-, Gemma 2- and Gemma 3-shaped models as HF directories and
+GGUF files."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import psutil
 import pytest
 from gguf_models import write_gguf
 from server_fixtures import free_port
+from test_arch_gemma2 import make_gemma2
 from test_arch_gemma3 import make_gemma3
 from test_arch_phi3 import make_phi3
 from test_model_exactness import PROMPTS
@@ -85,12 +87,13 @@ def test_hf_dir_tp2_equals_tp1(arch: str, tmp_path: Path) -> None:
     _check_tp_equals_one_rank(str(make_tiny_model(tmp_path / arch, arch)), dtype="float32")
 
 
-@pytest.mark.parametrize("make", [make_gemma3, make_phi3], ids=["gemma3", "phi3"])
+@pytest.mark.parametrize("make", [make_gemma2, make_gemma3, make_phi3],
+                         ids=["gemma2", "gemma3", "phi3"])
 def test_hf_dir_gemma3_phi3_tp2_equal_tp1(make, tmp_path: Path) -> None:
     _check_tp_equals_one_rank(str(make(tmp_path / "model")), dtype="float32")
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "llama", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "llama", "phi3"])
 def test_gguf_tp2_equals_tp1(arch: str, tmp_path: Path) -> None:
     path = write_gguf(tmp_path / f"{arch}.gguf", arch, ff=256)
     _check_tp_equals_one_rank(str(path))

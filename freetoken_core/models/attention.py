@@ -176,41 +176,50 @@ def _gather(kv_cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> 
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            is_causal: bool, scale: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+            is_causal: bool, scale: float | None, sinks: torch.Tensor | None,
+            softcap: float = 0.0) -> torch.Tensor:
     """``scaled_dot_product_attention`` of ``q`` [B, H, Q, D] over ``k``, ``v`` [B, KVH, K,
     D] (grouped-query: each KV head serves H / KVH query heads); with ``sinks`` ([H]
     float32), each head's sink logit joins the softmax and takes its share of the weight
     with no value (transformers' gpt-oss eager attention: the scores and the sink, less
-    their maximum, through a softmax, the sink's column dropped)."""
-    if sinks is None:
+    their maximum, through a softmax, the sink's column dropped); with ``softcap`` > 0, the
+    scaled scores become ``softcap * tanh(scores / softcap)`` before the mask and the
+    softmax (transformers' Gemma 2 eager attention)."""
+    if sinks is None and not softcap:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                               enable_gqa=True, scale=scale)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool,
                           device=q.device).tril(k.shape[-2] - q.shape[-2])
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    combined = torch.cat([scores, sink], dim=-1)
-    combined = combined - combined.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    scores = scores - scores.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
     return probs.to(v.dtype) @ v
 
 
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Write the step's keys and values into the cache, then attend.
 
     ``q``: [T, H, D]; ``kv``: [T, 2, KVH, D] (keys, values); ``kv_cache``:
     [num_slots, 2, KVH, D], keys and values of a slot side by side so one gather reads
     both. ``scale`` multiplies the scores (``None``: 1/sqrt(D)); ``meta.window`` limits
     each query to its last keys; ``sinks`` ([H] float32) are the heads' attention sinks
-    (gpt-oss: a logit per head in every query's softmax, with no value). Returns [T, H *
-    D]. A cache of another dtype than ``q``'s (``kv_cache_dtype``) stores the keys and
+    (gpt-oss: a logit per head in every query's softmax, with no value); ``softcap`` > 0
+    bounds each scaled score to ``softcap * tanh(score / softcap)`` (Gemma 2's
+    ``attn_logit_softcapping``; 0: none). Returns [T, H * D]. A cache of another dtype than ``q``'s (``kv_cache_dtype``) stores the keys and
     values rounded to it, and every query attends to the stored values, this step's too: a
     prompt's result is the same whether its prefix was computed in this chunk or found in
     the cache.
@@ -226,7 +235,7 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
         torch.ops.freetoken.paged_decode_attention(
             q[:d], kv_cache, meta.decode_block_tables, meta.decode_context_lens,
             meta.block_size, head_dim ** -0.5 if scale is None else scale, od,
-            meta.window or 0, sinks)
+            meta.window or 0, sinks, softcap)
         od = od.view(d, num_heads * head_dim)
         if not meta.prefills:
             return od
@@ -237,11 +246,12 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
         qd = q[:d].view(d, num_kv_heads, group, head_dim)
         ctx = _gather(kv_cache, meta.decode_slots, q.dtype)  # [D, L, 2, KVH, D]
         kd, vd = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
-        if sinks is None:
+        if sinks is None and not softcap:
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
                                                 scale=scale)
         else:  # (one query per sequence: the heads on the batch axis's side)
-            od = _attend(q[:d].unsqueeze(2), kd, vd, meta.decode_mask, False, scale, sinks)
+            od = _attend(q[:d].unsqueeze(2), kd, vd, meta.decode_mask, False, scale, sinks,
+                         softcap)
         od = od.reshape(d, num_heads * head_dim)
         if not meta.prefills:
             return od
@@ -256,6 +266,6 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
             ctx = _gather(kv_cache, span.context_slots, q.dtype)
         kp = ctx[:, 0].transpose(0, 1).unsqueeze(0)
         vp = ctx[:, 1].transpose(0, 1).unsqueeze(0)
-        op = _attend(qp, kp, vp, span.mask, span.mask is None, scale, sinks)
+        op = _attend(qp, kp, vp, span.mask, span.mask is None, scale, sinks, softcap)
         out[span.start:span.end] = op[0].transpose(0, 1)
     return out.view(num_tokens, num_heads * head_dim)

@@ -1,21 +1,33 @@
 """The architecture facts of a model, read from a Hugging Face config.json: the Llama family,
-Gemma 3 (text), Phi-3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss."""
+Gemma 2, Gemma 3 (text), Phi-3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE, Mixtral and
+gpt-oss."""
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.config_fields import (
+    gemma2_fields,
+    gemma3_fields,
+    glm4_fields,
+    gpt_oss_fields,
+    granite_fields,
+    moe_fields,
+    phi3_fields,
+    quantized_experts,
+    smollm3_fields,
+)
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
@@ -28,8 +40,8 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
-_ACTIVATIONS = {"gemma3": "gelu_pytorch_tanh", "phi3": "silu", "qwen3_moe": "silu",
-                "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu"}
+_ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "phi3": "silu",
+                "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu"}
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,9 @@ class ModelConfig:
     """Attention's score scale; ``None``: ``head_dim ** -0.5``."""
     final_logit_softcap: float | None = None
     """Logits become ``cap * tanh(logits / cap)`` (Gemma's ``final_logit_softcapping``)."""
+    attn_logit_softcap: float | None = None
+    """Each attention score (scaled) becomes ``cap * tanh(score / cap)`` before the softmax
+    (Gemma 2's ``attn_logit_softcapping``); ``None``: none."""
     partial_rotary_factor: float = 1.0
     """The fraction of each head's dimensions RoPE rotates (the first ones; Phi-3)."""
     embedding_multiplier: float = 1.0
@@ -153,7 +168,7 @@ class ModelConfig:
         use_window = cfg.get("use_sliding_window", family in ("mistral", "mixtral"))
         # transformers' Gemma reads hidden_activation (default gelu_pytorch_tanh) only.
         hidden_act = ((cfg.get("hidden_activation") or "gelu_pytorch_tanh")
-                      if family == "gemma3" else (cfg.get("hidden_act") or "silu"))
+                      if family in ("gemma2", "gemma3") else (cfg.get("hidden_act") or "silu"))
         expected = _ACTIVATIONS.get(family)
         if expected is not None and hidden_act != expected:
             raise ModelLoadError(f"{arch} with hidden activation {hidden_act!r} is not "
@@ -163,25 +178,28 @@ class ModelConfig:
             "rope_scaling": rope_scaling,
             # (transformers' default where config.json leaves it out: tied for these two)
             "tie_word_embeddings": bool(cfg.get("tie_word_embeddings",
-                                                family in ("gemma3", "smollm3"))),
+                                                family in ("gemma2", "gemma3",
+                                                           "smollm3"))),
             "hidden_act": hidden_act,
         }
         if family == "gemma3":
-            fields.update(_gemma3_fields(cfg))
+            fields.update(gemma3_fields(cfg))
+        elif family == "gemma2":
+            fields.update(gemma2_fields(cfg))
         elif family == "phi3":
-            fields.update(_phi3_fields(cfg, rope_scaling))
+            fields.update(phi3_fields(cfg, rope_scaling))
         elif family == "smollm3":
-            fields.update(_smollm3_fields(cfg))
+            fields.update(smollm3_fields(cfg))
         elif family == "granite":
-            fields.update(_granite_fields(cfg))
+            fields.update(granite_fields(cfg))
         elif family in ("qwen3_moe", "qwen2_moe", "mixtral"):
-            fields.update(_moe_fields(cfg, arch, family))
+            fields.update(moe_fields(cfg, arch, family))
         elif family == "gpt_oss":
-            fields.update(_gpt_oss_fields(cfg, rope_scaling))
+            fields.update(gpt_oss_fields(cfg, rope_scaling))
         elif family == "glm4":
-            fields.update(_glm4_fields(cfg, rope_scaling))
-        fields["mxfp4_experts"] = _quantized_experts(arch, family,
-                                                     cfg.get("quantization_config"))
+            fields.update(glm4_fields(cfg, rope_scaling))
+        fields["mxfp4_experts"] = quantized_experts(arch, family,
+                                                    cfg.get("quantization_config"))
         return cls(
             architecture=family,
             vocab_size=cfg["vocab_size"],
@@ -218,239 +236,3 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError, KeyError) as exc:
             raise ModelLoadError(f"cannot read {path}: {exc}; expected a Hugging Face "
                                  "config.json of a Llama-family model") from exc
-
-
-def _rope_kind(params: dict[str, Any]) -> str:
-    return params.get("rope_type", params.get("type", "default"))
-
-
-def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's fields, read as transformers' ``Gemma3TextConfig`` reads them: the rope of
-    each layer type (``rope_parameters`` per type, or the legacy ``rope_theta``,
-    ``rope_local_base_freq`` and ``rope_scaling`` keys, which apply to the global layers),
-    ``layer_types`` (or every ``sliding_window_pattern``-th layer global), the query scale."""
-    if cfg.get("attn_logit_softcapping") is not None:
-        raise ModelLoadError(
-            f"Gemma3ForCausalLM with attn_logit_softcapping={cfg['attn_logit_softcapping']} is "
-            "not supported (FreeToken's attention does not softcap scores; Gemma 3 "
-            "checkpoints have it null)")
-    if cfg.get("use_bidirectional_attention"):
-        raise ModelLoadError("Gemma3ForCausalLM with use_bidirectional_attention (an encoder, "
-                             "e.g. EmbeddingGemma) is not supported: FreeToken generates text")
-    params = cfg.get("rope_parameters") or {}
-    nested = "full_attention" in params or "sliding_attention" in params
-    full = dict(params.get("full_attention") or {}) if nested else dict(params)
-    local = dict(params.get("sliding_attention") or {}) if nested else {}
-    if cfg.get("rope_scaling"):
-        full.update(cfg["rope_scaling"])
-    full.setdefault("rope_theta", cfg.get("rope_theta") or 1_000_000.0)
-    local.setdefault("rope_theta", cfg.get("rope_local_base_freq") or 10_000.0)
-    if _rope_kind(local) != "default":
-        raise ModelLoadError(f"Gemma3ForCausalLM with rope type {_rope_kind(local)!r} on its "
-                             "sliding-window layers is not supported (checkpoints use default)")
-    kind = _rope_kind(full)
-    num_layers = cfg["num_hidden_layers"]
-    layer_types = cfg.get("layer_types")
-    if layer_types is None:
-        pattern = cfg.get("sliding_window_pattern") or 6
-        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                       for i in range(num_layers)]
-    return {
-        "rope_theta": float(full["rope_theta"]),
-        "rope_scaling": None if kind == "default" else dict(full, rope_type=kind),
-        "rope_local_theta": float(local["rope_theta"]),
-        "layer_windows": _layer_windows("Gemma3ForCausalLM", layer_types, num_layers,
-                                        cfg.get("sliding_window")),
-        "query_scale": cfg.get("query_pre_attn_scalar", 256) ** -0.5,
-        "final_logit_softcap": cfg.get("final_logit_softcapping"),
-    }
-
-
-def _layer_windows(arch: str, layer_types: list[str], num_layers: int, window: Any
-                   ) -> tuple[int | None, ...]:
-    """Each layer's window from ``layer_types`` (``sliding_attention`` layers attend to
-    their last ``window`` keys, ``full_attention`` ones to all), checked: one type a layer,
-    and a window of at least one key where a layer slides."""
-    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention",
-                                                             "full_attention"}:
-        raise ModelLoadError(f"{arch} layer_types {layer_types!r}: expected {num_layers} of "
-                             "'sliding_attention' / 'full_attention'")
-    if "sliding_attention" in layer_types and (not isinstance(window, int) or window < 1):
-        raise ModelLoadError(f"{arch} with sliding-window layers needs sliding_window >= 1, "
-                             f"not {window!r}")
-    return tuple(window if t == "sliding_attention" else None for t in layer_types)
-
-
-def _expert_counts(arch: str, counts: tuple[tuple[str, Any, int], ...], top_k: int,
-                   experts: int) -> None:
-    """Each ``(key, value, least)`` an integer of at least ``least``, and no more experts a
-    token than there are."""
-    for key, value, low in counts:
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ModelLoadError(f"{arch} {key} must be an integer >= {low}, not {value!r}")
-    if top_k > experts:
-        raise ModelLoadError(f"{arch} num_experts_per_tok {top_k} exceeds its {experts} "
-                             "experts")
-
-
-def _granite_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Granite's four multipliers, transformers' ``GraniteConfig`` defaults (1) where
-    config.json leaves them out: the embeddings', the residual branches', the attention
-    scores' (in place of ``head_dim ** -0.5``) and the logits' divisor."""
-    def number(key: str) -> float:
-        value = cfg.get(key, 1.0)
-        if not isinstance(value, int | float) or not math.isfinite(value) or value == 0:
-            raise ModelLoadError(f"GraniteForCausalLM {key} must be a finite non-zero "
-                                 f"number, not {value!r}")
-        return float(value)
-
-    return {"embedding_multiplier": number("embedding_multiplier"),
-            "residual_multiplier": number("residual_multiplier"),
-            "query_scale": number("attention_multiplier"),
-            "logits_scaling": number("logits_scaling")}
-
-
-def _moe_fields(cfg: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
-    """The mixture of experts as transformers' configs read it: Qwen3-MoE's (and Qwen2-MoE's,
-    with its shared expert of ``shared_expert_intermediate_size``)
-    ``num_experts`` (``num_local_experts`` as transformers 5 saves it),
-    ``moe_intermediate_size``, ``norm_topk_prob`` (default False) and its dense layers
-    (``mlp_only_layers``, and every layer but each ``decoder_sparse_step``-th); Mixtral's
-    ``num_local_experts`` of ``intermediate_size``, every layer sparse, top k always
-    renormalized. Both: ``num_experts_per_tok`` of them, softmax routing, SwiGLU experts.
-    A key config.json leaves out takes transformers' default; a bad value is named."""
-    layers = cfg["num_hidden_layers"]
-    qwen = family in ("qwen3_moe", "qwen2_moe")
-    qwen2 = family == "qwen2_moe"
-    # (transformers' defaults where config.json leaves a key out)
-    experts = cfg.get("num_experts", cfg.get("num_local_experts", 60 if qwen2 else 128)) if (
-        qwen) else cfg.get("num_local_experts", 8)
-    top_k = cfg.get("num_experts_per_tok", (4 if qwen2 else 8) if qwen else 2)
-    size = cfg.get("moe_intermediate_size", 1408 if qwen2 else 768) if qwen else cfg.get(
-        "intermediate_size")
-    shared = cfg.get("shared_expert_intermediate_size", 5632) if qwen2 else 0
-    _expert_counts(arch, (("num_experts" if qwen else "num_local_experts", experts, 1),
-                          ("num_experts_per_tok", top_k, 1),
-                          ("moe_intermediate_size" if qwen else "intermediate_size", size, 1),
-                          ("shared_expert_intermediate_size", shared, 0)), top_k, experts)
-    scale = cfg.get("routed_scaling_factor", 1.0)
-    if not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
-        raise ModelLoadError(f"{arch} routed_scaling_factor must be a positive number, "
-                             f"not {scale!r}")
-    flags: tuple[int, ...] = ()
-    if qwen:
-        step = cfg.get("decoder_sparse_step") or 1
-        dense = set(cfg.get("mlp_only_layers") or ())
-        flags = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(layers))
-    return {"num_experts": experts, "num_experts_per_tok": top_k,
-            "moe_intermediate_size": size,
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)) if qwen else True,
-            "routed_scaling_factor": float(scale),
-            "shared_expert_intermediate_size": shared,
-            "moe_layers": flags if 0 in flags else ()}
-
-
-def _gpt_oss_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None
-                    ) -> dict[str, Any]:
-    """gpt-oss's fields as transformers' ``GptOssConfig`` reads them (its defaults where
-    config.json leaves a key out): ``num_local_experts`` experts of ``intermediate_size``,
-    ``num_experts_per_tok`` of them weighted by the softmax of their router logits (the
-    router and the experts with biases), the clamped SwiGLU (``swiglu_limit``,
-    ``swiglu_alpha``), a sink per attention head, and ``layer_types``: sliding-window
-    layers attend to their last ``sliding_window`` keys (default: alternating, the first
-    sliding). The rope is YaRN's (``rope_scaling`` / ``rope_parameters``)."""
-    arch, layers = "GptOssForCausalLM", cfg["num_hidden_layers"]
-    experts = cfg.get("num_local_experts", 128)
-    top_k = cfg.get("num_experts_per_tok", 4)
-    size = cfg.get("intermediate_size", 2880)
-    _expert_counts(arch, (("num_local_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
-                          ("intermediate_size", size, 1)), top_k, experts)
-    limit, alpha = cfg.get("swiglu_limit", 7.0), cfg.get("swiglu_alpha", 1.702)
-    for key, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
-        if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-            raise ModelLoadError(f"{arch} {key} must be a positive number, not {value!r}")
-    layer_types = cfg.get("layer_types") or [
-        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    if rope_scaling is not None and rope_scaling["rope_type"] != "yarn":
-        raise ModelLoadError(f"{arch} with rope type {rope_scaling['rope_type']!r} is not "
-                             "supported (its checkpoints use yarn)")
-    return {"num_experts": experts, "num_experts_per_tok": top_k,
-            "moe_intermediate_size": size, "expert_gating": "softmax_weight",
-            "expert_bias": True, "swiglu_limit": float(limit), "swiglu_alpha": float(alpha),
-            "attention_sinks": True,
-            "layer_windows": _layer_windows(arch, layer_types, layers,
-                                            cfg.get("sliding_window", 128))}
-
-
-def _glm4_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None
-                 ) -> dict[str, Any]:
-    """GLM-4's fields as transformers' ``Glm4Config`` reads them: the rotated fraction of
-    each head (``partial_rotary_factor``, top level or in ``rope_parameters``; default 0.5)
-    and the default rope (the released checkpoints scale none)."""
-    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    factor = cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.5
-    if rope_scaling is not None:
-        raise ModelLoadError(f"Glm4ForCausalLM with rope type {rope_scaling['rope_type']!r} "
-                             "is not supported (its checkpoints use the default rope)")
-    return {"partial_rotary_factor": float(factor)}
-
-
-def _quantized_experts(arch: str, family: str, quantization: Any) -> bool:
-    """Whether config.json's ``quantization_config`` says the experts are MXFP4 (gpt-oss's
-    released checkpoints); any other quantization (GPTQ, AWQ, FP8, bitsandbytes, ...) is
-    refused here, naming it, rather than met later as weights of unknown names."""
-    if quantization is None:
-        return False
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-    if method == "mxfp4" and family == "gpt_oss":
-        return True
-    raise ModelLoadError(
-        f"{arch} with quantization_config.quant_method {method!r} is not supported: FreeToken "
-        "reads float safetensors (and gpt-oss's MXFP4 experts) from a directory; serve a "
-        "GGUF file of the model (any common quant type) or its unquantized checkpoint")
-
-
-def _smollm3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """SmolLM3's NoPE layers as transformers' ``SmolLM3Config`` reads them: ``no_rope_layers``
-    (1 rotates), else every ``no_rope_layer_interval``-th layer (default 4) without RoPE.
-    Its optional sliding window is refused (the released models have none)."""
-    layers = cfg["num_hidden_layers"]
-    flags = cfg.get("no_rope_layers")
-    if flags is None:
-        interval = int(cfg.get("no_rope_layer_interval") or 4)
-        flags = [int((i + 1) % interval != 0) for i in range(layers)]
-    if len(flags) != layers or any(f not in (0, 1) for f in flags):
-        raise ModelLoadError(f"SmolLM3ForCausalLM no_rope_layers must hold 0 or 1 for each "
-                             f"of the {layers} layers, not {flags!r}")
-    if cfg.get("use_sliding_window"):
-        raise ModelLoadError("SmolLM3ForCausalLM with use_sliding_window is not supported "
-                             "(the released SmolLM3 models attend to every key)")
-    return {"no_rope_layers": tuple(int(f) for f in flags)}
-
-
-def _phi3_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
-    """Phi-3's fields: LongRoPE (``su`` and ``yarn`` are its old names, as transformers has
-    them) with the pre-training length, the rotated fraction of each head, and the sliding
-    window, which transformers applies to every layer (llama.cpp ignores it)."""
-    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    factor = cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0
-    fields: dict[str, Any] = {"partial_rotary_factor": float(factor)}
-    if rope_scaling is not None:
-        kind = rope_scaling["rope_type"]
-        kind = "longrope" if kind in ("su", "yarn") else kind
-        if kind != "longrope":
-            raise ModelLoadError(f"Phi3ForCausalLM with rope_scaling type {kind!r} is not "
-                                 "supported (transformers' Phi-3 knows default and longrope)")
-        original = cfg.get("original_max_position_embeddings",
-                           rope_scaling.get("original_max_position_embeddings"))
-        if original is None:
-            raise ModelLoadError("Phi3ForCausalLM longrope needs "
-                                 "original_max_position_embeddings in config.json")
-        fields["rope_scaling"] = dict(rope_scaling, rope_type=kind,
-                                      original_max_position_embeddings=original)
-    window = cfg.get("sliding_window")
-    if window is not None:
-        if window < 1:
-            raise ModelLoadError(f"Phi3ForCausalLM sliding_window {window}: must be >= 1")
-        fields["layer_windows"] = (window,) * cfg["num_hidden_layers"]
-    return fields

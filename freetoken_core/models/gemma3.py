@@ -1,4 +1,5 @@
-"""Native Gemma 3 causal LM, text only (transformers' ``Gemma3ForCausalLM``).
+"""Native Gemma 3 causal LM, text only (transformers' ``Gemma3ForCausalLM``), and the blocks
+Gemma 2 shares with it (gemma2.py).
 
 Llama's model (llama.py: paged attention, fused q/k/v and gate/up linears, the residual
 stream passed beside each block's output) with Gemma's differences, each computed as
@@ -12,7 +13,10 @@ transformers computes it:
 - sliding-window layers (``layer_types``) attend to their last ``sliding_window`` keys,
   their own included, rotated with the local base ``rope_local_base_freq`` and no scaling;
   global layers attend to every key, rotated with ``rope_theta`` and ``rope_scaling``;
-- tied embeddings, and the final logit softcap where the config sets one.
+- tied embeddings, and the final logit softcap where the config sets one;
+- where the config has them (Gemma 2's, ``attn_logit_softcap``), the scores softcapped
+  before the softmax; without q/k norms (Gemma 2) the queries and keys go to the rope as
+  projected; without a local base (Gemma 2) every layer has the one rope.
 
 Every layer keeps every key in the KV cache (no ring buffer for the sliding layers): the
 window only limits what a query reads.
@@ -42,7 +46,8 @@ def norm_weight(w: torch.Tensor) -> torch.Tensor:
 
 
 class Gemma3DecoderLayer(DecoderLayer):
-    """Llama's block with Gemma's four norms, q/k norms, query scale and GELU-tanh MLP."""
+    """Llama's block with Gemma's four norms, q/k norms (Gemma 3's; Gemma 2 has none), query
+    scale, scores' softcap (Gemma 2's) and GELU-tanh MLP."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights, index: int, native: bool,
                  arena: BlockArena | None = None) -> None:
@@ -50,11 +55,13 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.pre_ff_norm = norm_weight(weights.pop(prefix + "pre_feedforward_layernorm.weight"))
         self.post_ff_norm = norm_weight(
             weights.pop(prefix + "post_feedforward_layernorm.weight"))
-        super().__init__(cfg, weights, index, native, arena)  # cfg.qk_norm: no one_call
+        super().__init__(cfg, weights, index, native, arena)
+        self.one_call = None  # (Llama's block: its norms, its MLP)
         self.input_norm = norm_weight(self.input_norm)
         self.post_attn_norm = norm_weight(self.post_attn_norm)
-        self.q_norm = norm_weight(self.q_norm)
-        self.k_norm = norm_weight(self.k_norm)
+        if cfg.qk_norm:
+            self.q_norm = norm_weight(self.q_norm)
+            self.k_norm = norm_weight(self.k_norm)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                  sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -70,11 +77,16 @@ class Gemma3DecoderLayer(DecoderLayer):
             x, residual = float32_weight_add_rms_norm(x, residual, self.input_norm, eps,
                                                       native)
         q, k, v = self.qkv_proj(x).split([h * d, kvh * d, kvh * d], dim=-1)
-        qk = torch.cat([float32_weight_rms_norm(q.view(n, h, d), self.q_norm, eps),
-                        float32_weight_rms_norm(k.view(n, kvh, d), self.k_norm, eps)], dim=1)
+        if self.q_norm is not None:
+            qk = torch.cat([float32_weight_rms_norm(q.view(n, h, d), self.q_norm, eps),
+                            float32_weight_rms_norm(k.view(n, kvh, d), self.k_norm, eps)],
+                           dim=1)
+        else:
+            qk = torch.cat([q.view(n, h, d), k.view(n, kvh, d)], dim=1)
         qk = apply_rope(qk, cos, sin, native)
         kv = torch.cat([qk[:, h:], v.view(n, kvh, d)], dim=1).view(n, 2, kvh, d)
-        x = self.o_proj(paged_attention(qk[:, :h], kv, kv_cache, meta, self.scale))
+        x = self.o_proj(paged_attention(qk[:, :h], kv, kv_cache, meta, self.scale,
+                                        softcap=self.softcap))
         x = float32_weight_rms_norm(x, self.post_attn_norm, eps, native)
         x, residual = float32_weight_add_rms_norm(x, residual, self.pre_ff_norm, eps, native)
         x = self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
@@ -94,8 +106,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.norm = norm_weight(self.norm)
         # transformers: torch.tensor(sqrt(hidden)) (float32), cast to the weights' dtype.
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5).to(dtype=dtype, device=device)
-        self.local_rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_local_theta,
-                                            None, dtype, device)
+        self.local_rotary = self.rotary  # (Gemma 2: one rope)
+        if cfg.rope_local_theta is not None:
+            self.local_rotary = RotaryEmbedding(cfg.head_dim, max_positions,
+                                                cfg.rope_local_theta, None, dtype, device)
         # (self.windows: each layer's window, LlamaForCausalLM's; a sliding layer keeps its
         # local rope where its window is as long as the context.)
         self.is_sliding = [w is not None for w in cfg.layer_windows or (None,) * cfg.num_layers]
@@ -104,7 +118,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat step; writes the step's KV into the cache."""
         x = self.embedding(input_ids) * self.embed_scale
-        ropes = {False: self.rotary.tables(positions), True: self.local_rotary.tables(positions)}
+        ropes = {False: self.rotary.tables(positions)}
+        ropes[True] = (ropes[False] if self.local_rotary is self.rotary
+                       else self.local_rotary.tables(positions))
         metas = {window: meta.with_window(window) for window in set(self.windows)}
         residual = None
         for layer, sliding, window, cache in zip(self.layers, self.is_sliding, self.windows,

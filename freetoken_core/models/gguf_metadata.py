@@ -20,6 +20,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
@@ -188,6 +189,8 @@ def build_config(reader: Any) -> dict[str, Any]:
     }
     if arch == "gemma3":
         config.update(_gemma3_config(reader, config))
+    if arch == "gemma2":
+        config.update(_gemma2_config(reader, config))
     if arch == "phi3" and rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
     if arch == "glm4":
@@ -245,6 +248,32 @@ def _glm4_config(reader: Any, factor: float, names: set[str]) -> dict[str, Any]:
                              "layers) is not supported")
     return {"partial_rotary_factor": factor,
             "attention_bias": "blk.0.attn_q.bias" in names}
+
+
+def _gemma2_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's keys as llama.cpp reads them (src/llama-model.cpp ``LLM_ARCH_GEMMA2``):
+    every other layer sliding, the first included (its SWA pattern of 2), over
+    ``attention.sliding_window`` keys (default 4096); the scores softcapped at
+    ``attn_logit_softcapping`` (default 50) and the logits at ``final_logit_softcapping``
+    (default 30); the query scaled by 1/sqrt(head_dim) (``attention.key_length``), except
+    the 46-layer 27B's 1/sqrt(hidden / heads), transformers' ``query_pre_attn_scalar``."""
+    layers = config["num_hidden_layers"]
+    scalar = config["head_dim"]
+    if layers == 46:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    return {
+        "model_type": "gemma2",
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": float(field(reader, "gemma2.attention.layer_norm_rms_epsilon", 1e-6)),
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": int(field(reader, "gemma2.attention.sliding_window", 4096)),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                        for i in range(layers)],
+        "attn_logit_softcapping": float(field(reader, "gemma2.attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": float(field(reader, "gemma2.final_logit_softcapping",
+                                               30.0)),
+    }
 
 
 def _granite_config(reader: Any, head_dim: int) -> dict[str, Any]:

@@ -97,6 +97,13 @@ _LLAMA_NORMS = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+# Gemma's four norms a block (their weights stored as 1 + w: ``_vector`` takes the 1 off).
+_GEMMA_NORMS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "llama": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},  # (Mixtral: llama with experts)
     "smollm3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
@@ -106,13 +113,9 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "qwen3moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},
     "qwen2moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE, **_SHARED_EXPERT},
     "gpt-oss": _GPT_OSS,
-    "gemma3": {
-        "attn_norm.weight": "input_layernorm.weight",
-        "post_attention_norm.weight": "post_attention_layernorm.weight",
-        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-        **_ATTENTION, **_MLP,
-    },
+    "gemma3": {**_GEMMA_NORMS, **_ATTENTION, **_MLP},
+    "gemma2": {**_GEMMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
+               **_MLP},  # (no q/k norms)
     "glm4": {
         "attn_norm.weight": "input_layernorm.weight",
         "post_attention_norm.weight": "post_self_attn_layernorm.weight",
@@ -280,8 +283,9 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
     disagrees with the type and shape, a tensor the family does not have, or a missing one.
     Llama files store q/k rows permuted for interleaved rotary pairs (llama.cpp's
     ``convert_hf_to_gguf.py``); they are put back in Hugging Face order here, as
-    transformers' GGUF loader does. Gemma 3's converter adds 1 to every norm weight; it is
-    taken off again, as transformers' loader does, so the model computes ``1 + w``."""
+    transformers' GGUF loader does. Gemma's converter (Gemma 2's and 3's) adds 1 to every
+    norm weight; it is taken off again, as transformers' loader does, so the model computes
+    ``1 + w``."""
     check_tensors(reader, path)
     heads = {"self_attn.q_proj.weight": num_heads, "self_attn.k_proj.weight": num_kv_heads}
     weights: dict[str, GGUFWeight | torch.Tensor] = {}
@@ -336,7 +340,7 @@ def _vector(t: Any, qtype: int, arch: str) -> torch.Tensor:
     weight = GGUFWeight(t.name, qtype, (1, int(t.shape[0])),
                         np.asarray(t.data).view(np.uint8).reshape(1, -1))
     values = weight.dequantize().reshape(-1).clone()
-    if arch == "gemma3" and t.name.endswith("norm.weight"):
+    if arch in ("gemma2", "gemma3") and t.name.endswith("norm.weight"):
         values -= 1.0
     return values
 

@@ -85,15 +85,17 @@ class DecoderLayer:
         self.eps = cfg.rms_norm_eps
         self.native = native
         self.scale = cfg.query_scale  # None: head_dim ** -0.5
+        self.softcap = cfg.attn_logit_softcap or 0.0  # the scores' (Gemma 2); 0: none
         self.residual_multiplier = cfg.residual_multiplier
         # The whole block in one native call (the same kernels in the same order, so the
         # same results) where it covers the layer: every linear from GGUF blocks, no bias,
-        # no q/k norm, Llama's score scale, no sinks, no residual multiplier and a dense
-        # MLP (the model takes it away from a layer with a sliding window).
+        # no q/k norm, Llama's score scale, no sinks or softcap, no residual multiplier and a
+        # dense MLP (the model takes it away from a layer with a sliding window).
         self.linears = (self.qkv_proj, self.o_proj, *mlp_linears)
         self.one_call = None
         if native and bias is None and o_bias is None and self.q_norm is None and (
-                self.scale is None and self.sinks is None and self.moe is None) and (
+                self.scale is None and self.sinks is None and self.moe is None
+                and not self.softcap) and (
                 self.residual_multiplier == 1.0) and all(
                 lin.blocks is not None for lin in self.linears):
             self.set_one_call_blocks()
@@ -150,7 +152,7 @@ class DecoderLayer:
         # Rotated keys and values side by side, as the cache stores them.
         kv = torch.cat([qk[:, h:], v.view(n, kvh, d)], dim=1).view(n, 2, kvh, d)
         return self.o_proj(paged_attention(qk[:, :h], kv, kv_cache, meta, self.scale,
-                                           self.sinks))
+                                           self.sinks, self.softcap))
 
 
 class LlamaForCausalLM(BlockLayouts):

@@ -118,7 +118,7 @@ def phi3_rope(cfg: ModelConfig, max_positions: int, rot: int, dtype: torch.dtype
     attention_factor = 1.0
     if scaling is None:
         freqs = torch.outer(t, 1.0 / base)
-    else:  # longrope (config.py refuses other types)
+    else:  # longrope (config_fields.py refuses other types)
         original = scaling["original_max_position_embeddings"]
         key = "long_factor" if max_positions > original else "short_factor"
         values = scaling.get(key)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from freetoken_core.models.gemma2 import Gemma2ForCausalLM
 from freetoken_core.models.gemma3 import Gemma3ForCausalLM
 from freetoken_core.models.glm4 import Glm4ForCausalLM
 from freetoken_core.models.llama import LlamaForCausalLM
@@ -16,6 +17,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "phi3": Phi3ForCausalLM,
     "smollm3": SmolLM3ForCausalLM,

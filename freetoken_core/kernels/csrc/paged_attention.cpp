@@ -21,6 +21,8 @@
 //   sinks        [H] float32, optional  each head's attention sink (gpt-oss): a logit that
 //                                       joins every query's softmax with no value, so the
 //                                       weights of its keys sum to less than one
+//   softcap      > 0: each score (scaled) becomes softcap * tanh(score / softcap) before the
+//                softmax (Gemma 2's attn_logit_softcapping); 0: none
 //   out          [D, H, hd]             contiguous
 // q and out float32 or bfloat16, the cache float32, bfloat16 or float16 (--kv-cache-dtype);
 // sums are float32 either way.
@@ -153,6 +155,32 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
     sum += s[i];
   }
   return sum;
+}
+
+// s[0:n] = cap * tanh(s / cap) (cap > 0), tanh(y) as 1 - 2 / (exp(2y) + 1), eight lanes at
+// a time; the last n % 8 through the same lanes, padded, so that every score gets the same
+// floats wherever it lies in the range (the absolute error, ~1e-7 of cap, is far below the
+// scores' own rounding).
+inline void softcap_scores(float* s, int64_t n, float cap) {
+  const float two_over_cap = 2.f / cap;
+#ifdef FREETOKEN_AVX2
+  const __m256 k = _mm256_set1_ps(two_over_cap), c = _mm256_set1_ps(cap);
+  const __m256 one = _mm256_set1_ps(1.f), two_c = _mm256_set1_ps(2.f * cap);
+  const auto cap8 = [&](__m256 x) {
+    const __m256 e = exp8(_mm256_mul_ps(x, k));
+    return _mm256_sub_ps(c, _mm256_div_ps(two_c, _mm256_add_ps(e, one)));
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, cap8(_mm256_loadu_ps(s + i)));
+  if (i < n) {
+    float tail[8] = {};
+    std::copy(s + i, s + n, tail);
+    _mm256_storeu_ps(tail, cap8(_mm256_loadu_ps(tail)));
+    std::copy(tail, tail + (n - i), s + i);
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) s[i] = cap - 2.f * cap / (std::exp(s[i] * two_over_cap) + 1.f);
+#endif
 }
 
 // What a pass over keys requests ahead of the slot it reads: `count` elements of the slots
@@ -383,7 +411,7 @@ template <typename TQ, typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens,
                       int64_t block_size, double scale, int64_t window, const float* sinks,
-                      at::Tensor& out) {
+                      float softcap, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = kv_cache.size(2), group = num_heads / num_kv_heads;
   const int64_t q_stride = q.stride(0), slot_stride = kv_cache.stride(0);
@@ -495,6 +523,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             head_dim, query_scores, chunk, query_ahead);
           for (int64_t r = 0; r < rows; ++r) {
             float* s = query_scores + r * chunk + (from - t0);
+            if (softcap > 0.f) softcap_scores(s, t1 - from, softcap);
             const float chunk_max = max_of(s, t1 - from);
             float& m = maxes[i * rows + r];
             float& l = sums[i * rows + r];
@@ -547,13 +576,16 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
 
 namespace freetoken {
 
-// paged_decode_attention with a sliding window (the op's `window` argument; 0: none) and
-// attention sinks (`sinks`: none where absent).
+// paged_decode_attention with a sliding window (the op's `window` argument; 0: none),
+// attention sinks (`sinks`: none where absent) and the scores' softcap (`softcap`; 0: none).
 void paged_window_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
                             int64_t block_size, double scale, at::Tensor out, int64_t window,
-                            const std::optional<at::Tensor>& sinks) {
+                            const std::optional<at::Tensor>& sinks, double softcap) {
   TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0");
+  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap),
+              "paged_decode_attention: softcap must be finite and >= 0 (0: none)");
+  const float cap = static_cast<float>(softcap);
   const float* sink_ptr = nullptr;
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
@@ -576,13 +608,13 @@ void paged_window_attention(const at::Tensor& q, const at::Tensor& kv_cache,
     switch (kv_cache.scalar_type()) {
       case at::kFloat:
         return decode_attention<TQ, float>(q, kv_cache, block_tables, context_lens, block_size,
-                                           scale, window, sink_ptr, out);
+                                           scale, window, sink_ptr, cap, out);
       case at::kBFloat16:
         return decode_attention<TQ, c10::BFloat16>(q, kv_cache, block_tables, context_lens,
-                                                   block_size, scale, window, sink_ptr, out);
+                                                   block_size, scale, window, sink_ptr, cap, out);
       case at::kHalf:
         return decode_attention<TQ, c10::Half>(q, kv_cache, block_tables, context_lens,
-                                               block_size, scale, window, sink_ptr, out);
+                                               block_size, scale, window, sink_ptr, cap, out);
       default:
         TORCH_CHECK(false, "paged_decode_attention: a float32, bfloat16 or float16 cache only");
     }
@@ -600,7 +632,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
                             int64_t block_size, double scale, at::Tensor out) {
   paged_window_attention(q, kv_cache, block_tables, context_lens, block_size, scale, out, 0,
-                         std::nullopt);
+                         std::nullopt, 0.0);
 }
 
 }  // namespace freetoken
@@ -608,6 +640,6 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
 TORCH_LIBRARY(freetoken, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
         "Tensor context_lens, int block_size, float scale, Tensor(a!) out, int window=0, "
-        "Tensor? sinks=None) -> ()",
+        "Tensor? sinks=None, float softcap=0.0) -> ()",
         &freetoken::paged_window_attention);
 }

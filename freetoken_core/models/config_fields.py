@@ -1,0 +1,291 @@
+"""Each family's ``ModelConfig`` fields beyond the common ones, read from its config.json as
+transformers' config class reads them (its defaults where a key is left out), a value
+FreeToken cannot run refused naming its key (``config.ModelConfig.from_dict`` calls them)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from freetoken_core.errors import ModelLoadError
+
+
+def _rope_kind(params: dict[str, Any]) -> str:
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's fields, read as transformers' ``Gemma3TextConfig`` reads them: the rope of
+    each layer type (``rope_parameters`` per type, or the legacy ``rope_theta``,
+    ``rope_local_base_freq`` and ``rope_scaling`` keys, which apply to the global layers),
+    ``layer_types`` (or every ``sliding_window_pattern``-th layer global), the query scale,
+    the logits' softcap where set."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(
+            f"Gemma3ForCausalLM with attn_logit_softcapping={cfg['attn_logit_softcapping']} is "
+            "not supported (transformers' Gemma 3 attention ignores it, llama.cpp's converter "
+            "refuses it; Gemma 3 checkpoints have it null)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError("Gemma3ForCausalLM with use_bidirectional_attention (an encoder, "
+                             "e.g. EmbeddingGemma) is not supported: FreeToken generates text")
+    params = cfg.get("rope_parameters") or {}
+    nested = "full_attention" in params or "sliding_attention" in params
+    full = dict(params.get("full_attention") or {}) if nested else dict(params)
+    local = dict(params.get("sliding_attention") or {}) if nested else {}
+    if cfg.get("rope_scaling"):
+        full.update(cfg["rope_scaling"])
+    full.setdefault("rope_theta", cfg.get("rope_theta") or 1_000_000.0)
+    local.setdefault("rope_theta", cfg.get("rope_local_base_freq") or 10_000.0)
+    if _rope_kind(local) != "default":
+        raise ModelLoadError(f"Gemma3ForCausalLM with rope type {_rope_kind(local)!r} on its "
+                             "sliding-window layers is not supported (checkpoints use default)")
+    kind = _rope_kind(full)
+    num_layers = cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        pattern = cfg.get("sliding_window_pattern") or 6
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                       for i in range(num_layers)]
+    return {
+        "rope_theta": float(full["rope_theta"]),
+        "rope_scaling": None if kind == "default" else dict(full, rope_type=kind),
+        "rope_local_theta": float(local["rope_theta"]),
+        "layer_windows": _layer_windows("Gemma3ForCausalLM", layer_types, num_layers,
+                                        cfg.get("sliding_window")),
+        "query_scale": cfg.get("query_pre_attn_scalar", 256) ** -0.5,
+        "final_logit_softcap": _softcap("Gemma3ForCausalLM", cfg, "final_logit_softcapping",
+                                        None),
+    }
+
+
+def gemma2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's fields as transformers' ``Gemma2Config`` reads them (its defaults where
+    config.json leaves a key out): the scores softcapped at ``attn_logit_softcapping`` (50)
+    and the logits at ``final_logit_softcapping`` (30), either off where null; the query
+    scaled by ``query_pre_attn_scalar ** -0.5`` (256); ``layer_types`` (default: every
+    other layer, the first included, sliding over ``sliding_window`` keys, 4096). One rope,
+    ``rope_theta`` with ``rope_scaling``, on every layer (the common keys)."""
+    arch, layers = "Gemma2ForCausalLM", cfg["num_hidden_layers"]
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{arch} with use_bidirectional_attention (an encoder) is not "
+                             "supported: FreeToken generates text")
+    scalar = cfg.get("query_pre_attn_scalar", 256)
+    if _positive(scalar) is None:
+        raise ModelLoadError(f"{arch} query_pre_attn_scalar must be a positive number, "
+                             f"not {scalar!r}")
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    return {"query_scale": scalar ** -0.5,
+            "attn_logit_softcap": _softcap(arch, cfg, "attn_logit_softcapping", 50.0),
+            "final_logit_softcap": _softcap(arch, cfg, "final_logit_softcapping", 30.0),
+            "layer_windows": _layer_windows(arch, layer_types, layers,
+                                            cfg.get("sliding_window", 4096))}
+
+
+def _positive(value: Any) -> float | None:
+    """``value`` as a float where it is a finite positive number, else ``None``."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and (
+            math.isfinite(value) and value > 0):
+        return float(value)
+    return None
+
+
+def _softcap(arch: str, cfg: dict[str, Any], key: str, default: float | None
+             ) -> float | None:
+    """A softcap ``key`` (``default`` where config.json leaves it out): a positive number,
+    or null for none."""
+    value = cfg.get(key, default)
+    if value is not None and _positive(value) is None:
+        raise ModelLoadError(f"{arch} {key} must be a positive number or null (none), "
+                             f"not {value!r}")
+    return _positive(value)
+
+
+def _layer_windows(arch: str, layer_types: list[str], num_layers: int, window: Any
+                   ) -> tuple[int | None, ...]:
+    """Each layer's window from ``layer_types`` (``sliding_attention`` layers attend to
+    their last ``window`` keys, ``full_attention`` ones to all), checked: one type a layer,
+    and a window of at least one key where a layer slides."""
+    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention",
+                                                             "full_attention"}:
+        raise ModelLoadError(f"{arch} layer_types {layer_types!r}: expected {num_layers} of "
+                             "'sliding_attention' / 'full_attention'")
+    if "sliding_attention" in layer_types and (not isinstance(window, int) or window < 1):
+        raise ModelLoadError(f"{arch} with sliding-window layers needs sliding_window >= 1, "
+                             f"not {window!r}")
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def _expert_counts(arch: str, counts: tuple[tuple[str, Any, int], ...], top_k: int,
+                   experts: int) -> None:
+    """Each ``(key, value, least)`` an integer of at least ``least``, and no more experts a
+    token than there are."""
+    for key, value, low in counts:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ModelLoadError(f"{arch} {key} must be an integer >= {low}, not {value!r}")
+    if top_k > experts:
+        raise ModelLoadError(f"{arch} num_experts_per_tok {top_k} exceeds its {experts} "
+                             "experts")
+
+
+def granite_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four multipliers, transformers' ``GraniteConfig`` defaults (1) where
+    config.json leaves them out: the embeddings', the residual branches', the attention
+    scores' (in place of ``head_dim ** -0.5``) and the logits' divisor."""
+    def number(key: str) -> float:
+        value = cfg.get(key, 1.0)
+        if not isinstance(value, int | float) or not math.isfinite(value) or value == 0:
+            raise ModelLoadError(f"GraniteForCausalLM {key} must be a finite non-zero "
+                                 f"number, not {value!r}")
+        return float(value)
+
+    return {"embedding_multiplier": number("embedding_multiplier"),
+            "residual_multiplier": number("residual_multiplier"),
+            "query_scale": number("attention_multiplier"),
+            "logits_scaling": number("logits_scaling")}
+
+
+def moe_fields(cfg: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
+    """The mixture of experts as transformers' configs read it: Qwen3-MoE's (and Qwen2-MoE's,
+    with its shared expert of ``shared_expert_intermediate_size``)
+    ``num_experts`` (``num_local_experts`` as transformers 5 saves it),
+    ``moe_intermediate_size``, ``norm_topk_prob`` (default False) and its dense layers
+    (``mlp_only_layers``, and every layer but each ``decoder_sparse_step``-th); Mixtral's
+    ``num_local_experts`` of ``intermediate_size``, every layer sparse, top k always
+    renormalized. Both: ``num_experts_per_tok`` of them, softmax routing, SwiGLU experts.
+    A key config.json leaves out takes transformers' default; a bad value is named."""
+    layers = cfg["num_hidden_layers"]
+    qwen = family in ("qwen3_moe", "qwen2_moe")
+    qwen2 = family == "qwen2_moe"
+    # (transformers' defaults where config.json leaves a key out)
+    experts = cfg.get("num_experts", cfg.get("num_local_experts", 60 if qwen2 else 128)) if (
+        qwen) else cfg.get("num_local_experts", 8)
+    top_k = cfg.get("num_experts_per_tok", (4 if qwen2 else 8) if qwen else 2)
+    size = cfg.get("moe_intermediate_size", 1408 if qwen2 else 768) if qwen else cfg.get(
+        "intermediate_size")
+    shared = cfg.get("shared_expert_intermediate_size", 5632) if qwen2 else 0
+    _expert_counts(arch, (("num_experts" if qwen else "num_local_experts", experts, 1),
+                          ("num_experts_per_tok", top_k, 1),
+                          ("moe_intermediate_size" if qwen else "intermediate_size", size, 1),
+                          ("shared_expert_intermediate_size", shared, 0)), top_k, experts)
+    scale = cfg.get("routed_scaling_factor", 1.0)
+    if not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
+        raise ModelLoadError(f"{arch} routed_scaling_factor must be a positive number, "
+                             f"not {scale!r}")
+    flags: tuple[int, ...] = ()
+    if qwen:
+        step = cfg.get("decoder_sparse_step") or 1
+        dense = set(cfg.get("mlp_only_layers") or ())
+        flags = tuple(int(i not in dense and (i + 1) % step == 0) for i in range(layers))
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": size,
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)) if qwen else True,
+            "routed_scaling_factor": float(scale),
+            "shared_expert_intermediate_size": shared,
+            "moe_layers": flags if 0 in flags else ()}
+
+
+def gpt_oss_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None
+                    ) -> dict[str, Any]:
+    """gpt-oss's fields as transformers' ``GptOssConfig`` reads them (its defaults where
+    config.json leaves a key out): ``num_local_experts`` experts of ``intermediate_size``,
+    ``num_experts_per_tok`` of them weighted by the softmax of their router logits (the
+    router and the experts with biases), the clamped SwiGLU (``swiglu_limit``,
+    ``swiglu_alpha``), a sink per attention head, and ``layer_types``: sliding-window
+    layers attend to their last ``sliding_window`` keys (default: alternating, the first
+    sliding). The rope is YaRN's (``rope_scaling`` / ``rope_parameters``)."""
+    arch, layers = "GptOssForCausalLM", cfg["num_hidden_layers"]
+    experts = cfg.get("num_local_experts", 128)
+    top_k = cfg.get("num_experts_per_tok", 4)
+    size = cfg.get("intermediate_size", 2880)
+    _expert_counts(arch, (("num_local_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
+                          ("intermediate_size", size, 1)), top_k, experts)
+    limit, alpha = cfg.get("swiglu_limit", 7.0), cfg.get("swiglu_alpha", 1.702)
+    for key, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+        if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise ModelLoadError(f"{arch} {key} must be a positive number, not {value!r}")
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if rope_scaling is not None and rope_scaling["rope_type"] != "yarn":
+        raise ModelLoadError(f"{arch} with rope type {rope_scaling['rope_type']!r} is not "
+                             "supported (its checkpoints use yarn)")
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": size, "expert_gating": "softmax_weight",
+            "expert_bias": True, "swiglu_limit": float(limit), "swiglu_alpha": float(alpha),
+            "attention_sinks": True,
+            "layer_windows": _layer_windows(arch, layer_types, layers,
+                                            cfg.get("sliding_window", 128))}
+
+
+def smollm3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3's NoPE layers as transformers' ``SmolLM3Config`` reads them: ``no_rope_layers``
+    (1 rotates), else every ``no_rope_layer_interval``-th layer (default 4) without RoPE.
+    Its optional sliding window is refused (the released models have none)."""
+    layers = cfg["num_hidden_layers"]
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers or any(f not in (0, 1) for f in flags):
+        raise ModelLoadError(f"SmolLM3ForCausalLM no_rope_layers must hold 0 or 1 for each "
+                             f"of the {layers} layers, not {flags!r}")
+    if cfg.get("use_sliding_window"):
+        raise ModelLoadError("SmolLM3ForCausalLM with use_sliding_window is not supported "
+                             "(the released SmolLM3 models attend to every key)")
+    return {"no_rope_layers": tuple(int(f) for f in flags)}
+
+
+def phi3_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """Phi-3's fields: LongRoPE (``su`` and ``yarn`` are its old names, as transformers has
+    them) with the pre-training length, the rotated fraction of each head, and the sliding
+    window, which transformers applies to every layer (llama.cpp ignores it)."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    factor = cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0
+    fields: dict[str, Any] = {"partial_rotary_factor": float(factor)}
+    if rope_scaling is not None:
+        kind = rope_scaling["rope_type"]
+        kind = "longrope" if kind in ("su", "yarn") else kind
+        if kind != "longrope":
+            raise ModelLoadError(f"Phi3ForCausalLM with rope_scaling type {kind!r} is not "
+                                 "supported (transformers' Phi-3 knows default and longrope)")
+        original = cfg.get("original_max_position_embeddings",
+                           rope_scaling.get("original_max_position_embeddings"))
+        if original is None:
+            raise ModelLoadError("Phi3ForCausalLM longrope needs "
+                                 "original_max_position_embeddings in config.json")
+        fields["rope_scaling"] = dict(rope_scaling, rope_type=kind,
+                                      original_max_position_embeddings=original)
+    window = cfg.get("sliding_window")
+    if window is not None:
+        if window < 1:
+            raise ModelLoadError(f"Phi3ForCausalLM sliding_window {window}: must be >= 1")
+        fields["layer_windows"] = (window,) * cfg["num_hidden_layers"]
+    return fields
+
+
+def glm4_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None
+                ) -> dict[str, Any]:
+    """GLM-4's fields as transformers' ``Glm4Config`` reads them: the rotated fraction of
+    each head (``partial_rotary_factor``, top level or in ``rope_parameters``; default 0.5)
+    and the default rope (the released checkpoints scale none)."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    factor = cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.5
+    if rope_scaling is not None:
+        raise ModelLoadError(f"Glm4ForCausalLM with rope type {rope_scaling['rope_type']!r} "
+                             "is not supported (its checkpoints use the default rope)")
+    return {"partial_rotary_factor": float(factor)}
+
+
+def quantized_experts(arch: str, family: str, quantization: Any) -> bool:
+    """Whether config.json's ``quantization_config`` says the experts are MXFP4 (gpt-oss's
+    released checkpoints); any other quantization (GPTQ, AWQ, FP8, bitsandbytes, ...) is
+    refused here, naming it, rather than met later as weights of unknown names."""
+    if quantization is None:
+        return False
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method == "mxfp4" and family == "gpt_oss":
+        return True
+    raise ModelLoadError(
+        f"{arch} with quantization_config.quant_method {method!r} is not supported: FreeToken "
+        "reads float safetensors (and gpt-oss's MXFP4 experts) from a directory; serve a "
+        "GGUF file of the model (any common quant type) or its unquantized checkpoint")
