@@ -93,9 +93,11 @@ def test_hf_dir_gemma3_phi3_tp2_equal_tp1(make, tmp_path: Path) -> None:
     _check_tp_equals_one_rank(str(make(tmp_path / "model")), dtype="float32")
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "llama", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "llama", "phi3", "glm4"])
 def test_gguf_tp2_equals_tp1(arch: str, tmp_path: Path) -> None:
-    path = write_gguf(tmp_path / f"{arch}.gguf", arch, ff=256)
+    # (glm4: rotating half of each head, as its files do)
+    path = write_gguf(tmp_path / f"{arch}.gguf", arch, ff=256,
+                      rope_dims=8 if arch == "glm4" else None)
     _check_tp_equals_one_rank(str(path))
 
 
