@@ -12,8 +12,8 @@
 //   IQ1_S, IQ1_M             dl = d * (2 ls + 1),           w = dl * (level + delta)
 // (+- a sign bit per weight: gguf-py multiplies by -1, which is the negation, signed zeros
 // included; level + delta, delta = +-0.125, is exact). A decoder first gathers what a
-// sub-block needs (Parts: its scales, the grid entries of its groups of 8 or 4 weights, its
-// 32 sign bits or IQ1's deltas), then both decoders compute the same floats from it; the
+// sub-block needs (parts(): its scales, the grid entries of its groups of 8 or 4 weights,
+// its 32 sign bits or IQ1's deltas), then both decoders compute the same floats from it; the
 // vector one converts each group's level bytes to float lanes and flips the sign bits of the
 // negated lanes.
 #pragma once
