@@ -55,7 +55,8 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                              "Q8_0, Q4_K, Q5_K and Q6_K linears, the others keep float32). int24 "
                              "computes Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL/"
                              "IQ4_XS/MXFP4 "
-                             "linears (the others keep float32); "
+                             "linears (the others, F16/BF16 and the IQ1/IQ2/IQ3 i-quants, "
+                             "keep float32); "
                              "both need the native kernels")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)

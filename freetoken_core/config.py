@@ -108,11 +108,12 @@ class EngineConfig:
     ``int24`` (each block of 32 activations in 24-bit fixed point, exact integer dot products
     on AVX-512 VNNI / AMX: the same size of rounding as float32's, far fewer instructions;
     the Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4
-    linears, the others keep float32; needs a CPU with AVX-512 VNNI); ``auto`` (default)
-    takes int24 where the CPU has it, else float32. Opt-in, not exact: ``q8`` (llama.cpp's
-    arithmetic: activations quantized to 8 bits per block of 32, per 256 for the K-quants;
-    the Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K linears, the others keep float32;
-    bench/q8_quality.py measures it)."""
+    linears, the others (F32, F16, BF16, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S,
+    IQ1_M) keep float32; needs a CPU with AVX-512 VNNI); ``auto`` (default) takes int24
+    where the CPU has it, else float32. Opt-in, not exact: ``q8`` (llama.cpp's arithmetic:
+    activations quantized to 8 bits per block of 32, per 256 for the K-quants; the Q4_0,
+    Q4_1, Q5_0, Q8_0, Q4_K and Q6_K linears, the others keep float32; bench/q8_quality.py
+    measures it)."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (``sharding``): one process each, rank 0 the engine's;
     docs/operations.md's "Past one machine"."""

@@ -29,6 +29,13 @@ _LAYOUT: dict[int, tuple[int, int, tuple[int, ...], float]] = {
     14: (256, 210, (208,), 4096),     # Q6_K: int8 sc, q - 32
     20: (32, 18, (0,), 127),          # IQ4_NL
     23: (256, 136, (0,), 4064),       # IQ4_XS: (ls - 32) table
+    16: (256, 66, (0,), 167),         # IQ2_XXS: (0.5 + ls) / 4 x grid level (<= 43)
+    17: (256, 74, (0,), 167),         # IQ2_XS
+    22: (256, 82, (0,), 167),         # IQ2_S
+    18: (256, 98, (0,), 481),         # IQ3_XXS: (0.5 + ls) / 2 x level (<= 62)
+    21: (256, 110, (0,), 465),        # IQ3_S: (1 + 2 ls) x level (<= 15)
+    19: (256, 50, (0,), 17),          # IQ1_S: (2 ls + 1) x (level +- 1/8)
+    29: (256, 56, (48,), 17),         # IQ1_M: d in the top nibbles of 4 u16 at 48 (_set_d)
 }
 # MXFP4 (39): 32 weights in 17 bytes, 2^(e - 128) x level for its E8M0 byte e at 0 (no
 # float16 scale: random_blocks sets e itself).
@@ -45,6 +52,20 @@ _GAINS = {"attn_q.weight": 2.0, "attn_k.weight": 2.0, "attn_qkv.weight": 2.0,
 
 F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 30, 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 = 10, 11, 12, 13, 14, 20, 23, 39
+IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M = 16, 17, 22, 18, 21, 19, 29
+
+
+def _set_d(blocks: np.ndarray, qtype: int, offset: int, values: np.ndarray) -> None:
+    """Each block's float16 scale at ``offset`` set to ``values`` (IQ1_M: d's nibbles in
+    the top 4 bits of its four u16 scales at 48, its 3-bit sub-block scales kept)."""
+    halves = values.astype(np.float16)
+    if qtype != IQ1_M:
+        blocks[:, offset:offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+        return
+    scales = blocks[:, 48:56].copy().view(np.uint16) & 0x0FFF
+    for k in range(4):
+        scales[:, k] |= ((halves.view(np.uint16) >> (4 * k)) & 15) << 12
+    blocks[:, 48:56] = scales.view(np.uint8)
 
 
 def random_blocks(rng: np.random.Generator, qtype: int, rows: int, cols: int,
@@ -75,7 +96,7 @@ def random_blocks(rng: np.random.Generator, qtype: int, rows: int, cols: int,
     # Scaled so that the weights' standard deviation is scale / 2, as the float types'
     # (a sub-scale times a quant spreads less than either alone).
     sample = blocks[:64].copy()
-    sample[:, fields[0]:fields[0] + 2] = d[:64].astype(np.float16).view(np.uint8).reshape(-1, 2)
+    _set_d(sample, qtype, fields[0], d[:64])
     if len(fields) == 2:
         minimum = (d[:64] * _MIN_RATIO[qtype]).astype(np.float16)
         sample[:, fields[1]:fields[1] + 2] = minimum.view(np.uint8).reshape(-1, 2)
@@ -85,7 +106,7 @@ def random_blocks(rng: np.random.Generator, qtype: int, rows: int, cols: int,
     if len(fields) == 2:  # a min: centre the weights (on average) around zero
         values.append(d * _MIN_RATIO[qtype])
     for offset, value in zip(fields, values):
-        blocks[:, offset:offset + 2] = value.astype(np.float16).view(np.uint8).reshape(-1, 2)
+        _set_d(blocks, qtype, offset, value)
     return blocks.reshape(rows, -1)
 
 

@@ -19,6 +19,13 @@ from gguf_models import (
     BF16,
     F16,
     F32,
+    IQ1_M,
+    IQ1_S,
+    IQ2_S,
+    IQ2_XS,
+    IQ2_XXS,
+    IQ3_S,
+    IQ3_XXS,
     IQ4_NL,
     IQ4_XS,
     MXFP4,
@@ -92,8 +99,29 @@ def gguf_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return arch, write_gguf(path, arch, seed=len(arch), **CASES[arch])
 
 
+# The low-bit i-quants (IQ3_M ... IQ1_S files), every one of them in a llama 256 wide: the
+# fused q/k/v and gate/up are linears of parts of three and two of them, the embedding is
+# read from IQ3_S blocks, and the untied Q6_K head is a type the int24 kernel has beside them.
+IQ_CASE = {"hidden": 256, "ff": 512, "heads": 4, "kv_heads": 2, "weight_type": IQ2_XXS,
+           "tied": False,
+           "types": {"attn_k.weight": IQ2_XS, "attn_v.weight": IQ3_S,
+                     "attn_output.weight": IQ3_XXS, "ffn_gate.weight": IQ2_S,
+                     "ffn_up.weight": IQ1_S, "ffn_down.weight": IQ1_M,
+                     "token_embd.weight": IQ3_S, "output.weight": Q6_K}}
+
+
 def test_greedy_matches_transformers_gguf_loader(gguf_model: tuple[str, Path]) -> None:
-    arch, path = gguf_model
+    assert_greedy_matches_transformers(*gguf_model)
+
+
+def test_i_quant_llama_matches_transformers(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "tiny-iq.gguf", "llama", seed=16, **IQ_CASE)
+    assert_greedy_matches_transformers("llama", path)
+
+
+def assert_greedy_matches_transformers(arch: str, path: Path) -> None:
+    """FreeToken's greedy tokens for PROMPTS, in one batch, equal transformers' GGUF
+    loader's, with the linears on the kernels the default arithmetic picks."""
     # No plugins: the model is under test.
     llm = LLM(str(path), kv_cache_tokens=2048, dtype="float32", progress=False,
               plugins="none")

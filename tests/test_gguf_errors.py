@@ -36,10 +36,10 @@ def tiny(tmp_path: Path) -> Path:
 
 
 def test_an_unsupported_block_type_is_named_with_its_tensor(tiny: Path) -> None:
-    # IQ1_S (19): 50-byte blocks of 256 weights; blk.0.ffn_down's 128-wide rows are not
+    # TQ1_0 (34): 54-byte blocks of 256 weights; blk.0.ffn_down's 128-wide rows are not
     # whole blocks of it either, but the type is what the message must name first.
-    _set_type(tiny, "blk.0.ffn_down.weight", 19)
-    with pytest.raises(ModelLoadError, match=r"'blk\.0\.ffn_down\.weight' is IQ1_S.*supported"):
+    _set_type(tiny, "blk.0.ffn_down.weight", 34)
+    with pytest.raises(ModelLoadError, match=r"'blk\.0\.ffn_down\.weight' is TQ1_0.*supported"):
         LLM(str(tiny), progress=False, plugins="none")
 
 

@@ -31,7 +31,7 @@ CSRC = Path(__file__).resolve().parent.parent / "freetoken_core" / "kernels" / "
 
 # Unit (weights, bytes) per type as the kernels count them (F32/F16/BF16: 32 values), and
 # where each unit keeps its float16 scales (MXFP4: none, its E8M0 exponent byte at 0 takes
-# every value).
+# every value; IQ1_M: none whole, its d is the top nibbles of its four u16 scales at 48).
 UNITS = {
     QT.F32: (32, 128, ()), QT.F16: (32, 64, ()), QT.BF16: (32, 64, ()),
     QT.Q4_0: (32, 18, (0,)), QT.Q4_1: (32, 20, (0, 2)), QT.Q5_0: (32, 22, (0,)),
@@ -39,6 +39,9 @@ UNITS = {
     QT.Q3_K: (256, 110, (108,)), QT.Q4_K: (256, 144, (0, 2)), QT.Q5_K: (256, 176, (0, 2)),
     QT.Q6_K: (256, 210, (208,)), QT.IQ4_NL: (32, 18, (0,)), QT.IQ4_XS: (256, 136, (0,)),
     QT.MXFP4: (32, 17, ()),
+    QT.IQ2_XXS: (256, 66, (0,)), QT.IQ2_XS: (256, 74, (0,)), QT.IQ2_S: (256, 82, (0,)),
+    QT.IQ3_XXS: (256, 98, (0,)), QT.IQ3_S: (256, 110, (0,)), QT.IQ1_S: (256, 50, (0,)),
+    QT.IQ1_M: (256, 56, ()),
 }
 TYPES = list(UNITS)
 VARIANTS = ("native", "avx2", "generic")
@@ -122,7 +125,21 @@ def random_rows(rng: np.random.Generator, qtype: QT, n: int, units: int) -> np.n
         # larger levels overflow to inf.
         extreme = rng.choice(np.array([0, 1, 254, 255], dtype=np.uint8), (n, units))
         raw[:, :, 0] = np.where(rng.random((n, units)) < 0.25, extreme, raw[:, :, 0])
+    if qtype == QT.IQ1_M:
+        raw = iq1_m_with_scales(raw.reshape(n * units, nbytes), finite_halves(rng, n * units))
     return np.ascontiguousarray(raw.reshape(n, units * nbytes))
+
+
+def iq1_m_with_scales(blocks: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """IQ1_M blocks (uint8 ``[blocks, 56]``) with their float16 d set to the bit patterns
+    ``d``: nibble k of d in the top 4 bits of the block's u16 scale k (at 48 + 2k), the 3-bit
+    sub-block scales below them kept."""
+    blocks = blocks.copy()
+    scales = blocks[:, 48:56].copy().view(np.uint16) & 0x0FFF
+    for k in range(4):
+        scales[:, k] |= ((d.astype(np.uint16) >> (4 * k)) & 15) << 12
+    blocks[:, 48:56] = scales.view(np.uint8)
+    return blocks
 
 
 def dequantized(raw: np.ndarray, qtype: QT) -> np.ndarray:
@@ -211,8 +228,8 @@ def test_decoders_read_nothing_past_the_rows(ops) -> None:
 
 def test_bad_inputs_raise(ops) -> None:
     rows = torch.zeros(2, 36, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match=r"GGUF type 16 \(IQ2_XXS\) has no decoder"):
-        ops.gguf_dequantize(rows, 16, True)
+    with pytest.raises(RuntimeError, match=r"GGUF type 34 \(TQ1_0\) has no decoder"):
+        ops.gguf_dequantize(rows, 34, True)
     with pytest.raises(RuntimeError, match="not whole Q4_0 units of 18 bytes"):
         ops.gguf_dequantize(torch.zeros(2, 20, dtype=torch.uint8), int(QT.Q4_0), True)
     with pytest.raises(RuntimeError, match="not whole MXFP4 units of 17 bytes"):

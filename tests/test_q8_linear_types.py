@@ -161,8 +161,33 @@ def test_q8_kernel_names_what_it_cannot_compute() -> None:
         q8_blocks(q3k, 11)
     assert torch.ops.freetoken.q8_linear_supports(14)
     assert not torch.ops.freetoken.q8_linear_supports(11)
-    # IQ4_NL, IQ4_XS and MXFP4 have no 8-bit kernel either: their linears keep float32
-    assert not any(torch.ops.freetoken.q8_linear_supports(t) for t in (20, 23, 39))
+    # IQ4_NL, IQ4_XS, MXFP4 and the IQ1/IQ2/IQ3 i-quants have no 8-bit kernel either: their
+    # linears keep float32
+    assert not any(torch.ops.freetoken.q8_linear_supports(t)
+                   for t in (20, 23, 39, 16, 17, 18, 19, 21, 22, 29))
+
+
+def test_i_quant_linears_keep_the_float32_kernel_under_q8(tmp_path) -> None:
+    """A Q4_K file whose gate/up and down are IQ2_S + IQ1_S and IQ3_XXS (as the low-bit
+    mixes put i-quants beside K-quants): ``activations="q8"`` switches q/k/v, o and the head,
+    and leaves the i-quant linears on the float32 kernel, without an error."""
+    from gguf_models import IQ1_S, IQ2_S, IQ3_XXS, Q4_K, Q6_K, write_gguf
+
+    from freetoken_core import LLM, SamplingParams
+    from freetoken_core.models.block_layout import ACTIVATIONS_Q8
+
+    path = write_gguf(tmp_path / "iq-mix.gguf", "llama", hidden=256, layers=2, heads=4,
+                      kv_heads=2, ff=512, weight_type=Q4_K,
+                      types={"token_embd.weight": Q6_K, "ffn_gate.weight": IQ2_S,
+                             "ffn_up.weight": IQ1_S, "ffn_down.weight": IQ3_XXS})
+    with LLM(str(path), activations="q8", kv_cache_tokens=2048, progress=False) as llm:
+        model = llm.engine.core.runner.model
+        switched = [[bool(lin.blocks[0] & ACTIVATIONS_Q8) for lin in layer.linears]
+                    for layer in model.layers] + [[bool(model.lm_head.blocks[0]
+                                                        & ACTIVATIONS_Q8)]]
+        out = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=4))
+    assert switched == [[True, True, False, False]] * 2 + [[True]]  # qkv, o, gate_up, down
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_a_q4_k_m_model_switches_the_linears_that_have_an_8_bit_kernel(tmp_path) -> None:

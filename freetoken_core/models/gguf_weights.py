@@ -37,6 +37,9 @@ GGUF_TYPES: dict[int, tuple[str, int, int]] = {
     8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
     12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
     20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136), 39: ("MXFP4", 32, 17),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 22: ("IQ2_S", 256, 82),
+    18: ("IQ3_XXS", 256, 98), 21: ("IQ3_S", 256, 110), 19: ("IQ1_S", 256, 50),
+    29: ("IQ1_M", 256, 56),
 }
 
 # GGUF tensor name -> Hugging Face name, per architecture family; ``{i}`` is the layer.

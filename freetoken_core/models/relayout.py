@@ -103,8 +103,8 @@ class BlockLayouts:
         AMX tiles from a few rows where the CPU has them. The linears of its types
         (``INT24_TYPES``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
         IQ4_NL, IQ4_XS, MXFP4; a linear of parts where every part has one) switch; the
-        others (F32, F16, BF16), and those whose outputs are not in whole groups of 16, keep
-        the float32 kernel. False (nothing changed) where the native kernels lack it or no linear
+        others (F32, F16, BF16, the IQ1/IQ2/IQ3 i-quants), and those whose outputs are not
+        in whole groups of 16, keep the float32 kernel. False (nothing changed) where the native kernels lack it or no linear
         switches."""
         linears = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
         linears = [lin for lin in linears if lin.blocks is not None

@@ -19,9 +19,9 @@
 // zero when sc < 0 and q = 0, and the decoders keep gguf-py's order everywhere.
 //
 // Units: 32 weights for the legacy types, IQ4_NL and MXFP4 (one block), 256 for the
-// K-quants and IQ4_XS (one super-block, 8 sub-blocks of 32), and 32 for F32/F16/BF16 (32
-// consecutive values, 128/64/64 bytes). A row of ne[0] weights is ne[0] / kWeights units
-// back to back.
+// K-quants and the other i-quants (one super-block, 8 sub-blocks of 32; IQ1/IQ2/IQ3 in
+// gguf_iq_types.h), and 32 for F32/F16/BF16 (32 consecutive values, 128/64/64 bytes). A
+// row of ne[0] weights is ne[0] / kWeights units back to back.
 //
 // The vector decoders are a matmul's inner loop (one call per 32 weights of each output
 // feature), where the shuffle port is what runs out first on Intel cores: widening bytes to
@@ -913,6 +913,13 @@ struct Type<MXFP4> {
 #endif
 };
 
+}  // namespace freetoken::gguf::types
+
+// IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (with the grids they look up).
+#include "gguf_iq_types.h"
+
+namespace freetoken::gguf::types {
+
 // A name for a ggml type id, for messages (the ids gguf-py knows; "?" otherwise).
 inline const char* type_name(int64_t qtype) {
   switch (qtype) {
@@ -977,6 +984,13 @@ void dispatch(int64_t qtype, F&& f) {
     FREETOKEN_GGUF_TYPE_CASE(IQ4_NL)
     FREETOKEN_GGUF_TYPE_CASE(IQ4_XS)
     FREETOKEN_GGUF_TYPE_CASE(MXFP4)
+    FREETOKEN_GGUF_TYPE_CASE(IQ2_XXS)
+    FREETOKEN_GGUF_TYPE_CASE(IQ2_XS)
+    FREETOKEN_GGUF_TYPE_CASE(IQ2_S)
+    FREETOKEN_GGUF_TYPE_CASE(IQ3_XXS)
+    FREETOKEN_GGUF_TYPE_CASE(IQ3_S)
+    FREETOKEN_GGUF_TYPE_CASE(IQ1_S)
+    FREETOKEN_GGUF_TYPE_CASE(IQ1_M)
     default:
       break;
   }
@@ -984,7 +998,8 @@ void dispatch(int64_t qtype, F&& f) {
   TORCH_CHECK(false, "GGUF type ", qtype, " (", type_name(qtype),
               ") has no decoder; supported: F32 0, F16 1, BF16 30, Q4_0 2, Q4_1 3, Q5_0 6, "
               "Q5_1 7, Q8_0 8, Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, "
-              "IQ4_XS 23, MXFP4 39");
+              "IQ4_XS 23, MXFP4 39, IQ2_XXS 16, IQ2_XS 17, IQ2_S 22, IQ3_XXS 18, IQ3_S 21, "
+              "IQ1_S 19, IQ1_M 29");
 }
 
 // Weights and bytes per unit of a type id, at run time (TORCH_CHECK for an unsupported id).
