@@ -53,6 +53,9 @@ class AttentionMetadata:
     window: int | None = None
     """Sliding-window attention: each query attends to its last ``window`` keys, its own
     included (0 <= query position - key position < window); ``None``: to every key."""
+    query_scales: torch.Tensor | None = None
+    """[T] multipliers of each token's rotated query (Llama 4's attention temperature,
+    Ministral 3's ``llama_4_scaling_beta``); ``None``: none (every multiplier 1)."""
 
     @classmethod
     def build(cls, block_tables: list[list[int]], context_lens: list[int],

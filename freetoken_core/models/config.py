@@ -16,6 +16,7 @@ from freetoken_core.models.config_fields import (
     glm4_fields,
     gpt_oss_fields,
     granite_fields,
+    ministral3_fields,
     moe_fields,
     phi3_fields,
     quantized_experts,
@@ -37,11 +38,13 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
     "Glm4ForCausalLM": "glm4",
+    "Ministral3ForCausalLM": "ministral3",
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
 _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "phi3": "silu",
-                "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu"}
+                "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
+                "ministral3": "silu"}
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,11 @@ class ModelConfig:
     attention_sinks: bool = False
     """Each attention head has a learned sink logit in its softmax (gpt-oss's
     ``self_attn.sinks``)."""
+    attention_temperature_beta: float = 0.0
+    """Llama 4's attention temperature (Ministral 3's ``llama_4_scaling_beta``): each
+    rotated query times ``1 + beta ln(1 + floor(position / length))``; 0: none."""
+    attention_temperature_length: int = 0
+    """The length of that temperature's steps (``original_max_position_embeddings``)."""
     mxfp4_experts: bool = False
     """The experts' weights are MXFP4 blocks (``*_blocks`` / ``*_scales``: gpt-oss as OpenAI
     released it, ``quantization_config.quant_method`` ``mxfp4``; ``models/mxfp4.py``)."""
@@ -165,7 +173,7 @@ class ModelConfig:
                                          "embeddings (or max_position_embeddings) in "
                                          "config.json")
                 rope_scaling["original_max_position_embeddings"] = original
-        use_window = cfg.get("use_sliding_window", family in ("mistral", "mixtral"))
+        use_window = cfg.get("use_sliding_window", family in ("mistral", "mixtral", "ministral3"))
         # transformers' Gemma reads hidden_activation (default gelu_pytorch_tanh) only.
         hidden_act = ((cfg.get("hidden_activation") or "gelu_pytorch_tanh")
                       if family in ("gemma2", "gemma3") else (cfg.get("hidden_act") or "silu"))
@@ -198,6 +206,8 @@ class ModelConfig:
             fields.update(gpt_oss_fields(cfg, rope_scaling))
         elif family == "glm4":
             fields.update(glm4_fields(cfg, rope_scaling))
+        elif family == "ministral3":
+            fields.update(ministral3_fields(cfg))
         fields["mxfp4_experts"] = quantized_experts(arch, family,
                                                     cfg.get("quantization_config"))
         return cls(

@@ -289,3 +289,21 @@ def quantized_experts(arch: str, family: str, quantization: Any) -> bool:
         f"{arch} with quantization_config.quant_method {method!r} is not supported: FreeToken "
         "reads float safetensors (and gpt-oss's MXFP4 experts) from a directory; serve a "
         "GGUF file of the model (any common quant type) or its unquantized checkpoint")
+
+
+def ministral3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Ministral 3's attention temperature as transformers' ``Ministral3Attention`` reads it:
+    ``llama_4_scaling_beta`` and ``original_max_position_embeddings`` of its rope parameters
+    (YaRN's, read as for any model)."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    beta = params.get("llama_4_scaling_beta") or 0.0
+    length = params.get("original_max_position_embeddings") or 0
+    if not isinstance(beta, int | float) or not math.isfinite(beta):
+        raise ModelLoadError(f"Ministral3ForCausalLM llama_4_scaling_beta must be a number, "
+                             f"not {beta!r}")
+    if beta and (not isinstance(length, int) or length < 1):
+        raise ModelLoadError("Ministral3ForCausalLM llama_4_scaling_beta needs "
+                             "original_max_position_embeddings >= 1 in rope_parameters, not "
+                             f"{length!r}")
+    return {"attention_temperature_beta": float(beta),
+            "attention_temperature_length": int(length) if beta else 0}

@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "mistral3": "Ministral3ForCausalLM",
 }
 # A llama file with experts (llama.expert_count > 0) is Mixtral's.
 MIXTRAL = "MixtralForCausalLM"
@@ -204,6 +205,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(_gpt_oss_config(reader, config))
     config.update(special_token_ids(reader))
     scaling = rope_factor_scaling(reader, arch, rope_dim, rope_scaling(reader, arch))
+    if arch == "mistral3":
+        scaling = _mistral3_rope(reader, config, scaling)
     if scaling is not None:
         config["rope_scaling"] = scaling
     return config
@@ -232,6 +235,29 @@ def _gemma3_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
     }
+
+
+def _mistral3_rope(reader: Any, config: dict[str, Any], scaling: dict[str, Any] | None
+                   ) -> dict[str, Any] | None:
+    """Ministral 3's rope parameters as llama.cpp reads a ``mistral3`` file
+    (``LLM_ARCH_MISTRAL3``): YaRN with cos and sin left unscaled (its graph's attention factor
+    cancels YaRN's, as transformers' ``mscale`` = ``mscale_all_dim`` = 1 does), and the
+    attention temperature ``attention.temperature_scale`` (transformers'
+    ``llama_4_scaling_beta``) in steps of the original context length. Its
+    mixture-of-experts files are refused."""
+    if int(field(reader, "mistral3.expert_count", 0)):
+        raise ModelLoadError("GGUF mistral3 with experts (mistral3.expert_count) is not "
+                             "supported; FreeToken runs the dense Ministral 3 / Devstral files")
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        scaling = {**scaling, "attention_factor": 1.0}
+    beta = float(field(reader, "mistral3.attention.temperature_scale", 0.0))
+    if not beta:
+        return scaling
+    length = int(field(reader, "mistral3.rope.scaling.original_context_length", 0)) or (
+        (scaling or {}).get("original_max_position_embeddings")
+        or config["max_position_embeddings"])
+    return {**(scaling or {"rope_type": "default"}), "llama_4_scaling_beta": beta,
+            "original_max_position_embeddings": int(length)}
 
 
 def _glm4_config(reader: Any, factor: float, names: set[str]) -> dict[str, Any]:

@@ -110,6 +110,7 @@ _GEMMA_NORMS = {
 _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "llama": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},  # (Mixtral: llama with experts)
     "smollm3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
+    "mistral3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "granite": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen2": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
@@ -138,7 +139,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
 }
 # The architectures whose converter (LlamaModel's) stores q/k rows permuted for llama.cpp's
 # interleaved rotary pairs.
-PERMUTED_QK = frozenset({"llama", "smollm3", "granite"})
+PERMUTED_QK = frozenset({"llama", "smollm3", "granite", "mistral3"})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 

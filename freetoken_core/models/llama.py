@@ -15,6 +15,7 @@ could be built (``freetoken_core/kernels``), else as torch operators.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -110,7 +111,8 @@ class DecoderLayer:
         """``(output, residual)``: the hidden state is their sum. The first block gets
         ``residual=None`` and the embeddings as ``x``."""
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.one_call is not None and meta.decode_block_tables is not None:
+        if (self.one_call is not None and meta.decode_block_tables is not None
+                and meta.query_scales is None):
             return torch.ops.freetoken.llama_layer(
                 x, residual, self.input_norm, self.post_attn_norm, self.eps, *self.one_call,
                 cos, sin, kv_cache, meta.slot_mapping, meta.decode_block_tables,
@@ -151,8 +153,11 @@ class DecoderLayer:
         qk = apply_rope(qk, cos, sin, self.native)
         # Rotated keys and values side by side, as the cache stores them.
         kv = torch.cat([qk[:, h:], v.view(n, kvh, d)], dim=1).view(n, 2, kvh, d)
-        return self.o_proj(paged_attention(qk[:, :h], kv, kv_cache, meta, self.scale,
-                                           self.sinks, self.softcap))
+        q = qk[:, :h]
+        if meta.query_scales is not None:  # (Llama 4's attention temperature)
+            q = q * meta.query_scales[:, None, None]
+        return self.o_proj(paged_attention(q, kv, kv_cache, meta, self.scale, self.sinks,
+                                           self.softcap))
 
 
 class LlamaForCausalLM(BlockLayouts):
@@ -255,9 +260,11 @@ class LlamaForCausalLM(BlockLayouts):
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
         cos, sin = self.rotary.tables(positions)
+        meta = self.with_query_scales(meta, positions)
         # Every block in one native call (what the loop below runs, block by block), unless
         # a block has left the one-call path (tests switch blocks to the Python path).
         if (meta.decode_block_tables is not None and self.all_layers_args is not None
+                and meta.query_scales is None
                 and all(layer.one_call is not None for layer in self.layers)):
             x, residual = torch.ops.freetoken.llama_layers(
                 x, *self.all_layers_args, cos, sin, kv_caches, meta.slot_mapping,
@@ -270,6 +277,19 @@ class LlamaForCausalLM(BlockLayouts):
         for layer, window, cache in zip(self.layers, self.windows, kv_caches):
             x, residual = layer(x, residual, cos, sin, cache, metas[window])
         return add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps, self.native)[0]
+
+    def with_query_scales(self, meta: AttentionMetadata, positions: torch.Tensor
+                          ) -> AttentionMetadata:
+        """``meta`` with Llama 4's attention temperature where the config has one and a
+        token of the step is past its length (transformers' ``get_llama_4_attn_scale``: the
+        rotated query times ``1 + beta ln(1 + floor(position / length))``, in float32);
+        below the length every multiplier is 1 and ``meta`` is returned as it is."""
+        beta, length = (self.config.attention_temperature_beta,
+                        self.config.attention_temperature_length)
+        if not beta or int(positions.max()) < length:
+            return meta
+        scales = 1 + beta * torch.log(1 + torch.floor(positions / length))
+        return dataclasses.replace(meta, query_scales=scales.to(self.embedding.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

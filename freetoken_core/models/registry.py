@@ -27,6 +27,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "mixtral": LlamaForCausalLM,
     "gpt_oss": LlamaForCausalLM,  # (sinks, biases and windows: config fields too)
     "glm4": Glm4ForCausalLM,
+    "ministral3": LlamaForCausalLM,  # (its attention temperature: config fields too)
 }
 
 SUPPORTED: tuple[str, ...] = tuple(sorted(_CLASSES))
