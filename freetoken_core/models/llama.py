@@ -286,7 +286,7 @@ class LlamaForCausalLM(BlockLayouts):
         below the length every multiplier is 1 and ``meta`` is returned as it is."""
         beta, length = (self.config.attention_temperature_beta,
                         self.config.attention_temperature_length)
-        if not beta or int(positions.max()) < length:
+        if not beta or positions.numel() == 0 or int(positions.max()) < length:
             return meta
         scales = 1 + beta * torch.log(1 + torch.floor(positions / length))
         return dataclasses.replace(meta, query_scales=scales.to(self.embedding.dtype))
