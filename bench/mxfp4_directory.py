@@ -74,7 +74,13 @@ def write_directory(out: Path, shape: str) -> tuple[int, int]:
         return (torch.randn(*shape, generator=gen) * scale).bfloat16()
 
     expert_bytes = other = 0
-    files = {}
+    weight_map: dict[str, str] = {}
+
+    def save(name: str, tensors: dict[str, torch.Tensor]) -> None:
+        if not (out / name).exists():
+            save_file(tensors, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+
     for layer in range(layers):
         p = f"model.layers.{layer}."
         t = {p + "input_layernorm.weight": bf16(hidden, scale=0) + 1,
@@ -101,16 +107,11 @@ def write_directory(out: Path, shape: str) -> tuple[int, int]:
             t[p + f"mlp.experts.{name}_blocks"], t[p + f"mlp.experts.{name}_scales"] = (
                 blocks, scales)
             expert_bytes += blocks.numel() + scales.numel()
-        files[f"model-{layer:05d}.safetensors"] = t
+        save(f"model-{layer:05d}.safetensors", t)  # (one layer in memory at a time)
     last = {"model.embed_tokens.weight": bf16(VOCAB, hidden, scale=1.0),
             "lm_head.weight": bf16(VOCAB, hidden), "model.norm.weight": bf16(hidden, scale=0) + 1}
     other += sum(v.numel() for v in last.values())
-    files["model-last.safetensors"] = last
-    weight_map = {}
-    for name, tensors in files.items():
-        if not (out / name).exists():
-            save_file(tensors, str(out / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
+    save("model-last.safetensors", last)
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     config = {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": VOCAB,
