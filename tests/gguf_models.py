@@ -176,7 +176,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                split_max_tensors: int = 0, experts: int = 0, experts_used: int = 2,
                expert_ff: int | None = None, shared_ff: int = 0) -> Path:
     """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gpt-oss, gemma2,
-    gemma3, glm4 or phi3) as a GGUF file (gpt-oss: biases, sinks and expert biases as its
+    gemma3, glm4, olmo2 or phi3) as a GGUF file (gpt-oss: biases, sinks and expert biases as its
     files have them; its rope scaling from ``metadata``; gemma2: its softcaps from
     ``metadata``, else 50 and 30, as the converter writes transformers' defaults).
 
@@ -293,7 +293,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     q, kv = heads * head_dim, kv_heads * head_dim
     for i in range(layers):
         b = f"blk.{i}."
-        vector(b + "attn_norm.weight", hidden, norm_one)
+        if arch != "olmo2":  # (OLMo norms after attention and MLP only)
+            vector(b + "attn_norm.weight", hidden, norm_one)
         if arch == "phi3":
             matrix(b + "attn_qkv.weight", q + 2 * kv, hidden)
             matrix(b + "ffn_up.weight", 2 * ff, hidden)
@@ -335,14 +336,18 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
         if arch in ("qwen3", "qwen3moe", "gemma3"):
             vector(b + "attn_q_norm.weight", head_dim, norm_one)
             vector(b + "attn_k_norm.weight", head_dim, norm_one)
+        if arch == "olmo2":  # (over all heads at once)
+            vector(b + "attn_q_norm.weight", q, norm_one)
+            vector(b + "attn_k_norm.weight", kv, norm_one)
         matrix(b + "attn_output.weight", hidden, q)
         if experts:
             stacked(b + "ffn_down_exps.weight", experts, hidden, expert_ff)
         else:
             matrix(b + "ffn_down.weight", hidden, ff)
-        vector(b + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight"),
-               hidden, norm_one)
-        if arch in ("gemma2", "gemma3", "glm4"):
+        if arch != "olmo2":
+            vector(b + ("post_attention_norm.weight" if arch == "gpt-oss"
+                        else "ffn_norm.weight"), hidden, norm_one)
+        if arch in ("gemma2", "gemma3", "glm4", "olmo2"):
             vector(b + "post_attention_norm.weight", hidden, norm_one)
             vector(b + "post_ffw_norm.weight", hidden, norm_one)
     vector("output_norm.weight", hidden, norm_one)

@@ -211,3 +211,52 @@ def hf_glm4_from_gguf(path: Path) -> torch.nn.Module:
     model = Glm4ForCausalLM(config).float().eval()
     model.load_state_dict(state)
     return model
+
+
+def hf_olmo_from_gguf(path: Path) -> torch.nn.Module:
+    """transformers' ``Olmo2ForCausalLM`` (``Olmo3ForCausalLM`` where the file has
+    ``attention.sliding_window``: every 4th layer global) of an ``olmo2`` GGUF file
+    (transformers' GGUF loader does not read that architecture): every tensor dequantized
+    by gguf-py under the name llama.cpp's converter gave it (the weights unpermuted)."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
+
+    reader, tensors = _dequantized(path)
+
+    def key(name: str, default: object = None) -> object:
+        field = reader.fields.get("olmo2." + name)
+        return default if field is None else field.contents()
+
+    shape = {"vocab_size": tensors["token_embd.weight"].shape[0],
+             "hidden_size": key("embedding_length"),
+             "intermediate_size": key("feed_forward_length"),
+             "num_hidden_layers": key("block_count"),
+             "num_attention_heads": key("attention.head_count"),
+             "num_key_value_heads": key("attention.head_count_kv"),
+             "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+             "max_position_embeddings": key("context_length"),
+             "tie_word_embeddings": "output.weight" not in tensors, "pad_token_id": 0}
+    theta = key("rope.freq_base")
+    window = key("attention.sliding_window")
+    if window:
+        config = Olmo3Config(**shape, sliding_window=window, rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": theta}})
+        model = Olmo3ForCausalLM(config)
+    else:
+        model = Olmo2ForCausalLM(Olmo2Config(**shape, rope_theta=theta))
+    names = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+             "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+             "attn_q_norm.weight": "self_attn.q_norm.weight",
+             "attn_k_norm.weight": "self_attn.k_norm.weight",
+             "attn_output.weight": "self_attn.o_proj.weight",
+             **{f"attn_{p}.weight": f"self_attn.{p}_proj.weight" for p in "qkv"},
+             **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}}
+    state = {"model.embed_tokens.weight": tensors["token_embd.weight"],
+             "model.norm.weight": tensors["output_norm.weight"],
+             "lm_head.weight": tensors.get("output.weight", tensors["token_embd.weight"])}
+    for i in range(shape["num_hidden_layers"]):
+        for short, hf in names.items():
+            state[f"model.layers.{i}.{hf}"] = tensors[f"blk.{i}.{short}"]
+    model = model.float().eval()
+    model.load_state_dict(state)
+    return model

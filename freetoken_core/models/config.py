@@ -18,6 +18,7 @@ from freetoken_core.models.config_fields import (
     granite_fields,
     ministral3_fields,
     moe_fields,
+    olmo3_fields,
     phi3_fields,
     quantized_experts,
     smollm3_fields,
@@ -39,12 +40,14 @@ SUPPORTED_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "Glm4ForCausalLM": "glm4",
     "Ministral3ForCausalLM": "ministral3",
+    "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
 _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "phi3": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
-                "ministral3": "silu"}
+                "ministral3": "silu", "olmo2": "silu", "olmo3": "silu"}
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,8 @@ class ModelConfig:
             fields.update(glm4_fields(cfg, rope_scaling))
         elif family == "ministral3":
             fields.update(ministral3_fields(cfg))
+        elif family == "olmo3":
+            fields.update(olmo3_fields(cfg))
         fields["mxfp4_experts"] = quantized_experts(arch, family,
                                                     cfg.get("quantization_config"))
         return cls(
@@ -224,7 +229,7 @@ class ModelConfig:
             attention_bias=(family == "qwen2" or bool(cfg.get("attention_bias",
                                                                family in ("gpt_oss", "glm4")))
                             or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
-            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmo2", "olmo3"),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -307,3 +307,39 @@ def ministral3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                              f"{length!r}")
     return {"attention_temperature_beta": float(beta),
             "attention_temperature_length": int(length) if beta else 0}
+
+
+def olmo3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 3's fields as transformers' ``Olmo3Config`` reads them: ``layer_types`` (default:
+    every 4th layer global, the others sliding over ``sliding_window`` keys, 4096) and the
+    rope of each layer type: ``rope_parameters`` per type, or the legacy ``rope_theta`` and
+    ``rope_scaling`` keys (the global layers'; its default base 500,000 for either); the
+    sliding layers' rope unscaled."""
+    arch, num_layers = "Olmo3ForCausalLM", cfg["num_hidden_layers"]
+    params = cfg.get("rope_parameters") or {}
+    nested = "full_attention" in params or "sliding_attention" in params
+    full = dict(params.get("full_attention") or {}) if nested else dict(params)
+    local = dict(params.get("sliding_attention") or {}) if nested else {}
+    if cfg.get("rope_scaling"):
+        full.update(cfg["rope_scaling"])
+    full.setdefault("rope_theta", cfg.get("rope_theta") or 500_000.0)
+    local.setdefault("rope_theta", 500_000.0)
+    if _rope_kind(local) != "default":
+        raise ModelLoadError(f"{arch} with rope type {_rope_kind(local)!r} on its "
+                             "sliding-window layers is not supported (checkpoints use default)")
+    kind = _rope_kind(full)
+    if kind not in ("default", "yarn"):
+        raise ModelLoadError(f"{arch} with rope type {kind!r} is not supported (default or "
+                             "yarn)")
+    if kind == "yarn":
+        full.setdefault("original_max_position_embeddings",
+                        cfg.get("max_position_embeddings", 2048))
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(num_layers)]
+    return {
+        "rope_theta": float(full["rope_theta"]),
+        "rope_scaling": None if kind == "default" else dict(full, rope_type=kind),
+        "rope_local_theta": float(local["rope_theta"]),
+        "layer_windows": _layer_windows(arch, layer_types, num_layers,
+                                        cfg.get("sliding_window", 4096)),
+    }

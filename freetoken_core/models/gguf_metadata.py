@@ -30,6 +30,7 @@ ARCHITECTURES = {
     "gpt-oss": "GptOssForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "mistral3": "Ministral3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",  # (OLMo 3's files too: Olmo3ForCausalLM where they slide)
 }
 # A llama file with experts (llama.expert_count > 0) is Mixtral's.
 MIXTRAL = "MixtralForCausalLM"
@@ -196,6 +197,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config["partial_rotary_factor"] = rope_dim / head_dim
     if arch == "glm4":
         config.update(_glm4_config(reader, rope_dim / head_dim, names))
+    if arch == "olmo2":
+        config.update(_olmo_config(reader, config))
     if arch == "smollm3":  # llama.cpp: every 4th layer without RoPE (n_no_rope_layer_step)
         config["no_rope_layer_interval"] = 4
     if arch == "granite":
@@ -258,6 +261,34 @@ def _mistral3_rope(reader: Any, config: dict[str, Any], scaling: dict[str, Any] 
         or config["max_position_embeddings"])
     return {**(scaling or {"rope_type": "default"}), "llama_4_scaling_beta": beta,
             "original_max_position_embeddings": int(length)}
+
+
+def _olmo_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """An ``olmo2`` file as llama.cpp reads it: OLMo 2, or OLMo 3 where it has
+    ``attention.sliding_window`` (its converter writes both as ``olmo2``): then
+    ``attention.sliding_window_pattern`` says which layers slide (a flag a layer, or a period
+    n: every n-th layer global; default 4), and the sliding layers' rope is unscaled, of
+    base ``rope.freq_base_swa`` (default the global layers')."""
+    window = field(reader, "olmo2.attention.sliding_window")
+    if not window:
+        return {"model_type": "olmo2"}
+    layers = config["num_hidden_layers"]
+    pattern = field(reader, "olmo2.attention.sliding_window_pattern", 4)
+    if isinstance(pattern, list | tuple | np.ndarray):
+        if len(pattern) != layers:
+            raise ModelLoadError(f"GGUF olmo2.attention.sliding_window_pattern has "
+                                 f"{len(pattern)} flags for {layers} layers")
+        sliding = [bool(flag) for flag in pattern]
+    else:
+        period = int(pattern)
+        sliding = [period == 0 or i % period < period - 1 for i in range(layers)]
+    base = config["rope_theta"]
+    return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",
+            "sliding_window": int(window),
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+            "rope_parameters": {"sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": float(field(reader, "olmo2.rope.freq_base_swa", base))}}}
 
 
 def _glm4_config(reader: Any, factor: float, names: set[str]) -> dict[str, Any]:

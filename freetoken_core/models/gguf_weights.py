@@ -111,6 +111,11 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "llama": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},  # (Mixtral: llama with experts)
     "smollm3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "mistral3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
+    "olmo2": {  # (no input norms; q/k norms over all heads)
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        **_ATTENTION, **_MLP,
+    },
     "granite": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen2": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},

@@ -143,7 +143,14 @@ class DecoderLayer:
         qkv = self.qkv_proj(x)
         qk, v = qkv.split([(h + kvh) * d, kvh * d], dim=-1)
         qk = qk.view(n, h + kvh, d)
-        if self.q_norm is not None:  # per head (Qwen3): each head's d values a row
+        if self.q_norm is not None and self.q_norm.numel() != d:
+            # over all heads at once (OLMo 2): a token's h x d queries one row
+            qk = torch.cat([
+                rms_norm(qk[:, :h].reshape(n, h * d).contiguous(), self.q_norm, self.eps,
+                         self.native).view(n, h, d),
+                rms_norm(qk[:, h:].reshape(n, kvh * d).contiguous(), self.k_norm, self.eps,
+                         self.native).view(n, kvh, d)], dim=1)
+        elif self.q_norm is not None:  # per head (Qwen3): each head's d values a row
             qk = torch.cat([
                 rms_norm(qk[:, :h].reshape(n * h, d).contiguous(), self.q_norm, self.eps,
                          self.native).view(n, h, d),

@@ -9,6 +9,7 @@ from freetoken_core.models.gemma2 import Gemma2ForCausalLM
 from freetoken_core.models.gemma3 import Gemma3ForCausalLM
 from freetoken_core.models.glm4 import Glm4ForCausalLM
 from freetoken_core.models.llama import LlamaForCausalLM
+from freetoken_core.models.olmo2 import Olmo2ForCausalLM
 from freetoken_core.models.phi3 import Phi3ForCausalLM
 from freetoken_core.models.smollm3 import SmolLM3ForCausalLM
 
@@ -28,6 +29,8 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "gpt_oss": LlamaForCausalLM,  # (sinks, biases and windows: config fields too)
     "glm4": Glm4ForCausalLM,
     "ministral3": LlamaForCausalLM,  # (its attention temperature: config fields too)
+    "olmo2": Olmo2ForCausalLM,
+    "olmo3": Olmo2ForCausalLM,  # (OLMo 2's blocks with sliding-window layers)
 }
 
 SUPPORTED: tuple[str, ...] = tuple(sorted(_CLASSES))

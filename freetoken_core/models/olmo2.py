@@ -1,0 +1,90 @@
+"""Native OLMo 2 and OLMo 3 causal LMs (transformers' ``Olmo2ForCausalLM``,
+``Olmo3ForCausalLM``; GGUF ``olmo2``, which llama.cpp's converter writes for both).
+
+Llama's model (llama.py) with OLMo's differences, each computed as transformers computes
+it:
+
+- norms after, not before: a block's input goes to the attention as it is; the attention's
+  output is normed (``post_attention_layernorm``) and added to the residual stream, which
+  goes to the MLP as it is; the MLP's output is normed (``post_feedforward_layernorm``) and
+  added;
+- q and k RMSNormed over all heads at once (``q_norm`` of ``heads x head_dim`` weights),
+  before the rotation;
+- OLMo 3: sliding-window layers (every 4th layer global by default) with their own unscaled
+  rope, the global layers with the configured one (YaRN in the long-context checkpoints).
+
+No one-call native path (its block kernel norms before attention and MLP), and no tensor
+parallelism: a norm over all heads needs every rank's heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.attention import AttentionMetadata
+from freetoken_core.models.config import ModelConfig
+from freetoken_core.models.layers import RotaryEmbedding, rms_norm, silu_and_mul
+from freetoken_core.models.linear import BlockArena
+from freetoken_core.models.llama import DecoderLayer, LlamaForCausalLM, Weights
+from freetoken_core.models.sharding import Shard
+
+
+class Olmo2DecoderLayer(DecoderLayer):
+    """Llama's block with OLMo's norms after attention and MLP instead of before."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, index: int, native: bool,
+                 arena: BlockArena | None = None) -> None:
+        prefix = f"model.layers.{index}."
+        self.post_ff_norm = weights.pop(prefix + "post_feedforward_layernorm.weight")
+        weights[prefix + "input_layernorm.weight"] = None  # (none: the input is not normed)
+        super().__init__(cfg, weights, index, native, arena)
+        self.one_call = None
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                 sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(output, residual)`` as ``DecoderLayer``'s: the hidden state is their sum."""
+        eps, native = self.eps, self.native
+        hidden = x if residual is None else residual + x
+        attn = rms_norm(self.self_attention(hidden, cos, sin, kv_cache, meta),
+                        self.post_attn_norm, eps, native)
+        hidden = hidden + attn
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(hidden), native))
+        return rms_norm(out, self.post_ff_norm, eps, native), hidden
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    """OLMo 2 / OLMo 3 (module docstring): ``forward`` gives hidden states,
+    ``compute_logits`` float32 logits, as ``LlamaForCausalLM``'s."""
+
+    layer_class = Olmo2DecoderLayer
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
+                 shard: Shard | None = None) -> None:
+        if shard is not None:
+            raise ModelLoadError(
+                f"tensor parallelism of {cfg.architecture} is not supported (its q/k norms "
+                "span every head); serve it on one rank (data parallelism replicates it)")
+        super().__init__(cfg, weights, max_positions, shard)
+        self.local_rotary = self.rotary  # (OLMo 2, and OLMo 3 with one rope: the same tables)
+        if cfg.rope_local_theta is not None and (cfg.rope_local_theta != cfg.rope_theta
+                                                 or cfg.rope_scaling is not None):
+            self.local_rotary = RotaryEmbedding(cfg.head_dim, max_positions,
+                                                cfg.rope_local_theta, None,
+                                                self.embedding.dtype, self.embedding.device)
+        self.is_sliding = [w is not None for w in cfg.layer_windows or (None,) * cfg.num_layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] of a flat step; writes the step's KV into the cache."""
+        x = self.embedding(input_ids)
+        ropes = {False: self.rotary.tables(positions)}
+        ropes[True] = (ropes[False] if self.local_rotary is self.rotary
+                       else self.local_rotary.tables(positions))
+        metas = {window: meta.with_window(window) for window in set(self.windows)}
+        residual = None
+        for layer, sliding, window, cache in zip(self.layers, self.is_sliding, self.windows,
+                                                 kv_caches):
+            x, residual = layer(x, residual, *ropes[sliding], cache, metas[window])
+        return rms_norm(residual + x, self.norm, self.config.rms_norm_eps, self.native)
