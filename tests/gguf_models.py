@@ -196,7 +196,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     rotary). ``rope_factors``: F32 frequency-factor tensors by name (``rope_freqs.weight``,
     ``rope_factors_long.weight`` ...), written before the weights as the converter writes
     the tensors it generates. ``metadata``: more keys (under ``{arch}.`` unless they start
-    with it or ``tokenizer.``), an int as uint32, a float as float32, a str as a string.
+    with it or ``tokenizer.``), an int as uint32, a float as float32, a str as a string, a
+    list as an array.
     ``split_max_tensors``: a split GGUF of shards of at most that many tensors, as
     llama.cpp's ``gguf-split`` writes them (``{stem}-00001-of-0000N.gguf`` ..., the metadata
     in the first); the first shard's path is returned.
@@ -253,6 +254,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
             writer.add_string(key, value)
         elif isinstance(value, float):
             writer.add_float32(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
         else:
             writer.add_uint32(key, value)
     for key, value, kind in tokenizer_fields:

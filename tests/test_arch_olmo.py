@@ -95,6 +95,30 @@ def test_olmo_gguf_matches_transformers(tmp_path: Path, olmo3: bool) -> None:
     assert_logits_match(llm, prompts[-1], hf, windows=olmo3)
 
 
+@pytest.mark.parametrize(("pattern", "types"), [
+    (None, ["sliding_attention"] * 3 + ["full_attention"]),
+    (2, ["sliding_attention", "full_attention"] * 2),
+    ([False, True, True, False], ["full_attention", "sliding_attention",
+                                  "sliding_attention", "full_attention"]),
+])
+def test_olmo3_files_sliding_layers_as_llama_cpp_reads_them(tmp_path: Path, pattern: Any,
+                                                            types: list[str]) -> None:
+    """``attention.sliding_window_pattern``: absent (every 4th layer global), a period, or a
+    flag a layer; ``rope.freq_base_swa``: the sliding layers' base."""
+    import json
+
+    from freetoken_core.models.gguf import convert_gguf
+
+    metadata = {"attention.sliding_window": 8, "rope.freq_base_swa": 5000.0}
+    if pattern is not None:
+        metadata["attention.sliding_window_pattern"] = pattern
+    path = write_gguf(tmp_path / "olmo3.gguf", "olmo2", layers=4, seed=1, metadata=metadata)
+    config = json.loads((convert_gguf(path, tmp_path / "out", progress=False)
+                         / "config.json").read_text())
+    assert config["architectures"] == ["Olmo3ForCausalLM"] and config["layer_types"] == types
+    assert config["rope_parameters"]["sliding_attention"]["rope_theta"] == 5000.0
+
+
 def test_tensor_parallelism_is_refused(tmp_path: Path) -> None:
     from freetoken_core.models.config import ModelConfig
     from freetoken_core.models.sharding import Shard

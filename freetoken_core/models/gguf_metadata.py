@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from freetoken_core.errors import ModelLoadError
-from freetoken_core.models.gguf_reader import field, require, token_count
+from freetoken_core.models.gguf_reader import array_field, field, require, token_count
 
 ARCH = "llama"
 
@@ -273,14 +273,14 @@ def _olmo_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     if not window:
         return {"model_type": "olmo2"}
     layers = config["num_hidden_layers"]
-    pattern = field(reader, "olmo2.attention.sliding_window_pattern", 4)
-    if isinstance(pattern, list | tuple | np.ndarray):
-        if len(pattern) != layers:
-            raise ModelLoadError(f"GGUF olmo2.attention.sliding_window_pattern has "
-                                 f"{len(pattern)} flags for {layers} layers")
-        sliding = [bool(flag) for flag in pattern]
+    key = "olmo2.attention.sliding_window_pattern"
+    flags = array_field(reader, key)
+    if flags is not None:
+        if len(flags) != layers:
+            raise ModelLoadError(f"GGUF {key} has {len(flags)} flags for {layers} layers")
+        sliding = [bool(flag) for flag in flags]
     else:
-        period = int(pattern)
+        period = int(field(reader, key, 4))
         sliding = [period == 0 or i % period < period - 1 for i in range(layers)]
     base = config["rope_theta"]
     return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",

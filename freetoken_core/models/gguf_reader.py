@@ -30,6 +30,11 @@ def open_reader(gguf_path: Path) -> Any:
         ) from exc
 
 
+# Numeric arrays up to this long (per-layer values: a sliding-window pattern, head counts)
+# are read with the header (``array_field``); longer ones (token scores) are skipped over.
+_SMALL_ARRAY = 4096
+
+
 @dataclass
 class _Field:
     """The attributes of ``gguf.ReaderField`` that :func:`field` and :func:`token_count` read.
@@ -111,7 +116,7 @@ class HeaderReader:
                 self.fields[key] = _Field([kind], [part], [0])
             elif kind == GGUFValueType.ARRAY:
                 item, count = GGUFValueType(take("<I")), take("<Q")
-                if key in arrays:
+                if key in arrays or (item in scalars and count <= _SMALL_ARRAY):
                     self.arrays[key] = _array_values(buf, pos, item, count)
                 if item == GGUFValueType.STRING:
                     for _ in range(count):
@@ -228,6 +233,7 @@ class SplitReader:
                 f"first shard, {prefix}-00001-of-{count:05d}.gguf (the others are read "
                 "with it)")
         self.fields = first.fields
+        self.arrays = getattr(first, "arrays", {})
         self.shards: list[tuple[Path, Any]] = [(first_path, first)]
         for i in range(1, count):
             path = first_path.with_name(f"{prefix}-{i + 1:05d}-of-{count:05d}.gguf")
@@ -300,6 +306,23 @@ def field(reader: Any, key: str, default: Any = None) -> Any:
     if field.types[0] == GGUFValueType.STRING:
         return bytes(part).decode("utf-8")
     return part.tolist()[0]
+
+
+def array_field(reader: Any, key: str) -> list[Any] | None:
+    """The elements of numeric array field ``key`` (per-layer values), ``None`` if the file
+    has no such key or it holds one value (``field`` reads that)."""
+    from gguf import GGUFValueType
+
+    found = reader.fields.get(key)
+    if found is None or found.types[0] != GGUFValueType.ARRAY:
+        return None
+    arrays = getattr(reader, "arrays", None)
+    if arrays is not None and key in arrays:
+        return list(arrays[key])
+    if hasattr(found, "contents"):  # (gguf.GGUFReader's field)
+        return list(found.contents())
+    raise ModelLoadError(f"GGUF metadata {key!r} is an array of {len(found.data)} values, "
+                         "too long to be per-layer values")
 
 
 def require(reader: Any, key: str) -> Any:
