@@ -54,7 +54,8 @@ def kernel_device(monkeypatch: pytest.MonkeyPatch) -> torch.device:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Build the native CPU kernels (first run on a machine: ~15 s) before any test starts
+    """Build the native CPU kernels (first run on a machine: ~80 s on two cores) before any
+    test starts
     a server process, which would otherwise spend its start-up timeout on the build."""
     from freetoken_core.kernels import cpu_kernels_available
 

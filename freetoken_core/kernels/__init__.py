@@ -3,7 +3,7 @@
 Attention over the paged KV cache, the fused element-wise layers of a block, linears
 computed from a GGUF file's Q4_1/Q8_0 blocks, a whole block in one call, and the sampler's
 draw. They are compiled once per machine,
-torch version, CPU and source into ``$FREETOKEN_CACHE/kernels/`` (about 15 s) with the
+torch version, CPU and source into ``$FREETOKEN_CACHE/kernels/`` (~80 s on two cores) with the
 system C++ compiler and ninja, for the CPU at hand (``-march=native``), and run on ATen's
 own thread pool. Everything they do has a torch path too: where they cannot be built (no
 compiler) FreeToken logs it once and runs the torch path; ``FREETOKEN_NATIVE_KERNELS=0``
@@ -142,7 +142,7 @@ def cpu_kernels_available() -> bool:
 
         _ensure_ninja_on_path()
         build.mkdir(parents=True, exist_ok=True)
-        print(f"freetoken: building the native CPU kernels into {build} (once, ~15 s)",
+        print(f"freetoken: building the native CPU kernels into {build} (once, ~1-2 min)",
               file=sys.stderr, flush=True)
         cpp_extension.load(
             name=_NAME, sources=[str(s) for s in sources],

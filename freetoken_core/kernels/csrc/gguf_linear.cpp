@@ -523,6 +523,16 @@ constexpr int64_t kDirectRows = 10;
 constexpr int64_t kDirectRows = 4;
 #endif
 
+// The i-quants (grid look-ups, gguf_iq_types.h) take the direct path for one row only and
+// the panels from two: seven types' direct passes for 2-10 rows made this file's build
+// ~40 s longer (50 -> 90 s with -march=native), and a kernel build is in every machine's
+// first start. Both paths sum in one order, so a row's result does not change with it.
+template <int64_t QT>
+constexpr int64_t kDirectRowsOf =
+    (QT == types::IQ2_XXS || QT == types::IQ2_XS || QT == types::IQ2_S ||
+     QT == types::IQ3_XXS || QT == types::IQ3_S || QT == types::IQ1_S || QT == types::IQ1_M)
+        ? 1 : kDirectRows;
+
 // out[r * out_stride + f] for the n features of `bp` (rows of row_bytes): a whole output, or
 // the columns of one part of a linear of parts (gguf_linear).
 template <int64_t QT>
@@ -531,7 +541,7 @@ void gguf_linear_impl(const float* xp, int64_t rows, int64_t k, const uint8_t* b
   const int64_t num_blocks = k / kBlock;
   if (rows == 0) return;
 #ifdef FREETOKEN_AVX2
-  if (rows > kDirectRows) {
+  if (rows > kDirectRowsOf<QT>) {
     // Panels handed out from a shared counter in shrinking pieces (parallel.h) rather than
     // one fixed share per thread: a thread that is slowed (the other process's work, an
     // interrupt, the serial code it ran before) does less of the product instead of holding
@@ -570,37 +580,53 @@ void gguf_linear_impl(const float* xp, int64_t rows, int64_t k, const uint8_t* b
   // of four alternations (11.4 vs 12.1 ms on the reference), a decode step of one
   // sequence 0.8-1.6 ms faster (median of 30-40 paired alternations in one process).
   // The features in shrinking pieces of whole passes, as the panels.
-  freetoken::guided_for(n, 32, 8, [&](int64_t n0, int64_t n1) {
-    switch (rows) {
-      case 1: rows_direct<QT, 1, kOneRowFeatures<QT>>(xp, k, bp, n, row_bytes, num_blocks, op,
-                                                      out_stride, n0, n1);
-        break;
-      case 2: rows_direct<QT, 2, kOneRowFeatures<QT>>(xp, k, bp, n, row_bytes, num_blocks, op,
-                                                      out_stride, n0, n1);
-        break;
-      case 3: rows_direct<QT, 3, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
-        break;
-      case 4: rows_direct<QT, 4, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
-        break;
+  if constexpr (kDirectRowsOf<QT> == 1) {
+    freetoken::guided_for(n, 32, 8, [&](int64_t n0, int64_t n1) {
+      rows_direct<QT, 1, kOneRowFeatures<QT>>(xp, k, bp, n, row_bytes, num_blocks, op,
+                                              out_stride, n0, n1);
+    });
+  } else {
+    freetoken::guided_for(n, 32, 8, [&](int64_t n0, int64_t n1) {
+      switch (rows) {
+        case 1: rows_direct<QT, 1, kOneRowFeatures<QT>>(xp, k, bp, n, row_bytes, num_blocks, op,
+                                                        out_stride, n0, n1);
+          break;
+        case 2: rows_direct<QT, 2, kOneRowFeatures<QT>>(xp, k, bp, n, row_bytes, num_blocks, op,
+                                                        out_stride, n0, n1);
+          break;
+        case 3: rows_direct<QT, 3, 2>(xp, k, bp, n, row_bytes, num_blocks, op,
+                                      out_stride, n0, n1);
+          break;
+        case 4: rows_direct<QT, 4, 2>(xp, k, bp, n, row_bytes, num_blocks, op,
+                                      out_stride, n0, n1);
+          break;
 #if defined(__AVX512F__)
-      case 5: rows_direct<QT, 5, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
-        break;
-      case 6: rows_direct<QT, 6, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
-        break;
-      case 7: rows_direct<QT, 7, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
-        break;
-      case 8: rows_direct<QT, 8, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
-        break;
-      case 9: rows_direct<QT, 9, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
-        break;
-      default: rows_direct<QT, 10, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
-        break;
+        case 5: rows_direct<QT, 5, 2>(xp, k, bp, n, row_bytes, num_blocks, op,
+                                      out_stride, n0, n1);
+          break;
+        case 6: rows_direct<QT, 6, 2>(xp, k, bp, n, row_bytes, num_blocks, op,
+                                      out_stride, n0, n1);
+          break;
+        case 7: rows_direct<QT, 7, 2>(xp, k, bp, n, row_bytes, num_blocks, op,
+                                      out_stride, n0, n1);
+          break;
+        case 8: rows_direct<QT, 8, 2>(xp, k, bp, n, row_bytes, num_blocks, op,
+                                      out_stride, n0, n1);
+          break;
+        case 9: rows_direct<QT, 9, 2>(xp, k, bp, n, row_bytes, num_blocks, op,
+                                      out_stride, n0, n1);
+          break;
+        default: rows_direct<QT, 10, 2>(xp, k, bp, n, row_bytes, num_blocks, op,
+                                        out_stride, n0, n1);
+          break;
 #else
-      default: rows_direct<QT, 4, 2>(xp, k, bp, n, row_bytes, num_blocks, op, out_stride, n0, n1);
-        break;
+        default: rows_direct<QT, 4, 2>(xp, k, bp, n, row_bytes, num_blocks, op,
+                                       out_stride, n0, n1);
+          break;
 #endif
-    }
-  });
+      }
+    });
+  }
 #else
   // guided_for, not at::parallel_for: inside a team (llama_layers) each member takes its
   // share and meets the others at a barrier; at::parallel_for there would run the whole
