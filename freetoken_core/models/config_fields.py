@@ -28,17 +28,8 @@ def gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("use_bidirectional_attention"):
         raise ModelLoadError("Gemma3ForCausalLM with use_bidirectional_attention (an encoder, "
                              "e.g. EmbeddingGemma) is not supported: FreeToken generates text")
-    params = cfg.get("rope_parameters") or {}
-    nested = "full_attention" in params or "sliding_attention" in params
-    full = dict(params.get("full_attention") or {}) if nested else dict(params)
-    local = dict(params.get("sliding_attention") or {}) if nested else {}
-    if cfg.get("rope_scaling"):
-        full.update(cfg["rope_scaling"])
-    full.setdefault("rope_theta", cfg.get("rope_theta") or 1_000_000.0)
-    local.setdefault("rope_theta", cfg.get("rope_local_base_freq") or 10_000.0)
-    if _rope_kind(local) != "default":
-        raise ModelLoadError(f"Gemma3ForCausalLM with rope type {_rope_kind(local)!r} on its "
-                             "sliding-window layers is not supported (checkpoints use default)")
+    full, local = _ropes_by_layer_type("Gemma3ForCausalLM", cfg, 1_000_000.0,
+                                       cfg.get("rope_local_base_freq") or 10_000.0)
     kind = _rope_kind(full)
     num_layers = cfg["num_hidden_layers"]
     layer_types = cfg.get("layer_types")
@@ -56,6 +47,27 @@ def gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "final_logit_softcap": _softcap("Gemma3ForCausalLM", cfg, "final_logit_softcapping",
                                         None),
     }
+
+
+def _ropes_by_layer_type(arch: str, cfg: dict[str, Any], full_theta: float,
+                         local_theta: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The rope parameters of the global and of the sliding-window layers, as transformers'
+    Gemma 3 and OLMo 3 configs read them: ``rope_parameters`` per layer type, or one set of
+    them and the legacy ``rope_theta`` / ``rope_scaling`` keys, which apply to the global
+    layers; the bases ``full_theta`` and ``local_theta`` where none is given. The sliding
+    layers' rope must be unscaled (the checkpoints' is)."""
+    params = cfg.get("rope_parameters") or {}
+    nested = "full_attention" in params or "sliding_attention" in params
+    full = dict(params.get("full_attention") or {}) if nested else dict(params)
+    local = dict(params.get("sliding_attention") or {}) if nested else {}
+    if cfg.get("rope_scaling"):
+        full.update(cfg["rope_scaling"])
+    full.setdefault("rope_theta", cfg.get("rope_theta") or full_theta)
+    local.setdefault("rope_theta", local_theta)
+    if _rope_kind(local) != "default":
+        raise ModelLoadError(f"{arch} with rope type {_rope_kind(local)!r} on its "
+                             "sliding-window layers is not supported (checkpoints use default)")
+    return full, local
 
 
 def gemma2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -316,17 +328,7 @@ def olmo3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     ``rope_scaling`` keys (the global layers'; its default base 500,000 for either); the
     sliding layers' rope unscaled."""
     arch, num_layers = "Olmo3ForCausalLM", cfg["num_hidden_layers"]
-    params = cfg.get("rope_parameters") or {}
-    nested = "full_attention" in params or "sliding_attention" in params
-    full = dict(params.get("full_attention") or {}) if nested else dict(params)
-    local = dict(params.get("sliding_attention") or {}) if nested else {}
-    if cfg.get("rope_scaling"):
-        full.update(cfg["rope_scaling"])
-    full.setdefault("rope_theta", cfg.get("rope_theta") or 500_000.0)
-    local.setdefault("rope_theta", 500_000.0)
-    if _rope_kind(local) != "default":
-        raise ModelLoadError(f"{arch} with rope type {_rope_kind(local)!r} on its "
-                             "sliding-window layers is not supported (checkpoints use default)")
+    full, local = _ropes_by_layer_type(arch, cfg, 500_000.0, 500_000.0)
     kind = _rope_kind(full)
     if kind not in ("default", "yarn"):
         raise ModelLoadError(f"{arch} with rope type {kind!r} is not supported (default or "

@@ -29,7 +29,6 @@ import torch
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.layers import (
-    RotaryEmbedding,
     apply_rope,
     float32_weight_add_rms_norm,
     float32_weight_rms_norm,
@@ -106,26 +105,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.norm = norm_weight(self.norm)
         # transformers: torch.tensor(sqrt(hidden)) (float32), cast to the weights' dtype.
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5).to(dtype=dtype, device=device)
-        self.local_rotary = self.rotary  # (Gemma 2: one rope)
-        if cfg.rope_local_theta is not None:
-            self.local_rotary = RotaryEmbedding(cfg.head_dim, max_positions,
-                                                cfg.rope_local_theta, None, dtype, device)
-        # (self.windows: each layer's window, LlamaForCausalLM's; a sliding layer keeps its
-        # local rope where its window is as long as the context.)
-        self.is_sliding = [w is not None for w in cfg.layer_windows or (None,) * cfg.num_layers]
+        self.set_sliding_rope(cfg.rope_local_theta, max_positions)  # (Gemma 2: one rope)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat step; writes the step's KV into the cache."""
-        x = self.embedding(input_ids) * self.embed_scale
-        ropes = {False: self.rotary.tables(positions)}
-        ropes[True] = (ropes[False] if self.local_rotary is self.rotary
-                       else self.local_rotary.tables(positions))
-        metas = {window: meta.with_window(window) for window in set(self.windows)}
-        residual = None
-        for layer, sliding, window, cache in zip(self.layers, self.is_sliding, self.windows,
-                                                 kv_caches):
-            x, residual = layer(x, residual, *ropes[sliding], cache, metas[window])
+        x, residual = self.forward_layers(self.embedding(input_ids) * self.embed_scale,
+                                          positions, kv_caches, meta)
         return float32_weight_add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps,
                                            self.native)[0]
 

@@ -285,6 +285,33 @@ class LlamaForCausalLM(BlockLayouts):
             x, residual = layer(x, residual, cos, sin, cache, metas[window])
         return add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps, self.native)[0]
 
+    def set_sliding_rope(self, theta: float | None, max_positions: int) -> None:
+        """The sliding-window layers' rope (Gemma 3's local base, OLMo 3's unscaled one):
+        tables of base ``theta`` without scaling, or the global layers' where ``theta`` is
+        ``None`` or would give the same tables; ``forward_layers`` picks each layer's. (A
+        sliding layer keeps it where its window is as long as the context.)"""
+        cfg = self.config
+        self.is_sliding = [w is not None for w in cfg.layer_windows or (None,) * cfg.num_layers]
+        self.local_rotary = self.rotary
+        if theta is not None and (theta != cfg.rope_theta or cfg.rope_scaling is not None):
+            self.local_rotary = RotaryEmbedding(cfg.head_dim, max_positions, theta, None,
+                                                self.embedding.dtype, self.embedding.device)
+
+    def forward_layers(self, x: torch.Tensor, positions: torch.Tensor,
+                       kv_caches: torch.Tensor, meta: AttentionMetadata
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(output, residual)`` of the blocks in order, block by block, each with its
+        window's metadata and its rope (``set_sliding_rope``'s for the sliding layers)."""
+        ropes = {False: self.rotary.tables(positions)}
+        ropes[True] = (ropes[False] if self.local_rotary is self.rotary
+                       else self.local_rotary.tables(positions))
+        metas = {window: meta.with_window(window) for window in set(self.windows)}
+        residual = None
+        for layer, sliding, window, cache in zip(self.layers, self.is_sliding, self.windows,
+                                                 kv_caches):
+            x, residual = layer(x, residual, *ropes[sliding], cache, metas[window])
+        return x, residual
+
     def with_query_scales(self, meta: AttentionMetadata, positions: torch.Tensor
                           ) -> AttentionMetadata:
         """``meta`` with Llama 4's attention temperature where the config has one and a

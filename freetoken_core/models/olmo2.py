@@ -24,7 +24,7 @@ import torch
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata
 from freetoken_core.models.config import ModelConfig
-from freetoken_core.models.layers import RotaryEmbedding, rms_norm, silu_and_mul
+from freetoken_core.models.layers import rms_norm, silu_and_mul
 from freetoken_core.models.linear import BlockArena
 from freetoken_core.models.llama import DecoderLayer, LlamaForCausalLM, Weights
 from freetoken_core.models.sharding import Shard
@@ -67,24 +67,10 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
                 f"tensor parallelism of {cfg.architecture} is not supported (its q/k norms "
                 "span every head); serve it on one rank (data parallelism replicates it)")
         super().__init__(cfg, weights, max_positions, shard)
-        self.local_rotary = self.rotary  # (OLMo 2, and OLMo 3 with one rope: the same tables)
-        if cfg.rope_local_theta is not None and (cfg.rope_local_theta != cfg.rope_theta
-                                                 or cfg.rope_scaling is not None):
-            self.local_rotary = RotaryEmbedding(cfg.head_dim, max_positions,
-                                                cfg.rope_local_theta, None,
-                                                self.embedding.dtype, self.embedding.device)
-        self.is_sliding = [w is not None for w in cfg.layer_windows or (None,) * cfg.num_layers]
+        self.set_sliding_rope(cfg.rope_local_theta, max_positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat step; writes the step's KV into the cache."""
-        x = self.embedding(input_ids)
-        ropes = {False: self.rotary.tables(positions)}
-        ropes[True] = (ropes[False] if self.local_rotary is self.rotary
-                       else self.local_rotary.tables(positions))
-        metas = {window: meta.with_window(window) for window in set(self.windows)}
-        residual = None
-        for layer, sliding, window, cache in zip(self.layers, self.is_sliding, self.windows,
-                                                 kv_caches):
-            x, residual = layer(x, residual, *ropes[sliding], cache, metas[window])
+        x, residual = self.forward_layers(self.embedding(input_ids), positions, kv_caches, meta)
         return rms_norm(residual + x, self.norm, self.config.rms_norm_eps, self.native)
