@@ -174,7 +174,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                rope_factors: dict[str, Sequence[float]] | None = None,
                metadata: dict[str, int | float | str] | None = None,
                split_max_tensors: int = 0, experts: int = 0, experts_used: int = 2,
-               expert_ff: int | None = None, shared_ff: int = 0) -> Path:
+               expert_ff: int | None = None, shared_ff: int = 0,
+               file_arch: str | None = None) -> Path:
     """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gpt-oss, gemma2,
     gemma3, glm4, olmo2 or phi3) as a GGUF file (gpt-oss: biases, sinks and expert biases as its
     files have them; its rope scaling from ``metadata``; gemma2: its softcaps from
@@ -202,6 +203,10 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     llama.cpp's ``gguf-split`` writes them (``{stem}-00001-of-0000N.gguf`` ..., the metadata
     in the first); the first shard's path is returned.
 
+    ``file_arch``: the ``general.architecture`` written and its keys' prefix, where the file
+    names another architecture of ``arch``'s tensors (e.g. ``qwen3vl``: Qwen3-VL's language
+    model, ``qwen3``'s tensors).
+
     ``experts``: mixture-of-experts MLPs of that many experts (a ``llama`` file with them is
     Mixtral's; ``qwen3moe`` needs them), ``experts_used`` per token, each of ``expert_ff``
     features (qwen3moe's ``expert_feed_forward_length``, default ``ff``; llama's experts
@@ -221,8 +226,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
         vocab += len(extra_tokens)
     elif fim_ids:
         raise ValueError("fim_ids names the first three extra_tokens; there are none")
-    writer = GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
-    p = f"{arch}."
+    writer = GGUFWriter(str(path), file_arch or arch, split_max_tensors=split_max_tensors)
+    p = f"{file_arch or arch}."
     writer.add_uint32(p + "context_length", context)
     writer.add_uint32(p + "embedding_length", hidden)
     writer.add_uint32(p + "block_count", layers)

@@ -12,28 +12,21 @@ count, and the embedding's rows exact. The build is cached under the kernel cach
 from __future__ import annotations
 
 import pytest
-from native_builds import cpu_has, run_build_child
+from native_builds import BUILDS, cpu_has, run_build_child
 
 CHILD = r'''
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from torch.utils import cpp_extension
 
-build, csrc = Path(sys.argv[1]), Path(sys.argv[2])
-build.mkdir(parents=True, exist_ok=True)
-cpp_extension.load(name="ft_avx2_linear", build_directory=str(build),
-                   sources=[str(csrc / "gguf_linear.cpp"), str(csrc / "gguf_dequant.cpp"),
-                            str(csrc / "q8_linear.cpp")],
-                   extra_cflags=["-O3", "-march=haswell", "-mfma", "-fopenmp",
-                                 "-ffp-contract=off"],
-                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+sys.path.insert(0, sys.argv[1])
+from native_builds import load_build  # noqa: E402
+
+load_build("avx2-linear")
 assert torch.ops.freetoken.gguf_vector_lanes() == 8
-sys.path.insert(0, sys.argv[3])
 from gguf_models import random_blocks  # noqa: E402
 
 from freetoken_core.models.gguf_weights import GGUF_TYPES  # noqa: E402
@@ -97,7 +90,8 @@ print("failed:", ",".join(failed) or "none")
 '''
 
 
-@pytest.mark.skipif(not cpu_has("avx2", "fma"), reason="the CPU has no AVX2 + FMA")
+@pytest.mark.skipif(not cpu_has(*BUILDS["avx2-linear"].cpu_flags),
+                    reason="the CPU has no AVX2 + FMA")
 def test_avx2_build_of_the_linear_kernels_on_every_type() -> None:
-    lines = run_build_child(CHILD, "avx2-linear")
+    lines = run_build_child(CHILD)
     assert lines[-1] == "failed: none", "\n".join(lines)

@@ -14,7 +14,7 @@ cached under the kernel cache; a few seconds of emulated tiles."""
 from __future__ import annotations
 
 import pytest
-from native_builds import cpu_has, run_build_child
+from native_builds import BUILDS, cpu_has, run_build_child
 
 CHILD = r'''
 import sys
@@ -22,16 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils import cpp_extension
 
-build, csrc = Path(sys.argv[1]), Path(sys.argv[2])
-build.mkdir(parents=True, exist_ok=True)
-cpp_extension.load(name="ft_int_linear_amx_emulated", build_directory=str(build),
-                   sources=[str(csrc / "int_linear.cpp")],
-                   extra_cflags=["-O2", "-march=native", "-fopenmp", "-ffp-contract=off",
-                                 "-DFREETOKEN_AMX_EMULATE"],
-                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-sys.path.insert(0, sys.argv[3])
+sys.path.insert(0, sys.argv[1])
+from native_builds import load_build  # noqa: E402
+
+build = load_build("amx-emulated")
 from gguf_models import random_blocks  # noqa: E402
 
 from freetoken_core.models.block_layout import KIND_PARTS, kernel_blocks, parts_blocks  # noqa: E402
@@ -111,12 +106,12 @@ print("failed:", ",".join(failed) or "none")
 '''
 
 
-@pytest.mark.skipif(not cpu_has("avx512_vnni", "avx512bw"),
+@pytest.mark.skipif(not cpu_has(*BUILDS["amx-emulated"].cpu_flags),
                     reason="the AMX path's vector half needs AVX-512 VNNI")
 def test_the_amx_path_on_emulated_tiles_gives_the_scalar_floats() -> None:
     """Every tile type against the scalar reference; then the switch that turns the tiles
     off, and kernels/__init__.py's probe of them in a child process and its verdict."""
-    lines = run_build_child(CHILD, "amx-emulated")
+    lines = run_build_child(CHILD)
     amx = lines[0].removeprefix("amx types:").strip()
     assert amx, "the emulated build has no AMX path"
     assert lines[-1] == "failed: none", "\n".join(lines)

@@ -23,6 +23,7 @@ from freetoken_core.models.config_fields import (
     quantized_experts,
     smollm3_fields,
 )
+from freetoken_core.models.multimodal import text_config, wrapper_of
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -142,12 +143,18 @@ class ModelConfig:
     """The experts' weights are MXFP4 blocks (``*_blocks`` / ``*_scales``: gpt-oss as OpenAI
     released it, ``quantization_config.quant_method`` ``mxfp4``; ``models/mxfp4.py``)."""
 
+    text_of: str = ""
+    """The vision-language class whose language model this is (``models/multimodal.py``; its
+    weights renamed, the vision tower's not read); empty for a causal LM."""
+
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index``'s MLP is a mixture of experts."""
         return self.num_experts > 0 and (not self.moe_layers or bool(self.moe_layers[index]))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        text_of = wrapper_of(cfg) or ""
+        cfg = text_config(cfg)  # (a vision-language checkpoint's language model)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -215,6 +222,7 @@ class ModelConfig:
             fields.update(olmo3_fields(cfg))
         fields["mxfp4_experts"] = quantized_experts(arch, family,
                                                     cfg.get("quantization_config"))
+        fields["text_of"] = text_of
         return cls(
             architecture=family,
             vocab_size=cfg["vocab_size"],

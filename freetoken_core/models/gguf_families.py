@@ -11,6 +11,32 @@ from freetoken_core.models.gguf_reader import array_field, field
 
 # A llama file with experts (llama.expert_count > 0) is Mixtral's.
 MIXTRAL = "MixtralForCausalLM"
+# The language models of vision-language files (their vision tower is llama.cpp's separate
+# mmproj file): the architecture whose tensors and computation each is, on text. Their
+# multimodal RoPE (rope.dimension_sections) gives a text token one position in every
+# section: plain RoPE over the sections (text_rope_sections).
+TEXT_ARCHITECTURES = {"qwen2vl": "qwen2", "qwen3vl": "qwen3", "qwen3vlmoe": "qwen3moe"}
+
+
+def text_architecture(arch: str) -> str:
+    """The architecture whose tensors and computation ``arch``'s are (itself but for
+    :data:`TEXT_ARCHITECTURES`)."""
+    return TEXT_ARCHITECTURES.get(arch, arch)
+
+
+def text_rope_sections(reader: Any, arch: str, rope_dim: int) -> None:
+    """Check a vision-language file's ``rope.dimension_sections`` cover the rotated
+    dimensions: llama.cpp gives pairs past them the fourth section's position (0 for text),
+    which FreeToken does not compute."""
+    sections = array_field(reader, f"{arch}.rope.dimension_sections")
+    if sections is None:
+        return
+    covered = 2 * sum(int(s) for s in list(sections)[:3])
+    if covered != rope_dim:
+        raise ModelLoadError(
+            f"GGUF {arch}.rope.dimension_sections {list(map(int, sections))} cover {covered} "
+            f"of the {rope_dim} rotated dimensions; FreeToken serves vision-language files "
+            "whose first three sections cover them all")
 
 
 def gemma3_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
@@ -159,25 +185,26 @@ def moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any]
     other than softmax are refused."""
     p = f"{arch}."
     experts = int(field(reader, p + "expert_count", 0))
-    if arch not in ("llama", "qwen3moe", "qwen2moe") or (arch == "llama" and experts == 0):
+    kind = text_architecture(arch)
+    if kind not in ("llama", "qwen3moe", "qwen2moe") or (kind == "llama" and experts == 0):
         return {}
     used = _experts_used(reader, arch, experts)
     shared = int(field(reader, p + "expert_shared_feed_forward_length", 0))
-    if arch != "qwen2moe" and (int(field(reader, p + "expert_shared_count", 0)) or shared):
+    if kind != "qwen2moe" and (int(field(reader, p + "expert_shared_count", 0)) or shared):
         raise ModelLoadError(f"GGUF {arch} with shared experts is not supported")
     gating = int(field(reader, p + "expert_gating_func", 1))
     if gating != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise ModelLoadError(f"GGUF {p}expert_gating_func {gating} is not supported "
                              "(FreeToken routes with softmax, 1)")
     scale = float(field(reader, p + "expert_weights_scale", 0.0))
-    out: dict[str, Any] = {"num_experts_per_tok": used, "norm_topk_prob": arch != "qwen2moe",
+    out: dict[str, Any] = {"num_experts_per_tok": used, "norm_topk_prob": kind != "qwen2moe",
                            "routed_scaling_factor": scale if scale else 1.0}
-    if arch == "llama":
+    if kind == "llama":
         return {**out, "architectures": [MIXTRAL], "model_type": "mixtral",
                 "num_local_experts": experts}
     size = int(field(reader, p + "expert_feed_forward_length", 0)) or (
         config["intermediate_size"] // used)
-    if arch == "qwen2moe":
+    if kind == "qwen2moe":
         # (llama.cpp: the dense length where the file has no shared length)
         out.update(model_type="qwen2_moe",
                    shared_expert_intermediate_size=shared or config["intermediate_size"],

@@ -19,6 +19,8 @@ from freetoken_core.models.gguf_families import (
     mistral3_rope,
     moe_config,
     olmo_config,
+    text_architecture,
+    text_rope_sections,
 )
 from freetoken_core.models.gguf_reader import field, require, token_count
 
@@ -41,6 +43,10 @@ ARCHITECTURES = {
     "glm4": "Glm4ForCausalLM",
     "mistral3": "Ministral3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",  # (OLMo 3's files too: Olmo3ForCausalLM where they slide)
+    # the language models of vision-language files (gguf_families.TEXT_ARCHITECTURES)
+    "qwen2vl": "Qwen2ForCausalLM",
+    "qwen3vl": "Qwen3ForCausalLM",
+    "qwen3vlmoe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -163,7 +169,7 @@ def rope_factor_scaling(reader: Any, arch: str, rotary_dim: int,
 def build_config(reader: Any) -> dict[str, Any]:
     """The ``config.json`` dict of the Hugging Face model the GGUF metadata describes."""
     arch = architecture(reader)
-    p = f"{arch}."
+    p = f"{arch}."  # (the file's keys; arch's tensors and computation: text_architecture)
     hidden = int(require(reader, p + "embedding_length"))
     heads = int(require(reader, p + "attention.head_count"))
     kv_heads = int(field(reader, p + "attention.head_count_kv", heads))
@@ -177,10 +183,11 @@ def build_config(reader: Any) -> dict[str, Any]:
             f"GGUF {p}rope.dimension_count {rope_dim} != head_dim {head_dim} (partial rotary) "
             "is supported for phi3 and glm4 only; use a GGUF whose rotary embedding covers "
             "the whole head")
+    text_rope_sections(reader, arch, rope_dim)
     names = {t.name for t in reader.tensors}
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": text_architecture(arch),
         "hidden_size": hidden,
         "intermediate_size": int(require(reader, p + "feed_forward_length")),
         "num_hidden_layers": int(require(reader, p + "block_count")),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,12 @@ from safetensors import safe_open
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models.config import ModelConfig
+from freetoken_core.models.gguf_families import text_architecture
 from freetoken_core.models.gguf_metadata import architecture
 from freetoken_core.models.gguf_reader import open_header
 from freetoken_core.models.gguf_weights import GGUFWeight, read_gguf_weights
 from freetoken_core.models.llama import LlamaForCausalLM
+from freetoken_core.models.multimodal import text_weight_name
 from freetoken_core.models.mxfp4 import split_experts
 from freetoken_core.models.registry import model_class
 from freetoken_core.models.sharding import Shard
@@ -36,17 +39,22 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device
-                 ) -> dict[str, torch.Tensor]:
+def read_weights(model_dir: Path, dtype: torch.dtype, device: torch.device,
+                 rename: Callable[[str], str | None] | None = None) -> dict[str, torch.Tensor]:
+    """The safetensors of ``model_dir``, floating-point ones as ``dtype`` on ``device``;
+    ``rename``: each tensor's name as the model knows it (None: not read)."""
     weights: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    key = rename(name) if rename is not None else name
+                    if key is None:
+                        continue
                     tensor = f.get_tensor(name)
                     # (integer tensors, gpt-oss's MXFP4 blocks and scales, stay as they are)
-                    weights[name] = (tensor.to(device=device, dtype=dtype)
-                                     if tensor.is_floating_point() else tensor)
+                    weights[key] = (tensor.to(device=device, dtype=dtype)
+                                    if tensor.is_floating_point() else tensor)
         except (OSError, RuntimeError) as exc:
             raise ModelLoadError(f"cannot read weights {path}: {exc}") from exc
     return weights
@@ -64,7 +72,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     replaced (``--hf-overrides``)."""
     cfg = ModelConfig.from_dir(model_dir, overrides)
     if gguf_path is None:
-        weights = read_weights(model_dir, dtype, device)
+        weights = read_weights(model_dir, dtype, device,
+                               text_weight_name if cfg.text_of else None)
         if cfg.mxfp4_experts:
             split_experts(weights, cfg.num_layers, cfg.num_experts,
                           keeps_blocks(dtype, device), dtype, device)
@@ -86,7 +95,7 @@ def gguf_weights(gguf_path: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
     in float32 on CPU with the native kernels, else dequantized to ``dtype`` on ``device``."""
     reader = open_header(gguf_path)
     weights: dict[str, object] = dict(read_gguf_weights(
-        gguf_path, reader, architecture(reader), cfg.num_layers, cfg.num_heads,
+        gguf_path, reader, text_architecture(architecture(reader)), cfg.num_layers, cfg.num_heads,
         cfg.num_kv_heads, cfg.tie_word_embeddings))
     keep_blocks = keeps_blocks(dtype, device)
     for name, w in weights.items():
