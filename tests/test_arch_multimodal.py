@@ -46,6 +46,13 @@ CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], dict[str, Any]]
                      "mrope_interleaved": True, "rope_theta": 10000.0}},
                  {"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2,
                   "out_hidden_size": 64, "deepstack_visual_indexes": [0]}, {}),
+    "qwen3-vl-moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration",
+                     {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                      "moe_intermediate_size": 24, "rope_parameters": {
+                          "rope_type": "default", "mrope_section": [4, 2, 2],
+                          "mrope_interleaved": True, "rope_theta": 10000.0}},
+                     {"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2,
+                      "out_hidden_size": 64, "deepstack_visual_indexes": [0]}, {}),
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration",
                {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
                 "layer_types": ["sliding_attention", "full_attention"]},
@@ -164,3 +171,22 @@ def test_sections_that_leave_rotated_dimensions_out_are_refused(tmp_path: Path) 
                       metadata={"rope.dimension_sections": [2, 2, 2, 2]})
     with pytest.raises(ModelLoadError, match=r"qwen3vl.rope.dimension_sections \[2, 2, 2, 2\]"):
         served(path, PROMPTS, 1)
+
+
+def test_qwen3_vl_moe_experts_as_released(tmp_path: Path) -> None:
+    """Qwen3-VL-MoE's checkpoints hold the fused experts transposed (``gate_up_proj``
+    ``[experts, hidden, 2 x size]``, ``down_proj`` ``[experts, size, hidden]``), which
+    transformers transposes on load: served as the same model."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = save_vlm(tmp_path / "moe", "qwen3-vl-moe")
+    hf = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32).eval()
+    tensors = load_file(model_dir / "model.safetensors")
+    fused = [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(fused) == 4
+    for key in fused:
+        tensors[key] = tensors[key].transpose(1, 2).contiguous()
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    _, prompts, got = served(model_dir, PROMPTS, 16)
+    assert got == greedy(hf, prompts, 16)

@@ -21,7 +21,7 @@ from freetoken_core.models.gguf_metadata import architecture
 from freetoken_core.models.gguf_reader import open_header
 from freetoken_core.models.gguf_weights import GGUFWeight, read_gguf_weights
 from freetoken_core.models.llama import LlamaForCausalLM
-from freetoken_core.models.multimodal import text_weight_name
+from freetoken_core.models.multimodal import released_experts, text_weight_name
 from freetoken_core.models.mxfp4 import split_experts
 from freetoken_core.models.registry import model_class
 from freetoken_core.models.sharding import Shard
@@ -74,6 +74,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     if gguf_path is None:
         weights = read_weights(model_dir, dtype, device,
                                text_weight_name if cfg.text_of else None)
+        if cfg.text_of and cfg.num_experts:
+            released_experts(weights, cfg.hidden_size, cfg.moe_intermediate_size)
         if cfg.mxfp4_experts:
             split_experts(weights, cfg.num_layers, cfg.num_experts,
                           keeps_blocks(dtype, device), dtype, device)

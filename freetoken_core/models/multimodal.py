@@ -1,5 +1,5 @@
 """Vision-language checkpoints served for text: the language model inside Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL, Gemma 3 (4B and up) and Mistral 3 (Mistral Small 3.1/3.2, Ministral 3)
+Qwen2.5-VL, Qwen3-VL (and -MoE), Gemma 3 (4B and up) and Mistral 3 (Mistral Small 3.1/3.2, Ministral 3)
 directories, as ``llama-server`` serves their GGUF files without a projector file.
 
 Their config.json nests the language model's keys under ``text_config`` (older Qwen2-VL ones
@@ -21,6 +21,7 @@ WRAPPERS = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl_text",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_text",
     "Qwen3VLForConditionalGeneration": "qwen3_vl_text",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe_text",
     "Gemma3ForConditionalGeneration": "gemma3_text",
     "Mistral3ForConditionalGeneration": "mistral",
 }
@@ -29,6 +30,7 @@ TEXT_MODELS = {
     "qwen2_vl_text": "Qwen2ForCausalLM",
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
     "qwen3_vl_text": "Qwen3ForCausalLM",
+    "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "ministral3": "Ministral3ForCausalLM",
@@ -36,6 +38,7 @@ TEXT_MODELS = {
 }
 # Keys of the wrapper's config that are the language model's (the wrapper's value wins).
 _SHARED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "quantization_config")
+_FORWARDS_TIE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # Weight-name prefixes: the language model's, renamed to a causal LM's; the rest not read.
 _RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
             ("language_model.lm_head.", "lm_head."))
@@ -68,17 +71,34 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
             f"{', '.join(sorted(TEXT_MODELS))}")
     text.update({key: cfg[key] for key in _SHARED_KEYS if key in cfg})
     if "tie_word_embeddings" in cfg:
-        # transformers ties the head by the wrapper's key; configs saved before v5 kept it in
-        # text_config, whose true it forwards (Qwen2-VL's config classes)
-        text["tie_word_embeddings"] = bool(cfg["tie_word_embeddings"]
-                                           or text.get("tie_word_embeddings"))
+        # transformers ties the head by the wrapper's key; Qwen2-VL's and Qwen2.5-VL's config
+        # classes forward a true of text_config's (where configs saved before v5 kept it)
+        text["tie_word_embeddings"] = bool(cfg["tie_word_embeddings"] or (
+            wrapper in _FORWARDS_TIE and text.get("tie_word_embeddings")))
     for key in ("rope_scaling", "rope_parameters"):
         rope = text.get(key)
         if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "mrope":
             # (the first Qwen2-VL configs' name for default frequencies in sections)
             text[key] = {k: v for k, v in rope.items() if k != "type"} | {"rope_type": "default"}
+    if model_type == "qwen3_vl_moe_text":
+        # transformers' Qwen3-VL-MoE always renormalizes the top k; its default 60 experts
+        text["norm_topk_prob"] = True
+        text.setdefault("num_experts", text.get("num_local_experts", 60))
     text["architectures"] = [TEXT_MODELS[model_type]]
     return text
+
+
+def released_experts(weights: dict[str, Any], hidden: int, size: int) -> None:
+    """Qwen3-VL-MoE's fused experts as released, ``gate_up_proj`` ``[experts, hidden, 2 x
+    size]`` and ``down_proj`` ``[experts, size, hidden]``, transposed in place to
+    transformers 5's ``[experts, 2 x size, hidden]`` / ``[experts, hidden, size]`` (which
+    moe.py reads), where a tensor is not already so (transformers' ``check_dims``)."""
+    for name, (rows, cols) in (("gate_up_proj", (2 * size, hidden)), ("down_proj",
+                                                                        (hidden, size))):
+        for key in [k for k in weights if k.endswith("mlp.experts." + name)]:
+            w = weights[key]
+            if w.dim() == 3 and tuple(w.shape[1:]) == (cols, rows) != (rows, cols):
+                weights[key] = w.transpose(1, 2).contiguous()
 
 
 def text_weight_name(name: str) -> str | None:
