@@ -13,7 +13,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import native_builds
 from kernel_checks import KERNEL_DEVICE, check_every_launch  # imports torch, not triton
 
 # Triton kernels run on the CPU only through its interpreter, which must be chosen before
@@ -22,8 +21,6 @@ if KERNEL_DEVICE.type != "cuda":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tiny_models import make_tiny_model
-
-_BACKGROUND = pytest.StashKey()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -63,24 +60,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from freetoken_core.kernels import cpu_kernels_available
 
     cpu_kernels_available()
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the extra kernel builds the collected tests will make (native_builds.py) in a
-    background process at the lowest priority: on a fresh machine they compile while the
-    tests before them leave a core idle."""
-    from freetoken_core.config import cache_dir
-    from freetoken_core.kernels import cpu_kernels_available
-
-    if not cpu_kernels_available():
-        return
-    files = {item.nodeid.split("::", 1)[0] for item in session.items}
-    session.config.stash[_BACKGROUND] = native_builds.start_background(
-        native_builds.wanted(files), cache_dir() / "kernels" / "test-background-builds.log")
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    native_builds.stop_background(session.config.stash.get(_BACKGROUND, None))
 
 
 @pytest.fixture(scope="session")

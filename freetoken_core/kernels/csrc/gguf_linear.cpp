@@ -30,7 +30,8 @@
 // kernels' layout: groups of four features with their blocks interleaved (gguf_blocks.h).
 
 #include <ATen/Parallel.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 

@@ -75,7 +75,8 @@
 // so that 4 consecutive weights of one feature are one 32-bit lane, as VNNI's dot products
 // and AMX's B tiles take them (low nibbles: weights 8v..8v+3, high: 8v+4..8v+7).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

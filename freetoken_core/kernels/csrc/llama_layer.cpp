@@ -10,7 +10,9 @@
 // q/k/v bias, no q/k norm, attention of every token through paged_decode_attention. The
 // model checks this and uses the Python path otherwise.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <cstring>

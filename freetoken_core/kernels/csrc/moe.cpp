@@ -15,7 +15,12 @@
 // its clamped SwiGLU in place of SiLU-and-mul (moe.py swiglu_oai's torch operators, in its
 // order), where `swiglu_limit` > 0.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/TensorOperators.h>
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>

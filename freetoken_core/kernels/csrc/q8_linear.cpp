@@ -41,7 +41,9 @@
 // lanes, block after block, and Q4_1's m term and Q4_K's mins as a second multiply-add of
 // the block), and a row's quantization depends on that row alone.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
