@@ -190,3 +190,17 @@ def test_qwen3_vl_moe_experts_as_released(tmp_path: Path) -> None:
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
     _, prompts, got = served(model_dir, PROMPTS, 16)
     assert got == greedy(hf, prompts, 16)
+
+
+def test_an_mmproj_file_is_named_as_such(tmp_path: Path) -> None:
+    from gguf import GGUFWriter
+
+    path = tmp_path / "mmproj-model-f16.gguf"
+    writer = GGUFWriter(str(path), "clip")
+    writer.add_tensor("v.patch_embd.weight", torch.zeros(4, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="multimodal projector.*mmproj.*main GGUF file"):
+        served(path, PROMPTS, 1)

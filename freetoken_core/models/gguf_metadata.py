@@ -53,6 +53,11 @@ ARCHITECTURES = {
 def architecture(reader: Any) -> str:
     """The file's ``general.architecture``, checked against :data:`ARCHITECTURES`."""
     arch = field(reader, "general.architecture")
+    if arch == "clip":  # (llama.cpp's mmproj files: a vision tower and projector)
+        raise ModelLoadError(
+            "this GGUF file is a multimodal projector (general.architecture 'clip', an "
+            "mmproj file), not a language model; serve the model's main GGUF file (FreeToken "
+            "serves vision-language models for text)")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(
             f"GGUF architecture {arch!r} is not supported; FreeToken runs GGUF files of "
