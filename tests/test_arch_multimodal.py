@@ -7,7 +7,6 @@ qwen3vlmoe), which compute as their text architecture's."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,9 @@ import transformers
 from gguf_models import write_gguf
 from test_arch_gemma3 import chunked_logits
 from test_arch_moe import PROMPTS, matching_logits
+from test_arch_phi3 import random_model, save_model
 from test_gguf_rope_factors import greedy, served
 from tiny_models import build_tokenizer
-from transformers import GenerationConfig
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models import loader
@@ -33,6 +32,11 @@ TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 2}
 SIGLIP = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 32,
           "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+QWEN3_VL_TEXT = {"head_dim": 16, "rope_parameters": {
+    "rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True,
+    "rope_theta": 10000.0}}
+QWEN3_VL_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2,
+                   "out_hidden_size": 64, "deepstack_visual_indexes": [0]}
 CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     # wrapper config class, model class, text_config, vision_config, other keys
     "qwen2.5-vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
@@ -40,19 +44,11 @@ CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any], dict[str, Any]]
                                         "rope_theta": 10000.0}},
                    {"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2,
                     "out_hidden_size": 64}, {}),
-    "qwen3-vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
-                 {"head_dim": 16, "rope_parameters": {
-                     "rope_type": "default", "mrope_section": [4, 2, 2],
-                     "mrope_interleaved": True, "rope_theta": 10000.0}},
-                 {"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2,
-                  "out_hidden_size": 64, "deepstack_visual_indexes": [0]}, {}),
+    "qwen3-vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", QWEN3_VL_TEXT,
+                 QWEN3_VL_VISION, {}),
     "qwen3-vl-moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration",
-                     {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-                      "moe_intermediate_size": 24, "rope_parameters": {
-                          "rope_type": "default", "mrope_section": [4, 2, 2],
-                          "mrope_interleaved": True, "rope_theta": 10000.0}},
-                     {"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2,
-                      "out_hidden_size": 64, "deepstack_visual_indexes": [0]}, {}),
+                     {**QWEN3_VL_TEXT, "num_experts": 4, "num_experts_per_tok": 2,
+                      "moe_intermediate_size": 24}, QWEN3_VL_VISION, {}),
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration",
                {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
                 "layer_types": ["sliding_attention", "full_attention"]},
@@ -79,22 +75,7 @@ def save_vlm(out_dir: Path, case: str, seed: int = 0) -> Path:
     tok = build_tokenizer(out_dir)
     config = getattr(transformers, config_name)(
         text_config={**TEXT, "vocab_size": len(tok), **text}, vision_config=vision, **extra)
-    model_class = getattr(transformers, model_name)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_class(config).float().eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("embed_tokens.weight"):
-                param.normal_(0.0, 1.0, generator=gen)
-            elif "norm" in name:
-                param.uniform_(0.9, 1.1, generator=gen)
-            else:
-                param.normal_(0.0, 2.0 / math.sqrt(param.shape[-1]), generator=gen)
-    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=2, pad_token_id=2)
-    model.save_pretrained(out_dir)
-    return out_dir
+    return save_model(random_model(getattr(transformers, model_name), config, seed), out_dir)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -71,6 +71,15 @@ def save_tiny_model(out_dir: Path, config_class: type, model_class: type, seed: 
         "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "bos_token_id": 0,
         "eos_token_id": 2, "pad_token_id": 2, **overrides})
     config.architectures = [model_class.__name__]
+    model = random_model(model_class, config, seed)
+    with torch.no_grad():
+        model.lm_head.weight[:7] *= 0.5  # special tokens: rarely greedy picks
+    return save_model(model, out_dir)
+
+
+def random_model(model_class: type, config: Any, seed: int) -> Any:
+    """``model_class(config)`` in float32 with O(1)-scale random weights: embeddings N(0, 1),
+    norms U(0.9, 1.1), the rest N(0, 4 / fan-in)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config).float().eval()
@@ -83,12 +92,14 @@ def save_tiny_model(out_dir: Path, config_class: type, model_class: type, seed: 
                 param.uniform_(0.9, 1.1, generator=gen)
             else:
                 param.normal_(0.0, 2.0 / math.sqrt(param.shape[-1]), generator=gen)
-        model.lm_head.weight[:7] *= 0.5  # special tokens: rarely greedy picks
+    return model
+
+
+def save_model(model: Any, out_dir: Path) -> Path:
+    """``model`` saved at ``out_dir`` with the test tokenizer's special token ids."""
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=2, pad_token_id=2)
     model.save_pretrained(out_dir)
     return out_dir
-
-
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
