@@ -119,6 +119,16 @@ def test_the_first_qwen2_vl_configs_and_their_mrope_name() -> None:
     assert ModelConfig.from_dict(nested).tie_word_embeddings
 
 
+def test_hf_overrides_reach_the_language_model(tmp_path: Path) -> None:
+    """--hf-overrides of a vision-language directory: the language model's keys into its
+    text_config (where transformers reads them), the wrapper's own at the top."""
+    model_dir = save_vlm(tmp_path / "qwen3-vl", "qwen3-vl")
+    cfg = ModelConfig.from_dir(model_dir, {"max_position_embeddings": 512,
+                                           "tie_word_embeddings": True})
+    assert (cfg.max_position_embeddings, cfg.tie_word_embeddings) == (512, True)
+    assert ModelConfig.from_dir(model_dir).max_position_embeddings == 2048
+
+
 def test_an_unknown_language_model_is_refused_naming_it() -> None:
     cfg = {"architectures": ["Mistral3ForConditionalGeneration"],
            "text_config": {**TEXT, "vocab_size": 100, "model_type": "mixtral"}}

@@ -23,7 +23,7 @@ from freetoken_core.models.config_fields import (
     quantized_experts,
     smollm3_fields,
 )
-from freetoken_core.models.multimodal import text_config, wrapper_of
+from freetoken_core.models.multimodal import text_config, with_overrides, wrapper_of
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -254,7 +254,7 @@ class ModelConfig:
             if overrides:
                 if not isinstance(data, dict):
                     raise ModelLoadError(f"{path} is not a JSON object")
-                data = {**data, **overrides}
+                data = with_overrides(data, overrides)
             return cls.from_dict(data)
         except (OSError, json.JSONDecodeError, KeyError) as exc:
             raise ModelLoadError(f"cannot read {path}: {exc}; expected a Hugging Face "

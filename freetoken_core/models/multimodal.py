@@ -38,6 +38,8 @@ TEXT_MODELS = {
 }
 # Keys of the wrapper's config that are the language model's (the wrapper's value wins).
 _SHARED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "quantization_config")
+_WRAPPER_KEYS = frozenset({"architectures", "text_config", "vision_config",
+                           "tie_word_embeddings", *_SHARED_KEYS})
 _FORWARDS_TIE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # Weight-name prefixes: the language model's, renamed to a causal LM's; the rest not read.
 _RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -86,6 +88,18 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
         text.setdefault("num_experts", text.get("num_local_experts", 60))
     text["architectures"] = [TEXT_MODELS[model_type]]
     return text
+
+
+def with_overrides(cfg: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with ``overrides`` (``--hf-overrides``) applied: into a vision-language config's
+    ``text_config``, but for the keys that are the wrapper's own (its classes, sub-configs and
+    the keys whose top-level value wins)."""
+    nested = cfg.get("text_config")
+    if wrapper_of(cfg) is None or not isinstance(nested, dict):
+        return {**cfg, **overrides}
+    own = {k: v for k, v in overrides.items() if k in _WRAPPER_KEYS}
+    text = {k: v for k, v in overrides.items() if k not in _WRAPPER_KEYS}
+    return {**cfg, **own, "text_config": {**nested, **text}}
 
 
 def released_experts(weights: dict[str, Any], hidden: int, size: int) -> None:
