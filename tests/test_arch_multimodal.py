@@ -134,6 +134,10 @@ def test_an_unknown_language_model_is_refused_naming_it() -> None:
            "text_config": {**TEXT, "vocab_size": 100, "model_type": "mixtral"}}
     with pytest.raises(ModelLoadError, match="text_config.model_type 'mixtral'"):
         ModelConfig.from_dict(cfg)
+    llava = {"architectures": ["LlavaForConditionalGeneration"], "text_config": TEXT}
+    with pytest.raises(ModelLoadError, match=r"'LlavaForConditionalGeneration'\]; FreeToken "
+                       r"runs .*, and the language model of Gemma3ForConditionalGeneration, "):
+        ModelConfig.from_dict(llava)
 
 
 @pytest.mark.parametrize(("file_arch", "arch", "experts"), [

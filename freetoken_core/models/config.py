@@ -1,6 +1,6 @@
 """The architecture facts of a model, read from a Hugging Face config.json: the Llama family,
 Gemma 2, Gemma 3 (text), Phi-3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE, Mixtral and
-gpt-oss."""
+gpt-oss; a vision-language checkpoint's language model (``models/multimodal.py``)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from freetoken_core.models.config_fields import (
     quantized_experts,
     smollm3_fields,
 )
-from freetoken_core.models.multimodal import text_config, with_overrides, wrapper_of
+from freetoken_core.models.multimodal import WRAPPERS, text_config, with_overrides, wrapper_of
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -160,8 +160,8 @@ class ModelConfig:
         if arch is None:
             raise ModelLoadError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; FreeToken runs "
-                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}, and the language model of "
+                f"{', '.join(sorted(WRAPPERS))}")
         family = SUPPORTED_ARCHITECTURES[arch]
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
