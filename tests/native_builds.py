@@ -1,8 +1,7 @@
-"""Builds of the native kernels other than the CPU's default one: an AVX2 build of the linears
-on an AVX-512 CPU (test_gguf_linear_avx2.py), the AMX path on emulated tiles
-(test_int_linear_amx.py) and the whole library for the baseline x86-64
-(test_portable_build.py). Each is cached under the kernel cache, keyed by the kernel sources,
-and checked in a child process without the main build."""
+"""Builds of kernel sources other than the CPU's default library, made and checked in a child
+process without the main build: an AVX2 build of the linears on an AVX-512 CPU
+(test_gguf_linear_avx2.py) and the AMX path on emulated tiles (test_int_linear_amx.py). Each
+is cached under the kernel cache, keyed by the kernel sources."""
 
 from __future__ import annotations
 
@@ -49,8 +48,6 @@ BUILDS = {
                            "-DFREETOKEN_AMX_EMULATE"),
                           ("avx512_vnni", "avx512bw")),
 }
-# The whole kernel library for this -march (FREETOKEN_KERNEL_MARCH; kernels/__init__.py)
-PORTABLE_MARCH = "x86-64"
 
 
 def build_dir(name: str) -> Path:

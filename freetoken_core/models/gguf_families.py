@@ -45,17 +45,11 @@ def gemma3_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     1/sqrt(head_dim), except the 62-layer 27B (1/sqrt(hidden / heads))."""
     layers = config["num_hidden_layers"]
     window = field(reader, "gemma3.attention.sliding_window")
-    scalar = config["head_dim"]
-    if layers == 62:
-        scalar = config["hidden_size"] // config["num_attention_heads"]
     return {
+        **_gemma_keys(reader, "gemma3", config, 62),
         "model_type": "gemma3_text",
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_activation": "gelu_pytorch_tanh",
-        "rms_norm_eps": float(field(reader, "gemma3.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(field(reader, "gemma3.rope.freq_base", 1_000_000.0)),
         "rope_local_base_freq": 10_000.0,
-        "query_pre_attn_scalar": scalar,
         "sliding_window": int(window) if window is not None else None,
         "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                         for i in range(layers)],
@@ -139,21 +133,31 @@ def gemma2_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     (default 30); the query scaled by 1/sqrt(head_dim) (``attention.key_length``), except
     the 46-layer 27B's 1/sqrt(hidden / heads), transformers' ``query_pre_attn_scalar``."""
     layers = config["num_hidden_layers"]
-    scalar = config["head_dim"]
-    if layers == 46:
-        scalar = config["hidden_size"] // config["num_attention_heads"]
     return {
+        **_gemma_keys(reader, "gemma2", config, 46),
         "model_type": "gemma2",
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_activation": "gelu_pytorch_tanh",
-        "rms_norm_eps": float(field(reader, "gemma2.attention.layer_norm_rms_epsilon", 1e-6)),
-        "query_pre_attn_scalar": scalar,
         "sliding_window": int(field(reader, "gemma2.attention.sliding_window", 4096)),
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
                         for i in range(layers)],
         "attn_logit_softcapping": float(field(reader, "gemma2.attn_logit_softcapping", 50.0)),
         "final_logit_softcapping": float(field(reader, "gemma2.final_logit_softcapping",
                                                30.0)),
+    }
+
+
+def _gemma_keys(reader: Any, arch: str, config: dict[str, Any], wide_layers: int
+                ) -> dict[str, Any]:
+    """Gemma 2's and 3's common keys: GELU-tanh, the norms' epsilon, and the query scaled by
+    1/sqrt(head_dim), except the 27B's (``wide_layers`` layers: 46 or 62) 1/sqrt(hidden /
+    heads), transformers' ``query_pre_attn_scalar``."""
+    scalar = config["head_dim"]
+    if config["num_hidden_layers"] == wide_layers:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "query_pre_attn_scalar": scalar,
     }
 
 
