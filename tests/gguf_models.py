@@ -163,6 +163,10 @@ def _with_extra_tokens(fields: list[tuple[str, Any, Any]], extra: Sequence[tuple
     return out
 
 
+# The architectures whose blocks norm after attention and MLP, not before (OLMo 2, EXAONE 4).
+_POST_NORMED = ("olmo2", "exaone4")
+
+
 def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, heads: int = 4,
                kv_heads: int = 2, head_dim: int | None = None, ff: int = 128,
                weight_type: int = Q8_0, types: dict[str, int] | None = None,
@@ -177,7 +181,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                expert_ff: int | None = None, shared_ff: int = 0,
                file_arch: str | None = None) -> Path:
     """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gpt-oss, gemma2,
-    gemma3, glm4, olmo2 or phi3) as a GGUF file (gpt-oss: biases, sinks and expert biases as its
+    gemma3, glm4, olmo2, exaone4 or phi3) as a GGUF file (gpt-oss: biases, sinks and expert biases as its
     files have them; its rope scaling from ``metadata``; gemma2: its softcaps from
     ``metadata``, else 50 and 30, as the converter writes transformers' defaults).
 
@@ -301,7 +305,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     q, kv = heads * head_dim, kv_heads * head_dim
     for i in range(layers):
         b = f"blk.{i}."
-        if arch != "olmo2":  # (OLMo norms after attention and MLP only)
+        if arch not in _POST_NORMED:  # (norms after attention and MLP only)
             vector(b + "attn_norm.weight", hidden, norm_one)
         if arch == "phi3":
             matrix(b + "attn_qkv.weight", q + 2 * kv, hidden)
@@ -341,7 +345,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
             vector(b + "attn_output.bias", hidden, 0.0)
             writer.add_tensor(b + "attn_sinks.weight", rng.normal(0.0, 1.0, heads).astype(
                 np.float32))
-        if arch in ("qwen3", "qwen3moe", "gemma3"):
+        if arch in ("qwen3", "qwen3moe", "gemma3", "exaone4"):
             vector(b + "attn_q_norm.weight", head_dim, norm_one)
             vector(b + "attn_k_norm.weight", head_dim, norm_one)
         if arch == "olmo2":  # (over all heads at once)
@@ -352,10 +356,10 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
             stacked(b + "ffn_down_exps.weight", experts, hidden, expert_ff)
         else:
             matrix(b + "ffn_down.weight", hidden, ff)
-        if arch != "olmo2":
+        if arch not in _POST_NORMED:
             vector(b + ("post_attention_norm.weight" if arch == "gpt-oss"
                         else "ffn_norm.weight"), hidden, norm_one)
-        if arch in ("gemma2", "gemma3", "glm4", "olmo2"):
+        if arch in ("gemma2", "gemma3", "glm4", *_POST_NORMED):
             vector(b + "post_attention_norm.weight", hidden, norm_one)
             vector(b + "post_ffw_norm.weight", hidden, norm_one)
     vector("output_norm.weight", hidden, norm_one)

@@ -215,15 +215,24 @@ def hf_glm4_from_gguf(path: Path) -> torch.nn.Module:
 
 def hf_olmo_from_gguf(path: Path) -> torch.nn.Module:
     """transformers' ``Olmo2ForCausalLM`` (``Olmo3ForCausalLM`` where the file has
-    ``attention.sliding_window``: every 4th layer global) of an ``olmo2`` GGUF file
-    (transformers' GGUF loader does not read that architecture): every tensor dequantized
+    ``attention.sliding_window``: every 4th layer global) of an ``olmo2`` GGUF file, or its
+    ``Exaone4ForCausalLM`` of an ``exaone4`` one (with a window: every 4th layer global and
+    not rotated), neither of which transformers' GGUF loader reads: every tensor dequantized
     by gguf-py under the name llama.cpp's converter gave it (the weights unpermuted)."""
-    from transformers import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
+    from transformers import (
+        Exaone4Config,
+        Exaone4ForCausalLM,
+        Olmo2Config,
+        Olmo2ForCausalLM,
+        Olmo3Config,
+        Olmo3ForCausalLM,
+    )
 
     reader, tensors = _dequantized(path)
+    arch = reader.fields["general.architecture"].contents()
 
     def key(name: str, default: object = None) -> object:
-        field = reader.fields.get("olmo2." + name)
+        field = reader.fields.get(f"{arch}.{name}")
         return default if field is None else field.contents()
 
     shape = {"vocab_size": tensors["token_embd.weight"].shape[0],
@@ -237,7 +246,13 @@ def hf_olmo_from_gguf(path: Path) -> torch.nn.Module:
              "tie_word_embeddings": "output.weight" not in tensors, "pad_token_id": 0}
     theta = key("rope.freq_base")
     window = key("attention.sliding_window")
-    if window:
+    if arch == "exaone4":
+        layers = shape["num_hidden_layers"]
+        model = Exaone4ForCausalLM(Exaone4Config(
+            **shape, head_dim=key("attention.key_length"), sliding_window=window,
+            layer_types=None if window else ["full_attention"] * layers,
+            rope_parameters={"rope_type": "default", "rope_theta": theta}))
+    elif window:
         config = Olmo3Config(**shape, sliding_window=window, rope_parameters={
             "full_attention": {"rope_type": "default", "rope_theta": theta},
             "sliding_attention": {"rope_type": "default", "rope_theta": theta}})

@@ -231,7 +231,7 @@ def test_registry_maps_every_architecture() -> None:
     assert set(SUPPORTED) == set(classes)
     unknown = dataclasses.replace(config("LlamaForCausalLM"), architecture="gpt2")
     with pytest.raises(ModelLoadError,
-                       match=r"'gpt2'; FreeToken runs gemma2, gemma3, glm4, gpt_oss, granite"):
+                       match=r"'gpt2'; FreeToken runs exaone4, gemma2, gemma3, glm4, gpt_oss"):
         model_class(unknown)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.config_fields import (
+    exaone4_fields,
     gemma2_fields,
     gemma3_fields,
     glm4_fields,
@@ -43,12 +44,14 @@ SUPPORTED_ARCHITECTURES = {
     "Ministral3ForCausalLM": "ministral3",
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
+    "Exaone4ForCausalLM": "exaone4",
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
 _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "phi3": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
-                "ministral3": "silu", "olmo2": "silu", "olmo3": "silu"}
+                "ministral3": "silu", "olmo2": "silu", "olmo3": "silu",
+                "exaone4": "silu"}
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,8 @@ class ModelConfig:
             fields.update(ministral3_fields(cfg))
         elif family == "olmo3":
             fields.update(olmo3_fields(cfg))
+        elif family == "exaone4":
+            fields.update(exaone4_fields(cfg))
         fields["mxfp4_experts"] = quantized_experts(arch, family,
                                                     cfg.get("quantization_config"))
         fields["text_of"] = text_of
@@ -237,7 +242,7 @@ class ModelConfig:
             attention_bias=(family == "qwen2" or bool(cfg.get("attention_bias",
                                                                family in ("gpt_oss", "glm4")))
                             or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
-            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmo2", "olmo3"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmo2", "olmo3", "exaone4"),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -247,6 +247,33 @@ def smollm3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"no_rope_layers": tuple(int(f) for f in flags)}
 
 
+def exaone4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """EXAONE 4's layers as transformers' ``Exaone4Config`` and ``Exaone4Attention`` read
+    them: with a ``sliding_window`` (default 4096), ``layer_types`` (default: every
+    ``sliding_window_pattern``-th layer global, 4; a pattern string such as ``"LLLG"`` read
+    as llama.cpp's converter reads it), the sliding layers rotated and the global ones not
+    (NoPE); without one (the 1.2B), every layer global and rotated."""
+    arch, layers = "Exaone4ForCausalLM", cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window", 4096)
+    if window is None:
+        return {}
+    layer_types = cfg.get("layer_types")
+    if not layer_types:
+        pattern = cfg.get("sliding_window_pattern", 4)
+        if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
+            layer_types = ["sliding_attention" if pattern[i % len(pattern)] == "L"
+                           else "full_attention" for i in range(layers)]
+        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                           for i in range(layers)]
+        else:
+            raise ModelLoadError(f"{arch} sliding_window_pattern must be a positive integer "
+                                 f"or a string of 'L' and 'G', not {pattern!r}")
+    windows = _layer_windows(arch, layer_types, layers, window)
+    return {"layer_windows": windows,
+            "no_rope_layers": tuple(int(w is not None) for w in windows)}
+
+
 def phi3_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
     """Phi-3's fields: LongRoPE (``su`` and ``yarn`` are its old names, as transformers has
     them) with the pre-training length, the rotated fraction of each head, and the sliding

@@ -90,8 +90,38 @@ def olmo_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     window = field(reader, "olmo2.attention.sliding_window")
     if not window:
         return {"model_type": "olmo2"}
+    base = config["rope_theta"]
+    return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",
+            "sliding_window": int(window),
+            "layer_types": _layer_types(reader, "olmo2", config["num_hidden_layers"]),
+            "rope_parameters": {"sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": float(field(reader, "olmo2.rope.freq_base_swa", base))}}}
+
+
+def exaone4_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """An ``exaone4`` file as llama.cpp reads it (src/models/exaone4.cpp): sliding-window
+    layers where the file has ``attention.sliding_window`` or 64 layers (the 32B; llama.cpp
+    applies the window to 64-layer files only, and the converter writes the key only for
+    checkpoints that have one, as the 32B), with ``attention.sliding_window_pattern`` as
+    OLMo 3's (default: every 4th layer global) and a window of 4,096 where the key is
+    missing; then only the sliding layers rotate, with base ``rope.freq_base_swa`` (default
+    the file's base). Without: every layer global and rotated."""
     layers = config["num_hidden_layers"]
-    key = "olmo2.attention.sliding_window_pattern"
+    window = field(reader, "exaone4.attention.sliding_window")
+    if not window and layers != 64:
+        return {"sliding_window": None}
+    return {"sliding_window": int(window or 4096),
+            "layer_types": _layer_types(reader, "exaone4", layers),
+            "rope_theta": float(field(reader, "exaone4.rope.freq_base_swa",
+                                      config["rope_theta"]))}
+
+
+def _layer_types(reader: Any, arch: str, layers: int) -> list[str]:
+    """Each layer's type from ``{arch}.attention.sliding_window_pattern`` as llama.cpp's
+    ``load_swa_pattern`` reads it: a flag a layer (true: sliding), or a period n (layer i
+    slides where i % n < n - 1; 0: all slide), default 4."""
+    key = f"{arch}.attention.sliding_window_pattern"
     flags = array_field(reader, key)
     if flags is not None:
         if len(flags) != layers:
@@ -100,13 +130,7 @@ def olmo_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     else:
         period = int(field(reader, key, 4))
         sliding = [period == 0 or i % period < period - 1 for i in range(layers)]
-    base = config["rope_theta"]
-    return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",
-            "sliding_window": int(window),
-            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-            "rope_parameters": {"sliding_attention": {
-                "rope_type": "default",
-                "rope_theta": float(field(reader, "olmo2.rope.freq_base_swa", base))}}}
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
 def glm4_config(reader: Any, factor: float, names: set[str]) -> dict[str, Any]:

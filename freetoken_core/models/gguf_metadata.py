@@ -11,6 +11,7 @@ import numpy as np
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.gguf_families import (
+    exaone4_config,
     gemma2_config,
     gemma3_config,
     glm4_config,
@@ -43,6 +44,7 @@ ARCHITECTURES = {
     "glm4": "Glm4ForCausalLM",
     "mistral3": "Ministral3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",  # (OLMo 3's files too: Olmo3ForCausalLM where they slide)
+    "exaone4": "Exaone4ForCausalLM",
     # the language models of vision-language files (gguf_families.TEXT_ARCHITECTURES)
     "qwen2vl": "Qwen2ForCausalLM",
     "qwen3vl": "Qwen3ForCausalLM",
@@ -97,6 +99,7 @@ def rope_scaling(reader: Any, arch: str = ARCH) -> dict[str, Any] | None:
 ROPE_FACTOR_TENSORS = {
     "llama": ("rope_freqs.weight",),
     "smollm3": ("rope_freqs.weight",),
+    "exaone4": ("rope_freqs.weight",),
     "phi3": ("rope_factors_long.weight", "rope_factors_short.weight"),
 }
 
@@ -219,6 +222,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(glm4_config(reader, rope_dim / head_dim, names))
     if arch == "olmo2":
         config.update(olmo_config(reader, config))
+    if arch == "exaone4":
+        config.update(exaone4_config(reader, config))
     if arch == "smollm3":  # llama.cpp: every 4th layer without RoPE (n_no_rope_layer_step)
         config["no_rope_layer_interval"] = 4
     if arch == "granite":

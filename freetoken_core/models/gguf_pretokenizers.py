@@ -86,7 +86,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
                      "minerva-7b"), _STARCODER),
     **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es",
                      "jina-v2-de", "a.x-4.0", "mellum", "mpt", "olmo", "jais", "trillion",
-                     "roberta-bpe", "jina-v1-en", "jina-v2-code"), _GPT2_TYPE),
+                     "roberta-bpe", "jina-v1-en", "jina-v2-code", "exaone4"), _GPT2_TYPE),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "stablelm2", "hunyuan"),
                     _QWEN2_TYPE),
     "chatglm-bpe": PreTokenizer((_LLAMA3,)),

@@ -107,15 +107,18 @@ _GEMMA_NORMS = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# OLMo 2's and EXAONE 4's: norms after attention and MLP, none before.
+_POST_NORMED = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    **_ATTENTION, **_MLP,
+}
 _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "llama": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},  # (Mixtral: llama with experts)
     "smollm3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "mistral3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
-    "olmo2": {  # (no input norms; q/k norms over all heads)
-        "post_attention_norm.weight": "post_attention_layernorm.weight",
-        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-        **_ATTENTION, **_MLP,
-    },
+    "olmo2": _POST_NORMED,  # (no input norms; q/k norms over all heads)
+    "exaone4": _POST_NORMED,  # (OLMo 2's, with q/k norms per head)
     "granite": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen2": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},

@@ -221,6 +221,7 @@ class LlamaForCausalLM(BlockLayouts):
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
                                       cfg.rope_scaling, self.embedding.dtype,
                                       self.embedding.device)
+        self.set_sliding_rope(None, max_positions)  # (one rope: Gemma 3's and OLMo 3's two)
         leftover = [k for k in weights if "rotary_emb" not in k]
         if leftover:
             raise ValueError(f"unused weights in checkpoint: {leftover[:5]}")
@@ -301,15 +302,21 @@ class LlamaForCausalLM(BlockLayouts):
                        kv_caches: torch.Tensor, meta: AttentionMetadata
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(output, residual)`` of the blocks in order, block by block, each with its
-        window's metadata and its rope (``set_sliding_rope``'s for the sliding layers)."""
+        window's metadata and its rope (``set_sliding_rope``'s for the sliding layers; none
+        where ``no_rope_layers`` says so: the identity rotation, cos 1 and sin 0, which
+        leaves every float as it is)."""
         ropes = {False: self.rotary.tables(positions)}
         ropes[True] = (ropes[False] if self.local_rotary is self.rotary
                        else self.local_rotary.tables(positions))
+        cos = ropes[False][0]
+        identity = (torch.ones_like(cos), torch.zeros_like(cos))
+        rotates = self.config.no_rope_layers or (1,) * len(self.layers)
         metas = {window: meta.with_window(window) for window in set(self.windows)}
         residual = None
-        for layer, sliding, window, cache in zip(self.layers, self.is_sliding, self.windows,
-                                                 kv_caches):
-            x, residual = layer(x, residual, *ropes[sliding], cache, metas[window])
+        for layer, sliding, rotated, window, cache in zip(
+                self.layers, self.is_sliding, rotates, self.windows, kv_caches):
+            rope = ropes[sliding] if rotated else identity
+            x, residual = layer(x, residual, *rope, cache, metas[window])
         return x, residual
 
     def with_query_scales(self, meta: AttentionMetadata, positions: torch.Tensor

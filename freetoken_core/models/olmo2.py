@@ -1,5 +1,6 @@
-"""Native OLMo 2 and OLMo 3 causal LMs (transformers' ``Olmo2ForCausalLM``,
-``Olmo3ForCausalLM``; GGUF ``olmo2``, which llama.cpp's converter writes for both).
+"""Native OLMo 2, OLMo 3 and EXAONE 4 causal LMs (transformers' ``Olmo2ForCausalLM``,
+``Olmo3ForCausalLM``, ``Exaone4ForCausalLM``; GGUF ``olmo2``, which llama.cpp's converter
+writes for both OLMos, and ``exaone4``).
 
 Llama's model (llama.py) with OLMo's differences, each computed as transformers computes
 it:
@@ -13,8 +14,14 @@ it:
 - OLMo 3: sliding-window layers (every 4th layer global by default) with their own unscaled
   rope, the global layers with the configured one (YaRN in the long-context checkpoints).
 
+EXAONE 4 is the same block with q and k RMSNormed per head (Qwen3's ``head_dim`` weights)
+and, where it has a sliding window (the 32B), the sliding layers rotated with the
+configured rope (Llama 3's scaling in the checkpoints) and the global layers not rotated at
+all (``no_rope_layers``; ``LlamaForCausalLM.forward_layers``).
+
 No one-call native path (its block kernel norms before attention and MLP), and no tensor
-parallelism: a norm over all heads needs every rank's heads.
+parallelism: OLMo's norm over all heads needs every rank's heads (and EXAONE 4's blocks,
+which would not, have not been sharded).
 """
 
 from __future__ import annotations
@@ -64,8 +71,8 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
                  shard: Shard | None = None) -> None:
         if shard is not None:
             raise ModelLoadError(
-                f"tensor parallelism of {cfg.architecture} is not supported (its q/k norms "
-                "span every head); serve it on one rank (data parallelism replicates it)")
+                f"tensor parallelism of {cfg.architecture} is not supported (post-norm "
+                "blocks); serve it on one rank (data parallelism replicates it)")
         super().__init__(cfg, weights, max_positions, shard)
         self.set_sliding_rope(cfg.rope_local_theta, max_positions)
 

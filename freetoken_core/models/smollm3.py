@@ -20,11 +20,5 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat step; writes the step's KV into the cache."""
-        x = self.embedding(input_ids)
-        cos, sin = self.rotary.tables(positions)
-        identity = (torch.ones_like(cos), torch.zeros_like(sin))
-        rotates = self.config.no_rope_layers or (1,) * len(self.layers)
-        residual = None
-        for layer, cache, rope in zip(self.layers, kv_caches, rotates):
-            x, residual = layer(x, residual, *((cos, sin) if rope else identity), cache, meta)
+        x, residual = self.forward_layers(self.embedding(input_ids), positions, kv_caches, meta)
         return add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps, self.native)[0]
