@@ -275,3 +275,42 @@ def hf_olmo_from_gguf(path: Path) -> torch.nn.Module:
     model = model.float().eval()
     model.load_state_dict(state)
     return model
+
+
+def hf_exaone_from_gguf(path: Path, **config: object) -> torch.nn.Module:
+    """transformers' model of an ``exaone`` GGUF file (its ``LlamaForCausalLM`` of an
+    ``ExaoneConfig``; transformers' GGUF loader does not read exaone), ``config`` added to
+    its config (e.g. the rope parameters ``rope_freqs`` stands for): every tensor dequantized
+    by gguf-py under the name llama.cpp's converter gave it (q/k as the checkpoint has
+    them: the converter does not permute exaone's)."""
+    from transformers import ExaoneConfig, LlamaForCausalLM
+
+    reader, tensors = _dequantized(path)
+
+    def key(name: str) -> object:
+        return reader.fields[f"exaone.{name}"].contents()
+
+    model = LlamaForCausalLM(ExaoneConfig(
+        vocab_size=tensors["token_embd.weight"].shape[0],
+        hidden_size=key("embedding_length"), intermediate_size=key("feed_forward_length"),
+        num_hidden_layers=key("block_count"), num_attention_heads=key("attention.head_count"),
+        num_key_value_heads=key("attention.head_count_kv"),
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
+        max_position_embeddings=key("context_length"),
+        tie_word_embeddings="output.weight" not in tensors, pad_token_id=0,
+        **{"rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base")},
+           **config}))
+    names = {"attn_norm.weight": "input_layernorm.weight",
+             "ffn_norm.weight": "post_attention_layernorm.weight",
+             "attn_output.weight": "self_attn.o_proj.weight",
+             **{f"attn_{p}.weight": f"self_attn.{p}_proj.weight" for p in "qkv"},
+             **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}}
+    state = {"model.embed_tokens.weight": tensors["token_embd.weight"],
+             "model.norm.weight": tensors["output_norm.weight"],
+             "lm_head.weight": tensors.get("output.weight", tensors["token_embd.weight"])}
+    for i in range(model.config.num_hidden_layers):
+        for short, hf in names.items():
+            state[f"model.layers.{i}.{hf}"] = tensors[f"blk.{i}.{short}"]
+    model = model.float().eval()
+    model.load_state_dict(state)
+    return model

@@ -24,6 +24,7 @@ from freetoken_core.models.config_fields import (
     quantized_experts,
     smollm3_fields,
 )
+from freetoken_core.models.exaone import exaone_config
 from freetoken_core.models.multimodal import WRAPPERS, text_config, with_overrides, wrapper_of
 
 SUPPORTED_ARCHITECTURES = {
@@ -45,13 +46,14 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "Olmo3ForCausalLM": "olmo3",
     "Exaone4ForCausalLM": "exaone4",
+    "ExaoneForCausalLM": "exaone",
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
 _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "phi3": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu",
-                "exaone4": "silu"}
+                "exaone4": "silu", "exaone": "silu"}
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,8 @@ class ModelConfig:
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}, and the language model of "
                 f"{', '.join(sorted(WRAPPERS))}")
         family = SUPPORTED_ARCHITECTURES[arch]
+        if family == "exaone":  # (its own key names and defaults)
+            cfg = exaone_config(cfg)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")

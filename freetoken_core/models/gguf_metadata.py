@@ -45,6 +45,7 @@ ARCHITECTURES = {
     "mistral3": "Ministral3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",  # (OLMo 3's files too: Olmo3ForCausalLM where they slide)
     "exaone4": "Exaone4ForCausalLM",
+    "exaone": "ExaoneForCausalLM",
     # the language models of vision-language files (gguf_families.TEXT_ARCHITECTURES)
     "qwen2vl": "Qwen2ForCausalLM",
     "qwen3vl": "Qwen3ForCausalLM",
@@ -100,6 +101,7 @@ ROPE_FACTOR_TENSORS = {
     "llama": ("rope_freqs.weight",),
     "smollm3": ("rope_freqs.weight",),
     "exaone4": ("rope_freqs.weight",),
+    "exaone": ("rope_freqs.weight",),
     "phi3": ("rope_factors_long.weight", "rope_factors_short.weight"),
 }
 

@@ -120,6 +120,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "olmo2": _POST_NORMED,  # (no input norms; q/k norms over all heads)
     "exaone4": _POST_NORMED,  # (OLMo 2's, with q/k norms per head)
     "granite": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
+    "exaone": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (q/k unpermuted: not PERMUTED_QK)
     "qwen2": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen3moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},

@@ -31,6 +31,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "ministral3": LlamaForCausalLM,  # (its attention temperature: config fields too)
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,  # (OLMo 2's blocks with sliding-window layers)
+    "exaone": LlamaForCausalLM,  # (Llama under other names: exaone.py)
     "exaone4": Olmo2ForCausalLM,  # (OLMo 2's blocks, per-head q/k norms, NoPE global layers)
 }
 
