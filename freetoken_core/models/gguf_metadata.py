@@ -43,6 +43,7 @@ ARCHITECTURES = {
     "glm4": "Glm4ForCausalLM",
     "mistral3": "Ministral3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",  # (OLMo 3's files too: Olmo3ForCausalLM where they slide)
+    "ernie4_5": "Ernie4_5ForCausalLM",
     # the language models of vision-language files (gguf_families.TEXT_ARCHITECTURES)
     "qwen2vl": "Qwen2ForCausalLM",
     "qwen3vl": "Qwen3ForCausalLM",
@@ -219,6 +220,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(glm4_config(reader, rope_dim / head_dim, names))
     if arch == "olmo2":
         config.update(olmo_config(reader, config))
+    if arch == "ernie4_5":  # (transformers' use_bias: biases where the file has them)
+        config["use_bias"] = config["attention_bias"]
     if arch == "smollm3":  # llama.cpp: every 4th layer without RoPE (n_no_rope_layer_step)
         config["no_rope_layer_interval"] = 4
     if arch == "granite":
