@@ -179,11 +179,11 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                metadata: dict[str, int | float | str] | None = None,
                split_max_tensors: int = 0, experts: int = 0, experts_used: int = 2,
                expert_ff: int | None = None, shared_ff: int = 0,
-               file_arch: str | None = None) -> Path:
+               file_arch: str | None = None, biases: bool = False) -> Path:
     """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gpt-oss, gemma2,
-    gemma3, glm4, olmo2, exaone4 or phi3) as a GGUF file (gpt-oss: biases, sinks and expert biases as its
-    files have them; its rope scaling from ``metadata``; gemma2: its softcaps from
-    ``metadata``, else 50 and 30, as the converter writes transformers' defaults).
+    gemma3, glm4, olmo2, exaone4, ernie4_5 or phi3) as a GGUF file (gpt-oss: biases, sinks and
+    expert biases as its files have them; its rope scaling from ``metadata``; gemma2: its
+    softcaps from ``metadata``, else 50 and 30, as the converter writes transformers' defaults).
 
     ``weight_type`` is every 2-d weight's type; ``types`` overrides it by the end of the
     tensor name (e.g. ``{"attn_v.weight": Q6_K, "token_embd.weight": Q6_K}``). The
@@ -206,6 +206,9 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     ``split_max_tensors``: a split GGUF of shards of at most that many tensors, as
     llama.cpp's ``gguf-split`` writes them (``{stem}-00001-of-0000N.gguf`` ..., the metadata
     in the first); the first shard's path is returned.
+
+    ``biases``: every linear's bias but the head's (ernie4_5: as the converter writes a
+    ``use_bias`` model's).
 
     ``file_arch``: the ``general.architecture`` written and its keys' prefix, where the file
     names another architecture of ``arch``'s tensors (e.g. ``qwen3vl``: Qwen3-VL's language
@@ -338,8 +341,12 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
             else:
                 matrix(b + "ffn_gate.weight", ff, hidden)
                 matrix(b + "ffn_up.weight", ff, hidden)
-        if arch in ("qwen2", "qwen2moe", "gpt-oss", "glm4"):
+        if arch in ("qwen2", "qwen2moe", "gpt-oss", "glm4") or biases:
             for name, n in (("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)):
+                vector(b + name, n, 0.0)
+        if biases:
+            for name, n in (("attn_output.bias", hidden), ("ffn_gate.bias", ff),
+                            ("ffn_up.bias", ff), ("ffn_down.bias", hidden)):
                 vector(b + name, n, 0.0)
         if arch == "gpt-oss":
             vector(b + "attn_output.bias", hidden, 0.0)

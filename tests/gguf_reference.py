@@ -314,3 +314,45 @@ def hf_exaone_from_gguf(path: Path, **config: object) -> torch.nn.Module:
     model = model.float().eval()
     model.load_state_dict(state)
     return model
+
+
+def hf_ernie4_5_from_gguf(path: Path) -> torch.nn.Module:
+    """transformers' ``Ernie4_5ForCausalLM`` of an ``ernie4_5`` GGUF file (transformers' GGUF
+    loader does not read that architecture): every tensor dequantized by gguf-py under the
+    name llama.cpp's converter gave it (its ``Ernie4_5Model`` is a ``TextModel``, not a
+    ``LlamaModel``: the q/k rows unpermuted), ``use_bias`` where the file has biases."""
+    from transformers import Ernie4_5Config, Ernie4_5ForCausalLM
+
+    reader, tensors = _dequantized(path)
+
+    def key(name: str) -> object:
+        return reader.fields["ernie4_5." + name].contents()
+
+    config = Ernie4_5Config(
+        vocab_size=tensors["token_embd.weight"].shape[0],
+        hidden_size=key("embedding_length"), intermediate_size=key("feed_forward_length"),
+        num_hidden_layers=key("block_count"), num_attention_heads=key("attention.head_count"),
+        num_key_value_heads=key("attention.head_count_kv"),
+        head_dim=key("attention.key_length"),
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
+        rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base")},
+        max_position_embeddings=key("context_length"),
+        use_bias="blk.0.attn_q.bias" in tensors,
+        tie_word_embeddings="output.weight" not in tensors, pad_token_id=0)
+    names = {"attn_norm.weight": "input_layernorm.weight",
+             "ffn_norm.weight": "post_attention_layernorm.weight",
+             **{f"attn_{p}.{kind}": f"self_attn.{p}_proj.{kind}"
+                for p in "qkv" for kind in ("weight", "bias")},
+             **{f"attn_output.{kind}": f"self_attn.o_proj.{kind}" for kind in ("weight", "bias")},
+             **{f"ffn_{p}.{kind}": f"mlp.{p}_proj.{kind}"
+                for p in ("gate", "up", "down") for kind in ("weight", "bias")}}
+    state = {"model.embed_tokens.weight": tensors["token_embd.weight"],
+             "model.norm.weight": tensors["output_norm.weight"],
+             "lm_head.weight": tensors.get("output.weight", tensors["token_embd.weight"])}
+    for i in range(config.num_hidden_layers):
+        for short, hf in names.items():
+            if f"blk.{i}.{short}" in tensors:
+                state[f"model.layers.{i}.{hf}"] = tensors[f"blk.{i}.{short}"]
+    model = Ernie4_5ForCausalLM(config).float().eval()
+    model.load_state_dict(state)
+    return model

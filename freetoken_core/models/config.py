@@ -1,6 +1,6 @@
 """The architecture facts of a model, read from a Hugging Face config.json: the Llama family,
-Gemma 2, Gemma 3 (text), Phi-3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE, Mixtral and
-gpt-oss; a vision-language checkpoint's language model (``models/multimodal.py``)."""
+Gemma 2, Gemma 3 (text), Phi-3, ERNIE 4.5, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE,
+Mixtral and gpt-oss; a vision-language checkpoint's language model (``models/multimodal.py``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.config_fields import (
+    ernie4_5_config,
     exaone4_fields,
     gemma2_fields,
     gemma3_fields,
@@ -47,12 +48,13 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo3ForCausalLM": "olmo3",
     "Exaone4ForCausalLM": "exaone4",
     "ExaoneForCausalLM": "exaone",
+    "Ernie4_5ForCausalLM": "ernie4_5",
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
 _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "phi3": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
-                "ministral3": "silu", "olmo2": "silu", "olmo3": "silu",
+                "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu",
                 "exaone4": "silu", "exaone": "silu"}
 
 
@@ -170,6 +172,8 @@ class ModelConfig:
         family = SUPPORTED_ARCHITECTURES[arch]
         if family == "exaone":  # (its own key names and defaults)
             cfg = exaone_config(cfg)
+        if family == "ernie4_5":  # (its defaults for left-out keys, use_bias as attention_bias)
+            cfg = ernie4_5_config(cfg)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")

@@ -372,3 +372,28 @@ def olmo3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "layer_windows": _layer_windows(arch, layer_types, num_layers,
                                         cfg.get("sliding_window", 4096)),
     }
+
+
+# transformers' Ernie4_5Config defaults that differ from what ModelConfig.from_dict assumes
+# for a key left out (head_dim 128, not hidden / heads; 2 KV heads, not one a query head).
+_ERNIE4_5_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+                      "max_position_embeddings": 131072, "tie_word_embeddings": True,
+                      "use_bias": False, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def ernie4_5_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ERNIE 4.5's config.json with transformers' ``Ernie4_5Config`` defaults where a key is
+    left out (its rope base 500,000 where neither ``rope_theta`` nor ``rope_parameters``
+    gives one), and ``use_bias`` (every linear but the head) as ``attention_bias`` (the q/k/v
+    biases; the o and MLP biases are read where the checkpoint has them). Only the default
+    rope: the released checkpoints scale none."""
+    out = {**_ERNIE4_5_DEFAULTS, **cfg}
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    params = params if isinstance(params, dict) else {}
+    if _rope_kind(params) != "default":
+        raise ModelLoadError(f"Ernie4_5ForCausalLM with rope type {_rope_kind(params)!r} is "
+                             "not supported (its checkpoints use the default rope)")
+    if cfg.get("rope_theta") is None and params.get("rope_theta") is None:
+        out["rope_theta"] = 500_000.0
+    out["attention_bias"] = bool(out["use_bias"])
+    return out

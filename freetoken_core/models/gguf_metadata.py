@@ -46,6 +46,7 @@ ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",  # (OLMo 3's files too: Olmo3ForCausalLM where they slide)
     "exaone4": "Exaone4ForCausalLM",
     "exaone": "ExaoneForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
     # the language models of vision-language files (gguf_families.TEXT_ARCHITECTURES)
     "qwen2vl": "Qwen2ForCausalLM",
     "qwen3vl": "Qwen3ForCausalLM",
@@ -226,6 +227,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(olmo_config(reader, config))
     if arch == "exaone4":
         config.update(exaone4_config(reader, config))
+    if arch == "ernie4_5":  # (transformers' use_bias: biases where the file has them)
+        config["use_bias"] = config["attention_bias"]
     if arch == "smollm3":  # llama.cpp: every 4th layer without RoPE (n_no_rope_layer_step)
         config["no_rope_layer_interval"] = 4
     if arch == "granite":

@@ -138,6 +138,14 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
         "ffn_up.weight": "mlp.gate_up_proj.weight",
         "ffn_down.weight": "mlp.down_proj.weight",
     },
+    # (llama.cpp's converter writes ERNIE 4.5's biases where use_bias gives it them; its
+    # graph leaves attn_output.bias out and does not load the MLP's: FreeToken computes the
+    # model as transformers does, every bias the file has)
+    "ernie4_5": {
+        **_LLAMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
+        "attn_output.bias": "self_attn.o_proj.bias", **_MLP,
+        **{f"ffn_{p}.bias": f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")},
+    },
     "phi3": {
         **_LLAMA_NORMS,
         "attn_qkv.weight": "self_attn.qkv_proj.weight",

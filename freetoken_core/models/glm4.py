@@ -50,13 +50,19 @@ def interleaved_head_order(head_dim: int, rot: int) -> torch.Tensor:
 def unfuse_layer(weights: Weights, prefix: str, cfg: ModelConfig, rot: int) -> None:
     """Layer ``prefix``'s GLM-4 weights as Llama's, in place: the q and k rows (and biases)
     reordered for the rotation, gate and up split."""
-    h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
     size = cfg.intermediate_size
     weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"] = split_rows(
         weights.pop(mlp + "gate_up_proj.weight"), [size, size])
-    order = interleaved_head_order(d, rot)
-    for name, heads in (("q", h), ("k", kvh)):
+    reorder_qk_heads(weights, attn, cfg, interleaved_head_order(cfg.head_dim, rot))
+
+
+def reorder_qk_heads(weights: Weights, attn: str, cfg: ModelConfig, order: torch.Tensor
+                     ) -> None:
+    """The q and k rows (and biases) under ``attn`` reordered within each head, in place:
+    new dimension ``j`` of a head is its dimension ``order[j]``."""
+    d = cfg.head_dim
+    for name, heads in (("q", cfg.num_heads), ("k", cfg.num_kv_heads)):
         rows = (torch.arange(heads)[:, None] * d + order[None, :]).reshape(-1)
         for kind in ("weight", "bias"):
             key = f"{attn}{name}_proj.{kind}"

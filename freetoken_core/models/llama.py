@@ -72,9 +72,14 @@ class DecoderLayer:
             self.gate_up_proj = self.down_proj = None
             mlp_linears = self.moe.linears
         else:
+            # (biases where the checkpoint has them: ERNIE 4.5's use_bias)
+            gate_up_bias = [weights.pop(f"{prefix}mlp.{p}_proj.bias", None)
+                            for p in ("gate", "up")]
             self.gate_up_proj = make_linear(
-                [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], arena=arena)
-            self.down_proj = make_linear([w("mlp.down_proj.weight")], arena=arena)
+                [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")],
+                None if gate_up_bias[0] is None else torch.cat(gate_up_bias), arena)
+            self.down_proj = make_linear([w("mlp.down_proj.weight")],
+                                         weights.pop(prefix + "mlp.down_proj.bias", None), arena)
             mlp_linears = (self.gate_up_proj, self.down_proj)
         self.input_norm = w("input_layernorm.weight")
         self.post_attn_norm = w("post_attention_layernorm.weight")
@@ -94,7 +99,7 @@ class DecoderLayer:
         # dense MLP (the model takes it away from a layer with a sliding window).
         self.linears = (self.qkv_proj, self.o_proj, *mlp_linears)
         self.one_call = None
-        if native and bias is None and o_bias is None and self.q_norm is None and (
+        if native and self.q_norm is None and all(lin.bias is None for lin in self.linears) and (
                 self.scale is None and self.sinks is None and self.moe is None
                 and not self.softcap) and (
                 self.residual_multiplier == 1.0) and all(

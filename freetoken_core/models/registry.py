@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from freetoken_core.models.ernie4_5 import Ernie4_5ForCausalLM
 from freetoken_core.models.gemma2 import Gemma2ForCausalLM
 from freetoken_core.models.gemma3 import Gemma3ForCausalLM
 from freetoken_core.models.glm4 import Glm4ForCausalLM
@@ -31,6 +32,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "ministral3": LlamaForCausalLM,  # (its attention temperature: config fields too)
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,  # (OLMo 2's blocks with sliding-window layers)
+    "ernie4_5": Ernie4_5ForCausalLM,
     "exaone": LlamaForCausalLM,  # (Llama under other names: exaone.py)
     "exaone4": Olmo2ForCausalLM,  # (OLMo 2's blocks, per-head q/k norms, NoPE global layers)
 }

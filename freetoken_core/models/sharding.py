@@ -173,9 +173,14 @@ def shard_weights(cfg: ModelConfig, weights: dict[str, Any], shard: Shard
         i0, i1 = _feature_ranges(weights, down, cfg.intermediate_size, world)[rank]
         intermediate = i1 - i0
         for name in ("gate", "up"):
-            key = f"{p}mlp.{name}_proj.weight"
-            weights[key] = take_rows(weights[key], i0, i1)
+            for kind in ("weight", "bias"):
+                key = f"{p}mlp.{name}_proj.{kind}"
+                if key in weights:
+                    weights[key] = take_rows(weights[key], i0, i1)
         weights[down] = take_columns(weights[down], i0, i1)
+        bias = p + "mlp.down_proj.bias"
+        if bias in weights and rank != 0:  # (as the o projection's)
+            weights[bias] = torch.zeros_like(weights[bias])
     v0, v1 = even_ranges(cfg.vocab_size, world)[rank]
     for key in ("model.embed_tokens.weight", "lm_head.weight"):
         if key in weights:
