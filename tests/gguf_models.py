@@ -181,9 +181,10 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                expert_ff: int | None = None, shared_ff: int = 0,
                file_arch: str | None = None, biases: bool = False) -> Path:
     """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gpt-oss, gemma2,
-    gemma3, glm4, olmo2, exaone4, ernie4_5 or phi3) as a GGUF file (gpt-oss: biases, sinks and
-    expert biases as its files have them; its rope scaling from ``metadata``; gemma2: its
-    softcaps from ``metadata``, else 50 and 30, as the converter writes transformers' defaults).
+    gemma3, glm4, olmo2, exaone4, ernie4_5, seed_oss or phi3) as a GGUF file (gpt-oss: biases,
+    sinks and expert biases as its files have them, its rope scaling from ``metadata``;
+    seed_oss: q/k/v biases; gemma2: its softcaps from ``metadata``, else 50 and 30, as the
+    converter writes transformers' defaults).
 
     ``weight_type`` is every 2-d weight's type; ``types`` overrides it by the end of the
     tensor name (e.g. ``{"attn_v.weight": Q6_K, "token_embd.weight": Q6_K}``). The
@@ -341,7 +342,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
             else:
                 matrix(b + "ffn_gate.weight", ff, hidden)
                 matrix(b + "ffn_up.weight", ff, hidden)
-        if arch in ("qwen2", "qwen2moe", "gpt-oss", "glm4") or biases:
+        if arch in ("qwen2", "qwen2moe", "gpt-oss", "glm4", "seed_oss") or biases:
             for name, n in (("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)):
                 vector(b + name, n, 0.0)
         if biases:
@@ -364,7 +365,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
         else:
             matrix(b + "ffn_down.weight", hidden, ff)
         if arch not in _POST_NORMED:
-            vector(b + ("post_attention_norm.weight" if arch == "gpt-oss"
+            vector(b + ("post_attention_norm.weight" if arch in ("gpt-oss", "seed_oss")
                         else "ffn_norm.weight"), hidden, norm_one)
         if arch in ("gemma2", "gemma3", "glm4", *_POST_NORMED):
             vector(b + "post_attention_norm.weight", hidden, norm_one)

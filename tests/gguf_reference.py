@@ -280,67 +280,65 @@ def hf_olmo_from_gguf(path: Path) -> torch.nn.Module:
 def hf_exaone_from_gguf(path: Path, **config: object) -> torch.nn.Module:
     """transformers' model of an ``exaone`` GGUF file (its ``LlamaForCausalLM`` of an
     ``ExaoneConfig``; transformers' GGUF loader does not read exaone), ``config`` added to
-    its config (e.g. the rope parameters ``rope_freqs`` stands for): every tensor dequantized
-    by gguf-py under the name llama.cpp's converter gave it (q/k as the checkpoint has
-    them: the converter does not permute exaone's)."""
+    its config (e.g. the rope parameters ``rope_freqs`` stands for); the converter does not
+    permute exaone's q/k rows."""
     from transformers import ExaoneConfig, LlamaForCausalLM
 
-    reader, tensors = _dequantized(path)
-
-    def key(name: str) -> object:
-        return reader.fields[f"exaone.{name}"].contents()
-
-    model = LlamaForCausalLM(ExaoneConfig(
-        vocab_size=tensors["token_embd.weight"].shape[0],
-        hidden_size=key("embedding_length"), intermediate_size=key("feed_forward_length"),
-        num_hidden_layers=key("block_count"), num_attention_heads=key("attention.head_count"),
-        num_key_value_heads=key("attention.head_count_kv"),
-        rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
-        max_position_embeddings=key("context_length"),
-        tie_word_embeddings="output.weight" not in tensors, pad_token_id=0,
-        **{"rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base")},
-           **config}))
-    names = {"attn_norm.weight": "input_layernorm.weight",
-             "ffn_norm.weight": "post_attention_layernorm.weight",
-             "attn_output.weight": "self_attn.o_proj.weight",
-             **{f"attn_{p}.weight": f"self_attn.{p}_proj.weight" for p in "qkv"},
-             **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}}
-    state = {"model.embed_tokens.weight": tensors["token_embd.weight"],
-             "model.norm.weight": tensors["output_norm.weight"],
-             "lm_head.weight": tensors.get("output.weight", tensors["token_embd.weight"])}
-    for i in range(model.config.num_hidden_layers):
-        for short, hf in names.items():
-            state[f"model.layers.{i}.{hf}"] = tensors[f"blk.{i}.{short}"]
-    model = model.float().eval()
-    model.load_state_dict(state)
-    return model
+    return _llama_like(path, ExaoneConfig, LlamaForCausalLM, **config)
 
 
 def hf_ernie4_5_from_gguf(path: Path) -> torch.nn.Module:
-    """transformers' ``Ernie4_5ForCausalLM`` of an ``ernie4_5`` GGUF file (transformers' GGUF
-    loader does not read that architecture): every tensor dequantized by gguf-py under the
-    name llama.cpp's converter gave it (its ``Ernie4_5Model`` is a ``TextModel``, not a
-    ``LlamaModel``: the q/k rows unpermuted), ``use_bias`` where the file has biases."""
+    """transformers' ``Ernie4_5ForCausalLM`` of an ``ernie4_5`` GGUF file (its converter's
+    ``Ernie4_5Model`` is a ``TextModel``, not a ``LlamaModel``: the q/k rows unpermuted),
+    ``use_bias`` where the file has biases."""
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM
 
+    return _llama_like(path, Ernie4_5Config, Ernie4_5ForCausalLM,
+                       use_bias=_has_tensor(path, "blk.0.attn_q.bias"))
+
+
+def hf_seed_oss_from_gguf(path: Path) -> torch.nn.Module:
+    """transformers' ``SeedOssForCausalLM`` of a ``seed_oss`` GGUF file (q/k/v biases, the
+    MLP's input norm named ``post_attention_norm``, the q/k rows unpermuted)."""
+    from transformers import SeedOssConfig, SeedOssForCausalLM
+
+    return _llama_like(path, SeedOssConfig, SeedOssForCausalLM,
+                       attention_bias=_has_tensor(path, "blk.0.attn_q.bias"),
+                       attention_out_bias=_has_tensor(path, "blk.0.attn_output.bias"))
+
+
+def _has_tensor(path: Path, name: str) -> bool:
+    from gguf import GGUFReader
+
+    return any(t.name == name for t in GGUFReader(str(path)).tensors)
+
+
+def _llama_like(path: Path, config_class: type, model_class: type, **config: object
+                ) -> torch.nn.Module:
+    """transformers' ``model_class`` of a GGUF file of Llama's tensors (its architecture's
+    key prefix; transformers' GGUF loader reads none of these), its ``config_class`` of the
+    file's shape and rope base with ``config`` added: every tensor dequantized by gguf-py
+    under the name llama.cpp's converter gave it (the MLP's input norm ``ffn_norm`` or
+    ``post_attention_norm``), biases where the file has them, q/k rows as stored."""
     reader, tensors = _dequantized(path)
+    arch = reader.fields["general.architecture"].contents()
 
     def key(name: str) -> object:
-        return reader.fields["ernie4_5." + name].contents()
+        return reader.fields[f"{arch}.{name}"].contents()
 
-    config = Ernie4_5Config(
-        vocab_size=tensors["token_embd.weight"].shape[0],
-        hidden_size=key("embedding_length"), intermediate_size=key("feed_forward_length"),
-        num_hidden_layers=key("block_count"), num_attention_heads=key("attention.head_count"),
-        num_key_value_heads=key("attention.head_count_kv"),
-        head_dim=key("attention.key_length"),
-        rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
-        rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base")},
-        max_position_embeddings=key("context_length"),
-        use_bias="blk.0.attn_q.bias" in tensors,
-        tie_word_embeddings="output.weight" not in tensors, pad_token_id=0)
+    model = model_class(config_class(**{
+        "vocab_size": tensors["token_embd.weight"].shape[0],
+        "hidden_size": key("embedding_length"), "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"), "num_attention_heads": key("attention.head_count"),
+        "num_key_value_heads": key("attention.head_count_kv"),
+        "head_dim": key("attention.key_length"),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "max_position_embeddings": key("context_length"),
+        "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base")},
+        "tie_word_embeddings": "output.weight" not in tensors, "pad_token_id": 0, **config}))
     names = {"attn_norm.weight": "input_layernorm.weight",
              "ffn_norm.weight": "post_attention_layernorm.weight",
+             "post_attention_norm.weight": "post_attention_layernorm.weight",
              **{f"attn_{p}.{kind}": f"self_attn.{p}_proj.{kind}"
                 for p in "qkv" for kind in ("weight", "bias")},
              **{f"attn_output.{kind}": f"self_attn.o_proj.{kind}" for kind in ("weight", "bias")},
@@ -349,10 +347,10 @@ def hf_ernie4_5_from_gguf(path: Path) -> torch.nn.Module:
     state = {"model.embed_tokens.weight": tensors["token_embd.weight"],
              "model.norm.weight": tensors["output_norm.weight"],
              "lm_head.weight": tensors.get("output.weight", tensors["token_embd.weight"])}
-    for i in range(config.num_hidden_layers):
+    for i in range(model.config.num_hidden_layers):
         for short, hf in names.items():
             if f"blk.{i}.{short}" in tensors:
                 state[f"model.layers.{i}.{hf}"] = tensors[f"blk.{i}.{short}"]
-    model = Ernie4_5ForCausalLM(config).float().eval()
+    model = model.float().eval()
     model.load_state_dict(state)
     return model

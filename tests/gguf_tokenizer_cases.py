@@ -32,14 +32,17 @@ FIXTURE = Path(__file__).parent / "fixtures" / "gguf_tokenizer_ids.json"
 GPL3 = Path(__file__).parent / "fixtures" / "GPL-3"
 
 PRE_TYPES = ("default", "llama-bpe", "llama3", "qwen2", "deepseek-r1-qwen", "smollm",
-             "gpt-4o", "tekken", "gpt-2", "starcoder", "falcon", "deepseek-v3", "bloom")
+             "gpt-4o", "tekken", "gpt-2", "starcoder", "falcon", "deepseek-v3", "bloom",
+             "seed-coder")
 SPM_PREFIXES = (True, False)
 PHI3_TOKENS = ("<|endoftext|>", "<|end|>", "<|user|>")  # llama.cpp's Phi-3 rule needs the first
 USER_TOKENS = ("<think>", "</think>")  # user-defined (type 4), appended to the BPE vocab
-# Digit merges appended to the BPE vocab (SmolLM2's has single digits only), so that the
-# types that group digits (llama3's \p{N}{1,3}) tokenize differently from the ones that
-# split them (qwen2's \p{N}).
-DIGIT_MERGES = ("1 2", "12 3", "4 5", "45 6")
+# Merges appended to the BPE vocab (SmolLM2's has single digits only, and no punctuation
+# joined to a newline): digits, so that the types that group digits (llama3's \p{N}{1,3})
+# tokenize differently from the ones that split them (qwen2's \p{N}); and ':' with a newline
+# ("Ċ"), so that the types whose punctuation takes the newlines after it (llama3's and
+# qwen2's [\r\n]*) tokenize differently from the ones that split them off (seed-coder's).
+EXTRA_MERGES = ("1 2", "12 3", "4 5", "45 6", ": Ċ")
 
 # llama.cpp's converter check text (convert_hf_to_gguf_update.py CHK_TXT)
 CHKTXT = ("\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple "
@@ -127,11 +130,11 @@ def bpe_tokenizer_gguf(pre: str, directory: Path) -> Path:
         if key == "tokenizer.ggml.pre":
             value = pre
         elif key == "tokenizer.ggml.tokens":
-            value = value + [m.replace(" ", "") for m in DIGIT_MERGES] + list(USER_TOKENS)
+            value = value + [m.replace(" ", "") for m in EXTRA_MERGES] + list(USER_TOKENS)
         elif key == "tokenizer.ggml.token_type":
-            value = value + [1] * len(DIGIT_MERGES) + [4] * len(USER_TOKENS)
+            value = value + [1] * len(EXTRA_MERGES) + [4] * len(USER_TOKENS)
         elif key == "tokenizer.ggml.merges":
-            value = value + list(DIGIT_MERGES)
+            value = value + list(EXTRA_MERGES)
         fields.append((key, value, kind))
     if not any(key == "tokenizer.ggml.pre" for key, _, _ in fields):
         fields.append(("tokenizer.ggml.pre", pre, (T.STRING,)))

@@ -23,6 +23,7 @@ from freetoken_core.models.config_fields import (
     olmo3_fields,
     phi3_fields,
     quantized_experts,
+    seed_oss_config,
     smollm3_fields,
 )
 from freetoken_core.models.exaone import exaone_config
@@ -49,13 +50,14 @@ SUPPORTED_ARCHITECTURES = {
     "Exaone4ForCausalLM": "exaone4",
     "ExaoneForCausalLM": "exaone",
     "Ernie4_5ForCausalLM": "ernie4_5",
+    "SeedOssForCausalLM": "seed_oss",
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
 _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "phi3": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu",
-                "exaone4": "silu", "exaone": "silu"}
+                "exaone4": "silu", "exaone": "silu", "seed_oss": "silu"}
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,8 @@ class ModelConfig:
             cfg = exaone_config(cfg)
         if family == "ernie4_5":  # (its defaults for left-out keys, use_bias as attention_bias)
             cfg = ernie4_5_config(cfg)
+        if family == "seed_oss":  # (its defaults for left-out keys)
+            cfg = seed_oss_config(cfg)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")

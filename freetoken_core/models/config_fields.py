@@ -387,13 +387,38 @@ def ernie4_5_config(cfg: dict[str, Any]) -> dict[str, Any]:
     gives one), and ``use_bias`` (every linear but the head) as ``attention_bias`` (the q/k/v
     biases; the o and MLP biases are read where the checkpoint has them). Only the default
     rope: the released checkpoints scale none."""
-    out = {**_ERNIE4_5_DEFAULTS, **cfg}
+    out = with_defaults(cfg, _ERNIE4_5_DEFAULTS, 500_000.0)
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     params = params if isinstance(params, dict) else {}
     if _rope_kind(params) != "default":
         raise ModelLoadError(f"Ernie4_5ForCausalLM with rope type {_rope_kind(params)!r} is "
                              "not supported (its checkpoints use the default rope)")
-    if cfg.get("rope_theta") is None and params.get("rope_theta") is None:
-        out["rope_theta"] = 500_000.0
     out["attention_bias"] = bool(out["use_bias"])
+    return out
+
+
+# transformers' SeedOssConfig defaults that differ from what config.py assumes.
+_SEED_OSS_DEFAULTS = {"vocab_size": 155136, "hidden_size": 4096, "intermediate_size": 27648,
+                      "num_hidden_layers": 64, "num_attention_heads": 80,
+                      "num_key_value_heads": 8, "head_dim": 128, "attention_bias": True,
+                      "max_position_embeddings": 524288, "bos_token_id": 0, "eos_token_id": 2}
+
+
+def seed_oss_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Seed-OSS's config.json with transformers' ``SeedOssConfig`` defaults where a key is
+    left out: Llama's computation with q/k/v biases (``attention_bias``, default on) and the o
+    projection's where the checkpoint has one (``attention_out_bias``)."""
+    return with_defaults(cfg, _SEED_OSS_DEFAULTS)
+
+
+def with_defaults(cfg: dict[str, Any], defaults: dict[str, Any], theta: float | None = None
+                  ) -> dict[str, Any]:
+    """``cfg`` with a config class's ``defaults`` where it leaves keys out, and its rope base
+    ``theta`` (transformers' ``default_theta``) where neither ``rope_theta`` nor the rope
+    parameters give one."""
+    out = {**defaults, **cfg}
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if theta is not None and cfg.get("rope_theta") is None and not (
+            isinstance(params, dict) and params.get("rope_theta") is not None):
+        out["rope_theta"] = theta
     return out

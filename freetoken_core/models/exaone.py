@@ -19,16 +19,17 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from freetoken_core.models.config_fields import with_defaults
+
 # ExaoneConfig.attribute_map: the released config.json's key -> transformers' name.
 _KEYS = {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
          "activation_function": "hidden_act"}
-# ExaoneConfig's defaults where config.json leaves a key out (its class attributes and
-# ``default_theta``), for the keys config.py reads with other defaults.
+# ExaoneConfig's defaults where config.json leaves a key out (and its ``default_theta``,
+# 500,000), for the keys config.py reads with other defaults.
 _DEFAULTS = {"vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 14336,
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "bos_token_id": 1,
              "eos_token_id": 361}
-_DEFAULT_THETA = 500_000.0
 
 _RENAMES = [(re.compile(pattern), replacement) for pattern, replacement in (
     (r"^transformer\.wte\.", "model.embed_tokens."),
@@ -50,13 +51,7 @@ def exaone_config(cfg: dict[str, Any]) -> dict[str, Any]:
     alias where both are given)."""
     out = {_KEYS.get(key, key): value for key, value in cfg.items() if key in _KEYS}
     out.update({key: value for key, value in cfg.items() if key not in _KEYS})
-    for key, value in _DEFAULTS.items():
-        out.setdefault(key, value)
-    params = out.get("rope_parameters") or {}
-    if out.get("rope_theta") is None and not (isinstance(params, dict)
-                                              and params.get("rope_theta") is not None):
-        out["rope_theta"] = _DEFAULT_THETA
-    return out
+    return with_defaults(out, _DEFAULTS, 500_000.0)
 
 
 def exaone_weight_name(name: str) -> str:

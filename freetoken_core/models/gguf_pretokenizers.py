@@ -73,6 +73,8 @@ _DEEPSEEK3 = PreTokenizer((
     r"\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+",
     (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
      r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")))
+_SEED_CODER = PreTokenizer((_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                             r"| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+",))
 _BLOOM = PreTokenizer((r" ?[^(\s|.,!?…。，、।۔،)]+",))
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
@@ -81,6 +83,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
                      "midm-2.0", "lfm2"), _LLAMA3_TYPE),
     **dict.fromkeys(("dbrx", "smaug-bpe"), PreTokenizer((_LLAMA3,))),
     "deepseek-v3": _DEEPSEEK3,
+    "seed-coder": _SEED_CODER,
     "falcon": PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")),
     **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone",
                      "minerva-7b"), _STARCODER),

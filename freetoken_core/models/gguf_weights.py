@@ -121,6 +121,11 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "exaone4": _POST_NORMED,  # (OLMo 2's, with q/k norms per head)
     "granite": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "exaone": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (q/k unpermuted: not PERMUTED_QK)
+    "seed_oss": {  # (its converter names the MLP's input norm as a post-attention norm)
+        "attn_norm.weight": "input_layernorm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        **_ATTENTION, **_MLP,
+    },
     "qwen2": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen3moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},

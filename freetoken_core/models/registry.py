@@ -34,6 +34,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "olmo3": Olmo2ForCausalLM,  # (OLMo 2's blocks with sliding-window layers)
     "ernie4_5": Ernie4_5ForCausalLM,
     "exaone": LlamaForCausalLM,  # (Llama under other names: exaone.py)
+    "seed_oss": LlamaForCausalLM,  # (Llama with q/k/v biases)
     "exaone4": Olmo2ForCausalLM,  # (OLMo 2's blocks, per-head q/k norms, NoPE global layers)
 }
 
