@@ -181,7 +181,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                expert_ff: int | None = None, shared_ff: int = 0,
                file_arch: str | None = None, biases: bool = False) -> Path:
     """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gpt-oss, gemma2,
-    gemma3, glm4, olmo2, exaone4, ernie4_5, seed_oss or phi3) as a GGUF file (gpt-oss: biases,
+    gemma3, glm4, olmo2, exaone4, ernie4_5, seed_oss, arcee or phi3) as a GGUF file (gpt-oss: biases,
     sinks and expert biases as its files have them, its rope scaling from ``metadata``;
     seed_oss: q/k/v biases; gemma2: its softcaps from ``metadata``, else 50 and 30, as the
     converter writes transformers' defaults).
@@ -340,7 +340,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                     matrix(b + "ffn_up_shexp.weight", shared_ff, hidden)
                     matrix(b + "ffn_down_shexp.weight", hidden, shared_ff)
             else:
-                matrix(b + "ffn_gate.weight", ff, hidden)
+                if arch != "arcee":  # (its MLP is not gated: ReLU² of ffn_up)
+                    matrix(b + "ffn_gate.weight", ff, hidden)
                 matrix(b + "ffn_up.weight", ff, hidden)
         if arch in ("qwen2", "qwen2moe", "gpt-oss", "glm4", "seed_oss") or biases:
             for name, n in (("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)):

@@ -307,19 +307,30 @@ def hf_seed_oss_from_gguf(path: Path) -> torch.nn.Module:
                        attention_out_bias=_has_tensor(path, "blk.0.attn_output.bias"))
 
 
+def hf_arcee_from_gguf(path: Path) -> torch.nn.Module:
+    """transformers' ``ArceeForCausalLM`` of an ``arcee`` GGUF file (its converter is
+    Llama's: the q/k rows permuted, which transformers' ``LlamaTensorProcessor`` undoes)."""
+    from transformers import ArceeConfig, ArceeForCausalLM
+
+    return _llama_like(path, ArceeConfig, ArceeForCausalLM, unpermute=True)
+
+
 def _has_tensor(path: Path, name: str) -> bool:
     from gguf import GGUFReader
 
     return any(t.name == name for t in GGUFReader(str(path)).tensors)
 
 
-def _llama_like(path: Path, config_class: type, model_class: type, **config: object
-                ) -> torch.nn.Module:
+def _llama_like(path: Path, config_class: type, model_class: type, unpermute: bool = False,
+                **config: object) -> torch.nn.Module:
     """transformers' ``model_class`` of a GGUF file of Llama's tensors (its architecture's
     key prefix; transformers' GGUF loader reads none of these), its ``config_class`` of the
     file's shape and rope base with ``config`` added: every tensor dequantized by gguf-py
     under the name llama.cpp's converter gave it (the MLP's input norm ``ffn_norm`` or
-    ``post_attention_norm``), biases where the file has them, q/k rows as stored."""
+    ``post_attention_norm``), biases where the file has them, q/k rows as stored (or
+    ``unpermute``: un-permuted by transformers' ``LlamaTensorProcessor``)."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
     reader, tensors = _dequantized(path)
     arch = reader.fields["general.architecture"].contents()
 
@@ -347,10 +358,15 @@ def _llama_like(path: Path, config_class: type, model_class: type, **config: obj
     state = {"model.embed_tokens.weight": tensors["token_embd.weight"],
              "model.norm.weight": tensors["output_norm.weight"],
              "lm_head.weight": tensors.get("output.weight", tensors["token_embd.weight"])}
+    heads, kv_heads = key("attention.head_count"), key("attention.head_count_kv")
     for i in range(model.config.num_hidden_layers):
         for short, hf in names.items():
             if f"blk.{i}.{short}" in tensors:
-                state[f"model.layers.{i}.{hf}"] = tensors[f"blk.{i}.{short}"]
+                value = tensors[f"blk.{i}.{short}"]
+                if unpermute and short in ("attn_q.weight", "attn_k.weight"):
+                    value = torch.from_numpy(LlamaTensorProcessor()._reverse_permute_weights(
+                        value.numpy(), heads, heads if short == "attn_q.weight" else kv_heads))
+                state[f"model.layers.{i}.{hf}"] = value
     model = model.float().eval()
     model.load_state_dict(state)
     return model

@@ -51,13 +51,14 @@ SUPPORTED_ARCHITECTURES = {
     "ExaoneForCausalLM": "exaone",
     "Ernie4_5ForCausalLM": "ernie4_5",
     "SeedOssForCausalLM": "seed_oss",
+    "ArceeForCausalLM": "arcee",
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
 _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "phi3": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu",
-                "exaone4": "silu", "exaone": "silu", "seed_oss": "silu"}
+                "exaone4": "silu", "exaone": "silu", "seed_oss": "silu", "arcee": "relu2"}
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,9 @@ class ModelConfig:
     stream (Granite's ``residual_multiplier``)."""
     logits_scaling: float = 1.0
     """The logits' divisor (Granite's ``logits_scaling``)."""
+    gated_mlp: bool = True
+    """The MLP is ``down(act(gate(x)) * up(x))`` (SwiGLU, Gemma's GeGLU); ``False``:
+    ``down(act(up(x)))`` (Arcee's ReLU², ``hidden_act`` ``relu2``), no gate projection."""
     no_rope_layers: tuple[int, ...] = ()
     """Per layer, 1 where RoPE rotates queries and keys, 0 where it does not (SmolLM3's
     NoPE layers, transformers' ``no_rope_layers``); empty: every layer rotates."""
@@ -201,7 +205,8 @@ class ModelConfig:
         use_window = cfg.get("use_sliding_window", family in ("mistral", "mixtral", "ministral3"))
         # transformers' Gemma reads hidden_activation (default gelu_pytorch_tanh) only.
         hidden_act = ((cfg.get("hidden_activation") or "gelu_pytorch_tanh")
-                      if family in ("gemma2", "gemma3") else (cfg.get("hidden_act") or "silu"))
+                      if family in ("gemma2", "gemma3")
+                      else (cfg.get("hidden_act") or ("relu2" if family == "arcee" else "silu")))
         expected = _ACTIVATIONS.get(family)
         if expected is not None and hidden_act != expected:
             raise ModelLoadError(f"{arch} with hidden activation {hidden_act!r} is not "
@@ -214,6 +219,7 @@ class ModelConfig:
                                                 family in ("gemma2", "gemma3",
                                                            "smollm3"))),
             "hidden_act": hidden_act,
+            "gated_mlp": family != "arcee",
         }
         if family == "gemma3":
             fields.update(gemma3_fields(cfg))

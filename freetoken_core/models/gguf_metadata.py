@@ -47,6 +47,7 @@ ARCHITECTURES = {
     "exaone4": "Exaone4ForCausalLM",
     "exaone": "ExaoneForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
+    "arcee": "ArceeForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     # the language models of vision-language files (gguf_families.TEXT_ARCHITECTURES)
     "qwen2vl": "Qwen2ForCausalLM",
@@ -104,6 +105,7 @@ ROPE_FACTOR_TENSORS = {
     "smollm3": ("rope_freqs.weight",),
     "exaone4": ("rope_freqs.weight",),
     "exaone": ("rope_freqs.weight",),
+    "arcee": ("rope_freqs.weight",),
     "phi3": ("rope_factors_long.weight", "rope_factors_short.weight"),
 }
 
@@ -230,6 +232,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(exaone4_config(reader, config))
     if arch == "ernie4_5":  # (transformers' use_bias: biases where the file has them)
         config["use_bias"] = config["attention_bias"]
+    if arch == "arcee":  # (llama.cpp's LLM_FFN_RELU_SQR on ffn_up alone)
+        config["hidden_act"] = "relu2"
     if arch == "smollm3":  # llama.cpp: every 4th layer without RoPE (n_no_rope_layer_step)
         config["no_rope_layer_interval"] = 4
     if arch == "granite":

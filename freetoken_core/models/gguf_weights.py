@@ -121,6 +121,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "exaone4": _POST_NORMED,  # (OLMo 2's, with q/k norms per head)
     "granite": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "exaone": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (q/k unpermuted: not PERMUTED_QK)
+    "arcee": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (no ffn_gate: ReLU² of ffn_up)
     "seed_oss": {  # (its converter names the MLP's input norm as a post-attention norm)
         "attn_norm.weight": "input_layernorm.weight",
         "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -161,7 +162,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
 }
 # The architectures whose converter (LlamaModel's) stores q/k rows permuted for llama.cpp's
 # interleaved rotary pairs.
-PERMUTED_QK = frozenset({"llama", "smollm3", "granite", "mistral3"})
+PERMUTED_QK = frozenset({"llama", "smollm3", "granite", "mistral3", "arcee"})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 

@@ -72,11 +72,12 @@ class DecoderLayer:
             self.gate_up_proj = self.down_proj = None
             mlp_linears = self.moe.linears
         else:
-            # (biases where the checkpoint has them: ERNIE 4.5's use_bias)
-            gate_up_bias = [weights.pop(f"{prefix}mlp.{p}_proj.bias", None)
-                            for p in ("gate", "up")]
+            # (biases where the checkpoint has them: ERNIE 4.5's use_bias; no gate where the
+            # MLP is not gated: Arcee's up projection alone)
+            parts = ("gate", "up") if cfg.gated_mlp else ("up",)
+            gate_up_bias = [weights.pop(f"{prefix}mlp.{p}_proj.bias", None) for p in parts]
             self.gate_up_proj = make_linear(
-                [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")],
+                [w(f"mlp.{p}_proj.weight") for p in parts],
                 None if gate_up_bias[0] is None else torch.cat(gate_up_bias), arena)
             self.down_proj = make_linear([w("mlp.down_proj.weight")],
                                          weights.pop(prefix + "mlp.down_proj.bias", None), arena)
@@ -93,15 +94,16 @@ class DecoderLayer:
         self.scale = cfg.query_scale  # None: head_dim ** -0.5
         self.softcap = cfg.attn_logit_softcap or 0.0  # the scores' (Gemma 2); 0: none
         self.residual_multiplier = cfg.residual_multiplier
+        self.gated = cfg.gated_mlp
         # The whole block in one native call (the same kernels in the same order, so the
         # same results) where it covers the layer: every linear from GGUF blocks, no bias,
         # no q/k norm, Llama's score scale, no sinks or softcap, no residual multiplier and a
-        # dense MLP (the model takes it away from a layer with a sliding window).
+        # dense SwiGLU MLP (the model takes it away from a layer with a sliding window).
         self.linears = (self.qkv_proj, self.o_proj, *mlp_linears)
         self.one_call = None
         if native and self.q_norm is None and all(lin.bias is None for lin in self.linears) and (
                 self.scale is None and self.sinks is None and self.moe is None
-                and not self.softcap) and (
+                and not self.softcap and self.gated) and (
                 self.residual_multiplier == 1.0) and all(
                 lin.blocks is not None for lin in self.linears):
             self.set_one_call_blocks()
@@ -131,13 +133,19 @@ class DecoderLayer:
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier
         x, residual = add_rms_norm(x, residual, self.post_attn_norm, self.eps, self.native)
-        if self.moe is not None:
-            out = self.moe(x)
-        else:
-            out = self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native))
+        out = self.mlp(x)
         if self.residual_multiplier != 1.0:
             out = out * self.residual_multiplier
         return out, residual
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP of the normed hidden states ``x``: the experts, SwiGLU, or (not gated:
+        Arcee's) ``down(relu(up(x))^2)``, transformers' ``relu2``."""
+        if self.moe is not None:
+            return self.moe(x)
+        if self.gated:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native))
+        return self.down_proj(torch.square(torch.relu(self.gate_up_proj(x))))
 
     def self_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

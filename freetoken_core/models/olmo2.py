@@ -31,7 +31,7 @@ import torch
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata
 from freetoken_core.models.config import ModelConfig
-from freetoken_core.models.layers import rms_norm, silu_and_mul
+from freetoken_core.models.layers import rms_norm
 from freetoken_core.models.linear import BlockArena
 from freetoken_core.models.llama import DecoderLayer, LlamaForCausalLM, Weights
 from freetoken_core.models.sharding import Shard
@@ -57,7 +57,7 @@ class Olmo2DecoderLayer(DecoderLayer):
         attn = rms_norm(self.self_attention(hidden, cos, sin, kv_cache, meta),
                         self.post_attn_norm, eps, native)
         hidden = hidden + attn
-        out = self.down_proj(silu_and_mul(self.gate_up_proj(hidden), native))
+        out = self.mlp(hidden)
         return rms_norm(out, self.post_ff_norm, eps, native), hidden
 
 

@@ -35,6 +35,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "ernie4_5": Ernie4_5ForCausalLM,
     "exaone": LlamaForCausalLM,  # (Llama under other names: exaone.py)
     "seed_oss": LlamaForCausalLM,  # (Llama with q/k/v biases)
+    "arcee": LlamaForCausalLM,  # (Llama with a ReLU² MLP: ModelConfig.gated_mlp)
     "exaone4": Olmo2ForCausalLM,  # (OLMo 2's blocks, per-head q/k norms, NoPE global layers)
 }
 

@@ -172,7 +172,7 @@ def shard_weights(cfg: ModelConfig, weights: dict[str, Any], shard: Shard
         down = p + "mlp.down_proj.weight"
         i0, i1 = _feature_ranges(weights, down, cfg.intermediate_size, world)[rank]
         intermediate = i1 - i0
-        for name in ("gate", "up"):
+        for name in ("gate", "up"):  # (no gate where the MLP is not gated: Arcee's)
             for kind in ("weight", "bias"):
                 key = f"{p}mlp.{name}_proj.{kind}"
                 if key in weights:
