@@ -231,7 +231,7 @@ def test_registry_maps_every_architecture() -> None:
     assert set(SUPPORTED) == set(classes)
     unknown = dataclasses.replace(config("LlamaForCausalLM"), architecture="gpt2")
     with pytest.raises(ModelLoadError,
-                       match=r"'gpt2'; FreeToken runs exaone, exaone4, gemma2, gemma3, glm4"):
+                       match=r"'gpt2'; FreeToken runs cohere, cohere2, exaone, exaone4, gemma2"):
         model_class(unknown)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.gguf_families import (
+    cohere_config,
     exaone4_config,
     gemma2_config,
     gemma3_config,
@@ -46,6 +47,8 @@ ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",  # (OLMo 3's files too: Olmo3ForCausalLM where they slide)
     "exaone4": "Exaone4ForCausalLM",
     "exaone": "ExaoneForCausalLM",
+    "command-r": "CohereForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
     # the language models of vision-language files (gguf_families.TEXT_ARCHITECTURES)
     "qwen2vl": "Qwen2ForCausalLM",
     "qwen3vl": "Qwen3ForCausalLM",
@@ -226,6 +229,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(olmo_config(reader, config))
     if arch == "exaone4":
         config.update(exaone4_config(reader, config))
+    if arch in ("command-r", "cohere2"):
+        config.update(cohere_config(reader, arch, config, names))
     if arch == "smollm3":  # llama.cpp: every 4th layer without RoPE (n_no_rope_layer_step)
         config["no_rope_layer_interval"] = 4
     if arch == "granite":

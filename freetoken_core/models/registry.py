@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.cohere import CohereForCausalLM
 from freetoken_core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from freetoken_core.models.gemma2 import Gemma2ForCausalLM
 from freetoken_core.models.gemma3 import Gemma3ForCausalLM
@@ -33,6 +34,8 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "olmo3": Olmo2ForCausalLM,  # (OLMo 2's blocks with sliding-window layers)
     "exaone": LlamaForCausalLM,  # (Llama under other names: exaone.py)
     "exaone4": Olmo2ForCausalLM,  # (OLMo 2's blocks, per-head q/k norms, NoPE global layers)
+    "cohere": CohereForCausalLM,
+    "cohere2": CohereForCausalLM,  # (Cohere's blocks, sliding layers beside NoPE global ones)
 }
 
 SUPPORTED: tuple[str, ...] = tuple(sorted(_CLASSES))
