@@ -165,6 +165,8 @@ def _with_extra_tokens(fields: list[tuple[str, Any, Any]], extra: Sequence[tuple
 
 # The architectures whose blocks norm after attention and MLP, not before (OLMo 2, EXAONE 4).
 _POST_NORMED = ("olmo2", "exaone4")
+# Cohere's: parallel blocks (one LayerNorm a block, of eps attention.layer_norm_epsilon).
+_PARALLEL = ("command-r", "cohere2")
 
 
 def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, heads: int = 4,
@@ -179,12 +181,13 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                metadata: dict[str, int | float | str] | None = None,
                split_max_tensors: int = 0, experts: int = 0, experts_used: int = 2,
                expert_ff: int | None = None, shared_ff: int = 0,
-               file_arch: str | None = None, biases: bool = False) -> Path:
+               file_arch: str | None = None, biases: bool = False, qk_norm: bool = False
+               ) -> Path:
     """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gpt-oss, gemma2,
-    gemma3, glm4, olmo2, exaone4, ernie4_5, seed_oss, arcee or phi3) as a GGUF file (gpt-oss: biases,
-    sinks and expert biases as its files have them, its rope scaling from ``metadata``;
-    seed_oss: q/k/v biases; gemma2: its softcaps from ``metadata``, else 50 and 30, as the
-    converter writes transformers' defaults).
+    gemma3, glm4, olmo2, exaone4, ernie4_5, seed_oss, arcee, command-r, cohere2 or phi3) as a
+    GGUF file (gpt-oss: biases, sinks and expert biases as its files have them, its rope
+    scaling from ``metadata``; seed_oss: q/k/v biases; gemma2: its softcaps from ``metadata``,
+    else 50 and 30, as the converter writes transformers' defaults).
 
     ``weight_type`` is every 2-d weight's type; ``types`` overrides it by the end of the
     tensor name (e.g. ``{"attn_v.weight": Q6_K, "token_embd.weight": Q6_K}``). The
@@ -220,7 +223,13 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     features (qwen3moe's ``expert_feed_forward_length``, default ``ff``; llama's experts
     are ``ff`` wide): the F32 router ``ffn_gate_inp`` and the 3-d ``ffn_{gate,up,down}_exps``
     tensors in place of the dense MLP's; ``shared_ff``: qwen2moe's shared expert
-    (``ffn_{gate,up,down}_shexp``, its 1-d F32 gate ``ffn_gate_inp_shexp``) of that width."""
+    (``ffn_{gate,up,down}_shexp``, its 1-d F32 gate ``ffn_gate_inp_shexp``) of that width.
+
+    command-r and cohere2 as llama.cpp's converter writes Cohere's checkpoints: one norm a
+    block, ``attention.layer_norm_epsilon`` (1e-5) in place of the RMS eps, ``logit_scale`` (from
+    ``metadata``, else transformers' default 0.0625), no rope scaling (cohere2: its
+    ``vocab_size`` and ``attention.sliding_window``); ``qk_norm``: command-r's per-head q/k
+    norms (Command R+: F32 ``[heads, head_dim]``)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     from freetoken_core.models.resolve import default_gguf_path
@@ -246,8 +255,16 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     writer.add_uint32(p + "attention.value_length", head_dim)
     writer.add_uint32(p + "rope.dimension_count", rope_dims or head_dim)
     writer.add_float32(p + "rope.freq_base", rope_theta)
-    writer.add_float32(p + "attention.layer_norm_rms_epsilon", 1e-6)
-    if arch in ("gemma2", "gemma3", "gpt-oss"):
+    if arch in _PARALLEL:
+        writer.add_float32(p + "attention.layer_norm_epsilon", 1e-5)
+        writer.add_string(p + "rope.scaling.type", "none")
+        if "logit_scale" not in (metadata or {}):
+            writer.add_float32(p + "logit_scale", 0.0625)
+    else:
+        writer.add_float32(p + "attention.layer_norm_rms_epsilon", 1e-6)
+    if arch == "cohere2":
+        writer.add_uint32(p + "vocab_size", vocab + extra_rows)
+    if arch in ("gemma2", "gemma3", "gpt-oss", "cohere2"):
         writer.add_uint32(p + "attention.sliding_window", sliding_window)
     if arch == "gemma2":
         for key, cap in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
@@ -357,6 +374,11 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
         if arch in ("qwen3", "qwen3moe", "gemma3", "exaone4"):
             vector(b + "attn_q_norm.weight", head_dim, norm_one)
             vector(b + "attn_k_norm.weight", head_dim, norm_one)
+        if qk_norm:  # (Command R+: a weight per head, F32 as the converter keeps norms)
+            writer.add_tensor(b + "attn_q_norm.weight", (norm_one + rng.normal(
+                0, 0.1, (heads, head_dim))).astype(np.float32))
+            writer.add_tensor(b + "attn_k_norm.weight", (norm_one + rng.normal(
+                0, 0.1, (kv_heads, head_dim))).astype(np.float32))
         if arch == "olmo2":  # (over all heads at once)
             vector(b + "attn_q_norm.weight", q, norm_one)
             vector(b + "attn_k_norm.weight", kv, norm_one)
@@ -365,7 +387,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
             stacked(b + "ffn_down_exps.weight", experts, hidden, expert_ff)
         else:
             matrix(b + "ffn_down.weight", hidden, ff)
-        if arch not in _POST_NORMED:
+        if arch not in (*_POST_NORMED, *_PARALLEL):
             vector(b + ("post_attention_norm.weight" if arch in ("gpt-oss", "seed_oss")
                         else "ffn_norm.weight"), hidden, norm_one)
         if arch in ("gemma2", "gemma3", "glm4", *_POST_NORMED):

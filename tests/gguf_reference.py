@@ -370,3 +370,52 @@ def _llama_like(path: Path, config_class: type, model_class: type, unpermute: bo
     model = model.float().eval()
     model.load_state_dict(state)
     return model
+
+
+def hf_cohere_from_gguf(path: Path) -> torch.nn.Module:
+    """transformers' ``CohereForCausalLM`` of a ``command-r`` GGUF file (with Command R+'s
+    q/k norms where it has them) or its ``Cohere2ForCausalLM`` of a ``cohere2`` one (its
+    window; every 4th layer global, as llama.cpp reads a file without a pattern), neither
+    of which transformers' GGUF loader reads: every tensor dequantized by gguf-py under the
+    name llama.cpp's converter gave it (the weights unpermuted, the output the embeddings)."""
+    from transformers import Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM
+
+    reader, tensors = _dequantized(path)
+    arch = reader.fields["general.architecture"].contents()
+
+    def key(name: str) -> object:
+        return reader.fields[f"{arch}.{name}"].contents()
+
+    shape = {"vocab_size": tensors["token_embd.weight"].shape[0],
+             "hidden_size": key("embedding_length"),
+             "intermediate_size": key("feed_forward_length"),
+             "num_hidden_layers": key("block_count"),
+             "num_attention_heads": key("attention.head_count"),
+             "num_key_value_heads": key("attention.head_count_kv"),
+             "layer_norm_eps": key("attention.layer_norm_epsilon"),
+             "logit_scale": key("logit_scale"),
+             "max_position_embeddings": key("context_length"),
+             "tie_word_embeddings": True, "pad_token_id": 0,
+             "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base")}}
+    if arch == "cohere2":
+        model = Cohere2ForCausalLM(Cohere2Config(
+            **shape, sliding_window=key("attention.sliding_window")))
+    else:
+        model = CohereForCausalLM(CohereConfig(
+            **shape, use_qk_norm="blk.0.attn_q_norm.weight" in tensors))
+    names = {"attn_norm.weight": "input_layernorm.weight",
+             "attn_output.weight": "self_attn.o_proj.weight",
+             **{f"attn_{p}.weight": f"self_attn.{p}_proj.weight" for p in "qkv"},
+             **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}}
+    if "blk.0.attn_q_norm.weight" in tensors:
+        names.update({"attn_q_norm.weight": "self_attn.q_norm.weight",
+                      "attn_k_norm.weight": "self_attn.k_norm.weight"})
+    state = {"model.embed_tokens.weight": tensors["token_embd.weight"],
+             "model.norm.weight": tensors["output_norm.weight"],
+             "lm_head.weight": tensors["token_embd.weight"]}
+    for i in range(shape["num_hidden_layers"]):
+        for short, hf in names.items():
+            state[f"model.layers.{i}.{hf}"] = tensors[f"blk.{i}.{short}"]
+    model = model.float().eval()
+    model.load_state_dict(state)
+    return model

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.cohere_config import cohere_config, cohere_fields
 from freetoken_core.models.config_fields import (
     ernie4_5_config,
     exaone4_fields,
@@ -52,13 +53,16 @@ SUPPORTED_ARCHITECTURES = {
     "Ernie4_5ForCausalLM": "ernie4_5",
     "SeedOssForCausalLM": "seed_oss",
     "ArceeForCausalLM": "arcee",
+    "CohereForCausalLM": "cohere",
+    "Cohere2ForCausalLM": "cohere2",
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
 _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "phi3": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu",
-                "exaone4": "silu", "exaone": "silu", "seed_oss": "silu", "arcee": "relu2"}
+                "exaone4": "silu", "exaone": "silu", "seed_oss": "silu", "arcee": "relu2",
+                "cohere": "silu", "cohere2": "silu"}
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,8 @@ class ModelConfig:
     gated_mlp: bool = True
     """The MLP is ``down(act(gate(x)) * up(x))`` (SwiGLU, Gemma's GeGLU); ``False``:
     ``down(act(up(x)))`` (Arcee's ReLU², ``hidden_act`` ``relu2``), no gate projection."""
+    logit_scale: float = 1.0
+    """The logits' multiplier (Cohere's ``logit_scale``)."""
     no_rope_layers: tuple[int, ...] = ()
     """Per layer, 1 where RoPE rotates queries and keys, 0 where it does not (SmolLM3's
     NoPE layers, transformers' ``no_rope_layers``); empty: every layer rotates."""
@@ -182,6 +188,8 @@ class ModelConfig:
             cfg = ernie4_5_config(cfg)
         if family == "seed_oss":  # (its defaults for left-out keys)
             cfg = seed_oss_config(cfg)
+        if family in ("cohere", "cohere2"):  # (its norm eps's name and its defaults)
+            cfg = cohere_config(cfg, family)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")
@@ -243,6 +251,8 @@ class ModelConfig:
             fields.update(olmo3_fields(cfg))
         elif family == "exaone4":
             fields.update(exaone4_fields(cfg))
+        elif family in ("cohere", "cohere2"):
+            fields.update(cohere_fields(cfg, family))
         fields["mxfp4_experts"] = quantized_experts(arch, family,
                                                     cfg.get("quantization_config"))
         fields["text_of"] = text_of
@@ -260,7 +270,8 @@ class ModelConfig:
             attention_bias=(family == "qwen2" or bool(cfg.get("attention_bias",
                                                                family in ("gpt_oss", "glm4")))
                             or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
-            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmo2", "olmo3", "exaone4"),
+            qk_norm=(family in ("qwen3", "gemma3", "qwen3_moe", "olmo2", "olmo3", "exaone4")
+                     or (family == "cohere" and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from freetoken_core.errors import ModelLoadError
-from freetoken_core.models.gguf_reader import array_field, field
+from freetoken_core.models.gguf_reader import array_field, field, require
 
 # A llama file with experts (llama.expert_count > 0) is Mixtral's.
 MIXTRAL = "MixtralForCausalLM"
@@ -115,6 +115,33 @@ def exaone4_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
             "layer_types": _layer_types(reader, "exaone4", layers),
             "rope_theta": float(field(reader, "exaone4.rope.freq_base_swa",
                                       config["rope_theta"]))}
+
+
+def cohere_config(reader: Any, arch: str, config: dict[str, Any], names: set[str]
+                  ) -> dict[str, Any]:
+    """A ``command-r`` or ``cohere2`` file as llama.cpp reads it (src/models/command-r.cpp,
+    cohere2.cpp): the LayerNorms' eps ``attention.layer_norm_epsilon`` (required), the
+    logits times ``logit_scale`` (cohere2: required; command-r: none where it is missing or
+    0), and Command R+'s per-head q/k norms where the file has them (llama.cpp reads them in, and
+    requires them of, 64-layer files only). cohere2: the sliding layers over
+    ``attention.sliding_window`` keys (required) as ``attention.sliding_window_pattern``
+    says (the converter writes none: every 4th layer global), rotated with the file's
+    ``rope.freq_base`` (its graph ignores ``rope.freq_base_swa``); the global layers not
+    rotated."""
+    p = f"{arch}."
+    scale = float(require(reader, p + "logit_scale") if arch == "cohere2"
+                  else field(reader, p + "logit_scale", 0.0))
+    out: dict[str, Any] = {
+        "model_type": "cohere" if arch == "command-r" else "cohere2",
+        "layer_norm_eps": float(require(reader, p + "attention.layer_norm_epsilon")),
+        "logit_scale": scale or 1.0,
+    }
+    if arch == "command-r":
+        out["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
+    else:
+        out.update(sliding_window=int(require(reader, p + "attention.sliding_window")),
+                   layer_types=_layer_types(reader, arch, config["num_hidden_layers"]))
+    return out
 
 
 def _layer_types(reader: Any, arch: str, layers: int) -> list[str]:

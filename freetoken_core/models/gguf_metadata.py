@@ -11,6 +11,7 @@ import numpy as np
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.gguf_families import (
+    cohere_config,
     exaone4_config,
     gemma2_config,
     gemma3_config,
@@ -49,6 +50,8 @@ ARCHITECTURES = {
     "seed_oss": "SeedOssForCausalLM",
     "arcee": "ArceeForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
+    "command-r": "CohereForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
     # the language models of vision-language files (gguf_families.TEXT_ARCHITECTURES)
     "qwen2vl": "Qwen2ForCausalLM",
     "qwen3vl": "Qwen3ForCausalLM",
@@ -234,6 +237,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config["use_bias"] = config["attention_bias"]
     if arch == "arcee":  # (llama.cpp's LLM_FFN_RELU_SQR on ffn_up alone)
         config["hidden_act"] = "relu2"
+    if arch in ("command-r", "cohere2"):
+        config.update(cohere_config(reader, arch, config, names))
     if arch == "smollm3":  # llama.cpp: every 4th layer without RoPE (n_no_rope_layer_step)
         config["no_rope_layer_interval"] = 4
     if arch == "granite":

@@ -127,6 +127,9 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
         "post_attention_norm.weight": "post_attention_layernorm.weight",
         **_ATTENTION, **_MLP,
     },
+    # (Cohere's parallel blocks: one norm; Command R+'s q/k norms [heads, head_dim])
+    "command-r": {"attn_norm.weight": "input_layernorm.weight", **_ATTENTION, **_MLP},
+    "cohere2": {"attn_norm.weight": "input_layernorm.weight", **_ATTENTION, **_MLP},
     "qwen2": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen3moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},
@@ -304,7 +307,8 @@ def _check_file_tensors(reader: Any, path: Path) -> None:
 def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_heads: int,
                       num_kv_heads: int, tied: bool) -> dict[str, GGUFWeight | torch.Tensor]:
     """The weights of the ``arch`` GGUF file ``path`` (opened as ``reader``) under their
-    Hugging Face names: 2-d weights as :class:`GGUFWeight`, 1-d ones as float32 tensors.
+    Hugging Face names: 2-d weights as :class:`GGUFWeight`, 1-d ones (and 2-d norms: a
+    weight a head, Command R+'s) as float32 tensors.
 
     Raises :class:`ModelLoadError` (naming the tensor) for an unsupported type, a size that
     disagrees with the type and shape, a tensor the family does not have, or a missing one.
@@ -329,6 +333,10 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
         qtype = int(t.tensor_type)
         if len(shape) == 1:
             weights[name] = _vector(t, qtype, arch)
+            continue
+        if len(shape) == 2 and name.endswith("_norm.weight"):  # (a norm per head: Cohere's)
+            weights[name] = GGUFWeight(t.name, qtype, (shape[0], shape[1]), np.asarray(
+                t.data).view(np.uint8).reshape(shape[0], -1)).dequantize().clone()
             continue
         if len(shape) == 2 and "{e}" in name and name.endswith(".bias"):  # one per expert
             values = GGUFWeight(t.name, qtype, (shape[0], shape[1]),

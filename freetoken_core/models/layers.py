@@ -1,5 +1,6 @@
-"""Building blocks of the native models: RMSNorm, RoPE, gated activations (the linears and
-their GGUF blocks are ``linear.py``'s and ``block_layout.py``'s)."""
+"""Building blocks of the native models: RMSNorm, Cohere's LayerNorm, RoPE, gated
+activations (the linears and their GGUF blocks are ``linear.py``'s and
+``block_layout.py``'s)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         return x, residual
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Cohere's LayerNorm (transformers' ``CohereLayerNorm``), op for op: in float32, the
+    mean subtracted and divided by the square root of the variance plus ``eps``, times
+    ``weight`` (no bias), cast back. ``weight`` broadcasts over the trailing dimensions
+    (Command R+'s q/k norms: one ``[heads, head_dim]`` weight, each head normed alone)."""
+    h = x.float()
+    mean = h.mean(-1, keepdim=True)
+    variance = (h - mean).pow(2).mean(-1, keepdim=True)
+    h = (h - mean) * torch.rsqrt(variance + eps)
+    return (weight.float() * h).to(x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor, native: bool = False) -> torch.Tensor:

@@ -156,19 +156,8 @@ class DecoderLayer:
         qkv = self.qkv_proj(x)
         qk, v = qkv.split([(h + kvh) * d, kvh * d], dim=-1)
         qk = qk.view(n, h + kvh, d)
-        if self.q_norm is not None and self.q_norm.numel() != d:
-            # over all heads at once (OLMo 2): a token's h x d queries one row
-            qk = torch.cat([
-                rms_norm(qk[:, :h].reshape(n, h * d).contiguous(), self.q_norm, self.eps,
-                         self.native).view(n, h, d),
-                rms_norm(qk[:, h:].reshape(n, kvh * d).contiguous(), self.k_norm, self.eps,
-                         self.native).view(n, kvh, d)], dim=1)
-        elif self.q_norm is not None:  # per head (Qwen3): each head's d values a row
-            qk = torch.cat([
-                rms_norm(qk[:, :h].reshape(n * h, d).contiguous(), self.q_norm, self.eps,
-                         self.native).view(n, h, d),
-                rms_norm(qk[:, h:].reshape(n * kvh, d).contiguous(), self.k_norm, self.eps,
-                         self.native).view(n, kvh, d)], dim=1)
+        if self.q_norm is not None:
+            qk = self.normed_qk(qk)
         # One rotation for queries and keys together: they share positions.
         qk = apply_rope(qk, cos, sin, self.native)
         # Rotated keys and values side by side, as the cache stores them.
@@ -178,6 +167,22 @@ class DecoderLayer:
             q = q * meta.query_scales[:, None, None]
         return self.o_proj(paged_attention(q, kv, kv_cache, meta, self.scale, self.sinks,
                                            self.softcap))
+
+    def normed_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """The queries and keys ``[T, heads + kv heads, head_dim]`` RMSNormed: over all heads
+        at once where the norms are that wide (OLMo 2), else per head (Qwen3)."""
+        n, h, kvh, d = qk.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.q_norm.numel() != d:  # (a token's h x d queries one row)
+            return torch.cat([
+                rms_norm(qk[:, :h].reshape(n, h * d).contiguous(), self.q_norm, self.eps,
+                         self.native).view(n, h, d),
+                rms_norm(qk[:, h:].reshape(n, kvh * d).contiguous(), self.k_norm, self.eps,
+                         self.native).view(n, kvh, d)], dim=1)
+        return torch.cat([  # (each head's d values a row)
+            rms_norm(qk[:, :h].reshape(n * h, d).contiguous(), self.q_norm, self.eps,
+                     self.native).view(n, h, d),
+            rms_norm(qk[:, h:].reshape(n * kvh, d).contiguous(), self.k_norm, self.eps,
+                     self.native).view(n, kvh, d)], dim=1)
 
 
 class LlamaForCausalLM(BlockLayouts):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.cohere import CohereForCausalLM
 from freetoken_core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from freetoken_core.models.ernie4_5 import Ernie4_5ForCausalLM
 from freetoken_core.models.gemma2 import Gemma2ForCausalLM
@@ -37,6 +38,8 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "seed_oss": LlamaForCausalLM,  # (Llama with q/k/v biases)
     "arcee": LlamaForCausalLM,  # (Llama with a ReLU² MLP: ModelConfig.gated_mlp)
     "exaone4": Olmo2ForCausalLM,  # (OLMo 2's blocks, per-head q/k norms, NoPE global layers)
+    "cohere": CohereForCausalLM,
+    "cohere2": CohereForCausalLM,  # (Cohere's blocks, sliding layers beside NoPE global ones)
 }
 
 SUPPORTED: tuple[str, ...] = tuple(sorted(_CLASSES))
