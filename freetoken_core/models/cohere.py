@@ -36,26 +36,20 @@ import torch
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata
 from freetoken_core.models.config import ModelConfig
-from freetoken_core.models.glm4 import interleaved_head_order
-from freetoken_core.models.layers import layer_norm, silu_and_mul
+from freetoken_core.models.glm4 import interleaved_head_order, reorder_qk_heads
+from freetoken_core.models.layers import layer_norm
 from freetoken_core.models.linear import BlockArena
 from freetoken_core.models.llama import DecoderLayer, LlamaForCausalLM, Weights
-from freetoken_core.models.phi3 import reorder_rows
 from freetoken_core.models.sharding import Shard
 
 
 def reorder_heads(weights: Weights, prefix: str, cfg: ModelConfig) -> None:
     """Layer ``prefix``'s q and k rows (and biases) reordered in place so that each head's
     adjacent rotary pairs are half-offset pairs, and the q/k norms' columns with them."""
-    d = cfg.head_dim
-    order = interleaved_head_order(d, d)
+    order = interleaved_head_order(cfg.head_dim, cfg.head_dim)
     attn = prefix + "self_attn."
-    for name, heads in (("q", cfg.num_heads), ("k", cfg.num_kv_heads)):
-        rows = (torch.arange(heads)[:, None] * d + order[None, :]).reshape(-1)
-        for kind in ("weight", "bias"):
-            key = f"{attn}{name}_proj.{kind}"
-            if key in weights:
-                weights[key] = reorder_rows(weights[key], rows)
+    reorder_qk_heads(weights, attn, cfg, order)
+    for name in ("q", "k"):
         norm = f"{attn}{name}_norm.weight"
         if norm in weights:
             weights[norm] = weights[norm][..., order]
@@ -80,8 +74,7 @@ class CohereDecoderLayer(DecoderLayer):
         hidden = x if residual is None else residual + x
         normed = layer_norm(hidden, self.input_norm, self.eps)
         attn = self.self_attention(normed, cos, sin, kv_cache, meta)
-        mlp = self.down_proj(silu_and_mul(self.gate_up_proj(normed), self.native))
-        return mlp, hidden + attn
+        return self.mlp(normed), hidden + attn
 
     def normed_qk(self, qk: torch.Tensor) -> torch.Tensor:
         """Command R+'s q/k norms: each head LayerNormed with its own weight."""

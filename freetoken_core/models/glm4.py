@@ -25,7 +25,7 @@ import torch
 
 from freetoken_core.models.attention import AttentionMetadata
 from freetoken_core.models.config import ModelConfig
-from freetoken_core.models.layers import add_rms_norm, rms_norm, silu_and_mul
+from freetoken_core.models.layers import add_rms_norm, rms_norm
 from freetoken_core.models.linear import BlockArena
 from freetoken_core.models.llama import DecoderLayer, LlamaForCausalLM, Weights
 from freetoken_core.models.phi3 import (
@@ -94,7 +94,7 @@ class Glm4DecoderLayer(DecoderLayer):
         x = rms_norm(self.self_attention(x, cos, sin, kv_cache, meta), self.post_self_attn_norm,
                      eps, native)
         x, residual = add_rms_norm(x, residual, self.post_attn_norm, eps, native)
-        x = self.down_proj(silu_and_mul(self.gate_up_proj(x), native))
+        x = self.mlp(x)
         return rms_norm(x, self.post_mlp_norm, eps, native), residual
 
 
