@@ -167,6 +167,8 @@ def _with_extra_tokens(fields: list[tuple[str, Any, Any]], extra: Sequence[tuple
 _POST_NORMED = ("olmo2", "exaone4")
 # Cohere's: parallel blocks (one LayerNorm a block, of eps attention.layer_norm_epsilon).
 _PARALLEL = ("command-r", "cohere2")
+# The architectures whose MLP is not gated: act(ffn_up) (Arcee's ReLU², StarCoder2's GELU).
+_UNGATED = ("arcee", "starcoder2")
 
 
 def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, heads: int = 4,
@@ -184,7 +186,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                file_arch: str | None = None, biases: bool = False, qk_norm: bool = False
                ) -> Path:
     """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gpt-oss, gemma2,
-    gemma3, glm4, olmo2, exaone4, ernie4_5, seed_oss, arcee, command-r, cohere2 or phi3) as a
+    gemma3, glm4, olmo2, exaone4, ernie4_5, seed_oss, arcee, starcoder2 (with ``biases``),
+    command-r, cohere2 or phi3) as a
     GGUF file (gpt-oss: biases, sinks and expert biases as its files have them, its rope
     scaling from ``metadata``; seed_oss: q/k/v biases; gemma2: its softcaps from ``metadata``,
     else 50 and 30, as the converter writes transformers' defaults).
@@ -255,13 +258,14 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     writer.add_uint32(p + "attention.value_length", head_dim)
     writer.add_uint32(p + "rope.dimension_count", rope_dims or head_dim)
     writer.add_float32(p + "rope.freq_base", rope_theta)
-    if arch in _PARALLEL:
+    if arch in (*_PARALLEL, "starcoder2"):  # (LayerNorms)
         writer.add_float32(p + "attention.layer_norm_epsilon", 1e-5)
+    else:
+        writer.add_float32(p + "attention.layer_norm_rms_epsilon", 1e-6)
+    if arch in _PARALLEL:
         writer.add_string(p + "rope.scaling.type", "none")
         if "logit_scale" not in (metadata or {}):
             writer.add_float32(p + "logit_scale", 0.0625)
-    else:
-        writer.add_float32(p + "attention.layer_norm_rms_epsilon", 1e-6)
     if arch == "cohere2":
         writer.add_uint32(p + "vocab_size", vocab + extra_rows)
     if arch in ("gemma2", "gemma3", "gpt-oss", "cohere2"):
@@ -357,7 +361,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                     matrix(b + "ffn_up_shexp.weight", shared_ff, hidden)
                     matrix(b + "ffn_down_shexp.weight", hidden, shared_ff)
             else:
-                if arch != "arcee":  # (its MLP is not gated: ReLU² of ffn_up)
+                if arch not in _UNGATED:  # (act(ffn_up) alone)
                     matrix(b + "ffn_gate.weight", ff, hidden)
                 matrix(b + "ffn_up.weight", ff, hidden)
         if arch in ("qwen2", "qwen2moe", "gpt-oss", "glm4", "seed_oss") or biases:
@@ -366,7 +370,11 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
         if biases:
             for name, n in (("attn_output.bias", hidden), ("ffn_gate.bias", ff),
                             ("ffn_up.bias", ff), ("ffn_down.bias", hidden)):
-                vector(b + name, n, 0.0)
+                if not (name == "ffn_gate.bias" and arch in _UNGATED):
+                    vector(b + name, n, 0.0)
+        if arch == "starcoder2":  # (its LayerNorms' biases)
+            vector(b + "attn_norm.bias", hidden, 0.0)
+            vector(b + "ffn_norm.bias", hidden, 0.0)
         if arch == "gpt-oss":
             vector(b + "attn_output.bias", hidden, 0.0)
             writer.add_tensor(b + "attn_sinks.weight", rng.normal(0.0, 1.0, heads).astype(
@@ -394,6 +402,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
             vector(b + "post_attention_norm.weight", hidden, norm_one)
             vector(b + "post_ffw_norm.weight", hidden, norm_one)
     vector("output_norm.weight", hidden, norm_one)
+    if arch == "starcoder2":
+        vector("output_norm.bias", hidden, 0.0)
     if not tied:
         matrix("output.weight", vocab + extra_rows, hidden)
     writer.write_header_to_file()

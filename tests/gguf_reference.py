@@ -315,6 +315,26 @@ def hf_arcee_from_gguf(path: Path) -> torch.nn.Module:
     return _llama_like(path, ArceeConfig, ArceeForCausalLM, unpermute=True)
 
 
+def hf_starcoder2_from_gguf(path: Path) -> torch.nn.Module:
+    """transformers' ``Starcoder2ForCausalLM`` of a ``starcoder2`` GGUF file (LayerNorms and
+    linears with biases, ``ffn_up`` / ``ffn_down`` as ``c_fc`` / ``c_proj``, no window: the
+    converter writes none), the q/k rows as stored."""
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
+
+    reader, tensors = _dequantized(path)
+    eps = reader.fields["starcoder2.attention.layer_norm_epsilon"].contents()
+    names = {f"ffn_norm.{kind}": f"post_attention_layernorm.{kind}" for kind in ("weight",
+                                                                                "bias")}
+    names.update({f"attn_norm.{kind}": f"input_layernorm.{kind}" for kind in ("weight",
+                                                                             "bias")})
+    names.update({f"ffn_{a}.{kind}": f"mlp.{b}.{kind}" for a, b in (("up", "c_fc"),
+                                                                   ("down", "c_proj"))
+                  for kind in ("weight", "bias")})
+    return _llama_like(path, Starcoder2Config, Starcoder2ForCausalLM, norm_epsilon=eps,
+                       sliding_window=None, use_bias=True, renamed=names,
+                       extra={"model.norm.bias": tensors["output_norm.bias"]})
+
+
 def _has_tensor(path: Path, name: str) -> bool:
     from gguf import GGUFReader
 
@@ -322,20 +342,24 @@ def _has_tensor(path: Path, name: str) -> bool:
 
 
 def _llama_like(path: Path, config_class: type, model_class: type, unpermute: bool = False,
-                **config: object) -> torch.nn.Module:
+                renamed: dict[str, str] | None = None,
+                extra: dict[str, torch.Tensor] | None = None, **config: object
+                ) -> torch.nn.Module:
     """transformers' ``model_class`` of a GGUF file of Llama's tensors (its architecture's
     key prefix; transformers' GGUF loader reads none of these), its ``config_class`` of the
     file's shape and rope base with ``config`` added: every tensor dequantized by gguf-py
     under the name llama.cpp's converter gave it (the MLP's input norm ``ffn_norm`` or
     ``post_attention_norm``), biases where the file has them, q/k rows as stored (or
-    ``unpermute``: un-permuted by transformers' ``LlamaTensorProcessor``)."""
+    ``unpermute``: un-permuted by transformers' ``LlamaTensorProcessor``); ``renamed``: a
+    layer's tensors named otherwise, ``extra``: more of the model's tensors."""
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     reader, tensors = _dequantized(path)
     arch = reader.fields["general.architecture"].contents()
 
-    def key(name: str) -> object:
-        return reader.fields[f"{arch}.{name}"].contents()
+    def key(name: str, default: object = None) -> object:
+        field = reader.fields.get(f"{arch}.{name}")
+        return default if field is None else field.contents()
 
     model = model_class(config_class(**{
         "vocab_size": tensors["token_embd.weight"].shape[0],
@@ -343,7 +367,7 @@ def _llama_like(path: Path, config_class: type, model_class: type, unpermute: bo
         "num_hidden_layers": key("block_count"), "num_attention_heads": key("attention.head_count"),
         "num_key_value_heads": key("attention.head_count_kv"),
         "head_dim": key("attention.key_length"),
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
         "max_position_embeddings": key("context_length"),
         "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base")},
         "tie_word_embeddings": "output.weight" not in tensors, "pad_token_id": 0, **config}))
@@ -355,6 +379,7 @@ def _llama_like(path: Path, config_class: type, model_class: type, unpermute: bo
              **{f"attn_output.{kind}": f"self_attn.o_proj.{kind}" for kind in ("weight", "bias")},
              **{f"ffn_{p}.{kind}": f"mlp.{p}_proj.{kind}"
                 for p in ("gate", "up", "down") for kind in ("weight", "bias")}}
+    names.update(renamed or {})
     state = {"model.embed_tokens.weight": tensors["token_embd.weight"],
              "model.norm.weight": tensors["output_norm.weight"],
              "lm_head.weight": tensors.get("output.weight", tensors["token_embd.weight"])}
@@ -367,6 +392,7 @@ def _llama_like(path: Path, config_class: type, model_class: type, unpermute: bo
                     value = torch.from_numpy(LlamaTensorProcessor()._reverse_permute_weights(
                         value.numpy(), heads, heads if short == "attn_q.weight" else kv_heads))
                 state[f"model.layers.{i}.{hf}"] = value
+    state.update(extra or {})
     model = model.float().eval()
     model.load_state_dict(state)
     return model

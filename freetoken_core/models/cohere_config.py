@@ -10,7 +10,10 @@ import math
 from typing import Any
 
 from freetoken_core.errors import ModelLoadError
-from freetoken_core.models.config_fields import _layer_windows  # (every family's check)
+from freetoken_core.models.config_fields import (  # (every family's window check)
+    _layer_windows,
+    with_defaults,
+)
 
 # Cohere's and Cohere 2's config defaults where config.json leaves a key out, for the keys
 # config.py reads with other defaults (``CohereConfig``'s, ``Cohere2Config``'s).
@@ -27,16 +30,12 @@ def cohere_config(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     (``rms_norm_eps``: a model's one norm eps), Cohere's default rope base 500,000 (Cohere
     2's is the common 10,000), and Cohere 2's head size, which its config always derives
     as ``hidden_size / num_attention_heads``."""
-    out = {**_COHERE_DEFAULTS, **cfg}
+    out = with_defaults(cfg, _COHERE_DEFAULTS, 500_000.0 if family == "cohere" else None)
     eps = cfg.get("layer_norm_eps", 1e-5)
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
         raise ModelLoadError(f"{_ARCHITECTURES[family]} layer_norm_eps must be a number >= 0, "
                              f"not {eps!r}")
     out["rms_norm_eps"] = float(eps)
-    params = out.get("rope_parameters") or {}
-    if family == "cohere" and out.get("rope_theta") is None and not (
-            isinstance(params, dict) and params.get("rope_theta") is not None):
-        out["rope_theta"] = 500_000.0
     if family == "cohere2":
         out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
     return out

@@ -26,6 +26,8 @@ from freetoken_core.models.config_fields import (
     quantized_experts,
     seed_oss_config,
     smollm3_fields,
+    starcoder2_config,
+    starcoder2_fields,
 )
 from freetoken_core.models.exaone import exaone_config
 from freetoken_core.models.multimodal import WRAPPERS, text_config, with_overrides, wrapper_of
@@ -53,6 +55,7 @@ SUPPORTED_ARCHITECTURES = {
     "Ernie4_5ForCausalLM": "ernie4_5",
     "SeedOssForCausalLM": "seed_oss",
     "ArceeForCausalLM": "arcee",
+    "Starcoder2ForCausalLM": "starcoder2",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
 }
@@ -62,7 +65,11 @@ _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "p
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu",
                 "exaone4": "silu", "exaone": "silu", "seed_oss": "silu", "arcee": "relu2",
+                "starcoder2": "gelu_pytorch_tanh",
                 "cohere": "silu", "cohere2": "silu"}
+
+# transformers' default activation where config.json leaves hidden_act out, other than SiLU.
+_DEFAULT_ACTIVATIONS = {"arcee": "relu2", "starcoder2": "gelu_pytorch_tanh"}
 
 
 @dataclass(frozen=True)
@@ -188,6 +195,8 @@ class ModelConfig:
             cfg = ernie4_5_config(cfg)
         if family == "seed_oss":  # (its defaults for left-out keys)
             cfg = seed_oss_config(cfg)
+        if family == "starcoder2":  # (its defaults and key names)
+            cfg = starcoder2_config(cfg)
         if family in ("cohere", "cohere2"):  # (its norm eps's name and its defaults)
             cfg = cohere_config(cfg, family)
         num_heads = cfg["num_attention_heads"]
@@ -214,7 +223,7 @@ class ModelConfig:
         # transformers' Gemma reads hidden_activation (default gelu_pytorch_tanh) only.
         hidden_act = ((cfg.get("hidden_activation") or "gelu_pytorch_tanh")
                       if family in ("gemma2", "gemma3")
-                      else (cfg.get("hidden_act") or ("relu2" if family == "arcee" else "silu")))
+                      else (cfg.get("hidden_act") or _DEFAULT_ACTIVATIONS.get(family, "silu")))
         expected = _ACTIVATIONS.get(family)
         if expected is not None and hidden_act != expected:
             raise ModelLoadError(f"{arch} with hidden activation {hidden_act!r} is not "
@@ -227,7 +236,7 @@ class ModelConfig:
                                                 family in ("gemma2", "gemma3",
                                                            "smollm3"))),
             "hidden_act": hidden_act,
-            "gated_mlp": family != "arcee",
+            "gated_mlp": family not in ("arcee", "starcoder2"),
         }
         if family == "gemma3":
             fields.update(gemma3_fields(cfg))
@@ -251,6 +260,8 @@ class ModelConfig:
             fields.update(olmo3_fields(cfg))
         elif family == "exaone4":
             fields.update(exaone4_fields(cfg))
+        elif family == "starcoder2":
+            fields.update(starcoder2_fields(cfg))
         elif family in ("cohere", "cohere2"):
             fields.update(cohere_fields(cfg, family))
         fields["mxfp4_experts"] = quantized_experts(arch, family,

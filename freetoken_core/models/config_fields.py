@@ -411,6 +411,35 @@ def seed_oss_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return with_defaults(cfg, _SEED_OSS_DEFAULTS)
 
 
+# transformers' Starcoder2Config defaults that differ from what config.py assumes.
+_STARCODER2_DEFAULTS = {"vocab_size": 49152, "hidden_size": 3072, "intermediate_size": 12288,
+                        "num_hidden_layers": 30, "num_attention_heads": 24,
+                        "num_key_value_heads": 2, "max_position_embeddings": 4096,
+                        "bos_token_id": 50256, "eos_token_id": 50256,
+                        "tie_word_embeddings": True, "use_bias": True}
+
+
+def starcoder2_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """StarCoder2's config.json with transformers' ``Starcoder2Config`` defaults where a key
+    is left out, under the names config.py reads: ``norm_epsilon`` (default 1e-5) as the
+    norms' eps, ``use_bias`` (every linear but the head) as ``attention_bias``."""
+    out = with_defaults(cfg, _STARCODER2_DEFAULTS)
+    out["rms_norm_eps"] = out.get("norm_epsilon", 1e-5)
+    out["attention_bias"] = bool(out["use_bias"])
+    return out
+
+
+def starcoder2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """StarCoder2's window: every layer attends to its last ``sliding_window`` keys where the
+    config has one (transformers' ``Starcoder2Attention``), else to all of them."""
+    window = cfg.get("sliding_window")
+    if window is None:
+        return {}
+    layers = cfg["num_hidden_layers"]
+    return {"layer_windows": _layer_windows("Starcoder2ForCausalLM",
+                                            ["sliding_attention"] * layers, layers, window)}
+
+
 def with_defaults(cfg: dict[str, Any], defaults: dict[str, Any], theta: float | None = None
                   ) -> dict[str, Any]:
     """``cfg`` with a config class's ``defaults`` where it leaves keys out, and its rope base

@@ -144,6 +144,16 @@ def cohere_config(reader: Any, arch: str, config: dict[str, Any], names: set[str
     return out
 
 
+def starcoder2_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """A ``starcoder2`` file as llama.cpp reads it (src/models/starcoder2.cpp): LayerNorms of
+    eps ``attention.layer_norm_epsilon``, biases where the file has them, GELU-tanh, and no
+    sliding window (its converter writes none and its graph has none) unless the file has
+    ``attention.sliding_window``."""
+    return {"norm_epsilon": float(require(reader, "starcoder2.attention.layer_norm_epsilon")),
+            "use_bias": config["attention_bias"], "hidden_act": "gelu_pytorch_tanh",
+            "sliding_window": field(reader, "starcoder2.attention.sliding_window")}
+
+
 def _layer_types(reader: Any, arch: str, layers: int) -> list[str]:
     """Each layer's type from ``{arch}.attention.sliding_window_pattern`` as llama.cpp's
     ``load_swa_pattern`` reads it: a flag a layer (true: sliding), or a period n (layer i

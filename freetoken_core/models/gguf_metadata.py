@@ -21,6 +21,7 @@ from freetoken_core.models.gguf_families import (
     mistral3_rope,
     moe_config,
     olmo_config,
+    starcoder2_config,
     text_architecture,
     text_rope_sections,
 )
@@ -49,6 +50,7 @@ ARCHITECTURES = {
     "exaone": "ExaoneForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "arcee": "ArceeForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "command-r": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
@@ -237,6 +239,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config["use_bias"] = config["attention_bias"]
     if arch == "arcee":  # (llama.cpp's LLM_FFN_RELU_SQR on ffn_up alone)
         config["hidden_act"] = "relu2"
+    if arch == "starcoder2":  # (LayerNorms, biases, a GELU MLP; no window unless the key)
+        config.update(starcoder2_config(reader, config))
     if arch in ("command-r", "cohere2"):
         config.update(cohere_config(reader, arch, config, names))
     if arch == "smollm3":  # llama.cpp: every 4th layer without RoPE (n_no_rope_layer_step)

@@ -46,6 +46,7 @@ GGUF_TYPES: dict[int, tuple[str, int, int]] = {
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
+    "output_norm.bias": "model.norm.bias",  # (StarCoder2's LayerNorm)
     "output.weight": "lm_head.weight",
 }
 _ATTENTION = {
@@ -122,6 +123,12 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "granite": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "exaone": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (q/k unpermuted: not PERMUTED_QK)
     "arcee": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (no ffn_gate: ReLU² of ffn_up)
+    "starcoder2": {  # (LayerNorms and linears with biases; no ffn_gate: GELU of ffn_up)
+        **_LLAMA_NORMS, "attn_norm.bias": "input_layernorm.bias",
+        "ffn_norm.bias": "post_attention_layernorm.bias", **_ATTENTION,
+        "attn_output.bias": "self_attn.o_proj.bias", **_MLP,
+        "ffn_up.bias": "mlp.up_proj.bias", "ffn_down.bias": "mlp.down_proj.bias",
+    },
     "seed_oss": {  # (its converter names the MLP's input norm as a post-attention norm)
         "attn_norm.weight": "input_layernorm.weight",
         "post_attention_norm.weight": "post_attention_layernorm.weight",

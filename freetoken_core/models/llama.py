@@ -20,6 +20,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.kernels import cpu_kernels_available
@@ -94,7 +95,7 @@ class DecoderLayer:
         self.scale = cfg.query_scale  # None: head_dim ** -0.5
         self.softcap = cfg.attn_logit_softcap or 0.0  # the scores' (Gemma 2); 0: none
         self.residual_multiplier = cfg.residual_multiplier
-        self.gated = cfg.gated_mlp
+        self.gated, self.act = cfg.gated_mlp, cfg.hidden_act
         # The whole block in one native call (the same kernels in the same order, so the
         # same results) where it covers the layer: every linear from GGUF blocks, no bias,
         # no q/k norm, Llama's score scale, no sinks or softcap, no residual multiplier and a
@@ -139,13 +140,17 @@ class DecoderLayer:
         return out, residual
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP of the normed hidden states ``x``: the experts, SwiGLU, or (not gated:
-        Arcee's) ``down(relu(up(x))^2)``, transformers' ``relu2``."""
+        """The MLP of the normed hidden states ``x``: the experts, SwiGLU, or (not gated)
+        ``down(act(up(x)))`` with transformers' ``relu2`` (Arcee's: relu squared) or
+        ``gelu_pytorch_tanh`` (StarCoder2's)."""
         if self.moe is not None:
             return self.moe(x)
         if self.gated:
             return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native))
-        return self.down_proj(torch.square(torch.relu(self.gate_up_proj(x))))
+        up = self.gate_up_proj(x)
+        if self.act == "relu2":
+            return self.down_proj(torch.square(torch.relu(up)))
+        return self.down_proj(F.gelu(up, approximate="tanh"))  # (StarCoder2's)
 
     def self_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -14,6 +14,7 @@ from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.olmo2 import Olmo2ForCausalLM
 from freetoken_core.models.phi3 import Phi3ForCausalLM
 from freetoken_core.models.smollm3 import SmolLM3ForCausalLM
+from freetoken_core.models.starcoder2 import Starcoder2ForCausalLM
 
 _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -37,6 +38,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "exaone": LlamaForCausalLM,  # (Llama under other names: exaone.py)
     "seed_oss": LlamaForCausalLM,  # (Llama with q/k/v biases)
     "arcee": LlamaForCausalLM,  # (Llama with a ReLU² MLP: ModelConfig.gated_mlp)
+    "starcoder2": Starcoder2ForCausalLM,
     "exaone4": Olmo2ForCausalLM,  # (OLMo 2's blocks, per-head q/k norms, NoPE global layers)
     "cohere": CohereForCausalLM,
     "cohere2": CohereForCausalLM,  # (Cohere's blocks, sliding layers beside NoPE global ones)
