@@ -10,10 +10,8 @@ import math
 from typing import Any
 
 from freetoken_core.errors import ModelLoadError
-from freetoken_core.models.config_fields import (  # (every family's window check)
-    _layer_windows,
-    with_defaults,
-)
+from freetoken_core.models.config_defaults import with_defaults
+from freetoken_core.models.config_fields import layer_windows_from
 
 # Cohere's and Cohere 2's config defaults where config.json leaves a key out, for the keys
 # config.py reads with other defaults (``CohereConfig``'s, ``Cohere2Config``'s).
@@ -63,7 +61,7 @@ def cohere_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
                                      f"integer, not {pattern!r}")
             layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                            for i in range(layers)]
-        windows = _layer_windows(arch, layer_types, layers, cfg.get("sliding_window", 4096))
+        windows = layer_windows_from(arch, layer_types, layers, cfg.get("sliding_window", 4096))
         fields.update(layer_windows=windows,
                       no_rope_layers=tuple(int(w is not None) for w in windows))
     return fields

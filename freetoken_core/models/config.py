@@ -11,8 +11,12 @@ from typing import Any
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.cohere_config import cohere_config, cohere_fields
-from freetoken_core.models.config_fields import (
+from freetoken_core.models.config_defaults import (
     ernie4_5_config,
+    seed_oss_config,
+    starcoder2_config,
+)
+from freetoken_core.models.config_fields import (
     exaone4_fields,
     gemma2_fields,
     gemma3_fields,
@@ -24,9 +28,7 @@ from freetoken_core.models.config_fields import (
     olmo3_fields,
     phi3_fields,
     quantized_experts,
-    seed_oss_config,
     smollm3_fields,
-    starcoder2_config,
     starcoder2_fields,
 )
 from freetoken_core.models.exaone import exaone_config

@@ -10,7 +10,7 @@ from typing import Any
 from freetoken_core.errors import ModelLoadError
 
 
-def _rope_kind(params: dict[str, Any]) -> str:
+def rope_kind(params: dict[str, Any]) -> str:
     return params.get("rope_type", params.get("type", "default"))
 
 
@@ -30,7 +30,7 @@ def gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                              "e.g. EmbeddingGemma) is not supported: FreeToken generates text")
     full, local = _ropes_by_layer_type("Gemma3ForCausalLM", cfg, 1_000_000.0,
                                        cfg.get("rope_local_base_freq") or 10_000.0)
-    kind = _rope_kind(full)
+    kind = rope_kind(full)
     num_layers = cfg["num_hidden_layers"]
     layer_types = cfg.get("layer_types")
     if layer_types is None:
@@ -41,7 +41,7 @@ def gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "rope_theta": float(full["rope_theta"]),
         "rope_scaling": None if kind == "default" else dict(full, rope_type=kind),
         "rope_local_theta": float(local["rope_theta"]),
-        "layer_windows": _layer_windows("Gemma3ForCausalLM", layer_types, num_layers,
+        "layer_windows": layer_windows_from("Gemma3ForCausalLM", layer_types, num_layers,
                                         cfg.get("sliding_window")),
         "query_scale": cfg.get("query_pre_attn_scalar", 256) ** -0.5,
         "final_logit_softcap": _softcap("Gemma3ForCausalLM", cfg, "final_logit_softcapping",
@@ -64,8 +64,8 @@ def _ropes_by_layer_type(arch: str, cfg: dict[str, Any], full_theta: float,
         full.update(cfg["rope_scaling"])
     full.setdefault("rope_theta", cfg.get("rope_theta") or full_theta)
     local.setdefault("rope_theta", local_theta)
-    if _rope_kind(local) != "default":
-        raise ModelLoadError(f"{arch} with rope type {_rope_kind(local)!r} on its "
+    if rope_kind(local) != "default":
+        raise ModelLoadError(f"{arch} with rope type {rope_kind(local)!r} on its "
                              "sliding-window layers is not supported (checkpoints use default)")
     return full, local
 
@@ -90,7 +90,7 @@ def gemma2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"query_scale": scalar ** -0.5,
             "attn_logit_softcap": _softcap(arch, cfg, "attn_logit_softcapping", 50.0),
             "final_logit_softcap": _softcap(arch, cfg, "final_logit_softcapping", 30.0),
-            "layer_windows": _layer_windows(arch, layer_types, layers,
+            "layer_windows": layer_windows_from(arch, layer_types, layers,
                                             cfg.get("sliding_window", 4096))}
 
 
@@ -113,8 +113,8 @@ def _softcap(arch: str, cfg: dict[str, Any], key: str, default: float | None
     return _positive(value)
 
 
-def _layer_windows(arch: str, layer_types: list[str], num_layers: int, window: Any
-                   ) -> tuple[int | None, ...]:
+def layer_windows_from(arch: str, layer_types: list[str], num_layers: int, window: Any
+                       ) -> tuple[int | None, ...]:
     """Each layer's window from ``layer_types`` (``sliding_attention`` layers attend to
     their last ``window`` keys, ``full_attention`` ones to all), checked: one type a layer,
     and a window of at least one key where a layer slides."""
@@ -225,7 +225,7 @@ def gpt_oss_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None
             "moe_intermediate_size": size, "expert_gating": "softmax_weight",
             "expert_bias": True, "swiglu_limit": float(limit), "swiglu_alpha": float(alpha),
             "attention_sinks": True,
-            "layer_windows": _layer_windows(arch, layer_types, layers,
+            "layer_windows": layer_windows_from(arch, layer_types, layers,
                                             cfg.get("sliding_window", 128))}
 
 
@@ -269,7 +269,7 @@ def exaone4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         else:
             raise ModelLoadError(f"{arch} sliding_window_pattern must be a positive integer "
                                  f"or a string of 'L' and 'G', not {pattern!r}")
-    windows = _layer_windows(arch, layer_types, layers, window)
+    windows = layer_windows_from(arch, layer_types, layers, window)
     return {"layer_windows": windows,
             "no_rope_layers": tuple(int(w is not None) for w in windows)}
 
@@ -356,7 +356,7 @@ def olmo3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     sliding layers' rope unscaled."""
     arch, num_layers = "Olmo3ForCausalLM", cfg["num_hidden_layers"]
     full, local = _ropes_by_layer_type(arch, cfg, 500_000.0, 500_000.0)
-    kind = _rope_kind(full)
+    kind = rope_kind(full)
     if kind not in ("default", "yarn"):
         raise ModelLoadError(f"{arch} with rope type {kind!r} is not supported (default or "
                              "yarn)")
@@ -369,64 +369,9 @@ def olmo3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "rope_theta": float(full["rope_theta"]),
         "rope_scaling": None if kind == "default" else dict(full, rope_type=kind),
         "rope_local_theta": float(local["rope_theta"]),
-        "layer_windows": _layer_windows(arch, layer_types, num_layers,
+        "layer_windows": layer_windows_from(arch, layer_types, num_layers,
                                         cfg.get("sliding_window", 4096)),
     }
-
-
-# transformers' Ernie4_5Config defaults that differ from what ModelConfig.from_dict assumes
-# for a key left out (head_dim 128, not hidden / heads; 2 KV heads, not one a query head).
-_ERNIE4_5_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-                      "max_position_embeddings": 131072, "tie_word_embeddings": True,
-                      "use_bias": False, "bos_token_id": 1, "eos_token_id": 2}
-
-
-def ernie4_5_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """ERNIE 4.5's config.json with transformers' ``Ernie4_5Config`` defaults where a key is
-    left out (its rope base 500,000 where neither ``rope_theta`` nor ``rope_parameters``
-    gives one), and ``use_bias`` (every linear but the head) as ``attention_bias`` (the q/k/v
-    biases; the o and MLP biases are read where the checkpoint has them). Only the default
-    rope: the released checkpoints scale none."""
-    out = with_defaults(cfg, _ERNIE4_5_DEFAULTS, 500_000.0)
-    params = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    params = params if isinstance(params, dict) else {}
-    if _rope_kind(params) != "default":
-        raise ModelLoadError(f"Ernie4_5ForCausalLM with rope type {_rope_kind(params)!r} is "
-                             "not supported (its checkpoints use the default rope)")
-    out["attention_bias"] = bool(out["use_bias"])
-    return out
-
-
-# transformers' SeedOssConfig defaults that differ from what config.py assumes.
-_SEED_OSS_DEFAULTS = {"vocab_size": 155136, "hidden_size": 4096, "intermediate_size": 27648,
-                      "num_hidden_layers": 64, "num_attention_heads": 80,
-                      "num_key_value_heads": 8, "head_dim": 128, "attention_bias": True,
-                      "max_position_embeddings": 524288, "bos_token_id": 0, "eos_token_id": 2}
-
-
-def seed_oss_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Seed-OSS's config.json with transformers' ``SeedOssConfig`` defaults where a key is
-    left out: Llama's computation with q/k/v biases (``attention_bias``, default on) and the o
-    projection's where the checkpoint has one (``attention_out_bias``)."""
-    return with_defaults(cfg, _SEED_OSS_DEFAULTS)
-
-
-# transformers' Starcoder2Config defaults that differ from what config.py assumes.
-_STARCODER2_DEFAULTS = {"vocab_size": 49152, "hidden_size": 3072, "intermediate_size": 12288,
-                        "num_hidden_layers": 30, "num_attention_heads": 24,
-                        "num_key_value_heads": 2, "max_position_embeddings": 4096,
-                        "bos_token_id": 50256, "eos_token_id": 50256,
-                        "tie_word_embeddings": True, "use_bias": True}
-
-
-def starcoder2_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """StarCoder2's config.json with transformers' ``Starcoder2Config`` defaults where a key
-    is left out, under the names config.py reads: ``norm_epsilon`` (default 1e-5) as the
-    norms' eps, ``use_bias`` (every linear but the head) as ``attention_bias``."""
-    out = with_defaults(cfg, _STARCODER2_DEFAULTS)
-    out["rms_norm_eps"] = out.get("norm_epsilon", 1e-5)
-    out["attention_bias"] = bool(out["use_bias"])
-    return out
 
 
 def starcoder2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -436,18 +381,5 @@ def starcoder2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     if window is None:
         return {}
     layers = cfg["num_hidden_layers"]
-    return {"layer_windows": _layer_windows("Starcoder2ForCausalLM",
+    return {"layer_windows": layer_windows_from("Starcoder2ForCausalLM",
                                             ["sliding_attention"] * layers, layers, window)}
-
-
-def with_defaults(cfg: dict[str, Any], defaults: dict[str, Any], theta: float | None = None
-                  ) -> dict[str, Any]:
-    """``cfg`` with a config class's ``defaults`` where it leaves keys out, and its rope base
-    ``theta`` (transformers' ``default_theta``) where neither ``rope_theta`` nor the rope
-    parameters give one."""
-    out = {**defaults, **cfg}
-    params = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    if theta is not None and cfg.get("rope_theta") is None and not (
-            isinstance(params, dict) and params.get("rope_theta") is not None):
-        out["rope_theta"] = theta
-    return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from freetoken_core.models.config_fields import with_defaults
+from freetoken_core.models.config_defaults import with_defaults
 
 # ExaoneConfig.attribute_map: the released config.json's key -> transformers' name.
 _KEYS = {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",

@@ -1,0 +1,78 @@
+"""transformers' config-class defaults of the families whose config.json may leave keys out
+that ``config.ModelConfig.from_dict`` would otherwise read with Llama's defaults (ERNIE 4.5,
+Seed-OSS, StarCoder2; EXAONE 3's are in ``exaone.py``, Cohere's in ``cohere_config.py``), and
+their keys under the names it reads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.config_fields import rope_kind
+
+# transformers' Ernie4_5Config defaults that differ from what ModelConfig.from_dict assumes
+# for a key left out (head_dim 128, not hidden / heads; 2 KV heads, not one a query head).
+_ERNIE4_5_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+                      "max_position_embeddings": 131072, "tie_word_embeddings": True,
+                      "use_bias": False, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def ernie4_5_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ERNIE 4.5's config.json with transformers' ``Ernie4_5Config`` defaults where a key is
+    left out (its rope base 500,000 where neither ``rope_theta`` nor ``rope_parameters``
+    gives one), and ``use_bias`` (every linear but the head) as ``attention_bias`` (the q/k/v
+    biases; the o and MLP biases are read where the checkpoint has them). Only the default
+    rope: the released checkpoints scale none."""
+    out = with_defaults(cfg, _ERNIE4_5_DEFAULTS, 500_000.0)
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    params = params if isinstance(params, dict) else {}
+    if rope_kind(params) != "default":
+        raise ModelLoadError(f"Ernie4_5ForCausalLM with rope type {rope_kind(params)!r} is "
+                             "not supported (its checkpoints use the default rope)")
+    out["attention_bias"] = bool(out["use_bias"])
+    return out
+
+
+# transformers' SeedOssConfig defaults that differ from what config.py assumes.
+_SEED_OSS_DEFAULTS = {"vocab_size": 155136, "hidden_size": 4096, "intermediate_size": 27648,
+                      "num_hidden_layers": 64, "num_attention_heads": 80,
+                      "num_key_value_heads": 8, "head_dim": 128, "attention_bias": True,
+                      "max_position_embeddings": 524288, "bos_token_id": 0, "eos_token_id": 2}
+
+
+def seed_oss_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Seed-OSS's config.json with transformers' ``SeedOssConfig`` defaults where a key is
+    left out: Llama's computation with q/k/v biases (``attention_bias``, default on) and the o
+    projection's where the checkpoint has one (``attention_out_bias``)."""
+    return with_defaults(cfg, _SEED_OSS_DEFAULTS)
+
+
+# transformers' Starcoder2Config defaults that differ from what config.py assumes.
+_STARCODER2_DEFAULTS = {"vocab_size": 49152, "hidden_size": 3072, "intermediate_size": 12288,
+                        "num_hidden_layers": 30, "num_attention_heads": 24,
+                        "num_key_value_heads": 2, "max_position_embeddings": 4096,
+                        "bos_token_id": 50256, "eos_token_id": 50256,
+                        "tie_word_embeddings": True, "use_bias": True}
+
+
+def starcoder2_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """StarCoder2's config.json with transformers' ``Starcoder2Config`` defaults where a key
+    is left out, under the names config.py reads: ``norm_epsilon`` (default 1e-5) as the
+    norms' eps, ``use_bias`` (every linear but the head) as ``attention_bias``."""
+    out = with_defaults(cfg, _STARCODER2_DEFAULTS)
+    out["rms_norm_eps"] = out.get("norm_epsilon", 1e-5)
+    out["attention_bias"] = bool(out["use_bias"])
+    return out
+
+
+def with_defaults(cfg: dict[str, Any], defaults: dict[str, Any], theta: float | None = None
+                  ) -> dict[str, Any]:
+    """``cfg`` with a config class's ``defaults`` where it leaves keys out, and its rope base
+    ``theta`` (transformers' ``default_theta``) where neither ``rope_theta`` nor the rope
+    parameters give one."""
+    out = {**defaults, **cfg}
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if theta is not None and cfg.get("rope_theta") is None and not (
+            isinstance(params, dict) and params.get("rope_theta") is not None):
+        out["rope_theta"] = theta
+    return out
