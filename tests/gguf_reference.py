@@ -55,6 +55,28 @@ def _dequantized(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
         dequantize(t.data, t.tensor_type), dtype=np.float32)) for t in reader.tensors}
 
 
+def _file_shape(path: Path) -> tuple[Any, dict[str, torch.Tensor], Any, dict[str, Any]]:
+    """``path``'s reader, dequantized tensors, a reader of its architecture's keys
+    (``key(name, default)``) and its shape as a transformers config's keywords (vocab from
+    the embedding rows; tied where it has no ``output.weight``)."""
+    reader, tensors = _dequantized(path)
+    arch = reader.fields["general.architecture"].contents()
+
+    def key(name: str, default: object = None) -> object:
+        field = reader.fields.get(f"{arch}.{name}")
+        return default if field is None else field.contents()
+
+    shape = {"vocab_size": tensors["token_embd.weight"].shape[0],
+             "hidden_size": key("embedding_length"),
+             "intermediate_size": key("feed_forward_length"),
+             "num_hidden_layers": key("block_count"),
+             "num_attention_heads": key("attention.head_count"),
+             "num_key_value_heads": key("attention.head_count_kv"),
+             "max_position_embeddings": key("context_length"),
+             "tie_word_embeddings": "output.weight" not in tensors, "pad_token_id": 0}
+    return reader, tensors, key, shape
+
+
 def hf_mixtral_from_gguf(path: Path) -> torch.nn.Module:
     """transformers' ``MixtralForCausalLM`` of a ``llama`` GGUF file with experts (Mixtral's,
     which transformers' GGUF loader reads as a dense Llama): every tensor dequantized by
@@ -228,22 +250,9 @@ def hf_olmo_from_gguf(path: Path) -> torch.nn.Module:
         Olmo3ForCausalLM,
     )
 
-    reader, tensors = _dequantized(path)
+    reader, tensors, key, shape = _file_shape(path)
     arch = reader.fields["general.architecture"].contents()
-
-    def key(name: str, default: object = None) -> object:
-        field = reader.fields.get(f"{arch}.{name}")
-        return default if field is None else field.contents()
-
-    shape = {"vocab_size": tensors["token_embd.weight"].shape[0],
-             "hidden_size": key("embedding_length"),
-             "intermediate_size": key("feed_forward_length"),
-             "num_hidden_layers": key("block_count"),
-             "num_attention_heads": key("attention.head_count"),
-             "num_key_value_heads": key("attention.head_count_kv"),
-             "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
-             "max_position_embeddings": key("context_length"),
-             "tie_word_embeddings": "output.weight" not in tensors, "pad_token_id": 0}
+    shape["rms_norm_eps"] = key("attention.layer_norm_rms_epsilon")
     theta = key("rope.freq_base")
     window = key("attention.sliding_window")
     if arch == "exaone4":
@@ -319,10 +328,10 @@ def hf_starcoder2_from_gguf(path: Path) -> torch.nn.Module:
     """transformers' ``Starcoder2ForCausalLM`` of a ``starcoder2`` GGUF file (LayerNorms and
     linears with biases, ``ffn_up`` / ``ffn_down`` as ``c_fc`` / ``c_proj``, no window: the
     converter writes none), the q/k rows as stored."""
+    from gguf import GGUFReader
     from transformers import Starcoder2Config, Starcoder2ForCausalLM
 
-    reader, tensors = _dequantized(path)
-    eps = reader.fields["starcoder2.attention.layer_norm_epsilon"].contents()
+    eps = GGUFReader(str(path)).fields["starcoder2.attention.layer_norm_epsilon"].contents()
     names = {f"ffn_norm.{kind}": f"post_attention_layernorm.{kind}" for kind in ("weight",
                                                                                 "bias")}
     names.update({f"attn_norm.{kind}": f"input_layernorm.{kind}" for kind in ("weight",
@@ -332,7 +341,7 @@ def hf_starcoder2_from_gguf(path: Path) -> torch.nn.Module:
                   for kind in ("weight", "bias")})
     return _llama_like(path, Starcoder2Config, Starcoder2ForCausalLM, norm_epsilon=eps,
                        sliding_window=None, use_bias=True, renamed=names,
-                       extra={"model.norm.bias": tensors["output_norm.bias"]})
+                       extra={"output_norm.bias": "model.norm.bias"})
 
 
 def _has_tensor(path: Path, name: str) -> bool:
@@ -343,7 +352,7 @@ def _has_tensor(path: Path, name: str) -> bool:
 
 def _llama_like(path: Path, config_class: type, model_class: type, unpermute: bool = False,
                 renamed: dict[str, str] | None = None,
-                extra: dict[str, torch.Tensor] | None = None, **config: object
+                extra: dict[str, str] | None = None, **config: object
                 ) -> torch.nn.Module:
     """transformers' ``model_class`` of a GGUF file of Llama's tensors (its architecture's
     key prefix; transformers' GGUF loader reads none of these), its ``config_class`` of the
@@ -351,26 +360,16 @@ def _llama_like(path: Path, config_class: type, model_class: type, unpermute: bo
     under the name llama.cpp's converter gave it (the MLP's input norm ``ffn_norm`` or
     ``post_attention_norm``), biases where the file has them, q/k rows as stored (or
     ``unpermute``: un-permuted by transformers' ``LlamaTensorProcessor``); ``renamed``: a
-    layer's tensors named otherwise, ``extra``: more of the model's tensors."""
+    layer's tensors named otherwise, ``extra``: more of the file's tensors, by their names
+    in the model."""
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-    reader, tensors = _dequantized(path)
-    arch = reader.fields["general.architecture"].contents()
-
-    def key(name: str, default: object = None) -> object:
-        field = reader.fields.get(f"{arch}.{name}")
-        return default if field is None else field.contents()
-
+    _, tensors, key, shape = _file_shape(path)
     model = model_class(config_class(**{
-        "vocab_size": tensors["token_embd.weight"].shape[0],
-        "hidden_size": key("embedding_length"), "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count"), "num_attention_heads": key("attention.head_count"),
-        "num_key_value_heads": key("attention.head_count_kv"),
-        "head_dim": key("attention.key_length"),
+        **shape, "head_dim": key("attention.key_length"),
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
-        "max_position_embeddings": key("context_length"),
         "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base")},
-        "tie_word_embeddings": "output.weight" not in tensors, "pad_token_id": 0, **config}))
+        **config}))
     names = {"attn_norm.weight": "input_layernorm.weight",
              "ffn_norm.weight": "post_attention_layernorm.weight",
              "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -392,7 +391,7 @@ def _llama_like(path: Path, config_class: type, model_class: type, unpermute: bo
                     value = torch.from_numpy(LlamaTensorProcessor()._reverse_permute_weights(
                         value.numpy(), heads, heads if short == "attn_q.weight" else kv_heads))
                 state[f"model.layers.{i}.{hf}"] = value
-    state.update(extra or {})
+    state.update({hf: tensors[name] for name, hf in (extra or {}).items()})
     model = model.float().eval()
     model.load_state_dict(state)
     return model
@@ -406,23 +405,11 @@ def hf_cohere_from_gguf(path: Path) -> torch.nn.Module:
     name llama.cpp's converter gave it (the weights unpermuted, the output the embeddings)."""
     from transformers import Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM
 
-    reader, tensors = _dequantized(path)
+    reader, tensors, key, shape = _file_shape(path)
     arch = reader.fields["general.architecture"].contents()
-
-    def key(name: str) -> object:
-        return reader.fields[f"{arch}.{name}"].contents()
-
-    shape = {"vocab_size": tensors["token_embd.weight"].shape[0],
-             "hidden_size": key("embedding_length"),
-             "intermediate_size": key("feed_forward_length"),
-             "num_hidden_layers": key("block_count"),
-             "num_attention_heads": key("attention.head_count"),
-             "num_key_value_heads": key("attention.head_count_kv"),
-             "layer_norm_eps": key("attention.layer_norm_epsilon"),
-             "logit_scale": key("logit_scale"),
-             "max_position_embeddings": key("context_length"),
-             "tie_word_embeddings": True, "pad_token_id": 0,
-             "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base")}}
+    shape.update(layer_norm_eps=key("attention.layer_norm_epsilon"),
+                 logit_scale=key("logit_scale"), tie_word_embeddings=True,
+                 rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base")})
     if arch == "cohere2":
         model = Cohere2ForCausalLM(Cohere2Config(
             **shape, sliding_window=key("attention.sliding_window")))

@@ -25,7 +25,7 @@ import pytest
 import torch
 from gguf_models import Q4_0, Q8_0, write_gguf
 from gguf_reference import hf_cohere_from_gguf
-from test_arch_gemma3 import chunked_logits
+from test_arch_exaone4 import assert_windows_and_nope_matter, differs
 from test_arch_moe import matching_logits, served_directory
 from test_gguf_rope_factors import LONG, greedy, served
 from transformers import Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM
@@ -44,10 +44,6 @@ COHERE2 = {"num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern"
 KINDS = {"command-r": (CohereConfig, CohereForCausalLM, COHERE),
          "command-r-plus": (CohereConfig, CohereForCausalLM, COHERE_QK),
          "cohere2": (Cohere2Config, Cohere2ForCausalLM, COHERE2)}
-
-
-def differs(model: Any, ids: list[int], want: torch.Tensor) -> bool:
-    return bool((chunked_logits(model, ids, [len(ids)]) - want).abs().max() > 0.05)
 
 
 def assert_logits_match(llm: Any, ids: list[int], ref: torch.nn.Module) -> None:
@@ -71,12 +67,7 @@ def assert_logits_match(llm: Any, ids: list[int], ref: torch.nn.Module) -> None:
             for layer, (q, k) in zip(model.layers, norms):
                 layer.q_norm, layer.k_norm = q, k
         if cfg.architecture == "cohere2":
-            assert len(ids) > 4 * 8 and any(w is not None for w in saved)
-            model.windows = [None] * len(saved)
-            assert differs(model, ids, want)
-            model.windows = saved
-            model.config = dataclasses.replace(cfg, no_rope_layers=())  # every layer rotated
-            assert differs(model, ids, want)
+            assert_windows_and_nope_matter(model, ids, want)
     finally:
         model.config, model.windows = cfg, saved
 

@@ -63,6 +63,12 @@ def assert_logits_match(llm: Any, ids: list[int], ref: torch.nn.Module, hybrid: 
     if not hybrid:
         assert not model.config.no_rope_layers and not model.config.layer_windows
         return
+    assert_windows_and_nope_matter(model, ids, want)
+
+
+def assert_windows_and_nope_matter(model: Any, ids: list[int], want: torch.Tensor) -> None:
+    """With the sliding layers' windows (of 8 keys) or the global layers' NoPE left out,
+    ``model``'s logits of ``ids`` differ from ``want``."""
     saved, cfg = model.windows, model.config
     try:
         assert len(ids) > 4 * 8 and any(w is not None for w in saved)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from gguf_models import Q4_0, Q8_0, write_gguf
 from gguf_reference import hf_starcoder2_from_gguf
-from test_arch_gemma3 import chunked_logits
+from test_arch_exaone4 import differs
 from test_arch_moe import matching_logits, served_directory
 from test_arch_phi3 import save_tiny_model
 from test_gguf_rope_factors import LONG, greedy, served
@@ -27,10 +27,6 @@ from transformers import Starcoder2Config, Starcoder2ForCausalLM
 from freetoken_core.models.config import ModelConfig
 
 PROMPTS = ["Hello world, this is", "def add(a, b):\n    return", LONG]
-
-
-def differs(model, ids: list[int], want: torch.Tensor) -> bool:
-    return bool((chunked_logits(model, ids, [len(ids)]) - want).abs().max() > 0.05)
 
 
 def assert_logits_match(llm, ids: list[int], ref: torch.nn.Module, window: bool) -> None:
