@@ -275,15 +275,7 @@ def hf_olmo_from_gguf(path: Path) -> torch.nn.Module:
              "attn_output.weight": "self_attn.o_proj.weight",
              **{f"attn_{p}.weight": f"self_attn.{p}_proj.weight" for p in "qkv"},
              **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}}
-    state = {"model.embed_tokens.weight": tensors["token_embd.weight"],
-             "model.norm.weight": tensors["output_norm.weight"],
-             "lm_head.weight": tensors.get("output.weight", tensors["token_embd.weight"])}
-    for i in range(shape["num_hidden_layers"]):
-        for short, hf in names.items():
-            state[f"model.layers.{i}.{hf}"] = tensors[f"blk.{i}.{short}"]
-    model = model.float().eval()
-    model.load_state_dict(state)
-    return model
+    return _loaded(model, tensors, names)
 
 
 def hf_exaone_from_gguf(path: Path, **config: object) -> torch.nn.Module:
@@ -379,19 +371,36 @@ def _llama_like(path: Path, config_class: type, model_class: type, unpermute: bo
              **{f"ffn_{p}.{kind}": f"mlp.{p}_proj.{kind}"
                 for p in ("gate", "up", "down") for kind in ("weight", "bias")}}
     names.update(renamed or {})
+    heads, kv_heads = key("attention.head_count"), key("attention.head_count_kv")
+
+    def value(short: str, tensor: torch.Tensor) -> torch.Tensor:
+        if unpermute and short in ("attn_q.weight", "attn_k.weight"):
+            return torch.from_numpy(LlamaTensorProcessor()._reverse_permute_weights(
+                tensor.numpy(), heads, heads if short == "attn_q.weight" else kv_heads))
+        return tensor
+
+    return _loaded(model, tensors, names, value,
+                   {hf: tensors[name] for name, hf in (extra or {}).items()})
+
+
+def _loaded(model: torch.nn.Module, tensors: dict[str, torch.Tensor], names: dict[str, str],
+            value: Any = None, extra: dict[str, torch.Tensor] | None = None
+            ) -> torch.nn.Module:
+    """``model`` in float32 with the file's ``tensors``: the embeddings, the final norm,
+    the head (the embeddings where the file has no ``output.weight``), each layer's tensors
+    that the file has by ``names`` (file name -> the model's, under ``blk.{i}.`` /
+    ``model.layers.{i}.``; ``value(name, tensor)`` what is loaded, default the tensor), and
+    ``extra`` (the model's names)."""
     state = {"model.embed_tokens.weight": tensors["token_embd.weight"],
              "model.norm.weight": tensors["output_norm.weight"],
-             "lm_head.weight": tensors.get("output.weight", tensors["token_embd.weight"])}
-    heads, kv_heads = key("attention.head_count"), key("attention.head_count_kv")
+             "lm_head.weight": tensors.get("output.weight", tensors["token_embd.weight"]),
+             **(extra or {})}
     for i in range(model.config.num_hidden_layers):
         for short, hf in names.items():
             if f"blk.{i}.{short}" in tensors:
-                value = tensors[f"blk.{i}.{short}"]
-                if unpermute and short in ("attn_q.weight", "attn_k.weight"):
-                    value = torch.from_numpy(LlamaTensorProcessor()._reverse_permute_weights(
-                        value.numpy(), heads, heads if short == "attn_q.weight" else kv_heads))
-                state[f"model.layers.{i}.{hf}"] = value
-    state.update({hf: tensors[name] for name, hf in (extra or {}).items()})
+                tensor = tensors[f"blk.{i}.{short}"]
+                state[f"model.layers.{i}.{hf}"] = tensor if value is None else value(short,
+                                                                                     tensor)
     model = model.float().eval()
     model.load_state_dict(state)
     return model
@@ -423,12 +432,4 @@ def hf_cohere_from_gguf(path: Path) -> torch.nn.Module:
     if "blk.0.attn_q_norm.weight" in tensors:
         names.update({"attn_q_norm.weight": "self_attn.q_norm.weight",
                       "attn_k_norm.weight": "self_attn.k_norm.weight"})
-    state = {"model.embed_tokens.weight": tensors["token_embd.weight"],
-             "model.norm.weight": tensors["output_norm.weight"],
-             "lm_head.weight": tensors["token_embd.weight"]}
-    for i in range(shape["num_hidden_layers"]):
-        for short, hf in names.items():
-            state[f"model.layers.{i}.{hf}"] = tensors[f"blk.{i}.{short}"]
-    model = model.float().eval()
-    model.load_state_dict(state)
-    return model
+    return _loaded(model, tensors, names)
