@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+import torch
 from gguf_models import write_gguf
 from server_fixtures import free_port
 from test_arch_gemma2 import make_gemma2
@@ -68,8 +69,11 @@ def _check_tp_equals_one_rank(model: str, **options) -> None:
     with LLM(model, kv_cache_tokens=4096, progress=False, **options) as llm:
         prompts = [llm.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
         one = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    before = (os.sched_getaffinity(0), torch.get_num_threads())
     assert _greedy(model, prompts, 2, **options) == one
     assert not _children(), "a rank outlived its engine"
+    # Rank 0 was this thread, pinned to its CPUs while the group ran: given back.
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == before
 
 
 def _children() -> list[psutil.Process]:

@@ -101,12 +101,24 @@ def rank_cpus(num_ranks: int, pin: bool = True) -> list[tuple[int, ...] | None]:
     return out
 
 
-def pin(cpus: tuple[int, ...] | None) -> None:
-    """This process on ``cpus``, with as many torch threads."""
+def pin(cpus: tuple[int, ...] | None) -> tuple[set[int], int] | None:
+    """This thread (and the threads it starts) on ``cpus``, with as many torch threads;
+    returns the CPUs and torch thread count it had (for ``unpin``), None where it did
+    nothing."""
     if cpus is None:
-        return
+        return None
+    before = (os.sched_getaffinity(0), torch.get_num_threads())
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(len(cpus))
+    return before
+
+
+def unpin(before: tuple[set[int], int] | None) -> None:
+    """Undo ``pin``: rank 0 is the caller's thread (an ``LLM`` in a user's process, a test),
+    which keeps running after the group closes."""
+    if before is not None:
+        os.sched_setaffinity(0, before[0])
+        torch.set_num_threads(before[1])
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
@@ -136,6 +148,9 @@ class TensorParallelGroup:
         """mp: this node's other ranks and the read end of each one's status pipe."""
         self.ray_ranks = ray_ranks
         self._encoder = msgspec.msgpack.Encoder()
+        self.unpinned: tuple[set[int], int] | None = None
+        """Rank 0's thread's CPUs and torch threads before the group pinned it (``close``
+        gives them back)."""
 
     def wait_ready(self) -> None:
         """Return once every rank has loaded its part; raises ``ModelLoadError`` with a
@@ -178,6 +193,8 @@ class TensorParallelGroup:
             self.ray_ranks.stop()
             self.ray_ranks = None
         self.comm.close()
+        unpin(self.unpinned)
+        self.unpinned = None
 
 
 def _read_status(process: subprocess.Popen, fd: int, deadline: float) -> str:
@@ -208,7 +225,7 @@ def start_group(config: EngineConfig) -> TensorParallelGroup:
     cpus = rank_cpus(per_node if config.distributed_executor_backend == "mp" else 1,
                      config.pin_ranks)
     children: list[tuple[subprocess.Popen, int]] = []
-    ray_ranks = None
+    ray_ranks = unpinned = None
     addr = config.master_addr
     try:
         if config.distributed_executor_backend == "ray":
@@ -221,7 +238,7 @@ def start_group(config: EngineConfig) -> TensorParallelGroup:
                 children.append(_start_child(RankSpec(
                     config, rank, config.master_addr, port, config.nnodes == 1, cpus[rank],
                     parent_pid=os.getpid())))
-        pin(cpus[0])
+        unpinned = pin(cpus[0])
         comm = init_communicator(0, world, addr, port, device,
                                  same_node=config.nnodes == 1
                                  and config.distributed_executor_backend == "mp",
@@ -233,8 +250,11 @@ def start_group(config: EngineConfig) -> TensorParallelGroup:
             os.close(fd)
         if ray_ranks is not None:
             ray_ranks.stop()
+        unpin(unpinned)
         raise
-    return TensorParallelGroup(config, comm, children, ray_ranks)
+    group = TensorParallelGroup(config, comm, children, ray_ranks)
+    group.unpinned = unpinned
+    return group
 
 
 def _start_child(spec: RankSpec) -> tuple[subprocess.Popen, int]:
