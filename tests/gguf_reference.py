@@ -295,7 +295,7 @@ def hf_ernie4_5_from_gguf(path: Path) -> torch.nn.Module:
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM
 
     return _llama_like(path, Ernie4_5Config, Ernie4_5ForCausalLM,
-                       use_bias=_has_tensor(path, "blk.0.attn_q.bias"))
+                       present={"use_bias": "blk.0.attn_q.bias"})
 
 
 def hf_seed_oss_from_gguf(path: Path) -> torch.nn.Module:
@@ -304,8 +304,8 @@ def hf_seed_oss_from_gguf(path: Path) -> torch.nn.Module:
     from transformers import SeedOssConfig, SeedOssForCausalLM
 
     return _llama_like(path, SeedOssConfig, SeedOssForCausalLM,
-                       attention_bias=_has_tensor(path, "blk.0.attn_q.bias"),
-                       attention_out_bias=_has_tensor(path, "blk.0.attn_output.bias"))
+                       present={"attention_bias": "blk.0.attn_q.bias",
+                                "attention_out_bias": "blk.0.attn_output.bias"})
 
 
 def hf_arcee_from_gguf(path: Path) -> torch.nn.Module:
@@ -320,10 +320,8 @@ def hf_starcoder2_from_gguf(path: Path) -> torch.nn.Module:
     """transformers' ``Starcoder2ForCausalLM`` of a ``starcoder2`` GGUF file (LayerNorms and
     linears with biases, ``ffn_up`` / ``ffn_down`` as ``c_fc`` / ``c_proj``, no window: the
     converter writes none), the q/k rows as stored."""
-    from gguf import GGUFReader
     from transformers import Starcoder2Config, Starcoder2ForCausalLM
 
-    eps = GGUFReader(str(path)).fields["starcoder2.attention.layer_norm_epsilon"].contents()
     names = {f"ffn_norm.{kind}": f"post_attention_layernorm.{kind}" for kind in ("weight",
                                                                                 "bias")}
     names.update({f"attn_norm.{kind}": f"input_layernorm.{kind}" for kind in ("weight",
@@ -331,20 +329,16 @@ def hf_starcoder2_from_gguf(path: Path) -> torch.nn.Module:
     names.update({f"ffn_{a}.{kind}": f"mlp.{b}.{kind}" for a, b in (("up", "c_fc"),
                                                                    ("down", "c_proj"))
                   for kind in ("weight", "bias")})
-    return _llama_like(path, Starcoder2Config, Starcoder2ForCausalLM, norm_epsilon=eps,
+    return _llama_like(path, Starcoder2Config, Starcoder2ForCausalLM,
+                       keys={"norm_epsilon": "attention.layer_norm_epsilon"},
                        sliding_window=None, use_bias=True, renamed=names,
                        extra={"output_norm.bias": "model.norm.bias"})
 
 
-def _has_tensor(path: Path, name: str) -> bool:
-    from gguf import GGUFReader
-
-    return any(t.name == name for t in GGUFReader(str(path)).tensors)
-
-
 def _llama_like(path: Path, config_class: type, model_class: type, unpermute: bool = False,
-                renamed: dict[str, str] | None = None,
-                extra: dict[str, str] | None = None, **config: object
+                renamed: dict[str, str] | None = None, extra: dict[str, str] | None = None,
+                present: dict[str, str] | None = None, keys: dict[str, str] | None = None,
+                **config: object
                 ) -> torch.nn.Module:
     """transformers' ``model_class`` of a GGUF file of Llama's tensors (its architecture's
     key prefix; transformers' GGUF loader reads none of these), its ``config_class`` of the
@@ -353,7 +347,8 @@ def _llama_like(path: Path, config_class: type, model_class: type, unpermute: bo
     ``post_attention_norm``), biases where the file has them, q/k rows as stored (or
     ``unpermute``: un-permuted by transformers' ``LlamaTensorProcessor``); ``renamed``: a
     layer's tensors named otherwise, ``extra``: more of the file's tensors, by their names
-    in the model."""
+    in the model; ``present``: config keys true where the file has a tensor (e.g. biases),
+    ``keys``: config keys from the file's keys."""
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     _, tensors, key, shape = _file_shape(path)
@@ -361,7 +356,8 @@ def _llama_like(path: Path, config_class: type, model_class: type, unpermute: bo
         **shape, "head_dim": key("attention.key_length"),
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base")},
-        **config}))
+        **{name: tensor in tensors for name, tensor in (present or {}).items()},
+        **{name: key(field) for name, field in (keys or {}).items()}, **config}))
     names = {"attn_norm.weight": "input_layernorm.weight",
              "ffn_norm.weight": "post_attention_layernorm.weight",
              "post_attention_norm.weight": "post_attention_layernorm.weight",
