@@ -15,7 +15,7 @@ it:
 - ``use_bias``: biases on q/k/v, o and the gate/up/down projections (none on the head),
   which Llama's block adds where the checkpoint has them;
 - transformers' config defaults where config.json leaves a key out (``head_dim`` 128, two
-  KV heads, rope base 500,000, tied embeddings: ``config_fields.ernie4_5_config``); only
+  KV heads, rope base 500,000, tied embeddings: ``config_defaults.ernie4_5_config``); only
   the default rope, as the released checkpoints have it.
 
 transformers rotates in float32 whatever the model's dtype; in float32 the two are the same
