@@ -196,8 +196,8 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                file_arch: str | None = None, biases: bool = False, qk_norm: bool = False
                ) -> Path:
     """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gpt-oss, gemma2,
-    gemma3, glm4, olmo2, exaone4, ernie4_5, seed_oss, arcee, starcoder2 (with ``biases``),
-    command-r, cohere2 or phi3) as a
+    gemma3, glm4, olmo2, olmoe (with ``experts``), exaone4, ernie4_5, seed_oss, arcee,
+    starcoder2 (with ``biases``), command-r, cohere2 or phi3) as a
     GGUF file (gpt-oss: biases, sinks and expert biases as its files have them, its rope
     scaling from ``metadata``; seed_oss: q/k/v biases; gemma2: its softcaps from ``metadata``,
     else 50 and 30, as the converter writes transformers' defaults).
@@ -288,7 +288,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     if experts:
         writer.add_uint32(p + "expert_count", experts)
         writer.add_uint32(p + "expert_used_count", experts_used)
-        if arch != "llama":
+        if arch not in ("llama", "olmoe"):  # (their experts: feed_forward_length)
             writer.add_uint32(p + "expert_feed_forward_length", expert_ff)
         if shared_ff:
             writer.add_uint32(p + "expert_shared_feed_forward_length", shared_ff)
@@ -397,7 +397,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                 0, 0.1, (heads, head_dim))).astype(np.float32))
             writer.add_tensor(b + "attn_k_norm.weight", (norm_one + rng.normal(
                 0, 0.1, (kv_heads, head_dim))).astype(np.float32))
-        if arch == "olmo2":  # (over all heads at once)
+        if arch in ("olmo2", "olmoe"):  # (over all heads at once)
             vector(b + "attn_q_norm.weight", q, norm_one)
             vector(b + "attn_k_norm.weight", kv, norm_one)
         matrix(b + "attn_output.weight", hidden, q)

@@ -278,6 +278,33 @@ def hf_olmo_from_gguf(path: Path) -> torch.nn.Module:
     return _loaded(model, tensors, names)
 
 
+def hf_olmoe_from_gguf(path: Path) -> torch.nn.Module:
+    """transformers' ``OlmoeForCausalLM`` of an ``olmoe`` GGUF file (transformers' GGUF loader
+    does not read it): q/k norms over all heads, experts of ``feed_forward_length`` stacked
+    as transformers 5 holds them (gate and up rows in one tensor), the top k not
+    renormalized (llama.cpp's ``norm_w`` false), the q/k rows as stored."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    _, tensors, key, shape = _file_shape(path)
+    model = OlmoeForCausalLM(OlmoeConfig(
+        **shape, rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
+        num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+        norm_topk_prob=False,
+        rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base")}))
+    names = {"attn_norm.weight": "input_layernorm.weight",
+             "ffn_norm.weight": "post_attention_layernorm.weight",
+             "attn_q_norm.weight": "self_attn.q_norm.weight",
+             "attn_k_norm.weight": "self_attn.k_norm.weight",
+             "attn_output.weight": "self_attn.o_proj.weight",
+             "ffn_gate_inp.weight": "mlp.gate.weight",
+             "ffn_down_exps.weight": "mlp.experts.down_proj",
+             **{f"attn_{p}.weight": f"self_attn.{p}_proj.weight" for p in "qkv"}}
+    extra = {f"model.layers.{i}.mlp.experts.gate_up_proj": torch.cat(
+        [tensors[f"blk.{i}.ffn_gate_exps.weight"], tensors[f"blk.{i}.ffn_up_exps.weight"]], 1)
+        for i in range(shape["num_hidden_layers"])}
+    return _loaded(model, tensors, names, extra=extra)
+
+
 def hf_exaone_from_gguf(path: Path, **config: object) -> torch.nn.Module:
     """transformers' model of an ``exaone`` GGUF file (its ``LlamaForCausalLM`` of an
     ``ExaoneConfig``; transformers' GGUF loader does not read exaone), ``config`` added to

@@ -13,6 +13,7 @@ from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.cohere_config import cohere_config, cohere_fields
 from freetoken_core.models.config_defaults import (
     ernie4_5_config,
+    olmoe_config,
     seed_oss_config,
     starcoder2_config,
 )
@@ -58,6 +59,7 @@ SUPPORTED_ARCHITECTURES = {
     "SeedOssForCausalLM": "seed_oss",
     "ArceeForCausalLM": "arcee",
     "Starcoder2ForCausalLM": "starcoder2",
+    "OlmoeForCausalLM": "olmoe",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
 }
@@ -65,6 +67,7 @@ SUPPORTED_ARCHITECTURES = {
 # The MLP activation of the families that check it (transformers' ACT2FN names).
 _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "phi3": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
+                "olmoe": "silu",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu",
                 "exaone4": "silu", "exaone": "silu", "seed_oss": "silu", "arcee": "relu2",
                 "starcoder2": "gelu_pytorch_tanh",
@@ -199,6 +202,8 @@ class ModelConfig:
             cfg = seed_oss_config(cfg)
         if family == "starcoder2":  # (its defaults and key names)
             cfg = starcoder2_config(cfg)
+        if family == "olmoe":  # (its defaults for left-out keys)
+            cfg = olmoe_config(cfg)
         if family in ("cohere", "cohere2"):  # (its norm eps's name and its defaults)
             cfg = cohere_config(cfg, family)
         num_heads = cfg["num_attention_heads"]
@@ -250,7 +255,7 @@ class ModelConfig:
             fields.update(smollm3_fields(cfg))
         elif family == "granite":
             fields.update(granite_fields(cfg))
-        elif family in ("qwen3_moe", "qwen2_moe", "mixtral"):
+        elif family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe"):
             fields.update(moe_fields(cfg, arch, family))
         elif family == "gpt_oss":
             fields.update(gpt_oss_fields(cfg, rope_scaling))
@@ -283,7 +288,8 @@ class ModelConfig:
             attention_bias=(family == "qwen2" or bool(cfg.get("attention_bias",
                                                                family in ("gpt_oss", "glm4")))
                             or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
-            qk_norm=(family in ("qwen3", "gemma3", "qwen3_moe", "olmo2", "olmo3", "exaone4")
+            qk_norm=(family in ("qwen3", "gemma3", "qwen3_moe", "olmo2", "olmo3", "exaone4",
+                                "olmoe")
                      or (family == "cohere" and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),

@@ -1,7 +1,7 @@
 """transformers' config-class defaults of the families whose config.json may leave keys out
 that ``config.ModelConfig.from_dict`` would otherwise read with Llama's defaults (ERNIE 4.5,
-Seed-OSS, StarCoder2; EXAONE 3's are in ``exaone.py``, Cohere's in ``cohere_config.py``), and
-their keys under the names it reads."""
+Seed-OSS, StarCoder2, OLMoE; EXAONE 3's are in ``exaone.py``, Cohere's in
+``cohere_config.py``), and their keys under the names it reads."""
 
 from __future__ import annotations
 
@@ -63,6 +63,19 @@ def starcoder2_config(cfg: dict[str, Any]) -> dict[str, Any]:
     out["rms_norm_eps"] = out.get("norm_epsilon", 1e-5)
     out["attention_bias"] = bool(out["use_bias"])
     return out
+
+
+# transformers' OlmoeConfig defaults that differ from what config.py assumes.
+_OLMOE_DEFAULTS = {"vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048,
+                   "num_hidden_layers": 16, "num_attention_heads": 16,
+                   "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                   "eos_token_id": 50279}
+
+
+def olmoe_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """OLMoE's config.json with transformers' ``OlmoeConfig`` defaults where a key is left
+    out (its experts' keys: ``config_fields.moe_fields``)."""
+    return with_defaults(cfg, _OLMOE_DEFAULTS)
 
 
 def with_defaults(cfg: dict[str, Any], defaults: dict[str, Any], theta: float | None = None

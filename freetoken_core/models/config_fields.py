@@ -169,6 +169,8 @@ def moe_fields(cfg: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
     layers = cfg["num_hidden_layers"]
     qwen = family in ("qwen3_moe", "qwen2_moe")
     qwen2 = family == "qwen2_moe"
+    if family == "olmoe":
+        return _olmoe_fields(cfg, arch)
     # (transformers' defaults where config.json leaves a key out)
     experts = cfg.get("num_experts", cfg.get("num_local_experts", 60 if qwen2 else 128)) if (
         qwen) else cfg.get("num_local_experts", 8)
@@ -195,6 +197,22 @@ def moe_fields(cfg: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
             "routed_scaling_factor": float(scale),
             "shared_expert_intermediate_size": shared,
             "moe_layers": flags if 0 in flags else ()}
+
+
+def _olmoe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """OLMoE's experts as transformers' ``OlmoeConfig`` reads them: ``num_experts`` (64) of
+    ``intermediate_size`` each (every layer sparse), ``num_experts_per_tok`` (8), softmax
+    routing with the top k renormalized where ``norm_topk_prob`` (default off); its
+    ``clip_qkv`` (null in the released models) is refused."""
+    experts, top_k = cfg.get("num_experts", 64), cfg.get("num_experts_per_tok", 8)
+    size = cfg.get("intermediate_size", 2048)
+    _expert_counts(arch, (("num_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
+                          ("intermediate_size", size, 1)), top_k, experts)
+    if cfg.get("clip_qkv") is not None:
+        raise ModelLoadError(f"{arch} with clip_qkv {cfg['clip_qkv']!r} is not supported "
+                             "(the released OLMoE models have none)")
+    return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": size,
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False))}
 
 
 def gpt_oss_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None

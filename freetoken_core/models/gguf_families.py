@@ -242,16 +242,18 @@ def granite_config(reader: Any, head_dim: int) -> dict[str, Any]:
 def moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any]:
     """The experts of a mixture-of-experts file, as llama.cpp reads them: ``qwen3moe``
     (``expert_feed_forward_length`` each, else the dense length over the experts used),
-    ``qwen2moe`` (the same, and a shared expert of ``expert_shared_feed_forward_length``) and
-    ``llama`` with ``expert_count`` > 0 (Mixtral; experts of ``feed_forward_length``), every
-    layer sparse, softmax routing with the top k renormalized (llama.cpp passes ``norm_w =
-    true`` for qwen3moe and llama, false for qwen2moe), times ``expert_weights_scale`` where
+    ``qwen2moe`` (the same, and a shared expert of ``expert_shared_feed_forward_length``),
+    ``llama`` with ``expert_count`` > 0 (Mixtral; experts of ``feed_forward_length``) and
+    ``olmoe`` (experts of ``feed_forward_length``), every layer sparse, softmax routing with
+    the top k renormalized (llama.cpp passes ``norm_w = true`` for qwen3moe and llama, false
+    for qwen2moe and olmoe), times ``expert_weights_scale`` where
     the file has one. Empty for a dense file. Shared experts of other families and gating
     other than softmax are refused."""
     p = f"{arch}."
     experts = int(field(reader, p + "expert_count", 0))
     kind = text_architecture(arch)
-    if kind not in ("llama", "qwen3moe", "qwen2moe") or (kind == "llama" and experts == 0):
+    if kind not in ("llama", "qwen3moe", "qwen2moe", "olmoe") or (
+            kind == "llama" and experts == 0):
         return {}
     used = _experts_used(reader, arch, experts)
     shared = int(field(reader, p + "expert_shared_feed_forward_length", 0))
@@ -262,11 +264,14 @@ def moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any]
         raise ModelLoadError(f"GGUF {p}expert_gating_func {gating} is not supported "
                              "(FreeToken routes with softmax, 1)")
     scale = float(field(reader, p + "expert_weights_scale", 0.0))
-    out: dict[str, Any] = {"num_experts_per_tok": used, "norm_topk_prob": kind != "qwen2moe",
+    out: dict[str, Any] = {"num_experts_per_tok": used,
+                           "norm_topk_prob": kind not in ("qwen2moe", "olmoe"),
                            "routed_scaling_factor": scale if scale else 1.0}
     if kind == "llama":
         return {**out, "architectures": [MIXTRAL], "model_type": "mixtral",
                 "num_local_experts": experts}
+    if kind == "olmoe":  # (experts of feed_forward_length, as llama.cpp's olmoe.cpp)
+        return {**out, "num_experts": experts}
     size = int(field(reader, p + "expert_feed_forward_length", 0)) or (
         config["intermediate_size"] // used)
     if kind == "qwen2moe":

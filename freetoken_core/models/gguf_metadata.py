@@ -51,6 +51,7 @@ ARCHITECTURES = {
     "seed_oss": "SeedOssForCausalLM",
     "arcee": "ArceeForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "command-r": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
