@@ -196,7 +196,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                file_arch: str | None = None, biases: bool = False, qk_norm: bool = False
                ) -> Path:
     """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gpt-oss, gemma2,
-    gemma3, glm4, olmo2, olmoe (with ``experts``), exaone4, ernie4_5, seed_oss, arcee,
+    gemma3, glm4, olmo2, olmoe and granitemoe (with ``experts``), exaone4, ernie4_5, seed_oss, arcee,
     starcoder2 (with ``biases``), command-r, cohere2 or phi3) as a
     GGUF file (gpt-oss: biases, sinks and expert biases as its files have them, its rope
     scaling from ``metadata``; seed_oss: q/k/v biases; gemma2: its softcaps from ``metadata``,
@@ -288,7 +288,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
     if experts:
         writer.add_uint32(p + "expert_count", experts)
         writer.add_uint32(p + "expert_used_count", experts_used)
-        if arch not in ("llama", "olmoe"):  # (their experts: feed_forward_length)
+        if arch not in ("llama", "olmoe", "granitemoe"):  # (theirs: feed_forward_length)
             writer.add_uint32(p + "expert_feed_forward_length", expert_ff)
         if shared_ff:
             writer.add_uint32(p + "expert_shared_feed_forward_length", shared_ff)

@@ -305,6 +305,41 @@ def hf_olmoe_from_gguf(path: Path) -> torch.nn.Module:
     return _loaded(model, tensors, names, extra=extra)
 
 
+def hf_granitemoe_from_gguf(path: Path, **config: object) -> torch.nn.Module:
+    """transformers' ``GraniteMoeForCausalLM`` of a ``granitemoe`` GGUF file (transformers'
+    GGUF loader does not read it), its multipliers ``config``: q/k un-permuted by
+    transformers' ``LlamaTensorProcessor`` (its converter is Llama's), the experts of
+    ``feed_forward_length`` stacked as transformers 5 holds them (gate and up rows in one
+    tensor), the router's linear."""
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    _, tensors, key, shape = _file_shape(path)
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    model = GraniteMoeForCausalLM(GraniteMoeConfig(
+        **shape, rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
+        num_local_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+        rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base")},
+        **config))
+    names = {"attn_norm.weight": "input_layernorm.weight",
+             "ffn_norm.weight": "post_attention_layernorm.weight",
+             "attn_output.weight": "self_attn.o_proj.weight",
+             "ffn_gate_inp.weight": "block_sparse_moe.router.weight",
+             "ffn_down_exps.weight": "block_sparse_moe.experts.down_proj",
+             **{f"attn_{p}.weight": f"self_attn.{p}_proj.weight" for p in "qkv"}}
+
+    def value(short: str, tensor: torch.Tensor) -> torch.Tensor:
+        if short in ("attn_q.weight", "attn_k.weight"):
+            return torch.from_numpy(LlamaTensorProcessor()._reverse_permute_weights(
+                tensor.numpy(), heads, heads if short == "attn_q.weight" else kv_heads))
+        return tensor
+
+    extra = {f"model.layers.{i}.block_sparse_moe.experts.gate_up_proj": torch.cat(
+        [tensors[f"blk.{i}.ffn_gate_exps.weight"], tensors[f"blk.{i}.ffn_up_exps.weight"]], 1)
+        for i in range(shape["num_hidden_layers"])}
+    return _loaded(model, tensors, names, value, extra)
+
+
 def hf_exaone_from_gguf(path: Path, **config: object) -> torch.nn.Module:
     """transformers' model of an ``exaone`` GGUF file (its ``LlamaForCausalLM`` of an
     ``ExaoneConfig``; transformers' GGUF loader does not read exaone), ``config`` added to

@@ -27,7 +27,7 @@ from test_gguf_rope_factors import LLAMA3, LONG, greedy, llama3_factors, served
 from transformers import AutoModelForCausalLM, ExaoneConfig, LlamaForCausalLM
 
 from freetoken_core.models.config import ModelConfig
-from freetoken_core.models.exaone import exaone_config
+from freetoken_core.models.config_defaults import exaone_config
 
 PROMPTS = ["Hello world, this is", "def add(a, b):\n    return", LONG]
 # config.json's keys as the released checkpoints name them (ExaoneConfig.attribute_map).

@@ -13,6 +13,7 @@ from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.cohere_config import cohere_config, cohere_fields
 from freetoken_core.models.config_defaults import (
     ernie4_5_config,
+    exaone_config,
     olmoe_config,
     seed_oss_config,
     starcoder2_config,
@@ -32,7 +33,6 @@ from freetoken_core.models.config_fields import (
     smollm3_fields,
     starcoder2_fields,
 )
-from freetoken_core.models.exaone import exaone_config
 from freetoken_core.models.multimodal import WRAPPERS, text_config, with_overrides, wrapper_of
 
 SUPPORTED_ARCHITECTURES = {
@@ -45,6 +45,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
+    "GraniteMoeForCausalLM": "granitemoe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
@@ -67,7 +68,7 @@ SUPPORTED_ARCHITECTURES = {
 # The MLP activation of the families that check it (transformers' ACT2FN names).
 _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "phi3": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
-                "olmoe": "silu",
+                "olmoe": "silu", "granitemoe": "silu",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu",
                 "exaone4": "silu", "exaone": "silu", "seed_oss": "silu", "arcee": "relu2",
                 "starcoder2": "gelu_pytorch_tanh",
@@ -253,8 +254,10 @@ class ModelConfig:
             fields.update(phi3_fields(cfg, rope_scaling))
         elif family == "smollm3":
             fields.update(smollm3_fields(cfg))
-        elif family == "granite":
-            fields.update(granite_fields(cfg))
+        elif family in ("granite", "granitemoe"):
+            fields.update(granite_fields(cfg, arch))
+            if family == "granitemoe":
+                fields.update(moe_fields(cfg, arch, family))
         elif family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe"):
             fields.update(moe_fields(cfg, arch, family))
         elif family == "gpt_oss":

@@ -1,7 +1,15 @@
 """transformers' config-class defaults of the families whose config.json may leave keys out
-that ``config.ModelConfig.from_dict`` would otherwise read with Llama's defaults (ERNIE 4.5,
-Seed-OSS, StarCoder2, OLMoE; EXAONE 3's are in ``exaone.py``, Cohere's in
-``cohere_config.py``), and their keys under the names it reads."""
+that ``config.ModelConfig.from_dict`` would otherwise read with Llama's defaults (EXAONE 3,
+ERNIE 4.5, Seed-OSS, StarCoder2, OLMoE; Cohere's are in ``cohere_config.py``), and their keys
+under the names it reads.
+
+EXAONE 3.0 and 3.5 (``ExaoneForCausalLM``) are Llama as transformers computes them (its
+``ExaoneConfig`` is a ``LlamaConfig``, the class a ``LlamaForCausalLM``) under other names:
+config.json's ``num_layers``, ``layer_norm_epsilon`` and ``activation_function``
+(``ExaoneConfig.attribute_map``) here, the checkpoints' GPT-2 tensor names in
+``weight_names.py``. llama.cpp's converter writes ``exaone`` files with Llama's tensor names,
+the q/k rows as the checkpoint has them (half-offset pairs, unlike its ``llama`` files) and
+EXAONE 3.5's Llama 3 rope scaling as ``rope_freqs`` factors."""
 
 from __future__ import annotations
 
@@ -89,3 +97,23 @@ def with_defaults(cfg: dict[str, Any], defaults: dict[str, Any], theta: float | 
             isinstance(params, dict) and params.get("rope_theta") is not None):
         out["rope_theta"] = theta
     return out
+
+
+# ExaoneConfig.attribute_map: the released config.json's key -> transformers' name.
+_EXAONE_KEYS = {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
+         "activation_function": "hidden_act"}
+# ExaoneConfig's defaults where config.json leaves a key out (and its ``default_theta``,
+# 500,000), for the keys config.py reads with other defaults.
+_EXAONE_DEFAULTS = {"vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 14336,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "bos_token_id": 1,
+             "eos_token_id": 361}
+
+
+def exaone_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` (an ``ExaoneForCausalLM`` config.json) under transformers' key names, with
+    ``ExaoneConfig``'s defaults where it leaves keys out (a transformers name wins over its
+    alias where both are given)."""
+    out = {_EXAONE_KEYS.get(key, key): value for key, value in cfg.items() if key in _EXAONE_KEYS}
+    out.update({key: value for key, value in cfg.items() if key not in _EXAONE_KEYS})
+    return with_defaults(out, _EXAONE_DEFAULTS, 500_000.0)

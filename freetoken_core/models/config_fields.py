@@ -140,15 +140,15 @@ def _expert_counts(arch: str, counts: tuple[tuple[str, Any, int], ...], top_k: i
                              "experts")
 
 
-def granite_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Granite's four multipliers, transformers' ``GraniteConfig`` defaults (1) where
-    config.json leaves them out: the embeddings', the residual branches', the attention
-    scores' (in place of ``head_dim ** -0.5``) and the logits' divisor."""
+def granite_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Granite's (and Granite MoE's) four multipliers, transformers' ``GraniteConfig``
+    defaults (1) where config.json leaves them out: the embeddings', the residual branches',
+    the attention scores' (in place of ``head_dim ** -0.5``) and the logits' divisor."""
     def number(key: str) -> float:
         value = cfg.get(key, 1.0)
         if not isinstance(value, int | float) or not math.isfinite(value) or value == 0:
-            raise ModelLoadError(f"GraniteForCausalLM {key} must be a finite non-zero "
-                                 f"number, not {value!r}")
+            raise ModelLoadError(f"{arch} {key} must be a finite non-zero number, not "
+                                 f"{value!r}")
         return float(value)
 
     return {"embedding_multiplier": number("embedding_multiplier"),
@@ -171,6 +171,8 @@ def moe_fields(cfg: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
     qwen2 = family == "qwen2_moe"
     if family == "olmoe":
         return _olmoe_fields(cfg, arch)
+    if family == "granitemoe":
+        return _granitemoe_fields(cfg, arch)
     # (transformers' defaults where config.json leaves a key out)
     experts = cfg.get("num_experts", cfg.get("num_local_experts", 60 if qwen2 else 128)) if (
         qwen) else cfg.get("num_local_experts", 8)
@@ -182,10 +184,6 @@ def moe_fields(cfg: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
                           ("num_experts_per_tok", top_k, 1),
                           ("moe_intermediate_size" if qwen else "intermediate_size", size, 1),
                           ("shared_expert_intermediate_size", shared, 0)), top_k, experts)
-    scale = cfg.get("routed_scaling_factor", 1.0)
-    if not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
-        raise ModelLoadError(f"{arch} routed_scaling_factor must be a positive number, "
-                             f"not {scale!r}")
     flags: tuple[int, ...] = ()
     if qwen:
         step = cfg.get("decoder_sparse_step") or 1
@@ -194,9 +192,19 @@ def moe_fields(cfg: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
     return {"num_experts": experts, "num_experts_per_tok": top_k,
             "moe_intermediate_size": size,
             "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)) if qwen else True,
-            "routed_scaling_factor": float(scale),
+            "routed_scaling_factor": _routed_scale(cfg, arch),
             "shared_expert_intermediate_size": shared,
             "moe_layers": flags if 0 in flags else ()}
+
+
+def _routed_scale(cfg: dict[str, Any], arch: str) -> float:
+    """The routing weights' multiplier (``routed_scaling_factor``; a GGUF file's
+    ``expert_weights_scale``), default 1."""
+    scale = cfg.get("routed_scaling_factor", 1.0)
+    if not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
+        raise ModelLoadError(f"{arch} routed_scaling_factor must be a positive number, "
+                             f"not {scale!r}")
+    return float(scale)
 
 
 def _olmoe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -212,7 +220,21 @@ def _olmoe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         raise ModelLoadError(f"{arch} with clip_qkv {cfg['clip_qkv']!r} is not supported "
                              "(the released OLMoE models have none)")
     return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": size,
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False))}
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "routed_scaling_factor": _routed_scale(cfg, arch)}
+
+
+def _granitemoe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Granite MoE's experts as transformers' ``GraniteMoeConfig`` reads them:
+    ``num_local_experts`` (8) of ``intermediate_size`` each (every layer sparse),
+    ``num_experts_per_tok`` (2) weighted by the softmax of their router logits (its
+    ``GraniteMoeTopKRouter``)."""
+    experts, top_k = cfg.get("num_local_experts", 8), cfg.get("num_experts_per_tok", 2)
+    size = cfg.get("intermediate_size", 1024)
+    _expert_counts(arch, (("num_local_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
+                          ("intermediate_size", size, 1)), top_k, experts)
+    return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": size,
+            "expert_gating": "softmax_weight", "routed_scaling_factor": _routed_scale(cfg, arch)}
 
 
 def gpt_oss_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None

@@ -222,15 +222,16 @@ def _gemma_keys(reader: Any, arch: str, config: dict[str, Any], wide_layers: int
     }
 
 
-def granite_config(reader: Any, head_dim: int) -> dict[str, Any]:
-    """Granite's multipliers as llama.cpp reads them (src/models/granite.cpp): a missing or
-    zero key is none (the attention scale then Llama's ``head_dim ** -0.5``)."""
-    if field(reader, "granite.rope.scaling.finetuned", True) is False:
-        raise ModelLoadError("GGUF granite without rotary embedding "
-                             "(granite.rope.scaling.finetuned false) is not supported")
+def granite_config(reader: Any, arch: str, head_dim: int) -> dict[str, Any]:
+    """Granite's (and Granite MoE's) multipliers as llama.cpp reads them
+    (src/models/granite.cpp): a missing or zero key is none (the attention scale then
+    Llama's ``head_dim ** -0.5``)."""
+    if field(reader, f"{arch}.rope.scaling.finetuned", True) is False:
+        raise ModelLoadError(f"GGUF {arch} without rotary embedding "
+                             f"({arch}.rope.scaling.finetuned false) is not supported")
 
     def scale(key: str, default: float) -> float:
-        value = float(field(reader, f"granite.{key}", 0.0))
+        value = float(field(reader, f"{arch}.{key}", 0.0))
         return value if value != 0.0 else default
 
     return {"embedding_multiplier": scale("embedding_scale", 1.0),
@@ -244,15 +245,16 @@ def moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any]
     (``expert_feed_forward_length`` each, else the dense length over the experts used),
     ``qwen2moe`` (the same, and a shared expert of ``expert_shared_feed_forward_length``),
     ``llama`` with ``expert_count`` > 0 (Mixtral; experts of ``feed_forward_length``) and
-    ``olmoe`` (experts of ``feed_forward_length``), every layer sparse, softmax routing with
-    the top k renormalized (llama.cpp passes ``norm_w = true`` for qwen3moe and llama, false
-    for qwen2moe and olmoe), times ``expert_weights_scale`` where
+    ``olmoe`` and ``granitemoe`` (experts of ``feed_forward_length``), every layer sparse,
+    softmax routing with the top k renormalized (llama.cpp passes ``norm_w = true`` for
+    qwen3moe, llama and granitemoe, false for qwen2moe and olmoe), times
+    ``expert_weights_scale`` where
     the file has one. Empty for a dense file. Shared experts of other families and gating
     other than softmax are refused."""
     p = f"{arch}."
     experts = int(field(reader, p + "expert_count", 0))
     kind = text_architecture(arch)
-    if kind not in ("llama", "qwen3moe", "qwen2moe", "olmoe") or (
+    if kind not in ("llama", "qwen3moe", "qwen2moe", "olmoe", "granitemoe") or (
             kind == "llama" and experts == 0):
         return {}
     used = _experts_used(reader, arch, experts)
@@ -272,6 +274,8 @@ def moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any]
                 "num_local_experts": experts}
     if kind == "olmoe":  # (experts of feed_forward_length, as llama.cpp's olmoe.cpp)
         return {**out, "num_experts": experts}
+    if kind == "granitemoe":  # (the same; the softmax of the top k: renormalized, norm_w)
+        return {**out, "num_local_experts": experts}
     size = int(field(reader, p + "expert_feed_forward_length", 0)) or (
         config["intermediate_size"] // used)
     if kind == "qwen2moe":

@@ -40,6 +40,7 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
@@ -246,8 +247,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(cohere_config(reader, arch, config, names))
     if arch == "smollm3":  # llama.cpp: every 4th layer without RoPE (n_no_rope_layer_step)
         config["no_rope_layer_interval"] = 4
-    if arch == "granite":
-        config.update(granite_config(reader, head_dim))
+    if arch in ("granite", "granitemoe"):
+        config.update(granite_config(reader, arch, head_dim))
     config.update(moe_config(reader, arch, config))
     if arch == "gpt-oss":
         config.update(gpt_oss_config(reader, config))

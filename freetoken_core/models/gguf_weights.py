@@ -121,6 +121,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "olmo2": _POST_NORMED,  # (no input norms; q/k norms over all heads)
     "exaone4": _POST_NORMED,  # (OLMo 2's, with q/k norms per head)
     "granite": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
+    "granitemoe": {**_LLAMA_NORMS, **_ATTENTION, **_MOE},
     "exaone": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (q/k unpermuted: not PERMUTED_QK)
     "arcee": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (no ffn_gate: ReLU² of ffn_up)
     "starcoder2": {  # (LayerNorms and linears with biases; no ffn_gate: GELU of ffn_up)
@@ -173,7 +174,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
 }
 # The architectures whose converter (LlamaModel's) stores q/k rows permuted for llama.cpp's
 # interleaved rotary pairs.
-PERMUTED_QK = frozenset({"llama", "smollm3", "granite", "mistral3", "arcee"})
+PERMUTED_QK = frozenset({"llama", "smollm3", "granite", "granitemoe", "mistral3", "arcee"})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 

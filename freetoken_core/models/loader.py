@@ -16,7 +16,6 @@ from safetensors import safe_open
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models.config import ModelConfig
-from freetoken_core.models.exaone import exaone_weight_name
 from freetoken_core.models.gguf_families import text_architecture
 from freetoken_core.models.gguf_metadata import architecture
 from freetoken_core.models.gguf_reader import open_header
@@ -26,6 +25,7 @@ from freetoken_core.models.multimodal import released_experts, text_weight_name
 from freetoken_core.models.mxfp4 import split_experts
 from freetoken_core.models.registry import model_class
 from freetoken_core.models.sharding import Shard
+from freetoken_core.models.weight_names import weight_renamer
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -73,8 +73,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     replaced (``--hf-overrides``)."""
     cfg = ModelConfig.from_dir(model_dir, overrides)
     if gguf_path is None:
-        rename = (text_weight_name if cfg.text_of
-                  else exaone_weight_name if cfg.architecture == "exaone" else None)
+        rename = text_weight_name if cfg.text_of else weight_renamer(cfg.architecture)
         weights = read_weights(model_dir, dtype, device, rename)
         if cfg.text_of and cfg.num_experts:
             released_experts(weights, cfg.hidden_size, cfg.moe_intermediate_size)

@@ -196,11 +196,12 @@ class SparseMoE:
         logits = self.router(x).float()
         if self.gating == "softmax_weight":  # the top k logits, then their softmax
             top, chosen = torch.topk(logits, self.top_k, dim=-1)
-            return torch.softmax(top, dim=-1).to(x.dtype), chosen
-        probs = torch.softmax(logits, dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = torch.softmax(top, dim=-1)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.scale != 1.0:
             weights = weights * self.scale
         return weights.to(x.dtype), chosen

@@ -26,6 +26,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "phi3": Phi3ForCausalLM,
     "smollm3": SmolLM3ForCausalLM,
     "granite": LlamaForCausalLM,  # (its multipliers are ModelConfig fields Llama's reads)
+    "granitemoe": LlamaForCausalLM,  # (Granite's multipliers, experts in every layer)
     "qwen3_moe": LlamaForCausalLM,  # (mixture-of-experts MLPs: moe.py, which Llama's
     "qwen2_moe": LlamaForCausalLM,  # blocks build where the config has experts)
     "mixtral": LlamaForCausalLM,
@@ -36,7 +37,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,  # (OLMo 2's blocks with sliding-window layers)
     "ernie4_5": Ernie4_5ForCausalLM,
-    "exaone": LlamaForCausalLM,  # (Llama under other names: exaone.py)
+    "exaone": LlamaForCausalLM,  # (Llama under other names: weight_names.py)
     "seed_oss": LlamaForCausalLM,  # (Llama with q/k/v biases)
     "arcee": LlamaForCausalLM,  # (Llama with a ReLU² MLP: ModelConfig.gated_mlp)
     "starcoder2": Starcoder2ForCausalLM,

@@ -1,0 +1,47 @@
+"""Checkpoint tensor names that are not the names FreeToken's models read, as transformers
+renames them when it loads the checkpoint (its ``conversion_mapping``, in its order): each
+family's regular expressions and their replacements, applied to every tensor name of a
+directory's safetensors (``loader.read_weights``)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+_RENAMES: dict[str, list[tuple[re.Pattern[str], str]]] = {
+    # EXAONE 3.0 / 3.5: GPT-2's names (config_defaults.py)
+    "exaone": [(re.compile(pattern), replacement) for pattern, replacement in (
+        (r"^transformer\.wte\.", "model.embed_tokens."),
+        (r"^transformer\.h\.", "model.layers."),
+        (r"^transformer\.ln_f\.", "model.norm."),
+        (r"\.attn\.attention\.", ".self_attn."),
+        (r"\.self_attn\.out_proj\.", ".self_attn.o_proj."),
+        (r"\.ln_1\.", ".input_layernorm."),
+        (r"\.ln_2\.", ".post_attention_layernorm."),
+        (r"\.mlp\.c_fc_0\.", ".mlp.gate_proj."),
+        (r"\.mlp\.c_fc_1\.", ".mlp.up_proj."),
+        (r"\.mlp\.c_proj\.", ".mlp.down_proj."),
+    )],
+    # Granite MoE: JetMoE's experts, gate and up in one [experts, 2 x size, hidden] tensor
+    # (transformers 5's fused layout, which moe.py reads) and the router's linear
+    "granitemoe": [(re.compile(pattern), replacement) for pattern, replacement in (
+        (r"\.block_sparse_moe\.input_linear\.weight$", ".mlp.experts.gate_up_proj"),
+        (r"\.block_sparse_moe\.output_linear\.weight$", ".mlp.experts.down_proj"),
+        (r"\.block_sparse_moe\.router\.layer\.weight$", ".mlp.gate.weight"),
+    )],
+}
+
+
+def weight_renamer(family: str) -> Callable[[str], str] | None:
+    """The function that gives a ``family`` checkpoint's tensor name as the model's (names
+    already the model's unchanged), None where the family's names are the model's."""
+    renames = _RENAMES.get(family)
+    if renames is None:
+        return None
+
+    def rename(name: str) -> str:
+        for pattern, replacement in renames:
+            name = pattern.sub(replacement, name)
+        return name
+
+    return rename
