@@ -23,16 +23,14 @@ from freetoken_core.models.config_fields import (
     gemma2_fields,
     gemma3_fields,
     glm4_fields,
-    gpt_oss_fields,
     granite_fields,
     ministral3_fields,
-    moe_fields,
     olmo3_fields,
     phi3_fields,
-    quantized_experts,
     smollm3_fields,
     starcoder2_fields,
 )
+from freetoken_core.models.config_moe import gpt_oss_fields, moe_fields, quantized_experts
 from freetoken_core.models.multimodal import WRAPPERS, text_config, with_overrides, wrapper_of
 
 SUPPORTED_ARCHITECTURES = {
