@@ -197,7 +197,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
                ) -> Path:
     """A random ``arch`` model (llama, qwen2, qwen3, qwen3moe, qwen2moe, gpt-oss, gemma2,
     gemma3, glm4, olmo2, olmoe and granitemoe (with ``experts``), exaone4, ernie4_5, seed_oss, arcee,
-    starcoder2 (with ``biases``), command-r, cohere2 or phi3) as a
+    starcoder2 (with ``biases``), hunyuan-dense, command-r, cohere2 or phi3) as a
     GGUF file (gpt-oss: biases, sinks and expert biases as its files have them, its rope
     scaling from ``metadata``; seed_oss: q/k/v biases; gemma2: its softcaps from ``metadata``,
     else 50 and 30, as the converter writes transformers' defaults).
@@ -389,7 +389,7 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
             vector(b + "attn_output.bias", hidden, 0.0)
             writer.add_tensor(b + "attn_sinks.weight", rng.normal(0.0, 1.0, heads).astype(
                 np.float32))
-        if arch in ("qwen3", "qwen3moe", "gemma3", "exaone4"):
+        if arch in ("qwen3", "qwen3moe", "gemma3", "exaone4", "hunyuan-dense"):
             vector(b + "attn_q_norm.weight", head_dim, norm_one)
             vector(b + "attn_k_norm.weight", head_dim, norm_one)
         if qk_norm:  # (Command R+: a weight per head, F32 as the converter keeps norms)

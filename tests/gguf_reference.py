@@ -397,6 +397,17 @@ def hf_starcoder2_from_gguf(path: Path) -> torch.nn.Module:
                        extra={"output_norm.bias": "model.norm.bias"})
 
 
+def hf_hunyuan_dense_from_gguf(path: Path) -> torch.nn.Module:
+    """transformers' ``HunYuanDenseV1ForCausalLM`` of a ``hunyuan-dense`` GGUF file (the
+    converter writes the NTK-alpha base as ``rope.freq_base``; per-head q/k norms, applied
+    after the rotation), the q/k rows as stored."""
+    from transformers import HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM
+
+    return _llama_like(path, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM, renamed={
+        "attn_q_norm.weight": "self_attn.query_layernorm.weight",
+        "attn_k_norm.weight": "self_attn.key_layernorm.weight"})
+
+
 def _llama_like(path: Path, config_class: type, model_class: type, unpermute: bool = False,
                 renamed: dict[str, str] | None = None, extra: dict[str, str] | None = None,
                 present: dict[str, str] | None = None, keys: dict[str, str] | None = None,

@@ -14,6 +14,7 @@ from freetoken_core.models.cohere_config import cohere_config, cohere_fields
 from freetoken_core.models.config_defaults import (
     ernie4_5_config,
     exaone_config,
+    hunyuan_dense_config,
     olmoe_config,
     seed_oss_config,
     starcoder2_config,
@@ -59,6 +60,7 @@ SUPPORTED_ARCHITECTURES = {
     "ArceeForCausalLM": "arcee",
     "Starcoder2ForCausalLM": "starcoder2",
     "OlmoeForCausalLM": "olmoe",
+    "HunYuanDenseV1ForCausalLM": "hunyuan_dense",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
 }
@@ -66,7 +68,7 @@ SUPPORTED_ARCHITECTURES = {
 # The MLP activation of the families that check it (transformers' ACT2FN names).
 _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "phi3": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
-                "olmoe": "silu", "granitemoe": "silu",
+                "olmoe": "silu", "granitemoe": "silu", "hunyuan_dense": "silu",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu",
                 "exaone4": "silu", "exaone": "silu", "seed_oss": "silu", "arcee": "relu2",
                 "starcoder2": "gelu_pytorch_tanh",
@@ -123,6 +125,9 @@ class ModelConfig:
     stream (Granite's ``residual_multiplier``)."""
     logits_scaling: float = 1.0
     """The logits' divisor (Granite's ``logits_scaling``)."""
+    qk_norm_after_rope: bool = False
+    """The q/k norms apply to the rotated queries and keys (Hunyuan's), not before the
+    rotation."""
     gated_mlp: bool = True
     """The MLP is ``down(act(gate(x)) * up(x))`` (SwiGLU, Gemma's GeGLU); ``False``:
     ``down(act(up(x)))`` (Arcee's ReLU², ``hidden_act`` ``relu2``), no gate projection."""
@@ -203,6 +208,8 @@ class ModelConfig:
             cfg = starcoder2_config(cfg)
         if family == "olmoe":  # (its defaults for left-out keys)
             cfg = olmoe_config(cfg)
+        if family == "hunyuan_dense":  # (its defaults, its NTK-alpha rope as a base)
+            cfg = hunyuan_dense_config(cfg)
         if family in ("cohere", "cohere2"):  # (its norm eps's name and its defaults)
             cfg = cohere_config(cfg, family)
         num_heads = cfg["num_attention_heads"]
@@ -243,6 +250,7 @@ class ModelConfig:
                                                            "smollm3"))),
             "hidden_act": hidden_act,
             "gated_mlp": family not in ("arcee", "starcoder2"),
+            "qk_norm_after_rope": family == "hunyuan_dense",
         }
         if family == "gemma3":
             fields.update(gemma3_fields(cfg))
@@ -290,7 +298,7 @@ class ModelConfig:
                                                                family in ("gpt_oss", "glm4")))
                             or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
             qk_norm=(family in ("qwen3", "gemma3", "qwen3_moe", "olmo2", "olmo3", "exaone4",
-                                "olmoe")
+                                "olmoe", "hunyuan_dense")
                      or (family == "cohere" and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),

@@ -86,6 +86,37 @@ def olmoe_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return with_defaults(cfg, _OLMOE_DEFAULTS)
 
 
+# transformers' HunYuanDenseV1Config defaults that differ from what config.py assumes.
+_HUNYUAN_DEFAULTS = {"vocab_size": 290943, "hidden_size": 4096, "intermediate_size": 11008,
+                     "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def hunyuan_dense_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Hunyuan dense's config.json with transformers' ``HunYuanDenseV1Config`` defaults
+    where a key is left out, its rope as transformers computes it: the checkpoints' type
+    ``dynamic`` with a fixed ``alpha`` is NTK-alpha scaling (``HunYuanDenseV1RotaryEmbedding``),
+    the default rope of base ``rope_theta * alpha ** (head_dim / (head_dim - 2))``, as
+    llama.cpp's converter writes it; dynamic NTK without ``alpha`` (the base moving with the
+    context) is refused."""
+    arch = "HunYuanDenseV1ForCausalLM"
+    out = with_defaults(cfg, _HUNYUAN_DEFAULTS)
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    params = dict(params) if isinstance(params, dict) else {}
+    kind = rope_kind(params)
+    theta = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
+    if kind == "dynamic" and params.get("alpha"):
+        dim = out.get("head_dim") or out["hidden_size"] // out["num_attention_heads"]
+        theta = float(theta) * float(params["alpha"]) ** (dim / (dim - 2))
+    elif kind != "default":
+        raise ModelLoadError(f"{arch} with rope type {kind!r} is not supported (its "
+                             "checkpoints use dynamic with a fixed alpha)")
+    out.pop("rope_scaling", None)
+    out["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    out["rope_theta"] = theta
+    return out
+
+
 def with_defaults(cfg: dict[str, Any], defaults: dict[str, Any], theta: float | None = None
                   ) -> dict[str, Any]:
     """``cfg`` with a config class's ``defaults`` where it leaves keys out, and its rope base

@@ -53,6 +53,7 @@ ARCHITECTURES = {
     "arcee": "ArceeForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "hunyuan-dense": "HunYuanDenseV1ForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "command-r": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",

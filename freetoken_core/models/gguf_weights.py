@@ -142,6 +142,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "qwen3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
     "qwen3moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},
     "olmoe": {**_LLAMA_NORMS, **_ATTENTION, **_MOE},  # (q/k norms over all heads)
+    "hunyuan-dense": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (q/k normed after rope)
     "qwen2moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE, **_SHARED_EXPERT},
     "gpt-oss": _GPT_OSS,
     "gemma3": {**_GEMMA_NORMS, **_ATTENTION, **_MLP},

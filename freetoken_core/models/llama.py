@@ -96,6 +96,7 @@ class DecoderLayer:
         self.softcap = cfg.attn_logit_softcap or 0.0  # the scores' (Gemma 2); 0: none
         self.residual_multiplier = cfg.residual_multiplier
         self.gated, self.act = cfg.gated_mlp, cfg.hidden_act
+        self.norm_after_rope = cfg.qk_norm_after_rope
         # The whole block in one native call (the same kernels in the same order, so the
         # same results) where it covers the layer: every linear from GGUF blocks, no bias,
         # no q/k norm, Llama's score scale, no sinks or softcap, no residual multiplier and a
@@ -161,10 +162,12 @@ class DecoderLayer:
         qkv = self.qkv_proj(x)
         qk, v = qkv.split([(h + kvh) * d, kvh * d], dim=-1)
         qk = qk.view(n, h + kvh, d)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norm_after_rope:
             qk = self.normed_qk(qk)
         # One rotation for queries and keys together: they share positions.
         qk = apply_rope(qk, cos, sin, self.native)
+        if self.q_norm is not None and self.norm_after_rope:  # (Hunyuan's)
+            qk = self.normed_qk(qk)
         # Rotated keys and values side by side, as the cache stores them.
         kv = torch.cat([qk[:, h:], v.view(n, kvh, d)], dim=1).view(n, 2, kvh, d)
         q = qk[:, :h]

@@ -30,6 +30,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen3_moe": LlamaForCausalLM,  # (mixture-of-experts MLPs: moe.py, which Llama's
     "qwen2_moe": LlamaForCausalLM,  # blocks build where the config has experts)
     "mixtral": LlamaForCausalLM,
+    "hunyuan_dense": LlamaForCausalLM,  # (q/k norms after the rotation: llama.py)
     "olmoe": LlamaForCausalLM,  # (experts, and q/k norms over all heads: llama.py)
     "gpt_oss": LlamaForCausalLM,  # (sinks, biases and windows: config fields too)
     "glm4": Glm4ForCausalLM,
