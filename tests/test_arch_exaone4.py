@@ -50,8 +50,18 @@ def assert_logits_match(llm: Any, ids: list[int], ref: torch.nn.Module, hybrid: 
     """Every position's logits equal ``ref``'s (the prompt in two chunks); with the q/k norms
     or (hybrid) the windows or the global layers' NoPE left out they differ."""
     model, want = matching_logits(llm, ids, ref)
+    assert all(layer.q_norm.numel() == model.config.head_dim for layer in model.layers)
+    assert_qk_norms_matter(model, ids, want)
+    if not hybrid:
+        assert not model.config.no_rope_layers and not model.config.layer_windows
+        return
+    assert_windows_and_nope_matter(model, ids, want)
+
+
+def assert_qk_norms_matter(model: Any, ids: list[int], want: torch.Tensor) -> None:
+    """With the q/k norms' weights all ones, ``model``'s logits of ``ids`` differ from
+    ``want``."""
     norms = [(layer.q_norm, layer.k_norm) for layer in model.layers]
-    assert all(q.numel() == model.config.head_dim for q, _ in norms)  # (per head)
     try:
         for layer in model.layers:
             layer.q_norm, layer.k_norm = (torch.ones_like(w) for w in (layer.q_norm,
@@ -60,10 +70,6 @@ def assert_logits_match(llm: Any, ids: list[int], ref: torch.nn.Module, hybrid: 
     finally:
         for layer, (q, k) in zip(model.layers, norms):
             layer.q_norm, layer.k_norm = q, k
-    if not hybrid:
-        assert not model.config.no_rope_layers and not model.config.layer_windows
-        return
-    assert_windows_and_nope_matter(model, ids, want)
 
 
 def assert_windows_and_nope_matter(model: Any, ids: list[int], want: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from gguf_models import Q8_0, write_gguf
 from gguf_reference import hf_olmoe_from_gguf
-from test_arch_exaone4 import differs
+from test_arch_exaone4 import assert_qk_norms_matter
 from test_arch_moe import assert_logits_match, matching_logits, served_directory
 from test_gguf_rope_factors import LONG, greedy, served
 from transformers import OlmoeConfig, OlmoeForCausalLM
@@ -27,19 +27,12 @@ from freetoken_core.models.config import ModelConfig
 PROMPTS = ["Hello world, this is", "def add(a, b):\n    return", LONG]
 
 
-def assert_qk_norms_matter(llm, ids: list[int], ref: torch.nn.Module) -> None:
-    """Every position's logits equal ``ref``'s; without the q/k norms they differ."""
+def assert_full_width_norms_matter(llm, ids: list[int], ref: torch.nn.Module) -> None:
+    """Every position's logits equal ``ref``'s; without the q/k norms (over all heads) they
+    differ."""
     model, want = matching_logits(llm, ids, ref)
-    norms = [(layer.q_norm, layer.k_norm) for layer in model.layers]
-    assert norms[0][0].numel() == model.config.num_heads * model.config.head_dim
-    try:
-        for layer in model.layers:
-            layer.q_norm, layer.k_norm = (torch.ones_like(w) for w in (layer.q_norm,
-                                                                        layer.k_norm))
-        assert differs(model, ids, want)
-    finally:
-        for layer, (q, k) in zip(model.layers, norms):
-            layer.q_norm, layer.k_norm = q, k
+    assert model.layers[0].q_norm.numel() == model.config.num_heads * model.config.head_dim
+    assert_qk_norms_matter(model, ids, want)
 
 
 def test_olmoe_directory_matches_transformers(tmp_path: Path) -> None:
@@ -51,7 +44,7 @@ def test_olmoe_directory_matches_transformers(tmp_path: Path) -> None:
     assert not cfg.norm_topk_prob and cfg.qk_norm
     assert got == greedy(hf, prompts, 16)
     assert_logits_match(llm, prompts[-1], hf, renormalized=False)
-    assert_qk_norms_matter(llm, prompts[-1], hf)
+    assert_full_width_norms_matter(llm, prompts[-1], hf)
 
 
 def test_olmoe_gguf_matches_transformers(tmp_path: Path) -> None:
