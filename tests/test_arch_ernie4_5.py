@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf_models import Q4_0, Q4_1, Q5_0, Q8_0, write_gguf
-from gguf_reference import hf_ernie4_5_from_gguf
+from gguf_reference_families import hf_ernie4_5_from_gguf
 from test_arch_gemma3 import chunked_logits
 from test_arch_moe import matching_logits, served_directory
 from test_arch_phi3 import save_tiny_model

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf_models import Q4_K, Q8_0, write_gguf
-from gguf_reference import hf_exaone_from_gguf
+from gguf_reference_families import hf_exaone_from_gguf
 from safetensors import safe_open
 from test_arch_moe import matching_logits
 from test_arch_phi3 import save_tiny_model

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from gguf_models import Q4_0, Q8_0, write_gguf
-from gguf_reference import hf_hunyuan_dense_from_gguf
+from gguf_reference_families import hf_hunyuan_dense_from_gguf
 from test_arch_exaone4 import differs
 from test_arch_moe import matching_logits, served_directory
 from test_gguf_rope_factors import LONG, greedy, served

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf_models import Q8_0, write_gguf
-from gguf_reference import hf_olmoe_from_gguf
+from gguf_reference_families import hf_olmoe_from_gguf
 from test_arch_exaone4 import assert_qk_norms_matter
 from test_arch_moe import assert_logits_match, matching_logits, served_directory
 from test_gguf_rope_factors import LONG, greedy, served
