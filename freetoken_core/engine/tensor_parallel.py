@@ -139,8 +139,8 @@ class TensorParallelGroup:
     """Rank 0's side of the group: ``shard`` for the model, ``send_plan`` each step."""
 
     def __init__(self, config: EngineConfig, comm: Communicator,
-                 children: list[tuple[subprocess.Popen, int]], ray_ranks: RayRanks | None = None
-                 ) -> None:
+                 children: list[tuple[subprocess.Popen, int]], ray_ranks: RayRanks | None = None,
+                 unpinned: tuple[set[int], int] | None = None) -> None:
         self.config = config
         self.comm = comm
         self.shard = Shard(0, config.tensor_parallel_size, comm)
@@ -148,7 +148,7 @@ class TensorParallelGroup:
         """mp: this node's other ranks and the read end of each one's status pipe."""
         self.ray_ranks = ray_ranks
         self._encoder = msgspec.msgpack.Encoder()
-        self.unpinned: tuple[set[int], int] | None = None
+        self.unpinned = unpinned
         """Rank 0's thread's CPUs and torch threads before the group pinned it (``close``
         gives them back)."""
 
@@ -252,9 +252,7 @@ def start_group(config: EngineConfig) -> TensorParallelGroup:
             ray_ranks.stop()
         unpin(unpinned)
         raise
-    group = TensorParallelGroup(config, comm, children, ray_ranks)
-    group.unpinned = unpinned
-    return group
+    return TensorParallelGroup(config, comm, children, ray_ranks, unpinned)
 
 
 def _start_child(spec: RankSpec) -> tuple[subprocess.Popen, int]:

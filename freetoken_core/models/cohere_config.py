@@ -11,7 +11,7 @@ from typing import Any
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.config_defaults import with_defaults
-from freetoken_core.models.config_fields import layer_windows_from
+from freetoken_core.models.config_fields import nope_global_layers
 
 # Cohere's and Cohere 2's config defaults where config.json leaves a key out, for the keys
 # config.py reads with other defaults (``CohereConfig``'s, ``Cohere2Config``'s).
@@ -52,16 +52,5 @@ def cohere_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
         raise ModelLoadError(f"{arch} logit_scale must be a number, not {scale!r}")
     fields: dict[str, Any] = {"logit_scale": float(scale)}
     if family == "cohere2":
-        layers = cfg["num_hidden_layers"]
-        layer_types = cfg.get("layer_types")
-        if not layer_types:
-            pattern = cfg.get("sliding_window_pattern", 4)
-            if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
-                raise ModelLoadError(f"{arch} sliding_window_pattern must be a positive "
-                                     f"integer, not {pattern!r}")
-            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                           for i in range(layers)]
-        windows = layer_windows_from(arch, layer_types, layers, cfg.get("sliding_window", 4096))
-        fields.update(layer_windows=windows,
-                      no_rope_layers=tuple(int(w is not None) for w in windows))
+        fields.update(nope_global_layers(arch, cfg, cfg.get("sliding_window", 4096)))
     return fields

@@ -1,10 +1,12 @@
-"""The architecture facts of a model, read from a Hugging Face config.json: the Llama family,
-Gemma 2, Gemma 3 (text), Phi-3, ERNIE 4.5, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE,
-Mixtral and gpt-oss; a vision-language checkpoint's language model (``models/multimodal.py``)."""
+"""The architecture facts of a model, read from a Hugging Face config.json: every family of
+:data:`SUPPORTED_ARCHITECTURES` (Llama and the families that change it, the mixture-of-experts
+ones), and a vision-language checkpoint's language model (``models/multimodal.py``)."""
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,16 @@ _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "p
                 "exaone4": "silu", "exaone": "silu", "seed_oss": "silu", "arcee": "relu2",
                 "starcoder2": "gelu_pytorch_tanh",
                 "cohere": "silu", "cohere2": "silu"}
+
+# The families whose config.json is read with their config class's defaults where it leaves
+# keys out, under the key names from_dict reads (config_defaults.py, cohere_config.py).
+_PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "exaone": exaone_config, "ernie4_5": ernie4_5_config, "seed_oss": seed_oss_config,
+    "starcoder2": starcoder2_config, "olmoe": olmoe_config,
+    "hunyuan_dense": hunyuan_dense_config,
+    "cohere": functools.partial(cohere_config, family="cohere"),
+    "cohere2": functools.partial(cohere_config, family="cohere2"),
+}
 
 # transformers' default activation where config.json leaves hidden_act out, other than SiLU.
 _DEFAULT_ACTIVATIONS = {"arcee": "relu2", "starcoder2": "gelu_pytorch_tanh"}
@@ -198,20 +210,8 @@ class ModelConfig:
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}, and the language model of "
                 f"{', '.join(sorted(WRAPPERS))}")
         family = SUPPORTED_ARCHITECTURES[arch]
-        if family == "exaone":  # (its own key names and defaults)
-            cfg = exaone_config(cfg)
-        if family == "ernie4_5":  # (its defaults for left-out keys, use_bias as attention_bias)
-            cfg = ernie4_5_config(cfg)
-        if family == "seed_oss":  # (its defaults for left-out keys)
-            cfg = seed_oss_config(cfg)
-        if family == "starcoder2":  # (its defaults and key names)
-            cfg = starcoder2_config(cfg)
-        if family == "olmoe":  # (its defaults for left-out keys)
-            cfg = olmoe_config(cfg)
-        if family == "hunyuan_dense":  # (its defaults, its NTK-alpha rope as a base)
-            cfg = hunyuan_dense_config(cfg)
-        if family in ("cohere", "cohere2"):  # (its norm eps's name and its defaults)
-            cfg = cohere_config(cfg, family)
+        if family in _PREPARED:
+            cfg = _PREPARED[family](cfg)
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")

@@ -1,7 +1,7 @@
 """transformers' config-class defaults of the families whose config.json may leave keys out
 that ``config.ModelConfig.from_dict`` would otherwise read with Llama's defaults (EXAONE 3,
-ERNIE 4.5, Seed-OSS, StarCoder2, OLMoE; Cohere's are in ``cohere_config.py``), and their keys
-under the names it reads.
+ERNIE 4.5, Seed-OSS, StarCoder2, OLMoE, Hunyuan dense; Cohere's are in ``cohere_config.py``),
+and their keys under the names it reads.
 
 EXAONE 3.0 and 3.5 (``ExaoneForCausalLM``) are Llama as transformers computes them (its
 ``ExaoneConfig`` is a ``LlamaConfig``, the class a ``LlamaForCausalLM``) under other names:
@@ -82,7 +82,7 @@ _OLMOE_DEFAULTS = {"vocab_size": 50304, "hidden_size": 2048, "intermediate_size"
 
 def olmoe_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """OLMoE's config.json with transformers' ``OlmoeConfig`` defaults where a key is left
-    out (its experts' keys: ``config_fields.moe_fields``)."""
+    out (its experts' keys: ``config_moe.moe_fields``)."""
     return with_defaults(cfg, _OLMOE_DEFAULTS)
 
 
@@ -132,13 +132,13 @@ def with_defaults(cfg: dict[str, Any], defaults: dict[str, Any], theta: float | 
 
 # ExaoneConfig.attribute_map: the released config.json's key -> transformers' name.
 _EXAONE_KEYS = {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
-         "activation_function": "hidden_act"}
+                "activation_function": "hidden_act"}
 # ExaoneConfig's defaults where config.json leaves a key out (and its ``default_theta``,
 # 500,000), for the keys config.py reads with other defaults.
 _EXAONE_DEFAULTS = {"vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 14336,
-             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-             "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "bos_token_id": 1,
-             "eos_token_id": 361}
+                    "num_hidden_layers": 32, "num_attention_heads": 32,
+                    "num_key_value_heads": 8, "max_position_embeddings": 4096,
+                    "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 361}
 
 
 def exaone_config(cfg: dict[str, Any]) -> dict[str, Any]:

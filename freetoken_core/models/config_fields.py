@@ -169,10 +169,17 @@ def exaone4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     ``sliding_window_pattern``-th layer global, 4; a pattern string such as ``"LLLG"`` read
     as llama.cpp's converter reads it), the sliding layers rotated and the global ones not
     (NoPE); without one (the 1.2B), every layer global and rotated."""
-    arch, layers = "Exaone4ForCausalLM", cfg["num_hidden_layers"]
     window = cfg.get("sliding_window", 4096)
-    if window is None:
-        return {}
+    return {} if window is None else nope_global_layers("Exaone4ForCausalLM", cfg, window)
+
+
+def nope_global_layers(arch: str, cfg: dict[str, Any], window: Any) -> dict[str, Any]:
+    """EXAONE 4's and Cohere 2's layers: ``layer_types``, else every
+    ``sliding_window_pattern``-th layer global (default 4; a string such as ``"LLLG"``, as
+    llama.cpp's converter reads EXAONE 4's, a type a layer over and over); the sliding layers
+    attend to their last ``window`` keys and rotate, the global ones attend to every key and
+    do not rotate (``no_rope_layers``)."""
+    layers = cfg["num_hidden_layers"]
     layer_types = cfg.get("layer_types")
     if not layer_types:
         pattern = cfg.get("sliding_window_pattern", 4)
@@ -283,4 +290,5 @@ def starcoder2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         return {}
     layers = cfg["num_hidden_layers"]
     return {"layer_windows": layer_windows_from("Starcoder2ForCausalLM",
-                                            ["sliding_attention"] * layers, layers, window)}
+                                                ["sliding_attention"] * layers, layers,
+                                                window)}

@@ -334,9 +334,9 @@ class LlamaForCausalLM(BlockLayouts):
         ropes = {False: self.rotary.tables(positions)}
         ropes[True] = (ropes[False] if self.local_rotary is self.rotary
                        else self.local_rotary.tables(positions))
-        cos = ropes[False][0]
-        identity = (torch.ones_like(cos), torch.zeros_like(cos))
         rotates = self.config.no_rope_layers or (1,) * len(self.layers)
+        cos = ropes[False][0]  # (the identity only for a step of a model with NoPE layers)
+        identity = (torch.ones_like(cos), torch.zeros_like(cos)) if 0 in rotates else None
         metas = {window: meta.with_window(window) for window in set(self.windows)}
         residual = None
         for layer, sliding, rotated, window, cache in zip(

@@ -9,7 +9,7 @@ computes it:
   RMSNorms;
 - biases on every linear but the head (``use_bias``, on in the released models);
 - an MLP that is not gated: ``c_proj(gelu_tanh(c_fc(x)))`` (``ModelConfig.gated_mlp``;
-  ``c_fc`` / ``c_proj`` read as ``up_proj`` / ``down_proj``);
+  ``c_fc`` / ``c_proj`` read as ``up_proj`` / ``down_proj``: ``weight_names.py``);
 - a sliding window over every layer (``sliding_window``, 4,096 in the released configs) where
   the config has one. llama.cpp's converter writes none and its graph has none: a GGUF file
   attends to every key, unless it has ``attention.sliding_window``.
@@ -30,7 +30,7 @@ from freetoken_core.models.llama import DecoderLayer, LlamaForCausalLM, Weights
 from freetoken_core.models.sharding import Shard
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
                ) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
@@ -51,9 +51,9 @@ class Starcoder2DecoderLayer(DecoderLayer):
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(output, residual)`` as ``DecoderLayer``'s: the hidden state is their sum."""
         hidden = x if residual is None else residual + x
-        normed = layer_norm(hidden, self.input_norm, self.input_bias, self.eps)
+        normed = _layer_norm(hidden, self.input_norm, self.input_bias, self.eps)
         hidden = hidden + self.self_attention(normed, cos, sin, kv_cache, meta)
-        normed = layer_norm(hidden, self.post_attn_norm, self.post_attn_bias, self.eps)
+        normed = _layer_norm(hidden, self.post_attn_norm, self.post_attn_bias, self.eps)
         return self.mlp(normed), hidden
 
 
@@ -65,12 +65,6 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
                  shard: Shard | None = None) -> None:
-        for i in range(cfg.num_layers):  # (a directory's names; a GGUF file's are Llama's)
-            mlp = f"model.layers.{i}.mlp."
-            for old, new in (("c_fc", "up_proj"), ("c_proj", "down_proj")):
-                for kind in ("weight", "bias"):
-                    if f"{mlp}{old}.{kind}" in weights:
-                        weights[f"{mlp}{new}.{kind}"] = weights.pop(f"{mlp}{old}.{kind}")
         self.norm_bias = weights.pop("model.norm.bias")
         super().__init__(cfg, weights, max_positions, shard)
 
@@ -78,4 +72,4 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat step; writes the step's KV into the cache."""
         x, residual = self.forward_layers(self.embedding(input_ids), positions, kv_caches, meta)
-        return layer_norm(residual + x, self.norm, self.norm_bias, self.config.rms_norm_eps)
+        return _layer_norm(residual + x, self.norm, self.norm_bias, self.config.rms_norm_eps)

@@ -29,6 +29,11 @@ _RENAMES: dict[str, list[tuple[re.Pattern[str], str]]] = {
         (r"\.block_sparse_moe\.output_linear\.weight$", ".mlp.experts.down_proj"),
         (r"\.block_sparse_moe\.router\.layer\.weight$", ".mlp.gate.weight"),
     )],
+    # StarCoder2: its MLP's two linears (not gated: up and down)
+    "starcoder2": [(re.compile(pattern), replacement) for pattern, replacement in (
+        (r"\.mlp\.c_fc\.", ".mlp.up_proj."),
+        (r"\.mlp\.c_proj\.", ".mlp.down_proj."),
+    )],
     # Hunyuan dense: its q/k norms (normed after the rotation: llama.py)
     "hunyuan_dense": [(re.compile(pattern), replacement) for pattern, replacement in (
         (r"\.self_attn\.query_layernorm\.", ".self_attn.q_norm."),
