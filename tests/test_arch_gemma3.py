@@ -32,6 +32,7 @@ from freetoken_core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from freetoken_core.models.gemma2 import Gemma2ForCausalLM
 from freetoken_core.models.gemma3 import Gemma3ForCausalLM
 from freetoken_core.models.glm4 import Glm4ForCausalLM
+from freetoken_core.models.kv_layout import kv_cache_dims
 from freetoken_core.models.phi3 import Phi3ForCausalLM
 from freetoken_core.models.registry import SUPPORTED, model_class
 
@@ -134,8 +135,8 @@ def chunked_logits(model: Any, ids: list[int], chunks: list[int], block_size: in
     cfg = model.config
     num_blocks = -(-len(ids) // block_size)
     table = list(range(num_blocks))[::-1]
-    cache = torch.zeros(cfg.num_layers, num_blocks * block_size, 2, cfg.num_kv_heads,
-                        cfg.head_dim)
+    layers, heads, dim = kv_cache_dims(cfg)
+    cache = torch.zeros(layers, num_blocks * block_size, 2, heads, dim)
     out, start = [], 0
     with torch.inference_mode():
         for size in chunks:

@@ -23,6 +23,7 @@ from freetoken_core.errors import InvalidRequest, ModelLoadError
 from freetoken_core.models.block_layout import INT24_TYPES
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.gguf_reader import file_bytes
+from freetoken_core.models.kv_layout import kv_cache_dims
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.loader import load_model, return_freed_memory
 from freetoken_core.models.resolve import gguf_source, resolve_model
@@ -94,9 +95,10 @@ def build_engine(config: EngineConfig, progress: bool = True,
     # write overlaps the tokenizer's, the plugins' and the model's loading (a GGUF file's
     # weights, about its size, checked to fit beside it).
     gguf = gguf_source(config.model)
+    kv_layers, kv_heads, head_dim = kv_cache_dims(model_config)
     kv_cache = None if config.tensor_parallel_size > 1 else KvCache(
-        kv_cache_shape(model_config.num_layers, config.kv_cache_tokens // config.block_size,
-                       config.block_size, model_config.num_kv_heads, model_config.head_dim),
+        kv_cache_shape(kv_layers, config.kv_cache_tokens // config.block_size,
+                       config.block_size, kv_heads, head_dim),
         config.kv_torch_dtype(device), device, config.kv_cache_prefault,
         weights_bytes=file_bytes(gguf) if gguf is not None else 0)
     tokenizer = load_tokenizer(model_dir, config.chat_template_text())

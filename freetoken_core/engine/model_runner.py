@@ -17,6 +17,7 @@ from freetoken_core.engine.scheduler import ScheduledBatch
 from freetoken_core.engine.sequence import Sequence
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata
+from freetoken_core.models.kv_layout import kv_cache_dims
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.outputs import PromptLogprobs
 
@@ -171,8 +172,8 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        shape = kv_cache_shape(cfg.num_layers, num_kv_blocks, block_size, model.num_kv_heads,
-                               cfg.head_dim)
+        layers, heads, dim = kv_cache_dims(cfg, model.num_kv_heads)
+        shape = kv_cache_shape(layers, num_kv_blocks, block_size, heads, dim)
         if kv_cache is None:
             kv_cache = KvCache(shape, kv_dtype, device, prefault)
         if kv_cache.shape != shape:

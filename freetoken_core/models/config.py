@@ -33,6 +33,7 @@ from freetoken_core.models.config_fields import (
     smollm3_fields,
     starcoder2_fields,
 )
+from freetoken_core.models.config_gemma4 import gemma4_config, gemma4_fields
 from freetoken_core.models.config_moe import gpt_oss_fields, moe_fields, quantized_experts
 from freetoken_core.models.multimodal import WRAPPERS, text_config, with_overrides, wrapper_of
 
@@ -43,6 +44,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma4ForCausalLM": "gemma4",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
@@ -68,7 +70,8 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
-_ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "phi3": "silu",
+_ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
+                "gemma4": "gelu_pytorch_tanh", "phi3": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
                 "olmoe": "silu", "granitemoe": "silu", "hunyuan_dense": "silu",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu",
@@ -81,7 +84,7 @@ _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "p
 _PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "exaone": exaone_config, "ernie4_5": ernie4_5_config, "seed_oss": seed_oss_config,
     "starcoder2": starcoder2_config, "olmoe": olmoe_config,
-    "hunyuan_dense": hunyuan_dense_config,
+    "hunyuan_dense": hunyuan_dense_config, "gemma4": gemma4_config,
     "cohere": functools.partial(cohere_config, family="cohere"),
     "cohere2": functools.partial(cohere_config, family="cohere2"),
 }
@@ -169,7 +172,8 @@ class ModelConfig:
     expert_gating: str = "softmax"
     """How the router's logits weight the experts: ``softmax`` (the softmax of all of them,
     then the top k) or ``softmax_weight`` (the top k logits, then their softmax: gpt-oss;
-    llama.cpp's ``LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT``)."""
+    llama.cpp's ``LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT``); ``gemma4``: Gemma 4's router
+    (gemma4.py)."""
     expert_bias: bool = False
     """The router and each expert's linears have biases (gpt-oss)."""
     swiglu_limit: float | None = None
@@ -189,6 +193,23 @@ class ModelConfig:
     mxfp4_experts: bool = False
     """The experts' weights are MXFP4 blocks (``*_blocks`` / ``*_scales``: gpt-oss as OpenAI
     released it, ``quantization_config.quant_method`` ``mxfp4``; ``models/mxfp4.py``)."""
+
+    layer_head_dims: tuple[int, ...] = ()
+    """Per layer, its heads' size where the layers' differ (Gemma 4's global layers'
+    ``global_head_dim``); empty: ``head_dim`` everywhere (``kv_layout``)."""
+    layer_kv_heads: tuple[int, ...] = ()
+    """Per layer, its KV heads where the layers' differ (Gemma 4's global layers'
+    ``num_global_key_value_heads``); empty: ``num_kv_heads`` everywhere."""
+    values_from_keys: tuple[int, ...] = ()
+    """Per layer, 1 where the values are the key projection's output, before the key norm
+    and the rotation (no v projection: Gemma 4's ``attention_k_eq_v`` global layers)."""
+    kv_shared_layers: int = 0
+    """The last this many layers compute no keys or values: each attends to those of the
+    last earlier layer of its type, sliding or global (Gemma 4's ``num_kv_shared_layers``)."""
+    per_layer_input_size: int = 0
+    """Gemma 4's per-layer embeddings (``hidden_size_per_layer_input``): each layer's input
+    of this size from a second embedding of the token and a projection of the first; 0:
+    none."""
 
     text_of: str = ""
     """The vision-language class whose language model this is (``models/multimodal.py``; its
@@ -235,7 +256,7 @@ class ModelConfig:
         use_window = cfg.get("use_sliding_window", family in ("mistral", "mixtral", "ministral3"))
         # transformers' Gemma reads hidden_activation (default gelu_pytorch_tanh) only.
         hidden_act = ((cfg.get("hidden_activation") or "gelu_pytorch_tanh")
-                      if family in ("gemma2", "gemma3")
+                      if family in ("gemma2", "gemma3", "gemma4")
                       else (cfg.get("hidden_act") or _DEFAULT_ACTIVATIONS.get(family, "silu")))
         expected = _ACTIVATIONS.get(family)
         if expected is not None and hidden_act != expected:
@@ -254,6 +275,8 @@ class ModelConfig:
         }
         if family == "gemma3":
             fields.update(gemma3_fields(cfg))
+        elif family == "gemma4":
+            fields.update(gemma4_fields(cfg))
         elif family == "gemma2":
             fields.update(gemma2_fields(cfg))
         elif family == "phi3":
@@ -297,7 +320,7 @@ class ModelConfig:
             attention_bias=(family == "qwen2" or bool(cfg.get("attention_bias",
                                                                family in ("gpt_oss", "glm4")))
                             or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
-            qk_norm=(family in ("qwen3", "gemma3", "qwen3_moe", "olmo2", "olmo3", "exaone4",
+            qk_norm=(family in ("qwen3", "gemma3", "gemma4", "qwen3_moe", "olmo2", "olmo3", "exaone4",
                                 "olmoe", "hunyuan_dense")
                      or (family == "cohere" and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,

@@ -79,6 +79,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return inv_freq / factors / scaling.get("factor", 1.0)
     if kind == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    if kind == "proportional":
+        # (Gemma 4's global layers, transformers' _compute_proportional_rope_parameters: the
+        # first partial_rotary_factor of the pairs turn, the others keep frequency 0)
+        turning = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq[turning:] = 0.0
+        return inv_freq / scaling.get("factor", 1.0)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -91,7 +97,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     raise ModelLoadError(f"unsupported rope_scaling type {kind!r}; FreeToken knows "
-                         "default, linear, llama3, yarn and (from GGUF) factors")
+                         "default, linear, llama3, yarn, proportional and (from GGUF) "
+                         "factors")
 
 
 def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float,

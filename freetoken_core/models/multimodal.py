@@ -23,6 +23,7 @@ WRAPPERS = {
     "Qwen3VLForConditionalGeneration": "qwen3_vl_text",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe_text",
     "Gemma3ForConditionalGeneration": "gemma3_text",
+    "Gemma4ForConditionalGeneration": "gemma4_text",
     "Mistral3ForConditionalGeneration": "mistral",
 }
 # ``text_config.model_type`` -> the causal-LM class FreeToken builds for it.
@@ -32,6 +33,7 @@ TEXT_MODELS = {
     "qwen3_vl_text": "Qwen3ForCausalLM",
     "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
     "mistral": "MistralForCausalLM",
     "ministral3": "Ministral3ForCausalLM",
     "llama": "LlamaForCausalLM",
@@ -45,7 +47,8 @@ _FORWARDS_TIE = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGen
 _RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
             ("language_model.lm_head.", "lm_head."))
 _SKIPPED = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.",
-            "multi_modal_projector.", "model.multi_modal_projector.")
+            "multi_modal_projector.", "model.multi_modal_projector.",
+            "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")  # (Gemma 4's)
 
 
 def wrapper_of(cfg: dict[str, Any]) -> str | None:

@@ -9,6 +9,7 @@ from freetoken_core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from freetoken_core.models.ernie4_5 import Ernie4_5ForCausalLM
 from freetoken_core.models.gemma2 import Gemma2ForCausalLM
 from freetoken_core.models.gemma3 import Gemma3ForCausalLM
+from freetoken_core.models.gemma4 import Gemma4ForCausalLM
 from freetoken_core.models.glm4 import Glm4ForCausalLM
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.olmo2 import Olmo2ForCausalLM
@@ -23,6 +24,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen3": LlamaForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "gemma4": Gemma4ForCausalLM,
     "phi3": Phi3ForCausalLM,
     "smollm3": SmolLM3ForCausalLM,
     "granite": LlamaForCausalLM,  # (its multipliers are ModelConfig fields Llama's reads)
