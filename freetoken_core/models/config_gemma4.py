@@ -40,7 +40,8 @@ _ROPES = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
 _DEFAULTS = {"vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216,
              "num_hidden_layers": 30, "num_attention_heads": 8, "num_key_value_heads": 4,
              "head_dim": 256, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
-             "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1}
+             "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+             "hidden_size_per_layer_input": 256}
 
 
 def gemma4_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -75,6 +76,12 @@ def gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ModelLoadError(f"{ARCH} rope_parameters.full_attention.rope_type "
                              f"{rope_kind(full)!r} is not supported; FreeToken computes "
                              "default and proportional")
+    # (a GGUF file's rope_freqs: llama.cpp's factors for the proportional rope)
+    factors = cfg.get("rope_scaling")
+    factors = factors if isinstance(factors, dict) and rope_kind(factors) == "factors" else None
+    if factors is not None and rope_kind(full) != "default":
+        raise ModelLoadError(f"{ARCH} with rope frequency factors and a {rope_kind(full)!r} "
+                             "rope on its global layers: one or the other")
     shared = int(cfg.get("num_kv_shared_layers") or 0)
     if not 0 <= shared < layers or shared and any(
             t not in types[:layers - shared] for t in types[layers - shared:]):
@@ -89,7 +96,8 @@ def gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "kv_shared_layers": shared,
         "per_layer_input_size": int(cfg.get("hidden_size_per_layer_input") or 0),
         "rope_theta": float(full["rope_theta"]),
-        "rope_scaling": (None if rope_kind(full) == "default"
+        "rope_scaling": (factors if factors is not None
+                         else None if rope_kind(full) == "default"
                          else {"rope_type": "proportional", "factor": full.get("factor", 1.0),
                                "partial_rotary_factor": full.get("partial_rotary_factor",
                                                                  1.0)}),

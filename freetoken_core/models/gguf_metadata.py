@@ -25,6 +25,7 @@ from freetoken_core.models.gguf_families import (
     text_architecture,
     text_rope_sections,
 )
+from freetoken_core.models.gguf_gemma4 import gemma4_config
 from freetoken_core.models.gguf_reader import field, require, token_count
 
 ARCH = "llama"
@@ -37,6 +38,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
@@ -114,6 +116,7 @@ ROPE_FACTOR_TENSORS = {
     "exaone4": ("rope_freqs.weight",),
     "exaone": ("rope_freqs.weight",),
     "arcee": ("rope_freqs.weight",),
+    "gemma4": ("rope_freqs.weight",),  # (its global layers' proportional rope)
     "phi3": ("rope_factors_long.weight", "rope_factors_short.weight"),
 }
 
@@ -194,7 +197,8 @@ def build_config(reader: Any) -> dict[str, Any]:
     p = f"{arch}."  # (the file's keys; arch's tensors and computation: text_architecture)
     hidden = int(require(reader, p + "embedding_length"))
     heads = int(require(reader, p + "attention.head_count"))
-    kv_heads = int(field(reader, p + "attention.head_count_kv", heads))
+    layered = arch == "gemma4"  # (head_count_kv, feed_forward_length: a number a layer too)
+    kv_heads = heads if layered else int(field(reader, p + "attention.head_count_kv", heads))
     head_dim = int(field(reader, p + "attention.key_length", hidden // heads))
     rope_dim = int(field(reader, p + "rope.dimension_count", head_dim))
     # Partial rotary (Phi-4-mini: the first 3/4 of each head; GLM-4: half): llama.cpp's
@@ -211,7 +215,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         "architectures": [ARCHITECTURES[arch]],
         "model_type": text_architecture(arch),
         "hidden_size": hidden,
-        "intermediate_size": int(require(reader, p + "feed_forward_length")),
+        "intermediate_size": 0 if layered else int(require(reader,
+                                                           p + "feed_forward_length")),
         "num_hidden_layers": int(require(reader, p + "block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -230,6 +235,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(gemma3_config(reader, config))
     if arch == "gemma2":
         config.update(gemma2_config(reader, config))
+    if arch == "gemma4":
+        config.update(gemma4_config(reader, config, names))
     if arch == "phi3" and rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
     if arch == "glm4":

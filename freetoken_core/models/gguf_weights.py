@@ -22,6 +22,7 @@ import numpy as np
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.hugepages import PAGE, madvise_dontneed
+from freetoken_core.models import gguf_gemma4
 from freetoken_core.models.gguf_metadata import ROPE_FACTOR_TENSORS
 
 if TYPE_CHECKING:
@@ -146,6 +147,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "qwen2moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE, **_SHARED_EXPERT},
     "gpt-oss": _GPT_OSS,
     "gemma3": {**_GEMMA_NORMS, **_ATTENTION, **_MLP},
+    "gemma4": gguf_gemma4.LAYER_TENSORS,
     "gemma2": {**_GEMMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
                **_MLP},  # (no q/k norms)
     "glm4": {
@@ -267,6 +269,8 @@ def hf_name(arch: str, gguf_name: str) -> str | None:
     family has no such tensor."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
+    if arch == "gemma4" and gguf_name in gguf_gemma4.GLOBAL_TENSORS:
+        return gguf_gemma4.GLOBAL_TENSORS[gguf_name]
     match = _LAYER_RE.match(gguf_name)
     if match and match.group(2) in _LAYER_TENSORS[arch]:
         return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[arch][match.group(2)]}"

@@ -22,7 +22,8 @@ from freetoken_core.models.config import ModelConfig
 
 def uniform(cfg: ModelConfig) -> bool:
     """Whether every layer stores keys and values of the model's own shape."""
-    return not (cfg.layer_head_dims or cfg.layer_kv_heads or cfg.kv_shared_layers)
+    return not cfg.kv_shared_layers and set(cfg.layer_head_dims) <= {cfg.head_dim} and set(
+        cfg.layer_kv_heads) <= {cfg.num_kv_heads}
 
 
 def layer_kv_shape(cfg: ModelConfig, index: int) -> tuple[int, int]:
