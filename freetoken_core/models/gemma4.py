@@ -52,10 +52,12 @@ from freetoken_core.models.sharding import Shard
 
 
 class Gemma4Experts(SparseMoE):
-    """A layer's experts and router (module docstring), by transformers' names under the
-    layer (``router.proj`` / ``scale`` / ``per_expert_scale``, ``experts.gate_up_proj`` /
-    ``down_proj``) or by a GGUF file's (``mlp.gate``, ``mlp.experts.{e}.*``,
-    ``router.scale``, ``router.per_expert_scale``)."""
+    """A layer's experts (GELU-tanh gated) and router (module docstring), by transformers'
+    names under the layer (``router.proj`` / ``scale`` / ``per_expert_scale``,
+    ``experts.gate_up_proj`` / ``down_proj``) or by a GGUF file's (``mlp.gate``,
+    ``mlp.experts.{e}.*``, ``router.scale``, ``router.per_expert_scale``)."""
+
+    gelu_tanh = True
 
     def __init__(self, cfg: ModelConfig, weights: Weights, prefix: str, native: bool,
                  arena: BlockArena | None) -> None:
@@ -75,12 +77,6 @@ class Gemma4Experts(SparseMoE):
         self.root = cfg.hidden_size ** -0.5
         self.eps = cfg.rms_norm_eps
 
-    def set_native_args(self) -> None:
-        self.native_args = None  # (moe_experts computes SwiGLU; Gemma 4's experts GELU-tanh)
-
-    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return gelu_tanh_and_mul(gate_up)
-
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router of the residual stream ``x``: ``(weights, experts)``."""
         normed = torch.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
@@ -93,7 +89,7 @@ class Gemma4Experts(SparseMoE):
     def experts_of(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The experts' sum for the normed ``x``, routed by the residual stream."""
         weights, chosen = self.route(residual)
-        return self.loop(x, weights.to(x.dtype), chosen)
+        return self.experts_sum(x, weights.to(x.dtype), chosen)
 
 
 class Gemma4DecoderLayer:

@@ -41,7 +41,7 @@ import torch
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.config import ModelConfig
-from freetoken_core.models.layers import silu_and_mul
+from freetoken_core.models.layers import gelu_tanh_and_mul, silu_and_mul
 from freetoken_core.models.linear import BlockArena, Linear, make_linear
 
 # One expert's weights: gate, up and down projections, and their biases (None: none).
@@ -129,6 +129,9 @@ def swiglu_oai(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
 class SparseMoE:
     """One layer's mixture-of-experts MLP (module docstring): ``moe(x)`` is its output."""
 
+    gelu_tanh = False
+    """The experts' activation is GELU-tanh-and-mul (Gemma 4's), not SwiGLU."""
+
     def __init__(self, cfg: ModelConfig, weights: dict[str, Any], prefix: str, native: bool,
                  arena: BlockArena | None = None) -> None:
         router, router_bias, experts = _expert_weights(weights, prefix, cfg.num_experts)
@@ -181,7 +184,7 @@ class SparseMoE:
                                 [down.blocks[0] for _, down in self.experts],
                                 [gu.bias for gu, _ in self.experts] if any(biased) else [],
                                 [down.bias for _, down in self.experts] if any(biased) else [],
-                                alpha, limit)
+                                alpha, limit, self.gelu_tanh)
 
     @property
     def linears(self) -> tuple[Linear, ...]:
@@ -208,20 +211,27 @@ class SparseMoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
-        if self.native_args is not None:
-            out = torch.ops.freetoken.moe_experts(x.contiguous(), chosen, weights,
-                                                  *self.native_args)
-        else:
-            out = self.loop(x, weights, chosen)
+        out = self.experts_sum(x, weights, chosen)
         if self.shared is None:
             return out
         gate_up, down = self.shared
         shared = down(silu_and_mul(gate_up(x), self.native))
         return out + torch.sigmoid(self.shared_gate(x)) * shared
 
+    def experts_sum(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+                    ) -> torch.Tensor:
+        """Each token's sum of its ``chosen`` experts' outputs times their ``weights``: in
+        one native call where the experts compute from GGUF blocks, else ``loop``."""
+        if self.native_args is not None:
+            return torch.ops.freetoken.moe_experts(x.contiguous(), chosen, weights,
+                                                   *self.native_args)
+        return self.loop(x, weights, chosen)
+
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """An expert's activation of its fused ``[gate | up]`` output: SwiGLU, or gpt-oss's
-        clamped one."""
+        """An expert's activation of its fused ``[gate | up]`` output: SwiGLU, gpt-oss's
+        clamped one, or GELU-tanh-and-mul (Gemma 4's)."""
+        if self.gelu_tanh:
+            return gelu_tanh_and_mul(gate_up)
         if self.swiglu is not None:
             return swiglu_oai(gate_up, *self.swiglu)
         return silu_and_mul(gate_up, self.native)

@@ -13,11 +13,13 @@
 //
 // gpt-oss's experts: biases added to each linear's output (as Linear adds them, add_), and
 // its clamped SwiGLU in place of SiLU-and-mul (moe.py swiglu_oai's torch operators, in its
-// order), where `swiglu_limit` > 0.
+// order), where `swiglu_limit` > 0. Gemma 4's (`gelu_tanh`): GELU-tanh-and-mul in place of
+// SiLU-and-mul (layers.py gelu_tanh_and_mul's torch operators).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/sigmoid.h>
 #include <ATen/TensorOperators.h>
@@ -48,7 +50,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::
                        at::TensorList gate_up, at::IntArrayRef gate_up_types,
                        at::TensorList down, at::IntArrayRef down_types,
                        at::TensorList gate_up_bias, at::TensorList down_bias,
-                       double swiglu_alpha, double swiglu_limit) {
+                       double swiglu_alpha, double swiglu_limit, bool gelu_tanh) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "moe_experts: x must be a contiguous float32 [T, hidden] tensor");
   const int64_t tokens = x.size(0), hidden = x.size(1);
@@ -122,7 +124,10 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::
     at::Tensor g = gu.narrow(0, first, count), a = act.narrow(0, first, count);
     freetoken::linear(xs.narrow(0, first, count), gate_up[e], gate_up_types[e], g);
     if (biases) g.add_(gate_up_bias[e]);
-    if (swiglu_limit > 0) {
+    if (gelu_tanh) {
+      const int64_t half = gate_up_features / 2;
+      at::mul_out(a, at::gelu(g.narrow(1, 0, half), "tanh"), g.narrow(1, half, half));
+    } else if (swiglu_limit > 0) {
       const int64_t half = gate_up_features / 2;
       const at::Tensor gate = g.narrow(1, 0, half).clamp_max(swiglu_limit);
       const at::Tensor up = g.narrow(1, half, half).clamp(-swiglu_limit, swiglu_limit);
@@ -184,6 +189,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& chosen, const at::
 TORCH_LIBRARY_FRAGMENT(freetoken, m) {
   m.def("moe_experts(Tensor x, Tensor chosen, Tensor weights, Tensor[] gate_up, "
         "int[] gate_up_types, Tensor[] down, int[] down_types, Tensor[] gate_up_bias, "
-        "Tensor[] down_bias, float swiglu_alpha, float swiglu_limit) -> Tensor",
+        "Tensor[] down_bias, float swiglu_alpha, float swiglu_limit, bool gelu_tanh=False) "
+        "-> Tensor",
         &moe_experts);
 }
