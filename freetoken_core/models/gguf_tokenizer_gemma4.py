@@ -25,8 +25,9 @@ that a newline token is always built whole). Where the file has no merge of newl
 llama.cpp leaves a run that is no token as single newlines, which a second ``Split`` does:
 a run whose length is a token's is one word, any other is cut into single newlines. Where the
 file does merge newlines, a run that is no token is merged as its merges say, as there, but
-with the added merges too: the two differ only if the file's merges do not build every
-newline token.
+with the added merges too: where the file's merges do not build every newline token (not
+Gemma 4's layout), such a run can merge further than in llama.cpp (tokens of 1 to 4
+newlines, merges of 1+1 and 2+1 only: runs of 6 and more differ).
 """
 
 from __future__ import annotations
