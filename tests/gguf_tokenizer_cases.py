@@ -8,6 +8,8 @@ Vocabularies: the default model's byte-level BPE vocabulary re-labelled with eac
 fields (and the few hyper-parameters llama.cpp reads before a vocabulary), which both
 FreeToken and llama.cpp (``vocab_only``) load; a third SentencePiece vocabulary is named
 Phi-3, for llama.cpp's rule that its control tokens swallow the whitespace after them.
+Gemma 4 (``tokenizer.ggml.model = gemma4``): the BPE tests/gguf_gemma4.py trains, in its three
+variants of newline tokens, with the texts of :data:`GEMMA4_TEXTS` too.
 
 Regenerate the fixture, after changing a text or a vocabulary, with llama.cpp's
 ``llama-tokenize`` (``cmake --build ~/.cache/freetoken/llama.cpp/build --target
@@ -68,6 +70,27 @@ CAMEL = ("JavaScript TypeScript iPhone McDonald's XMLHttpRequest getElementById 
 PROSE = ("Tokenizers split text into pieces. It's what they've done; I'll say we'd "
          "DON'T shout. \"Quotes\" and 'these' (parens) [brackets] {braces} a--b ... ?!\n"
          "   leading spaces, trailing spaces   \n\r\nCRLF\rCR\x0b\x0c\u2028end  ")
+
+
+# Gemma 4's: runs of newlines that are tokens and longer ones, runs of spaces, a chat turn with
+# its user-defined tokens, </s> (normal there), a tab (a byte) and a byte token's text, also
+# as a whole line (merged as any line: llama.cpp takes only a newline run whole).
+GEMMA4_TEXTS = {
+    "newlines": ("\n\nA\nB\n\nC\n\n\nD\n\n\n\nE\n\n\n\n\nF\n\n\n\n\n\nG"
+                 "\n\n\n\n\n\n\n\nH\n \n\n \n\n\n\n"),
+    "blanks": "  two leading, trailing two  \na  b   c    d     e\n \t \n     \n  ",
+    "chat": ("<bos><|turn>user\nWhat is the weather in Paris?<turn|>\n<|turn>model\n<|channel>"
+             "thought\nCall the tool.<channel|><|tool_call>call:get{city:<|\"|>Paris<|\"|>}"
+             "<tool_call|><|tool_response>response:get{t:21}<tool_response|>It is 21 C."
+             "<turn|></s> <eos>"),
+    "literal": "a <0x41> b <0x0A>\n<0x41>\n<unk>x<pad><mask>",
+}
+
+
+def case_texts(case: str, special: list[str]) -> dict[str, str]:
+    """Name -> text of vocabulary ``case``: :func:`texts`, and for Gemma 4's
+    :data:`GEMMA4_TEXTS`."""
+    return {**texts(special), **(GEMMA4_TEXTS if case.startswith("gemma4") else {})}
 
 
 def texts(special: list[str]) -> dict[str, str]:
@@ -165,13 +188,27 @@ def spm_tokenizer_gguf(prefix: bool, directory: Path, phi3: bool = False) -> tup
     return write_tokenizer_gguf(fields, directory / f"spm-{prefix}.gguf"), digest.hexdigest()
 
 
+def gemma4_tokenizer_gguf(variant: str, directory: Path,
+                          add_bos: bool | None = True) -> tuple[Path, str]:
+    """The Gemma 4 vocabulary ``variant`` of tests/gguf_gemma4.py as a tokenizer-only GGUF in
+    ``directory``, and its hash."""
+    from gguf_gemma4 import gemma4_fields
+
+    fields, digest = gemma4_fields(variant, add_bos)
+    return write_tokenizer_gguf(fields, directory / f"gemma4-{variant}-{add_bos}.gguf"), digest
+
+
 def vocabularies(directory: Path) -> dict[str, tuple[Path, str]]:
-    """Name (``bpe-<pre>`` / ``spm-<prefix>`` / ``spm-phi3``) -> (tokenizer-only GGUF,
-    vocabulary hash)."""
+    """Name (``bpe-<pre>`` / ``spm-<prefix>`` / ``spm-phi3`` / ``gemma4-<variant>``) ->
+    (tokenizer-only GGUF, vocabulary hash)."""
+    from gguf_gemma4 import VARIANTS
+
     out = {f"bpe-{pre}": (bpe_tokenizer_gguf(pre, directory), "") for pre in PRE_TYPES}
     for prefix in SPM_PREFIXES:
         out[f"spm-{prefix}"] = spm_tokenizer_gguf(prefix, directory)
     out["spm-phi3"] = spm_tokenizer_gguf(True, directory, phi3=True)
+    for variant in VARIANTS:
+        out[f"gemma4-{variant}"] = gemma4_tokenizer_gguf(variant, directory)
     return out
 
 
@@ -195,7 +232,7 @@ def regenerate(binary: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         for name, (path, digest) in vocabularies(scratch).items():
-            items = texts(special_texts(read_vocab(path, open_header(path))))
+            items = case_texts(name, special_texts(read_vocab(path, open_header(path))))
             cases[name] = {"vocab_sha256": digest, "texts": items, "ids": {
                 key: _llama_tokenize(binary, path, text, scratch) for key, text in items.items()}}
             print(name, sum(map(len, cases[name]["ids"].values())), "ids", flush=True)

@@ -3,7 +3,8 @@
 The oracle is tests/fixtures/gguf_tokenizer_ids.json: llama.cpp's ids (``llama-tokenize``,
 add_special and parse_special, as llama-server tokenizes a prompt) for the texts of
 tests/gguf_tokenizer_cases.py over the default model's vocabulary re-labelled with each
-``tokenizer.ggml.pre`` type and over two SentencePiece models trained in the test. Decoding
+``tokenizer.ggml.pre`` type, over two SentencePiece models and over three Gemma 4
+(``gemma4``) BPE vocabularies trained in the test. Decoding
 is checked against llama.cpp's pieces (``llama_vocab::token_to_piece``) computed here, and
 streaming against the incremental detokenizer."""
 
@@ -19,8 +20,8 @@ import pytest
 from gguf_tokenizer_cases import (
     FIXTURE,
     GPL3,
+    case_texts,
     special_texts,
-    texts,
     vocabularies,
     write_tokenizer_gguf,
 )
@@ -76,6 +77,7 @@ def test_fixture_covers_every_listed_pre_type_and_both_spm_prefixes() -> None:
                 "gpt-4o", "tekken"):
         assert f"bpe-{pre}" in CASES
     assert {"spm-True", "spm-False", "spm-phi3"} <= set(CASES)
+    assert {"gemma4-lines", "gemma4-merged", "gemma4-bytes"} <= set(CASES)
     assert all(len(c["ids"]) == len(c["texts"]) >= 12 for c in fixture()["cases"].values())
 
 
@@ -87,7 +89,7 @@ def test_ids_equal_llama_cpp(case: str, built: dict[str, tuple[GGUFVocab, Any]],
         "the vocabulary differs from the fixture's (sentencepiece trained another model?); "
         "regenerate it: see tests/gguf_tokenizer_cases.py")
     vocab, tokenizer = built[case]
-    assert texts(special_texts(vocab)) == expected["texts"]
+    assert case_texts(case, special_texts(vocab)) == expected["texts"]
     for key, text in expected["texts"].items():
         ours = tokenizer.encode(text, add_special_tokens=True).ids
         theirs = expected["ids"][key]
@@ -116,7 +118,7 @@ def byte_level_bytes() -> dict[str, int]:
 def llama_cpp_pieces(vocab: GGUFVocab, ids: list[int]) -> str:
     """llama.cpp's ``token_to_piece`` (special=true) of each id, concatenated: byte-level
     text back to its bytes (BPE), ``▁`` as a space and byte tokens as their byte
-    (SentencePiece), control / unknown / user-defined tokens as their text."""
+    (SentencePiece, Gemma 4), control / unknown / user-defined tokens as their text."""
     to_byte = byte_level_bytes()
     out = b""
     for i in ids:
@@ -125,7 +127,7 @@ def llama_cpp_pieces(vocab: GGUFVocab, ids: list[int]) -> str:
             out += text.encode()
         elif kind == BYTE:
             out += bytes([int(text[3:5], 16)])
-        elif vocab.is_spm:
+        elif vocab.is_spm or vocab.model == "gemma4":
             out += text.replace("▁", " ").encode()
         else:
             out += bytes(to_byte[c] for c in text)
@@ -150,7 +152,8 @@ def test_decode_is_llama_cpp_pieces_and_inverts_encode(
             assert pieces == text, (case, key)
 
 
-@pytest.mark.parametrize("case", ["bpe-smollm", "bpe-qwen2", "spm-True", "spm-False"])
+@pytest.mark.parametrize("case", ["bpe-smollm", "bpe-qwen2", "spm-True", "spm-False",
+                                  "gemma4-lines"])
 def test_streaming_never_emits_a_split_character(
         case: str, built: dict[str, tuple[GGUFVocab, Any]]) -> None:
     from transformers import PreTrainedTokenizerFast

@@ -30,7 +30,12 @@ from typing import Any
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.gguf_metadata import build_config, generation_config
 from freetoken_core.models.gguf_reader import field, open_header
-from freetoken_core.models.gguf_tokenizer import build_tokenizer, read_vocab, tokenizer_config
+from freetoken_core.models.gguf_tokenizer import (
+    EOG_TEXTS,
+    build_tokenizer,
+    read_vocab,
+    tokenizer_config,
+)
 from freetoken_core.models.gguf_weights import check_tensors
 
 __all__ = ["convert_gguf"]
@@ -45,15 +50,8 @@ _FILL_IN_MIDDLE_KEYS = {
     "mid": ("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"),
 }
 
-# The tokens llama.cpp ends generation on by their text, whatever the metadata says
-# (src/llama-vocab.cpp, ``special_eog_ids``), and the fill-in-the-middle pad / repo /
-# file-separator tokens it finds by text where the metadata names none (those end it too).
-_EOG_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<｜end▁of▁sentence｜>", "[e~[",
-})
+# The fill-in-the-middle pad / repo / file-separator tokens llama.cpp finds by text where the
+# metadata names none (those end generation too, as the tokens of EOG_TEXTS do).
 _FIM_EOG = {
     "tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>",
                                         "[PAD]"),
@@ -84,7 +82,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
     * ``progress`` is accepted for the callers' sake; the files take about a second.
     * Raises :class:`ModelLoadError` if the file is unreadable, of an architecture FreeToken
       does not run, or has no tokenizer FreeToken can build (none, or a model other than
-      ``gpt2`` and ``llama``).
+      ``gpt2``, ``llama`` and ``gemma4``).
     """
     del progress
     gguf_path = Path(gguf_path)
@@ -132,7 +130,7 @@ def end_of_generation_ids(reader: Any, tokens: list[str]) -> list[int]:
         value = field(reader, key)
         return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
 
-    eog = {index[text] for text in _EOG_TEXTS if text in index}
+    eog = {index[text] for text in EOG_TEXTS if text in index}
     for key, texts in _FIM_EOG.items():
         found = named(key)
         if found is None:

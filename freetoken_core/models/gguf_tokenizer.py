@@ -16,16 +16,25 @@ generic fast tokenizer loads. How each part of llama.cpp maps onto it:
   ``tokenizer.ggml.add_space_prefix`` (default true) says so, a ``▁`` prefixed to every run
   of text: llama.cpp prefixes it to the first one and to each one after a special token,
   and every run of text but the first follows one.
+  ``gemma4`` (Gemma 4): a BPE over the file's merges on raw UTF-8 with ``▁`` for spaces and
+  no prefix, split only into lines and runs of newlines (a run that is a token taken
+  whole), byte fallback, BOS always (:mod:`gguf_tokenizer_gemma4`).
 * **Special tokens** (``parse_special``): control (3), unknown (2) and user-defined (4)
   tokens are cut out of the text before anything else, matched on their raw text; the
   first two are special (dropped by ``skip_special_tokens``, as llama.cpp renders them only
-  with ``special``). In a file named Phi-3 they swallow the whitespace after them (but
-  ``<unk>``, ``<s>``, ``<|endoftext|>``), as llama.cpp sets there.
+  with ``special``). The types are llama.cpp's after it loads the file: a token whose text
+  it ends generation on (:data:`EOG_TEXTS`) is control, but ``</s>`` beside
+  ``<|tool_response>`` (Gemma 4) or ``<|plamo:eos|>``, which is normal, and gpt-oss's
+  ``<|end|>``, ``<|channel|>`` ..., which are user-defined (:func:`llama_cpp_types`). In a
+  file named Phi-3 they swallow the whitespace after them (but ``<unk>``, ``<s>``,
+  ``<|endoftext|>``), as llama.cpp sets there.
 * **BOS / EOS**: added by ``add_special_tokens`` as ``tokenizer.ggml.add_bos_token`` /
-  ``add_eos_token`` say, else as llama.cpp's defaults for the vocabulary and pre type.
+  ``add_eos_token`` say, else as llama.cpp's defaults for the vocabulary and pre type
+  (Gemma 4: BOS whatever the file says).
 * **Decoding** is the concatenation of llama.cpp's pieces (byte-level pieces back to their
-  bytes, ``▁`` to a space, ``<0xNN>`` to its byte, special tokens as their text), less the
-  one space a SentencePiece prefix added at the start, so that decode inverts encode.
+  bytes, ``▁`` to a space (SentencePiece, Gemma 4), ``<0xNN>`` to its byte, special
+  tokens as their text), less the one space a SentencePiece prefix added at the start, so
+  that decode inverts encode.
   Not replayed: ``tokenizers`` runs added tokens through the vocabulary's decoder too, so a
   byte-level vocabulary's user-defined token spelled wholly in GPT-2's byte alphabet with
   non-ASCII letters ("café") decodes as those bytes (converters write none: ``<think>``,
@@ -45,7 +54,8 @@ from typing import Any
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.gguf_pretokenizers import DEFAULT, PRE_TOKENIZERS, PreTokenizer
 
-__all__ = ["GGUFVocab", "build_tokenizer", "read_vocab", "tokenizer_config"]
+__all__ = ["EOG_TEXTS", "GGUFVocab", "build_tokenizer", "llama_cpp_types", "read_vocab",
+           "tokenizer_config"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +65,16 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores",
            "tokenizer.ggml.merges")
 _SPECIAL_IDS = ("bos", "eos", "unknown", "padding")
+_MODELS = ("gpt2", "llama", "gemma4")
+
+EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+})
+"""The texts of the tokens llama.cpp ends generation on whatever the metadata says
+(``special_eog_ids`` in src/llama-vocab.cpp), and makes control tokens."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +128,9 @@ class GGUFVocab:
         (SentencePiece: BOS; BPE: BOS for the pre types that set it), and never a token
         the file does not name."""
         add_bos = self.add_bos
-        if add_bos is None:
+        if self.model == "gemma4":
+            add_bos = True  # llama.cpp overrides a false add_bos_token for Gemma 4
+        elif add_bos is None:
             add_bos = self.is_spm or self.pre_tokenizer.add_bos
         add_eos = bool(self.add_eos)
         return (add_bos and "bos" in self.special_ids, add_eos and "eos" in self.special_ids)
@@ -117,7 +139,8 @@ class GGUFVocab:
 def read_vocab(gguf_path: Path, reader: Any) -> GGUFVocab:
     """The vocabulary of ``gguf_path``, whose scalar metadata ``reader`` holds (from
     ``open_header``). Raises :class:`ModelLoadError` for a file without tokens or with a
-    tokenizer model other than ``gpt2`` and ``llama``."""
+    tokenizer model other than ``gpt2``, ``llama`` and ``gemma4``, or a ``gemma4`` one
+    without merges (llama.cpp refuses both)."""
     from freetoken_core.models.gguf_reader import field, read_arrays
 
     arrays = read_arrays(gguf_path, _ARRAYS)
@@ -125,10 +148,13 @@ def read_vocab(gguf_path: Path, reader: Any) -> GGUFVocab:
     tokens = arrays.get("tokenizer.ggml.tokens", [])
     if not tokens:
         raise ModelLoadError(f"{gguf_path} has no tokenizer (no tokenizer.ggml.tokens)")
-    if model not in ("gpt2", "llama"):
+    if model not in _MODELS:
         raise ModelLoadError(
             f"GGUF tokenizer model {model!r} of {gguf_path} is not supported (supported: "
-            "'gpt2' byte-level BPE and 'llama' SentencePiece)")
+            "'gpt2' byte-level BPE, 'llama' SentencePiece and 'gemma4' Gemma 4 BPE)")
+    if model == "gemma4" and not arrays.get("tokenizer.ggml.merges"):
+        raise ModelLoadError(f"{gguf_path} has a 'gemma4' tokenizer without merges "
+                             "(no tokenizer.ggml.merges)")
     types = [int(t) for t in arrays.get("tokenizer.ggml.token_type", [])]
     scores = [float(s) for s in arrays.get("tokenizer.ggml.scores", [])]
     special_ids = {}
@@ -156,6 +182,13 @@ def build_tokenizer(vocab: GGUFVocab) -> Any:
     ``vocab`` (see the module docstring)."""
     from tokenizers import Tokenizer
 
+    if vocab.model == "gemma4":
+        from freetoken_core.models.gguf_tokenizer_gemma4 import build_gemma4_tokenizer
+
+        tokenizer = build_gemma4_tokenizer(vocab)
+        _add_special_tokens(tokenizer, vocab)
+        _set_post_processor(tokenizer, vocab)
+        return tokenizer
     tokenizer = Tokenizer(_spm_model(vocab) if vocab.is_spm else _bpe_model(vocab))
     if vocab.is_spm:
         _set_spm_steps(tokenizer, vocab)
@@ -237,7 +270,7 @@ def _add_special_tokens(tokenizer: Any, vocab: GGUFVocab) -> None:
 
     is_phi3 = "phi-3" in vocab.name or "phi3" in vocab.name
     special, user = [], []
-    for text, kind in zip(vocab.tokens, vocab.types):
+    for text, kind in zip(vocab.tokens, llama_cpp_types(vocab)):
         if not text or kind not in (CONTROL, UNKNOWN, USER_DEFINED):
             continue
         rstrip = is_phi3 and text not in ("<unk>", "<s>", "<|endoftext|>")
@@ -246,6 +279,29 @@ def _add_special_tokens(tokenizer: Any, vocab: GGUFVocab) -> None:
         (user if kind == USER_DEFINED else special).append(token)
     tokenizer.add_special_tokens(special)
     tokenizer.add_tokens(user)
+
+
+def llama_cpp_types(vocab: GGUFVocab) -> list[int]:
+    """The token types as llama.cpp holds them once it has loaded the file
+    (``llama_vocab::impl::load``): a token whose text is in :data:`EOG_TEXTS` is control
+    (a user-defined one too: llama.cpp then renders it only with ``special``), except
+    ``</s>`` beside ``<|tool_response>`` or ``<|plamo:eos|>`` (normal) and ``<|end|>`` beside
+    ``<|call|>`` or ``<|calls|>`` and ``<|return|>`` or ``<|flush|>`` (user-defined);
+    gpt-oss's ``<|channel|>``, ``<|message|>``, ``<|start|>``, ``<|constrain|>`` are
+    user-defined."""
+    types = list(vocab.types)
+    index = _token_ids(vocab)
+    for text in EOG_TEXTS & index.keys():
+        types[index[text]] = CONTROL
+    if "</s>" in index and index.keys() & {"<|tool_response>", "<|plamo:eos|>"}:
+        types[index["</s>"]] = NORMAL
+    calls = index.keys() & {"<|call|>", "<|calls|>"}
+    if "<|end|>" in index and calls and index.keys() & {"<|return|>", "<|flush|>"}:
+        types[index["<|end|>"]] = USER_DEFINED
+    for text in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):
+        if text in index:
+            types[index[text]] = USER_DEFINED
+    return types
 
 
 def _set_post_processor(tokenizer: Any, vocab: GGUFVocab) -> None:
