@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_gemma4_files import gemma4_model, write_gemma4_gguf
-from test_arch_gemma3 import chunked_logits
+from test_arch_gemma3 import chunked_logits, engine_path
 from test_arch_phi3 import save_model
 from test_gguf_rope_factors import LONG, greedy, served
 from tiny_models import build_tokenizer
@@ -71,13 +71,17 @@ def assert_matches(llm: LLM, hf: torch.nn.Module, prompts: list[list[int]],
     return model
 
 
+@pytest.mark.parametrize("path", ["native", "torch"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_gemma4_directory_matches_transformers(tmp_path: Path, shape: str) -> None:
+def test_gemma4_directory_matches_transformers(tmp_path: Path, shape: str, path: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    native, _ = engine_path(path, monkeypatch)
     tok = build_tokenizer(tmp_path)
     hf = gemma4_model(len(tok), **SHAPES[shape], **per_layer_vocab(shape, len(tok)))
     save_model(hf, tmp_path)
     llm, prompts, got = served(tmp_path, PROMPTS, 16)
     model = assert_matches(llm, hf, prompts, got)
+    assert model.native is native
     cfg = model.config
     assert cfg.architecture == "gemma4" and max(cfg.layer_head_dims) == 32
     if shape == "31b-like":
