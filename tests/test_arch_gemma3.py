@@ -27,7 +27,7 @@ from freetoken_core import LLM, SamplingParams
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.kernels import cpu_kernels_available
 from freetoken_core.models import llama, loader
-from freetoken_core.models.attention import AttentionMetadata, paged_attention
+from freetoken_core.models.attention import AttentionMetadata, SequenceSpans, paged_attention
 from freetoken_core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from freetoken_core.models.gemma2 import Gemma2ForCausalLM
 from freetoken_core.models.gemma3 import Gemma3ForCausalLM
@@ -138,16 +138,24 @@ def chunked_logits(model: Any, ids: list[int], chunks: list[int], block_size: in
     layers, heads, dim = kv_cache_dims(cfg)
     cache = torch.zeros(layers, num_blocks * block_size, 2, heads, dim)
     out, start = [], 0
+    recurrent = getattr(model, "recurrent", False)
+    if recurrent:  # (its states: one slot, the sequence's; the engine's back afterwards)
+        engine_states = model.states
+        model.allocate_states(1)
     with torch.inference_mode():
         for size in chunks:
             end = start + size
             meta = AttentionMetadata.build([table], [end], [size], block_size,
                                            torch.device("cpu"), native=model.native)
+            if recurrent:
+                meta.sequences = SequenceSpans.build([end], [size], [0], torch.device("cpu"))
             hidden = model.forward(torch.tensor(ids[start:end]), torch.arange(start, end),
                                    cache, meta)
             out.append(model.compute_logits(hidden))
             start = end
     assert start == len(ids)
+    if recurrent:
+        model.states = engine_states
     return torch.cat(out)
 
 

@@ -117,7 +117,8 @@ def build_engine(config: EngineConfig, progress: bool = True,
                                   None if group is None else group.shard)
         runner = ModelRunner(model, limits.num_kv_blocks, limits.block_size,
                              config.kv_torch_dtype(device), device, pipeline,
-                             prefault=config.kv_cache_prefault, kv_cache=kv_cache)
+                             prefault=config.kv_cache_prefault, kv_cache=kv_cache,
+                             state_slots=config.max_num_seqs)
         if group is not None:
             group.wait_ready()
             runner.send_plan = group.send_plan
@@ -125,8 +126,13 @@ def build_engine(config: EngineConfig, progress: bool = True,
         if group is not None:
             group.close()
         raise
-    block_manager = BlockManager(limits.num_kv_blocks, limits.block_size,
-                                 config.enable_prefix_caching)
+    # A model with recurrent layers keeps a state per sequence that a prefix-cache hit
+    # would skip computing: its prefix cache is off.
+    prefix_caching = config.enable_prefix_caching and not runner.recurrent
+    if config.enable_prefix_caching and runner.recurrent:
+        log.warning("prefix caching is off for %s: its recurrent layers' state cannot be "
+                    "taken from cached blocks", model_config.architecture)
+    block_manager = BlockManager(limits.num_kv_blocks, limits.block_size, prefix_caching)
     # The core keeps processor state in step with the scheduler's slots (and fails a
     # request whose plugin raises while it is admitted).
     scheduler = Scheduler(

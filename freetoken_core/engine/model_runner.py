@@ -16,7 +16,7 @@ from freetoken_core.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from freetoken_core.engine.scheduler import ScheduledBatch
 from freetoken_core.engine.sequence import Sequence
 from freetoken_core.errors import ModelLoadError
-from freetoken_core.models.attention import AttentionMetadata
+from freetoken_core.models.attention import AttentionMetadata, SequenceSpans
 from freetoken_core.models.kv_layout import kv_cache_dims
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.outputs import PromptLogprobs
@@ -75,6 +75,9 @@ class StepPlan(msgspec.Struct, array_like=True):
     and tokens in the step."""
     logits_rows: list[list[int] | None]
     """The hidden-state rows of each ``compute_logits`` call, in order (``None``: all)."""
+    state_slots: list[int] = msgspec.field(default_factory=list)
+    """Per sequence, its scheduler slot, where a model with recurrent layers keeps its state
+    (empty for the others)."""
 
 
 def run_plan(model: LlamaForCausalLM, kv_caches: torch.Tensor, plan: StepPlan,
@@ -83,6 +86,9 @@ def run_plan(model: LlamaForCausalLM, kv_caches: torch.Tensor, plan: StepPlan,
     (on the other ranks of a tensor-parallel group: empty ones)."""
     meta = AttentionMetadata.build(plan.block_tables, plan.context_lens, plan.query_lens,
                                    block_size, device, native=model.native)
+    if plan.state_slots:
+        meta.sequences = SequenceSpans.build(plan.context_lens, plan.query_lens,
+                                             plan.state_slots, device)
     ids, pos = torch.tensor([plan.input_ids, plan.positions], dtype=torch.long, device=device)
     hidden = model.forward(ids, pos, kv_caches, meta)
     return [model.compute_logits(hidden if rows is None else hidden[
@@ -167,7 +173,9 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_kv_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, device: torch.device,
                  pipeline: ProcessorPipeline | None = None, prefault: bool = True,
-                 kv_cache: KvCache | None = None) -> None:
+                 kv_cache: KvCache | None = None, state_slots: int = 1) -> None:
+        """``state_slots``: the scheduler's slots (``max_num_seqs``), for a model that keeps
+        a recurrent state per running sequence (``model.recurrent``)."""
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -180,6 +188,9 @@ class ModelRunner:
             raise ValueError(f"a KV cache of shape {kv_cache.shape} for a model that needs "
                              f"{shape}")
         self.kv_caches = kv_cache.tensor()
+        self.recurrent = bool(getattr(model, "recurrent", False))
+        if self.recurrent:
+            model.allocate_states(state_slots)
         self.sampler = Sampler(pipeline)
         self.send_plan: Callable[[StepPlan], None] | None = None
         """Tensor parallelism: hands each step's plan to the other ranks before it runs."""
@@ -215,7 +226,7 @@ class ModelRunner:
             logits_rows.append(None if len(sample_rows) == len(input_ids) else sample_rows)
         plan = StepPlan(input_ids, positions, [s.block_table for s in seqs],
                         [s.num_computed_tokens + n for s, n in zip(seqs, counts)], counts,
-                        logits_rows)
+                        logits_rows, [s.slot for s in seqs] if self.recurrent else [])
         if self.send_plan is not None:
             self.send_plan(plan)
         logits = run_plan(self.model, self.kv_caches, plan, self.block_size, self.device)

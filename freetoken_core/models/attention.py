@@ -36,6 +36,42 @@ class PrefillSpan:
 
 
 @dataclass
+class SequenceSpans:
+    """The step's sequences, in step order (decodes first), for layers that keep a state
+    per sequence (``gated_deltanet``): each one's first row in the step, its tokens, the
+    position of its first token (0: the sequence starts in this step) and its state slot
+    (``Sequence.slot``)."""
+
+    starts: list[int]
+    counts: list[int]
+    first_positions: list[int]
+    slots: list[int]
+    slot_tensor: torch.Tensor
+    """``slots`` as a long tensor."""
+    num_decodes: int
+    """The leading sequences with one token each."""
+    fresh: torch.Tensor | None
+    """The slots of the sequences that start in this step (their states begin at zero);
+    None: none does."""
+
+    @classmethod
+    def build(cls, context_lens: list[int], query_lens: list[int], slots: list[int],
+              device: torch.device) -> SequenceSpans:
+        starts, start = [], 0
+        for count in query_lens:
+            starts.append(start)
+            start += count
+        firsts = [ctx - q for ctx, q in zip(context_lens, query_lens)]
+        decodes = 0
+        while decodes < len(query_lens) and query_lens[decodes] == 1:
+            decodes += 1
+        fresh = [slot for slot, first in zip(slots, firsts) if first == 0]
+        return cls(starts, list(query_lens), firsts, list(slots),
+                   torch.tensor(slots, dtype=torch.long, device=device), decodes,
+                   torch.tensor(fresh, dtype=torch.long, device=device) if fresh else None)
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor
     """[T] cache slot of each token of the step, where its key and value are written."""
@@ -56,6 +92,9 @@ class AttentionMetadata:
     query_scales: torch.Tensor | None = None
     """[T] multipliers of each token's rotated query (Llama 4's attention temperature,
     Ministral 3's ``llama_4_scaling_beta``); ``None``: none (every multiplier 1)."""
+    sequences: SequenceSpans | None = None
+    """The step's sequences with their state slots, for models with recurrent layers
+    (Qwen3.5's); ``None`` for the others."""
 
     @classmethod
     def build(cls, block_tables: list[list[int]], context_lens: list[int],

@@ -5,9 +5,11 @@ Most models' layers are alike: a cache layer a layer, of the model's KV heads an
 Gemma 4's are not: its global layers have other heads than its sliding ones
 (``ModelConfig.layer_head_dims`` / ``layer_kv_heads``), and its last
 ``kv_shared_layers`` layers store nothing, each reading the cache of the last earlier layer
-of its type (transformers' ``kv_sharing_modes``). Such a model's cache has a cache layer per
+of its type (transformers' ``kv_sharing_modes``); Qwen3.5's linear-attention layers store
+none (a recurrent state instead: ``gated_deltanet``). Such a model's cache has a cache layer per
 layer that stores keys and values, each slot as wide as the widest layer's keys and values
-(one KV head of ``max(KV heads x head dim)`` values); a layer's view of its cache layer
+(one KV head of ``max(KV heads x head dim)`` values, or, where those layers are alike, of
+their shape); a layer's view of its cache layer
 (:func:`layer_caches`) is the first ``slots x 2 x its KV heads x its head dim`` values of it,
 contiguous, shaped ``[slot, key/value, its KV heads, its head dim]``. The narrower layers
 leave the rest of their cache layer unused (Gemma 4 31B: its 10 global layers' slots are
@@ -23,7 +25,7 @@ from freetoken_core.models.config import ModelConfig
 def uniform(cfg: ModelConfig) -> bool:
     """Whether every layer stores keys and values of the model's own shape."""
     return not cfg.kv_shared_layers and set(cfg.layer_head_dims) <= {cfg.head_dim} and set(
-        cfg.layer_kv_heads) <= {cfg.num_kv_heads}
+        cfg.layer_kv_heads) <= {cfg.num_kv_heads} and set(cfg.layer_kinds) <= {"attention"}
 
 
 def layer_kv_shape(cfg: ModelConfig, index: int) -> tuple[int, int]:
@@ -32,15 +34,16 @@ def layer_kv_shape(cfg: ModelConfig, index: int) -> tuple[int, int]:
             cfg.layer_head_dims[index] if cfg.layer_head_dims else cfg.head_dim)
 
 
-def kv_sources(cfg: ModelConfig) -> tuple[int, ...]:
+def kv_sources(cfg: ModelConfig) -> tuple[int | None, ...]:
     """Per layer, the layer whose keys and values it attends to: itself, or for the last
     ``kv_shared_layers`` layers the last layer before them of the same type (sliding or
-    global)."""
+    global); ``None`` for a layer without keys and values (Qwen3.5's linear attention)."""
     layers = cfg.num_layers
     first_shared = layers - cfg.kv_shared_layers
     sliding = [w is not None for w in cfg.layer_windows or (None,) * layers]
-    return tuple(i if i < first_shared else max(j for j in range(first_shared)
-                                                if sliding[j] == sliding[i])
+    kinds = cfg.layer_kinds or ("attention",) * layers
+    return tuple(None if kinds[i] != "attention" else i if i < first_shared
+                 else max(j for j in range(first_shared) if sliding[j] == sliding[i])
                  for i in range(layers))
 
 
@@ -50,13 +53,16 @@ def kv_cache_dims(cfg: ModelConfig, num_kv_heads: int | None = None) -> tuple[in
     if uniform(cfg):
         return cfg.num_layers, num_kv_heads or cfg.num_kv_heads, cfg.head_dim
     stores = [i for i, source in enumerate(kv_sources(cfg)) if source == i]
-    width = max(h * d for h, d in (layer_kv_shape(cfg, i) for i in stores))
-    return len(stores), 1, width
+    shapes = {layer_kv_shape(cfg, i) for i in stores}
+    if len(shapes) == 1:  # (alike, but not every layer stores: Qwen3.5's)
+        return len(stores), *shapes.pop()
+    return len(stores), 1, max(h * d for h, d in shapes)
 
 
-def layer_caches(cfg: ModelConfig, kv_caches: torch.Tensor) -> list[torch.Tensor]:
+def layer_caches(cfg: ModelConfig, kv_caches: torch.Tensor) -> list[torch.Tensor | None]:
     """Each layer's ``[slot, 2, KV heads, head dim]`` view of the cache (the module
-    docstring): a shared layer gets the view of the layer it reads."""
+    docstring): a shared layer gets the view of the layer it reads, a layer without keys
+    and values ``None``."""
     if uniform(cfg):
         return list(kv_caches)
     sources = kv_sources(cfg)
@@ -67,4 +73,4 @@ def layer_caches(cfg: ModelConfig, kv_caches: torch.Tensor) -> list[torch.Tensor
         heads, dim = layer_kv_shape(cfg, layer)
         views[layer] = kv_caches[n].view(-1)[:slots * 2 * heads * dim].view(
             slots, 2, heads, dim)
-    return [views[source] for source in sources]
+    return [None if source is None else views[source] for source in sources]

@@ -14,6 +14,7 @@ from freetoken_core.models.glm4 import Glm4ForCausalLM
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.olmo2 import Olmo2ForCausalLM
 from freetoken_core.models.phi3 import Phi3ForCausalLM
+from freetoken_core.models.qwen3_5 import Qwen3_5ForCausalLM
 from freetoken_core.models.smollm3 import SmolLM3ForCausalLM
 from freetoken_core.models.starcoder2 import Starcoder2ForCausalLM
 
@@ -22,6 +23,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "qwen3_5": Qwen3_5ForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "gemma4": Gemma4ForCausalLM,

@@ -1,0 +1,208 @@
+"""Native Qwen3.5 causal LM, text only (transformers' ``Qwen3_5ForCausalLM``, and the language
+model of ``Qwen3_5ForConditionalGeneration``: Qwen3.5 0.8B-27B), computed as transformers
+computes it (config keys: ``config_qwen3_5.py``):
+
+- every layer ``x + mixer(norm(x))`` then ``x + mlp(norm(x))`` (SwiGLU), RMSNorm
+  ``x * (1 + w)`` in float32 (Gemma's), the final norm too;
+- three layers in four mix tokens by Gated DeltaNet (``gated_deltanet``: a recurrent state
+  per sequence, kept in its scheduler slot), every fourth by attention over the paged KV
+  cache: q/k RMSNormed per head (``1 + w``), RoPE on the first quarter of each head (NEOX
+  pairs within it), and the output times the sigmoid of a gate the q projection gives beside
+  each head's query, before the o projection;
+- untied embeddings unless the config ties them.
+
+Only the attention layers have keys and values (``kv_layout``: the cache has a layer for
+each of them alone). The recurrent states make a prefix-cache hit useless (the engine turns
+the prefix cache off) and tensor parallelism is refused. A checkpoint's multi-token-prediction
+weights (``mtp.*``) are not read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from freetoken_core import hugepages
+from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.attention import AttentionMetadata, paged_attention
+from freetoken_core.models.config import ModelConfig
+from freetoken_core.models.gated_deltanet import GatedDeltaNet, RecurrentStates
+from freetoken_core.models.gemma3 import norm_weight
+from freetoken_core.models.kv_layout import layer_caches
+from freetoken_core.models.layers import (
+    RotaryEmbedding,
+    float32_weight_add_rms_norm,
+    float32_weight_rms_norm,
+    silu_and_mul,
+)
+from freetoken_core.models.linear import BlockArena, Embedding, make_linear
+from freetoken_core.models.llama import LlamaForCausalLM, Weights
+from freetoken_core.models.sharding import Shard
+
+
+def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[T, heads, head_dim]`` with its first ``cos.shape[-1]`` dimensions rotated
+    (NEOX pairs ``i, i + rotated / 2``) and the rest as they are (transformers' Qwen3.5
+    ``apply_rotary_pos_emb``)."""
+    rot = cos.shape[-1]
+    turning, passing = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat((-turning[..., half:], turning[..., :half]), dim=-1)
+    turned = turning * cos[:, None] + rotated * sin[:, None]
+    return torch.cat([turned, passing], dim=-1)
+
+
+class Qwen3_5DecoderLayer:
+    """Qwen3.5's block ``index`` (module docstring): ``layer(x, residual, ...)`` gives its
+    ``(output, residual)``, as Llama's block."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, index: int, native: bool,
+                 arena: BlockArena | None = None) -> None:
+        prefix = f"model.layers.{index}."
+
+        def w(name: str) -> Any:
+            return weights.pop(prefix + name)
+
+        self.linear_attn: GatedDeltaNet | None = None
+        linears: list[Any] = []
+        if cfg.layer_kinds[index] == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, weights, prefix, arena)
+            linears += self.linear_attn.linears
+        else:
+            attn = "self_attn."
+            self.qkv_proj = make_linear([w(f"{attn}{p}_proj.weight") for p in "qkv"],
+                                        arena=arena)
+            self.o_proj = make_linear([w(attn + "o_proj.weight")], arena=arena)
+            self.q_norm = norm_weight(w(attn + "q_norm.weight"))
+            self.k_norm = norm_weight(w(attn + "k_norm.weight"))
+            linears += [self.qkv_proj, self.o_proj]
+        self.gate_up_proj = make_linear([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")],
+                                        arena=arena)
+        self.down_proj = make_linear([w("mlp.down_proj.weight")], arena=arena)
+        self.input_norm = norm_weight(w("input_layernorm.weight"))
+        self.post_attn_norm = norm_weight(w("post_attention_layernorm.weight"))
+        self.linears = (*linears, self.gate_up_proj, self.down_proj)
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_heads, cfg.num_kv_heads,
+                                                            cfg.head_dim)
+        self.eps, self.native = cfg.rms_norm_eps, native
+        self.one_call = None
+        self.moe = None
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        return float32_weight_rms_norm(flat, weight, self.eps, self.native).view(x.shape)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                 sin: torch.Tensor, kv_cache: torch.Tensor | None, meta: AttentionMetadata,
+                 states: RecurrentStates | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = float32_weight_rms_norm(x, self.input_norm, self.eps, self.native)
+        else:
+            x, residual = float32_weight_add_rms_norm(x, residual, self.input_norm, self.eps,
+                                                      self.native)
+        if self.linear_attn is not None:
+            assert states is not None and meta.sequences is not None
+            x = self.linear_attn(x, states, meta.sequences)
+        else:
+            assert kv_cache is not None
+            x = self.attention(x, cos, sin, kv_cache, meta)
+        x, residual = float32_weight_add_rms_norm(x, residual, self.post_attn_norm, self.eps,
+                                                  self.native)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native)), residual
+
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q_gate, k, v = self.qkv_proj(x).split([2 * h * d, kvh * d, kvh * d], dim=-1)
+        q, gate = q_gate.reshape(n, h, 2 * d).chunk(2, dim=-1)
+        q = partial_rope(self.norm(q, self.q_norm), cos, sin)
+        k = partial_rope(self.norm(k.reshape(n, kvh, d), self.k_norm), cos, sin)
+        kv = torch.cat([k, v.reshape(n, kvh, d)], dim=1).view(n, 2, kvh, d)
+        out = paged_attention(q.contiguous(), kv, kv_cache, meta)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(n, h * d)))
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    """Qwen3.5's text model: ``forward`` gives hidden states, ``compute_logits`` float32
+    logits; ``allocate_states`` makes the linear layers' states (``recurrent``: the engine
+    gives each running sequence a slot); the block layouts are ``LlamaForCausalLM``'s."""
+
+    recurrent = True
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
+                 shard: Shard | None = None) -> None:
+        if shard is not None:
+            raise ModelLoadError("tensor parallelism of Qwen3.5 is not supported (its "
+                                 "linear-attention layers); serve it on one rank (data "
+                                 "parallelism replicates it)")
+        for name in [k for k in weights if k.startswith("mtp.")]:
+            del weights[name]  # (multi-token prediction: not used)
+        self.config = cfg
+        self.num_kv_heads = cfg.num_kv_heads
+        embed = weights.pop("model.embed_tokens.weight")
+        head = weights.pop("lm_head.weight", None)
+        if head is None or cfg.tie_word_embeddings:
+            head = embed
+        arena = BlockArena.for_weights({**weights, "lm_head.weight": head, "embed": embed})
+        self.lm_head = make_linear([head], arena=arena)
+        self.embedding = (Embedding(embed, blocks=self.lm_head.blocks)
+                          if head is embed and self.lm_head.blocks is not None
+                          else Embedding(embed, arena))
+        from freetoken_core.models import llama
+
+        self.native = (self.embedding.device.type == "cpu"
+                       and self.embedding.dtype in (torch.float32, torch.bfloat16)
+                       and llama.cpu_kernels_available())
+        self.layers = [Qwen3_5DecoderLayer(cfg, weights, i, self.native, arena)
+                       for i in range(cfg.num_layers)]
+        self.windows = [None] * cfg.num_layers
+        self.norm = norm_weight(weights.pop("model.norm.weight"))
+        self.uses_gguf_blocks = arena is not None
+        rotated = int(cfg.head_dim * cfg.partial_rotary_factor)
+        # (the rotated dimensions' frequencies: exponents over the rotated size)
+        self.rotary = RotaryEmbedding(rotated, max_positions, cfg.rope_theta, None,
+                                      self.embedding.dtype, self.embedding.device)
+        leftover = [k for k in weights if "rotary_emb" not in k]
+        if leftover:
+            raise ValueError(f"unused weights in checkpoint: {leftover[:5]}")
+        self.states: list[RecurrentStates | None] = []
+        self._views: tuple[Any, list[torch.Tensor | None]] | None = None
+        if arena is None:
+            self.pack_blocks()
+        self.set_all_layers_args()
+
+    def allocate_states(self, slots: int) -> None:
+        """Zeroed states for ``slots`` sequences in every linear-attention layer; refused
+        (naming ``--max-num-seqs``) where the memory available cannot hold them."""
+        dtype, device = self.embedding.dtype, self.embedding.device
+        per_slot = sum(la.state_bytes(dtype) for la in (layer.linear_attn
+                                                        for layer in self.layers) if la)
+        available = hugepages.available_bytes() if device.type == "cpu" else None
+        if available is not None and slots * per_slot > available:
+            raise ModelLoadError(
+                f"the recurrent states of {slots} sequences take "
+                f"{slots * per_slot / 2**30:.1f} GiB ({per_slot / 2**20:.1f} MiB a sequence), "
+                f"more than the {available / 2**30:.1f} GiB of memory available; lower "
+                f"--max-num-seqs (about {max(available // per_slot // 2, 1)} fit)")
+        self.states = [None if layer.linear_attn is None
+                       else layer.linear_attn.states(slots, dtype, device)
+                       for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] of a flat step; writes the step's KV into the cache and
+        its sequences' states into their slots (``meta.sequences``)."""
+        if meta.sequences is None or not self.states:
+            raise RuntimeError("Qwen3.5 steps need their sequences' state slots "
+                               "(AttentionMetadata.sequences) and allocate_states first")
+        key = (kv_caches.data_ptr(), tuple(kv_caches.shape))
+        if self._views is None or self._views[0] != key:
+            self._views = (key, layer_caches(self.config, kv_caches))
+        cos, sin = self.rotary.tables(positions)
+        x, residual = self.embedding(input_ids), None
+        for layer, cache, states in zip(self.layers, self._views[1], self.states):
+            x, residual = layer(x, residual, cos, sin, cache, meta, states)
+        return float32_weight_add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps,
+                                           self.native)[0]
