@@ -1,4 +1,5 @@
-"""Qwen3.5 (``Qwen3_5ForCausalLM`` and ``Qwen3_5ForConditionalGeneration`` directories),
+"""Qwen3.5 (``Qwen3_5ForCausalLM``, ``Qwen3_5ForConditionalGeneration`` and
+``Qwen3_5MoeForCausalLM`` directories),
 exact against transformers: greedy tokens and every position's logits, with its Gated
 DeltaNet layers' recurrent states kept per sequence by the engine.
 
@@ -26,6 +27,8 @@ from transformers import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
 )
 
@@ -92,6 +95,24 @@ def test_qwen3_5_directory_matches_transformers(model_dir: Path, hf: Any, path: 
     for chunks in ([len(ids)], [1, 1, 70, len(ids) - 72], [64, 64, len(ids) - 128]):
         torch.testing.assert_close(chunked_logits(model, ids, chunks), want, atol=1e-3,
                                    rtol=1e-4)
+
+
+def test_qwen3_5_moe_directory_matches_transformers(tmp_path: Path) -> None:
+    model_dir = save_tiny_model(tmp_path, Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM,
+                                **SHAPE, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    hf = Qwen3_5MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = served(model_dir)
+    model = llm.engine.core.runner.model
+    assert model.config.architecture == "qwen3_5_moe"
+    assert all(layer.moe is not None and layer.moe.shared is not None for layer in model.layers)
+    prompts = prompts_of(llm, 4)
+    assert generate(llm, prompts) == greedy(hf, prompts, 12)
+    ids = prompts[1]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(chunked_logits(model, ids, [70, len(ids) - 70]), want,
+                               atol=1e-3, rtol=1e-4)
 
 
 def test_qwen3_5_states_across_slots_chunks_and_preemption(model_dir: Path, hf: Any) -> None:

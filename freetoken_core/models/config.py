@@ -35,7 +35,12 @@ from freetoken_core.models.config_fields import (
 )
 from freetoken_core.models.config_gemma4 import gemma4_config, gemma4_fields
 from freetoken_core.models.config_moe import gpt_oss_fields, moe_fields, quantized_experts
-from freetoken_core.models.config_qwen3_5 import qwen3_5_config, qwen3_5_fields
+from freetoken_core.models.config_qwen3_5 import (
+    qwen3_5_config,
+    qwen3_5_fields,
+    qwen3_5_moe_config,
+    qwen3_5_moe_fields,
+)
 from freetoken_core.models.multimodal import WRAPPERS, text_config, with_overrides, wrapper_of
 
 SUPPORTED_ARCHITECTURES = {
@@ -44,6 +49,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
@@ -74,6 +80,7 @@ SUPPORTED_ARCHITECTURES = {
 # The MLP activation of the families that check it (transformers' ACT2FN names).
 _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "gemma4": "gelu_pytorch_tanh", "phi3": "silu", "qwen3_5": "silu",
+                "qwen3_5_moe": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
                 "olmoe": "silu", "granitemoe": "silu", "hunyuan_dense": "silu",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu",
@@ -87,7 +94,7 @@ _PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "exaone": exaone_config, "ernie4_5": ernie4_5_config, "seed_oss": seed_oss_config,
     "starcoder2": starcoder2_config, "olmoe": olmoe_config,
     "hunyuan_dense": hunyuan_dense_config, "gemma4": gemma4_config,
-    "qwen3_5": qwen3_5_config,
+    "qwen3_5": qwen3_5_config, "qwen3_5_moe": qwen3_5_moe_config,
     "cohere": functools.partial(cohere_config, family="cohere"),
     "cohere2": functools.partial(cohere_config, family="cohere2"),
 }
@@ -293,6 +300,8 @@ class ModelConfig:
             fields.update(gemma4_fields(cfg))
         elif family == "qwen3_5":
             fields.update(qwen3_5_fields(cfg))
+        elif family == "qwen3_5_moe":
+            fields.update(qwen3_5_moe_fields(cfg))
         elif family == "gemma2":
             fields.update(gemma2_fields(cfg))
         elif family == "phi3":
@@ -336,7 +345,7 @@ class ModelConfig:
             attention_bias=(family == "qwen2" or bool(cfg.get("attention_bias",
                                                                family in ("gpt_oss", "glm4")))
                             or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
-            qk_norm=(family in ("qwen3", "qwen3_5", "gemma3", "gemma4", "qwen3_moe", "olmo2",
+            qk_norm=(family in ("qwen3", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma4", "qwen3_moe", "olmo2",
                                 "olmo3", "exaone4", "olmoe", "hunyuan_dense")
                      or (family == "cohere" and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,

@@ -1,6 +1,7 @@
 """Qwen3.5's ``ModelConfig`` fields (transformers' ``Qwen3_5TextConfig``; the language model of
-``Qwen3_5ForConditionalGeneration``), read as transformers reads them, its defaults where
-config.json leaves a key out; a value FreeToken cannot run is refused naming its key.
+``Qwen3_5ForConditionalGeneration``) and Qwen3.5-MoE's (``Qwen3_5MoeTextConfig``), read as
+transformers reads them, its defaults where config.json leaves a key out; a value FreeToken
+cannot run is refused naming its key.
 
 - ``layer_types``: ``linear_attention`` (Gated DeltaNet, ``gated_deltanet``) or
   ``full_attention``; default every ``full_attention_interval``-th layer (4) full;
@@ -9,7 +10,11 @@ config.json leaves a key out; a value FreeToken cannot run is refused naming its
   ``linear_conv_kernel_dim`` (4);
 - the attention layers' heads of ``head_dim`` (256), q/k norms, an output gate, RoPE on the
   first ``partial_rotary_factor`` (0.25) of each head (``rope_parameters``; its multimodal
-  sections give a text token one position in all of them: plain RoPE).
+  sections give a text token one position in all of them: plain RoPE);
+- Qwen3.5-MoE: every layer's MLP ``num_experts`` (256) experts of ``moe_intermediate_size``
+  (512), ``num_experts_per_tok`` (8) a token by the softmax of the router's logits, the top
+  k renormalized, beside a shared expert of ``shared_expert_intermediate_size`` (512) gated
+  by a sigmoid (``moe.SparseMoE``, as Qwen2-MoE's).
 """
 
 from __future__ import annotations
@@ -31,9 +36,37 @@ _LINEAR = (("linear_num_key_heads", 16), ("linear_num_value_heads", 32),
            ("linear_conv_kernel_dim", 4))
 
 
+# Qwen3_5MoeTextConfig's (it has no dense MLP: intermediate_size is the experts').
+_MOE_DEFAULTS = {**_DEFAULTS, "hidden_size": 2048, "num_hidden_layers": 40,
+                 "num_key_value_heads": 2, "num_experts": 256, "num_experts_per_tok": 8,
+                 "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
+
+
 def qwen3_5_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Qwen3.5's config.json with ``Qwen3_5TextConfig``'s defaults where it leaves keys out."""
     return with_defaults(cfg, _DEFAULTS, 10_000.0)
+
+
+def qwen3_5_moe_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5-MoE's config.json with ``Qwen3_5MoeTextConfig``'s defaults."""
+    out = with_defaults(cfg, _MOE_DEFAULTS, 10_000.0)
+    out.setdefault("intermediate_size", out["moe_intermediate_size"])
+    return out
+
+
+def qwen3_5_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's fields and its experts' (module docstring), checked."""
+    arch = "Qwen3_5MoeForCausalLM"
+    counts = {key: cfg[key] for key in ("num_experts", "num_experts_per_tok",
+                                        "moe_intermediate_size",
+                                        "shared_expert_intermediate_size")}
+    for key, value in counts.items():
+        if not isinstance(value, int) or value < 1:
+            raise ModelLoadError(f"{arch} {key} must be a positive integer, not {value!r}")
+    if counts["num_experts_per_tok"] > counts["num_experts"]:
+        raise ModelLoadError(f"{arch} num_experts_per_tok {counts['num_experts_per_tok']} "
+                             f"exceeds num_experts {counts['num_experts']}")
+    return {**qwen3_5_fields(cfg), **counts, "norm_topk_prob": True}
 
 
 def qwen3_5_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Native Qwen3.5 causal LM, text only (transformers' ``Qwen3_5ForCausalLM``, and the language
-model of ``Qwen3_5ForConditionalGeneration``: Qwen3.5 0.8B-27B), computed as transformers
-computes it (config keys: ``config_qwen3_5.py``):
+model of ``Qwen3_5ForConditionalGeneration``: Qwen3.5 0.8B-27B; with ``Qwen3_5Moe*``'s
+experts in every layer's MLP: 35B-A3B to 397B-A17B), computed as transformers computes it
+(config keys: ``config_qwen3_5.py``):
 
 - every layer ``x + mixer(norm(x))`` then ``x + mlp(norm(x))`` (SwiGLU), RMSNorm
   ``x * (1 + w)`` in float32 (Gemma's), the final norm too;
@@ -38,6 +39,7 @@ from freetoken_core.models.layers import (
 )
 from freetoken_core.models.linear import BlockArena, Embedding, make_linear
 from freetoken_core.models.llama import LlamaForCausalLM, Weights
+from freetoken_core.models.moe import SparseMoE
 from freetoken_core.models.sharding import Shard
 
 
@@ -77,17 +79,22 @@ class Qwen3_5DecoderLayer:
             self.q_norm = norm_weight(w(attn + "q_norm.weight"))
             self.k_norm = norm_weight(w(attn + "k_norm.weight"))
             linears += [self.qkv_proj, self.o_proj]
-        self.gate_up_proj = make_linear([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")],
-                                        arena=arena)
-        self.down_proj = make_linear([w("mlp.down_proj.weight")], arena=arena)
+        self.moe: SparseMoE | None = None
+        if cfg.num_experts:  # (Qwen3.5-MoE: experts and a shared expert, no dense MLP)
+            self.moe = SparseMoE(cfg, weights, prefix, native, arena)
+            linears += self.moe.linears
+        else:
+            self.gate_up_proj = make_linear([w("mlp.gate_proj.weight"),
+                                             w("mlp.up_proj.weight")], arena=arena)
+            self.down_proj = make_linear([w("mlp.down_proj.weight")], arena=arena)
+            linears += [self.gate_up_proj, self.down_proj]
         self.input_norm = norm_weight(w("input_layernorm.weight"))
         self.post_attn_norm = norm_weight(w("post_attention_layernorm.weight"))
-        self.linears = (*linears, self.gate_up_proj, self.down_proj)
+        self.linears = tuple(linears)
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_heads, cfg.num_kv_heads,
                                                             cfg.head_dim)
         self.eps, self.native = cfg.rms_norm_eps, native
         self.one_call = None
-        self.moe = None
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
@@ -110,6 +117,8 @@ class Qwen3_5DecoderLayer:
             x = self.attention(x, cos, sin, kv_cache, meta)
         x, residual = float32_weight_add_rms_norm(x, residual, self.post_attn_norm, self.eps,
                                                   self.native)
+        if self.moe is not None:
+            return self.moe(x), residual
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native)), residual
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
