@@ -30,6 +30,8 @@ from transformers import (
     Qwen3_5MoeForCausalLM,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 from freetoken_core import LLM, SamplingParams
@@ -113,6 +115,20 @@ def test_qwen3_5_moe_directory_matches_transformers(tmp_path: Path) -> None:
         want = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(chunked_logits(model, ids, [70, len(ids) - 70]), want,
                                atol=1e-3, rtol=1e-4)
+
+
+def test_qwen3_next_directory_matches_transformers(tmp_path: Path) -> None:
+    # (its linear attention's projections fused per key head; one dense layer)
+    model_dir = save_tiny_model(tmp_path, Qwen3NextConfig, Qwen3NextForCausalLM, **SHAPE,
+                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, mlp_only_layers=[1])
+    hf = Qwen3NextForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = served(model_dir)
+    model = llm.engine.core.runner.model
+    assert model.config.architecture == "qwen3_next"
+    assert [layer.moe is None for layer in model.layers] == [False, True, False, False]
+    prompts = prompts_of(llm, 4)
+    assert generate(llm, prompts) == greedy(hf, prompts, 12)
 
 
 def test_qwen3_5_states_across_slots_chunks_and_preemption(model_dir: Path, hf: Any) -> None:

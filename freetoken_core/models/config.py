@@ -40,6 +40,8 @@ from freetoken_core.models.config_qwen3_5 import (
     qwen3_5_fields,
     qwen3_5_moe_config,
     qwen3_5_moe_fields,
+    qwen3_next_config,
+    qwen3_next_fields,
 )
 from freetoken_core.models.multimodal import WRAPPERS, text_config, with_overrides, wrapper_of
 
@@ -50,6 +52,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
@@ -80,7 +83,7 @@ SUPPORTED_ARCHITECTURES = {
 # The MLP activation of the families that check it (transformers' ACT2FN names).
 _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "gemma4": "gelu_pytorch_tanh", "phi3": "silu", "qwen3_5": "silu",
-                "qwen3_5_moe": "silu",
+                "qwen3_5_moe": "silu", "qwen3_next": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
                 "olmoe": "silu", "granitemoe": "silu", "hunyuan_dense": "silu",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu",
@@ -95,6 +98,7 @@ _PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "starcoder2": starcoder2_config, "olmoe": olmoe_config,
     "hunyuan_dense": hunyuan_dense_config, "gemma4": gemma4_config,
     "qwen3_5": qwen3_5_config, "qwen3_5_moe": qwen3_5_moe_config,
+    "qwen3_next": qwen3_next_config,
     "cohere": functools.partial(cohere_config, family="cohere"),
     "cohere2": functools.partial(cohere_config, family="cohere2"),
 }
@@ -302,6 +306,8 @@ class ModelConfig:
             fields.update(qwen3_5_fields(cfg))
         elif family == "qwen3_5_moe":
             fields.update(qwen3_5_moe_fields(cfg))
+        elif family == "qwen3_next":
+            fields.update(qwen3_next_fields(cfg))
         elif family == "gemma2":
             fields.update(gemma2_fields(cfg))
         elif family == "phi3":
@@ -345,8 +351,9 @@ class ModelConfig:
             attention_bias=(family == "qwen2" or bool(cfg.get("attention_bias",
                                                                family in ("gpt_oss", "glm4")))
                             or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
-            qk_norm=(family in ("qwen3", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma4", "qwen3_moe", "olmo2",
-                                "olmo3", "exaone4", "olmoe", "hunyuan_dense")
+            qk_norm=(family in ("qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3",
+                                "gemma4", "qwen3_moe", "olmo2", "olmo3", "exaone4", "olmoe",
+                                "hunyuan_dense")
                      or (family == "cohere" and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),

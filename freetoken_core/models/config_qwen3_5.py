@@ -14,7 +14,10 @@ cannot run is refused naming its key.
 - Qwen3.5-MoE: every layer's MLP ``num_experts`` (256) experts of ``moe_intermediate_size``
   (512), ``num_experts_per_tok`` (8) a token by the softmax of the router's logits, the top
   k renormalized, beside a shared expert of ``shared_expert_intermediate_size`` (512) gated
-  by a sigmoid (``moe.SparseMoE``, as Qwen2-MoE's).
+  by a sigmoid (``moe.SparseMoE``, as Qwen2-MoE's);
+- Qwen3-Next (``Qwen3NextConfig``): Qwen3.5-MoE with 512 experts, 10 a token, dense layers
+  where ``mlp_only_layers`` / ``decoder_sparse_step`` say, and its linear attention's
+  projections fused per key head (``gated_deltanet.unfuse_qwen3_next``).
 """
 
 from __future__ import annotations
@@ -54,9 +57,33 @@ def qwen3_5_moe_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def qwen3_5_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+# Qwen3NextConfig's.
+_NEXT_DEFAULTS = {**_DEFAULTS, "vocab_size": 151_936, "hidden_size": 2048,
+                  "intermediate_size": 5632, "num_hidden_layers": 48,
+                  "num_key_value_heads": 2, "num_experts": 512, "num_experts_per_tok": 10,
+                  "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
+
+
+def qwen3_next_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's config.json with ``Qwen3NextConfig``'s defaults."""
+    return with_defaults(cfg, _NEXT_DEFAULTS, 10_000.0)
+
+
+def qwen3_next_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's fields: Qwen3.5-MoE's, the top k renormalized where ``norm_topk_prob``
+    (default on), dense layers where ``mlp_only_layers`` or ``decoder_sparse_step`` say."""
+    fields = qwen3_5_moe_fields(cfg, "Qwen3NextForCausalLM")
+    step = cfg.get("decoder_sparse_step") or 1
+    dense = set(cfg.get("mlp_only_layers") or ())
+    flags = tuple(int(i not in dense and (i + 1) % step == 0)
+                  for i in range(cfg["num_hidden_layers"]))
+    return {**fields, "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+            "moe_layers": flags if 0 in flags else ()}
+
+
+def qwen3_5_moe_fields(cfg: dict[str, Any], arch: str = "Qwen3_5MoeForCausalLM"
+                       ) -> dict[str, Any]:
     """Qwen3.5's fields and its experts' (module docstring), checked."""
-    arch = "Qwen3_5MoeForCausalLM"
     counts = {key: cfg[key] for key in ("num_experts", "num_experts_per_tok",
                                         "moe_intermediate_size",
                                         "shared_expert_intermediate_size")}

@@ -1,5 +1,6 @@
-"""Gated DeltaNet, the linear attention of Qwen3.5's ``linear_attention`` layers
-(transformers' ``Qwen3_5GatedDeltaNet``), over per-sequence recurrent states.
+"""Gated DeltaNet, the linear attention of Qwen3.5's and Qwen3-Next's ``linear_attention``
+layers (transformers' ``Qwen3_5GatedDeltaNet``, ``Qwen3NextGatedDeltaNet``: the same but for
+how its projections are fused, ``unfuse_qwen3_next``), over per-sequence recurrent states.
 
 A layer keeps, per sequence, instead of keys and values: its convolution's last ``kernel -
 1`` inputs (``conv`` ``[slots, channels, kernel - 1]``) and a recurrent state per value head
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -108,6 +110,40 @@ class RecurrentStates:
                                device=device)
 
 
+def unfuse_qwen3_next(weights: dict[str, Any], p: str, shape: tuple[int, ...]) -> None:
+    """Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` (rows grouped by key head: its q, its
+    k, then the v and z of the value heads it serves; its value heads' b, then their a), as
+    Qwen3.5's ``in_proj_qkv`` / ``_z`` / ``_b`` / ``_a`` (transformers'
+    ``fix_query_key_value_ordering``), in ``weights`` under the layer's ``linear_attn.``
+    prefix ``p``: rows reordered, float tensors or GGUF blocks alike."""
+    key_heads, value_heads, key_size, value_size, _ = shape
+    group = value_heads // key_heads
+    width = 2 * key_size + 2 * group * value_size  # (one key head's rows of qkvz)
+
+    def rows(offset: int, size: int, stride: int) -> list[int]:
+        return [h * stride + offset + i for h in range(key_heads) for i in range(size)]
+
+    def split(name: str, orders: list[list[int]], parts: list[str]) -> None:
+        w = weights.pop(p + name)
+        order = [r for o in orders for r in o]
+        if hasattr(w, "reorder"):  # (GGUF blocks: the rows reordered, then taken)
+            w = w.reorder(np.array(order))
+        else:
+            w = w[torch.tensor(order)]
+        start = 0
+        for part, o in zip(parts, orders):
+            weights[p + part] = (w.take_rows(start, start + len(o)) if hasattr(w, "take_rows")
+                                 else w[start:start + len(o)])
+            start += len(o)
+
+    split("in_proj_qkvz.weight", [rows(0, key_size, width) + rows(key_size, key_size, width)
+                                  + rows(2 * key_size, group * value_size, width),
+                                  rows(2 * key_size + group * value_size, group * value_size,
+                                       width)], ["in_proj_qkv.weight", "in_proj_z.weight"])
+    split("in_proj_ba.weight", [rows(0, group, 2 * group), rows(group, group, 2 * group)],
+          ["in_proj_b.weight", "in_proj_a.weight"])
+
+
 class GatedDeltaNet:
     """Layer ``prefix``'s linear attention (module docstring), by transformers' names under
     ``linear_attn.``: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``,
@@ -121,6 +157,8 @@ class GatedDeltaNet:
         self.key_size, self.value_size, self.kernel = key_size, value_size, kernel
         self.key_dim, self.value_dim = key_heads * key_size, value_heads * value_size
         self.channels = 2 * self.key_dim + self.value_dim
+        if p + "in_proj_qkvz.weight" in weights:  # (Qwen3-Next's fused projections)
+            unfuse_qwen3_next(weights, p, cfg.linear_attention_shape)
         self.in_proj = make_linear([weights.pop(p + f"in_proj_{n}.weight")
                                     for n in ("qkv", "z", "b", "a")], arena=arena)
         if self.in_proj.out_features != self.channels + self.value_dim + 2 * value_heads:

@@ -80,7 +80,7 @@ class Qwen3_5DecoderLayer:
             self.k_norm = norm_weight(w(attn + "k_norm.weight"))
             linears += [self.qkv_proj, self.o_proj]
         self.moe: SparseMoE | None = None
-        if cfg.num_experts:  # (Qwen3.5-MoE: experts and a shared expert, no dense MLP)
+        if cfg.is_moe_layer(index):  # (Qwen3.5-MoE's, Qwen3-Next's: experts, a shared one)
             self.moe = SparseMoE(cfg, weights, prefix, native, arena)
             linears += self.moe.linears
         else:

@@ -25,6 +25,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen3": LlamaForCausalLM,
     "qwen3_5": Qwen3_5ForCausalLM,
     "qwen3_5_moe": Qwen3_5ForCausalLM,  # (experts in every layer: moe.SparseMoE)
+    "qwen3_next": Qwen3_5ForCausalLM,  # (Qwen3.5-MoE's layers, its projections fused)
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "gemma4": Gemma4ForCausalLM,
