@@ -47,7 +47,7 @@ _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?\Z")
 _LITERALS = ("true", "false", "null")
 _BARE_START = set("-0123456789tfn")
 _BARE_CHARS = set("-+.0123456789eEtruefalsn")
-_NOT_IN_KEY = set("{}[],:") | set(WHITESPACE)
+_NOT_IN_KEY = set("{}[],:\"") | set(WHITESPACE)
 # What comes next outside strings and bare tokens.
 _TOP, _KEY_OR_CLOSE, _KEY, _COLON, _VALUE, _VALUE_OR_CLOSE, _COMMA_OR_CLOSE, _DONE = range(8)
 
