@@ -326,9 +326,9 @@ def prompt_leaves_open(prompt_token_ids: Sequence[int], open_id: int, close_id: 
 
 
 class Reasoning(Plugin):
-    """Split the reasoning out of chat answers (<think> tags, harmony's analysis channel) as
-    reasoning_content, count it, take it back on earlier assistant messages, and pass
-    reasoning_effort to the chat template."""
+    """Split the reasoning out of chat answers (<think> tags, harmony's analysis channel,
+    Gemma 4's thought channel) as reasoning_content, count it, take it back on earlier
+    assistant messages, and pass reasoning_effort to the chat template."""
 
     routes = frozenset({"chat"})
 
@@ -350,8 +350,9 @@ class Reasoning(Plugin):
 
     class MessageFields(ResponseFields):
         reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
-        """The reasoning: the text between <think> and </think>, or the answer's analysis
-        channel (harmony); absent when the answer never reasoned."""
+        """The reasoning: the text between <think> and </think>, the answer's analysis
+        channel (harmony) or its thought channel (Gemma 4); absent when the answer never
+        reasoned."""
 
     class UsageFields(ResponseFields):
         completion_tokens_details: CompletionTokensDetails | msgspec.UnsetType = msgspec.UNSET
