@@ -232,12 +232,28 @@ def test_thinking_on_and_off(tokenizer: Any) -> None:
                   "What is the weather in Paris?<turn|>\n<|turn>model\n")
 
 
-def test_the_interleaved_template_renders_a_call(model_dir: Path) -> None:
-    """The earlier template writes the call the same way."""
+def test_the_interleaved_template_gets_the_results_as_tool_responses(model_dir: Path) -> None:
+    """The earlier template reads a call's results only as the calling message's
+    ``tool_responses`` (as llama.cpp converts them): the results, and the answer after them,
+    join the call's turn."""
     old = load_tokenizer(model_dir, (FIXTURES / "google-gemma-4-31B-it-interleaved.jinja")
                          .read_text())
-    text = _render(old, HISTORY[:2] + [USER[0]], tools=TOOLS)
-    assert CALL in text
+    results = [*HISTORY[:2], {"role": "tool", "tool_call_id": "call_1",
+                              "content": '{"sky": "sunny", "temp": 18}'},
+               {"role": "tool", "tool_call_id": "call_9", "content": "windy"}]
+    text = _render(old, results, tools=TOOLS)
+    turn = ("<|turn>model\n<|channel>thought\nThe user wants the weather.<channel|>" + CALL
+            + "<|tool_response>response:get_weather{sky:<|\"|>sunny<|\"|>,temp:18}"
+            "<tool_response|><|tool_response>response:call_9{value:<|\"|>windy<|\"|>}"
+            "<tool_response|>")
+    assert text.endswith(turn + "<|channel>thought\n<channel|>") and "<|turn>tool" not in text
+    answered = _render(old, [*results, {"role": "assistant", "content": "Sunny, 18."},
+                             {"role": "user", "content": "Thanks."}], tools=TOOLS)
+    assert (CALL + "<|tool_response>response:get_weather") in answered
+    assert "<tool_response|>Sunny, 18.<turn|>\n<|turn>user\nThanks.<turn|>" in answered
+    # The current template reads the tool messages themselves: nothing is moved.
+    assert "response:get_weather{value:<|\"|>{\"sky\"" in _render(
+        load_tokenizer(model_dir, TEMPLATE), results[:3], tools=TOOLS)
 
 
 def test_answer_start_after_the_thought(tokenizer: Any) -> None:

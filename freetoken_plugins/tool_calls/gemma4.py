@@ -328,3 +328,57 @@ class Gemma4(ToolParser):
     def render_calls(cls, calls: list[tuple[str, str]]) -> str:
         return "".join(f"{TOOL_CALL_OPEN}{CALL_PREFIX}{name}{from_json(args)}{TOOL_CALL_CLOSE}"
                        for name, args in calls)
+
+
+OPENAI_TOOL_MESSAGES = "{#- OpenAI Chat Completions:"
+"""In Gemma 4's current template: the comment of the loop that reads ``role: "tool"``
+messages. The earlier (interleaved) template lacks it and reads an assistant message's
+``tool_responses`` only (llama.cpp tells the two apart by this comment too)."""
+
+
+def reads_tool_responses_only(template: str) -> bool:
+    """Whether ``template`` is a Gemma 4 template that reads tool results only as the
+    calling message's ``tool_responses``."""
+    return TEMPLATE_MARKER in template and OPENAI_TOOL_MESSAGES not in template
+
+
+def tool_responses_in_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For such a template, as llama.cpp's ``convert_tool_responses_gemma4`` does: each
+    assistant message with ``tool_calls`` takes the ``tool`` messages after it as its
+    ``tool_responses`` (``{"name": the answered call's function, "response": the content,
+    decoded when it is JSON}``), and the assistant message after them, when it has content
+    and no calls, as its ``content``: one model turn."""
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(messages):
+        message = messages[i]
+        i += 1
+        out.append(message)
+        if message["role"] != "assistant" or not message.get("tool_calls"):
+            continue
+        names = {c.get("id"): c["function"]["name"] for c in message["tool_calls"]}
+        responses = []
+        while i < len(messages) and messages[i]["role"] == "tool":
+            result = messages[i]
+            responses.append({"name": names.get(result.get("tool_call_id"),
+                                                result.get("tool_call_id")),
+                              "response": _response(result.get("content"))})
+            i += 1
+        if responses:
+            message["tool_responses"] = responses
+        if (i < len(messages) and messages[i]["role"] == "assistant"
+                and not messages[i].get("tool_calls") and messages[i].get("content")):
+            message["content"] = messages[i]["content"]
+            i += 1
+    return out
+
+
+def _response(content: Any) -> Any:
+    if isinstance(content, list):  # text parts
+        content = "".join(part.get("text") or "" for part in content)
+    if isinstance(content, str):
+        try:
+            return json.loads(content)
+        except ValueError:
+            return content
+    return content

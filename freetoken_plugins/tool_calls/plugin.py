@@ -57,7 +57,7 @@ from freetoken_core.processors import (
     ResponseView,
 )
 from freetoken_plugins.structured_outputs.constraints import close_objects
-from freetoken_plugins.tool_calls import prompting
+from freetoken_plugins.tool_calls import gemma4, prompting
 from freetoken_plugins.tool_calls.definitions import hoist_definitions
 from freetoken_plugins.tool_calls.families import available_parsers, detect_parser
 from freetoken_plugins.tool_calls.parsers import CallDelta, Parsed, ToolParser
@@ -337,6 +337,8 @@ class ToolCalls(Plugin):
             chat.params.skip_special_tokens = False  # the markup must reach the parser
         if prompting.template_reads_tools(chat.template):
             prompting.for_template(chat.messages)
+            if gemma4.reads_tool_responses_only(chat.template):  # Gemma 4's earlier template
+                chat.messages[:] = gemma4.tool_responses_in_turns(chat.messages)
             if tools:
                 chat.variables["tools"] = tools
             return
