@@ -250,3 +250,29 @@ def count_reasoning_tokens(token_ids: Sequence[int], marker_ids: dict[str, int],
     if in_body and analysis:
         total += len(token_ids) - first
     return total
+
+
+class HarmonyFormat:
+    """The harmony channels of one request's prompts, for the reasoning plugin: a splitter
+    per choice and the reasoning-token count. ``decode`` spells ids out with their special
+    tokens; ``is_marker`` accepts the vocabulary's special tokens; ``marker_ids`` maps the
+    harmony markers the vocabulary has to their ids."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], is_marker: Callable[[str], bool],
+                 marker_ids: dict[str, int], prompts: list[list[int]]) -> None:
+        self.decode, self.is_marker, self.marker_ids = decode, is_marker, marker_ids
+        start = marker_ids[START]
+        self.tails = [decode(ids[_last_index(ids, start):]) if start in ids else ""
+                      for ids in prompts]
+        """Per prompt: its text from its last ``<|start|>`` (where the answer starts)."""
+
+    def splitter(self, prompt_index: int) -> HarmonySplitter:
+        return HarmonySplitter(self.is_marker, self.tails[prompt_index])
+
+    def reasoning_tokens(self, token_ids: list[int], prompt_index: int) -> int:
+        in_reasoning = self.splitter(prompt_index).in_reasoning
+        return count_reasoning_tokens(token_ids, self.marker_ids, self.decode, in_reasoning)
+
+
+def _last_index(ids: Sequence[int], token: int) -> int:
+    return len(ids) - 1 - list(reversed(ids)).index(token)

@@ -3,10 +3,10 @@ count it; pass ``reasoning_effort`` to the chat template.
 
 Switch: no request field. Like vLLM's ``--reasoning-parser``, the split is on for every
 ``POST /v1/chat/completions`` while the plugin is enabled and the model's vocabulary has one
-of the two formats as whole tokens: harmony's ``<|channel|>``, ``<|message|>``, ``<|end|>``
-and ``<|start|>`` (OpenAI's gpt-oss; harmony wins when a vocabulary has both), or
-``<think>`` and ``</think>`` (Qwen3, DeepSeek-R1 and the test tokenizer; SmolLM2 has
-neither, so there it does nothing). Turn it off with ``--plugins`` without ``reasoning``.
+of the three formats as whole tokens: harmony's ``<|channel|>``, ``<|message|>``,
+``<|end|>`` and ``<|start|>`` (OpenAI's gpt-oss), Gemma 4's ``<|channel>`` and
+``<channel|>``, or ``<think>`` and ``</think>`` (Qwen3, DeepSeek-R1 and the test tokenizer),
+in that order when a vocabulary has several; SmolLM2 has none, so there it does nothing. Turn it off with ``--plugins`` without ``reasoning``.
 Completions are never touched.
 
 ``<think>`` semantics, per choice, on the generated text (``ThinkSplitter``):
@@ -42,7 +42,17 @@ Harmony semantics (``freetoken_plugins.harmony``, which is the reference):
   header or a message body it opened) is read from the prompt's text after its last
   ``<|start|>``.
 
-Both formats: ``message.reasoning_content`` is the reasoning, absent when the answer never
+Gemma 4 semantics (``freetoken_plugins.gemma4``, which is the reference): the text of each
+``<|channel>thought`` … ``<channel|>`` block is reasoning (the whitespace after ``thought``
+dropped), the rest is content; a prompt that closed an empty thought channel
+(``enable_thinking`` false) leaves the answer in content, one whose last ``<|channel>`` is
+open leaves it in reasoning. The chat answer is decoded with its special tokens (as for
+harmony): the tool-call markup (``<|tool_call>``, ``<tool_call|>``, ``<|"|>``) stays, for the
+tool_calls plugin's ``gemma4`` family; every other special token (``<turn|>``,
+``<|tool_response>`` …) is dropped. ``reasoning_tokens``: the tokens of each thought block,
+from its ``<|channel>`` to its ``<channel|>``.
+
+All formats: ``message.reasoning_content`` is the reasoning, absent when the answer never
 reasoned; ``message.content`` is the rest (``""`` when everything was reasoning, e.g. cut
 by ``max_tokens``). Streaming: each chunk's ``delta.content`` is split the same way into
 ``delta.reasoning_content`` and ``delta.content``; text that could be the start of a tag
@@ -101,7 +111,7 @@ from freetoken_core.processors import (
     ResponseFields,
     ResponseView,
 )
-from freetoken_plugins import harmony
+from freetoken_plugins import gemma4, harmony
 
 OPEN_TAG, CLOSE_TAG = "<think>", "</think>"
 STATE_KEY = "reasoning"
@@ -259,36 +269,16 @@ class _Think:
                                       self.in_reasoning[prompt_index])
 
 
-class _Harmony:
-    """The harmony channels of one request's prompts."""
-
-    def __init__(self, tokenizer: Any, marker_ids: dict[str, int],
-                 prompts: list[list[int]]) -> None:
-        self.marker_ids = marker_ids
-        self.decode = partial(tokenizer.decode, skip_special_tokens=False)
-        self.is_marker = special_texts(tokenizer).__contains__
-        start = marker_ids[harmony.START]
-        self.tails = [self.decode(ids[_last_index(ids, start):]) if start in ids else ""
-                      for ids in prompts]
-        """Per prompt: its text from its last ``<|start|>`` (where the answer starts)."""
-
-    def splitter(self, prompt_index: int) -> _Splitter:
-        return harmony.HarmonySplitter(self.is_marker, self.tails[prompt_index])
-
-    def reasoning_tokens(self, token_ids: list[int], prompt_index: int) -> int:
-        in_reasoning = harmony.HarmonySplitter(self.is_marker,
-                                               self.tails[prompt_index]).in_reasoning
-        return harmony.count_reasoning_tokens(token_ids, self.marker_ids, self.decode,
-                                              in_reasoning)
-
-
-def _last_index(ids: Sequence[int], token: int) -> int:
-    return len(ids) - 1 - list(reversed(ids)).index(token)
+def gemma4_channel_ids(tokenizer: Any) -> tuple[int, int] | None:
+    """The ids of Gemma 4's ``<|channel>`` and ``<channel|>``; ``None`` unless the vocabulary
+    has both as whole tokens."""
+    ids = (_token_id(tokenizer, gemma4.CHANNEL_OPEN), _token_id(tokenizer, gemma4.CHANNEL_CLOSE))
+    return None if None in ids else (ids[0], ids[1])  # type: ignore[return-value]
 
 
 @dataclass
 class _RequestState:
-    format: _Think | _Harmony
+    format: _Think | harmony.HarmonyFormat | gemma4.Gemma4Format
     splitters: dict[int, _Splitter] = field(default_factory=dict)
 
 
@@ -301,8 +291,15 @@ def _state(response: ResponseView) -> _RequestState | None:
     state = None
     marker_ids = harmony_marker_ids(tokenizer)
     open_id, close_id = _token_id(tokenizer, OPEN_TAG), _token_id(tokenizer, CLOSE_TAG)
+    channel_ids = gemma4_channel_ids(tokenizer)
     if marker_ids is not None:
-        state = _RequestState(_Harmony(tokenizer, marker_ids, prompts))
+        state = _RequestState(harmony.HarmonyFormat(
+            partial(tokenizer.decode, skip_special_tokens=False),
+            special_texts(tokenizer).__contains__, marker_ids, prompts))
+    elif channel_ids is not None:
+        state = _RequestState(gemma4.Gemma4Format(
+            partial(tokenizer.decode, skip_special_tokens=False), *channel_ids,
+            special_texts(tokenizer), prompts))
     elif open_id is not None and close_id is not None:
         state = _RequestState(_Think(open_id, close_id, prompts))
     response.plugin_state[STATE_KEY] = state
@@ -329,9 +326,9 @@ def prompt_leaves_open(prompt_token_ids: Sequence[int], open_id: int, close_id: 
 
 
 class Reasoning(Plugin):
-    """Split the reasoning out of chat answers (<think> tags, harmony's analysis channel) as
-    reasoning_content, count it, take it back on earlier assistant messages, and pass
-    reasoning_effort to the chat template."""
+    """Split the reasoning out of chat answers (<think> tags, harmony's analysis channel,
+    Gemma 4's thought channel) as reasoning_content, count it, take it back on earlier
+    assistant messages, and pass reasoning_effort to the chat template."""
 
     routes = frozenset({"chat"})
 
@@ -353,8 +350,9 @@ class Reasoning(Plugin):
 
     class MessageFields(ResponseFields):
         reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
-        """The reasoning: the text between <think> and </think>, or the answer's analysis
-        channel (harmony); absent when the answer never reasoned."""
+        """The reasoning: the text between <think> and </think>, the answer's analysis
+        channel (harmony) or its thought channel (Gemma 4); absent when the answer never
+        reasoned."""
 
     class UsageFields(ResponseFields):
         completion_tokens_details: CompletionTokensDetails | msgspec.UnsetType = msgspec.UNSET
@@ -377,17 +375,20 @@ class Reasoning(Plugin):
                                      "read reasoning_effort, so the model cannot be told how "
                                      "much to reason")
             chat.variables["reasoning_effort"] = fields.reasoning_effort
-        if harmony_marker_ids(chat.tokenizer) is not None:
+        if (harmony_marker_ids(chat.tokenizer) is not None
+                or gemma4_channel_ids(chat.tokenizer) is not None):
             chat.params.skip_special_tokens = False
 
     @staticmethod
     @hookimpl
     def freetoken_answer_start(request: RequestView, tokenizer: Any) -> AnswerStart | None:
-        """The answer of a chat sequence starts after ``</think>`` when the prompt left
-        ``<think>`` open, or when the sequence opens it with its first token."""
+        """The answer of a chat sequence starts after ``</think>`` (Gemma 4: ``<channel|>``)
+        when the prompt left ``<think>`` (``<|channel>``) open, or when the sequence opens
+        it with its first token."""
         if not request.is_chat:
             return None
-        open_id, close_id = _token_id(tokenizer, OPEN_TAG), _token_id(tokenizer, CLOSE_TAG)
+        open_id, close_id = (gemma4_channel_ids(tokenizer)
+                             or (_token_id(tokenizer, OPEN_TAG), _token_id(tokenizer, CLOSE_TAG)))
         if open_id is None or close_id is None:
             return None
         inside = prompt_leaves_open(request.prompt_token_ids, open_id, close_id)

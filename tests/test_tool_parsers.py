@@ -468,9 +468,10 @@ def test_instructions_show_an_example_the_parser_reads(cls) -> None:
 
 
 def test_families_and_flags() -> None:
-    assert list(BUILTIN_PARSERS) == ["hermes", "llama3_json", "mistral", "json", "harmony"]
+    assert list(BUILTIN_PARSERS) == ["hermes", "llama3_json", "mistral", "json", "harmony",
+                                     "gemma4"]
     assert [c.needs_special_tokens for c in BUILTIN_PARSERS.values()] == [
-        False, False, True, False, True]
+        False, False, True, False, True, True]
 
 
 QWEN25_TEMPLATE = ('{{- "\\n</tools>\\n\\nFor each function call, return a json object with '

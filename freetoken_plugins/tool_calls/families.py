@@ -29,6 +29,10 @@ Families (``BUILTIN_PARSERS``; third parties add one with an entry point of the
   harmony text. A message to another recipient, or to a function that is not one of the
   tools, is content, markup included. The markers are special tokens (the format is read
   by ``freetoken_plugins.harmony``).
+- ``gemma4`` (Google's Gemma 4): ``<|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>``,
+  any number, text around them is content, the ``<|tool_response>`` after them markup. The
+  arguments are Gemma's own syntax, converted to JSON text (``tool_calls/gemma4.py``, the
+  family's own module, is the reference). The markers are special tokens.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from collections.abc import Collection
 from importlib import metadata
 
 from freetoken_plugins import harmony
+from freetoken_plugins.tool_calls.gemma4 import Gemma4
 from freetoken_plugins.tool_calls.json_scan import (
     WHITESPACE,
     JsonScanner,
@@ -352,7 +357,7 @@ class Harmony(ToolParser):
 
 
 BUILTIN_PARSERS: dict[str, type[ToolParser]] = {
-    cls.name: cls for cls in (Hermes, Llama3Json, Mistral, Json, Harmony)
+    cls.name: cls for cls in (Hermes, Llama3Json, Mistral, Json, Harmony, Gemma4)
 }
 
 

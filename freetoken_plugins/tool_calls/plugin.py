@@ -27,11 +27,13 @@ A request, read top to bottom:
    ``content``. A malformed call is returned as content. With the reasoning plugin, the
    parser sees the answer after ``</think>`` (it runs after the reasoning split); on a
    harmony model (gpt-oss) it sees the final and commentary text and each message
-   addressed to a recipient, raw, which the ``harmony`` family reads.
+   addressed to a recipient, raw, which the ``harmony`` family reads; on Gemma 4 the
+   answer outside the thought channels, its ``<|tool_call>`` markup kept.
 
 Options: ``--tool-calls-parser`` (``auto``: from the chat template's markers; or a family
-name: ``hermes``, ``llama3_json``, ``mistral``, ``json``, ``harmony``, or one a package
-adds through the ``freetoken.tool_parsers`` entry-point group), ``--tool-calls-max-tools`` (128).
+name: ``hermes``, ``llama3_json``, ``mistral``, ``json``, ``harmony``, ``gemma4``, or one a
+package adds through the ``freetoken.tool_parsers`` entry-point group),
+``--tool-calls-max-tools`` (128).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from freetoken_core.processors import (
     ResponseView,
 )
 from freetoken_plugins.structured_outputs.constraints import close_objects
-from freetoken_plugins.tool_calls import prompting
+from freetoken_plugins.tool_calls import gemma4, prompting
 from freetoken_plugins.tool_calls.definitions import hoist_definitions
 from freetoken_plugins.tool_calls.families import available_parsers, detect_parser
 from freetoken_plugins.tool_calls.parsers import CallDelta, Parsed, ToolParser
@@ -335,6 +337,8 @@ class ToolCalls(Plugin):
             chat.params.skip_special_tokens = False  # the markup must reach the parser
         if prompting.template_reads_tools(chat.template):
             prompting.for_template(chat.messages)
+            if gemma4.reads_tool_responses_only(chat.template):  # Gemma 4's earlier template
+                chat.messages[:] = gemma4.tool_responses_in_turns(chat.messages)
             if tools:
                 chat.variables["tools"] = tools
             return
@@ -395,7 +399,7 @@ class ToolCalls(Plugin):
         parser.add_argument("--tool-calls-parser", default="auto", metavar="FAMILY",
                             help="how tool calls are written: auto (from the chat "
                                  "template), hermes, llama3_json, mistral, json, harmony, "
-                                 "or a family a package adds (default: auto)")
+                                 "gemma4, or a family a package adds (default: auto)")
         parser.add_argument("--tool-calls-max-tools", type=int, default=DEFAULT_MAX_TOOLS,
                             metavar="N",
                             help=f"most tools per request (default: {DEFAULT_MAX_TOOLS})")

@@ -96,11 +96,14 @@ def spelled_out(messages: list[dict[str, Any]], parser: type[ToolParser]
                 ) -> list[dict[str, Any]]:
     """History as plain chat messages (for a template without tool support)."""
     out: list[dict[str, Any]] = []
-    for message in messages:
+    for i, message in enumerate(messages):
         calls = message.pop("tool_calls", None)
         if calls:
-            rendered = parser.render_calls([(c["function"]["name"], c["function"]["arguments"])
-                                            for c in calls])
+            try:
+                rendered = parser.render_calls([(c["function"]["name"],
+                                                 c["function"]["arguments"]) for c in calls])
+            except (ValueError, TypeError) as exc:  # arguments the family cannot write
+                raise InvalidRequest(f"messages[{i}].tool_calls", str(exc)) from None
             text = message.get("content") or ""
             message["content"] = f"{text}\n{rendered}" if text else rendered
         if message["role"] == "tool":
