@@ -69,13 +69,17 @@ def gemma4_model(vocab_size: int, seed: int = 0, **overrides: Any) -> Gemma4ForC
 
 
 def write_gemma4_gguf(path: Path, model: Gemma4ForCausalLM,
-                      weight_type: int = GGMLQuantizationType.Q8_0) -> Gemma4ForCausalLM:
-    """``model`` written to ``path`` as llama.cpp's converter writes a Gemma 4 (the default
-    model's vocabulary, which ``model``'s must match; 2-d weights in ``weight_type`` where
-    their rows are whole blocks of it, else F32); returns ``model`` holding the file's
+                      weight_type: int = GGMLQuantizationType.Q8_0,
+                      tokenizer_fields: list[tuple[str, Any, Any]] | None = None,
+                      chat_template: str | None = None) -> Gemma4ForCausalLM:
+    """``model`` written to ``path`` as llama.cpp's converter writes a Gemma 4
+    (``tokenizer_fields``' vocabulary, default the default model's, which ``model``'s must
+    match; ``chat_template`` as ``tokenizer.chat_template``; 2-d weights in ``weight_type``
+    where their rows are whole blocks of it, else F32); returns ``model`` holding the file's
     weights."""
     cfg = model.config
-    tokenizer_fields = _tokenizer_fields(default_gguf_path())
+    if tokenizer_fields is None:
+        tokenizer_fields = _tokenizer_fields(default_gguf_path())
     writer = GGUFWriter(str(path), "gemma4")
     p = "gemma4."
     layers, types = cfg.num_hidden_layers, cfg.layer_types
@@ -119,6 +123,8 @@ def write_gemma4_gguf(path: Path, model: Gemma4ForCausalLM,
         writer.add_uint32(p + "expert_feed_forward_length", cfg.moe_intermediate_size)
     for key, value, kind in tokenizer_fields:
         writer.add_key_value(key, value, kind[0], sub_type=kind[1] if len(kind) > 1 else None)
+    if chat_template is not None:
+        writer.add_string("tokenizer.chat_template", chat_template)
     # The global layers' proportional rope as the converter writes it: a factor a pair.
     turning = int(full_dim * rope["full_attention"].get("partial_rotary_factor", 1.0) / 2)
     writer.add_tensor("rope_freqs.weight", np.array(

@@ -197,3 +197,41 @@ def test_gemma4_refuses_tensor_parallelism() -> None:
                                  "num_hidden_layers": 2})
     with pytest.raises(ModelLoadError, match="tensor parallelism of Gemma 4"):
         Gemma4ForCausalLM(cfg, {}, 64, shard=Shard(0, 2, None))
+
+
+def test_gemma4_gguf_served_with_its_tokenizer_template_and_plugins(tmp_path: Path) -> None:
+    """A Gemma 4 file as people download it: the ``gemma4`` tokenizer, Gemma 4's own chat
+    template, served by ``freetoken serve`` with the reasoning and tool-call plugins, which
+    find Gemma 4's markers themselves: a chat request with tools renders, runs and answers
+    (a random model's text; the split and the parse are tests/test_gemma4*.py's)."""
+    from gguf_gemma4 import gemma4_fields, gemma4_vocab
+    from server_fixtures import ok, start_server, stop_server
+
+    template = (Path(__file__).parent / "fixtures" / "gemma4"
+                / "google-gemma-4-31B-it.jinja").read_text(encoding="utf-8")
+    fields, _ = gemma4_fields("lines")
+    tokens = gemma4_vocab("lines")[0]
+    hf = gemma4_model(len(tokens), **SHAPES["e2b-like"], **per_layer_vocab("e2b-like",
+                                                                          len(tokens)))
+    path = tmp_path / "gemma-4-e2b-like.gguf"
+    write_gemma4_gguf(path, hf, tokenizer_fields=fields, chat_template=template)
+    srv = start_server(path, "--plugins", "reasoning,tool_calls",
+                       log_file=tmp_path / "serve.log")
+    try:
+        tools = [{"type": "function", "function": {
+            "name": "get_weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}}]
+        messages = [{"role": "user", "content": "Weather in Paris?"}]
+        body = ok(srv, "/v1/chat/completions", {"model": srv.model, "messages": messages,
+                                                "tools": tools, "max_tokens": 8})
+        assert body["choices"][0]["finish_reason"] in ("length", "stop", "tool_calls")
+        plain = ok(srv, "/v1/chat/completions", {"model": srv.model, "messages": messages,
+                                                 "max_tokens": 8})
+        ids = ok(srv, "/tokenize", {"model": srv.model, "messages": messages})["tokens"]
+        assert ids[0] == 2 and plain["usage"]["prompt_tokens"] == len(ids)  # (<bos> first)
+        assert tokens.index("<|turn>") in ids
+        # the tools' declarations, Gemma's <|"|> strings among them, make the prompt longer
+        assert body["usage"]["prompt_tokens"] > len(ids) + 10
+    finally:
+        stop_server(srv)
