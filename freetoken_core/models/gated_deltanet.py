@@ -38,6 +38,7 @@ from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import SequenceSpans
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.linear import BlockArena, make_linear
+from freetoken_core.models.recurrent import conv_step, conv_with_state
 
 CHUNK = 64
 
@@ -204,24 +205,18 @@ class GatedDeltaNet:
         if decodes:
             rows = slice(0, decodes)
             slots = spans.slot_tensor[:decodes]
-            conv_in = torch.cat([states.conv[slots], mixed[rows, :, None].to(
-                states.conv.dtype)], dim=-1)  # [D, channels, kernel]
-            states.conv[slots] = conv_in[..., 1:]
-            conv = F.silu(F.conv1d(conv_in.to(self.conv_weight.dtype), self.conv_weight,
-                                   groups=self.channels)[..., -1])
-            q, k, v = self.heads(conv.to(x.dtype))
+            conv, states.conv[slots] = conv_step(mixed[rows], states.conv[slots],
+                                                 self.conv_weight)
+            q, k, v = self.heads(F.silu(conv).to(x.dtype))
             o, ssm = recurrent_step(q, k, v, g[rows], beta[rows], states.ssm[slots])
             states.ssm[slots] = ssm
             out[rows] = o
         for i in range(decodes, len(spans.counts)):
             start, count, slot = spans.starts[i], spans.counts[i], spans.slots[i]
             rows = slice(start, start + count)
-            conv_in = torch.cat([states.conv[slot], mixed[rows].t().to(states.conv.dtype)],
-                                dim=-1)
-            states.conv[slot] = conv_in[:, -(self.kernel - 1):]
-            conv = F.silu(F.conv1d(conv_in[None].to(self.conv_weight.dtype),
-                                   self.conv_weight, groups=self.channels)[0]).t()
-            q, k, v = self.heads(conv.to(x.dtype))
+            conv, states.conv[slot] = conv_with_state(mixed[rows], states.conv[slot],
+                                                      self.conv_weight)
+            q, k, v = self.heads(F.silu(conv).to(x.dtype))
             o, ssm = chunked_delta_rule(q.transpose(0, 1), k.transpose(0, 1),
                                         v.transpose(0, 1), g[rows].t(), beta[rows].t(),
                                         states.ssm[slot])

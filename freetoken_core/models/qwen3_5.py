@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from freetoken_core import hugepages
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
@@ -40,6 +39,7 @@ from freetoken_core.models.layers import (
 from freetoken_core.models.linear import BlockArena, Embedding, make_linear
 from freetoken_core.models.llama import LlamaForCausalLM, Weights
 from freetoken_core.models.moe import SparseMoE
+from freetoken_core.models.recurrent import allocate_states
 from freetoken_core.models.sharding import Shard
 
 
@@ -183,21 +183,10 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         self.set_all_layers_args()
 
     def allocate_states(self, slots: int) -> None:
-        """Zeroed states for ``slots`` sequences in every linear-attention layer; refused
-        (naming ``--max-num-seqs``) where the memory available cannot hold them."""
-        dtype, device = self.embedding.dtype, self.embedding.device
-        per_slot = sum(la.state_bytes(dtype) for la in (layer.linear_attn
-                                                        for layer in self.layers) if la)
-        available = hugepages.available_bytes() if device.type == "cpu" else None
-        if available is not None and slots * per_slot > available:
-            raise ModelLoadError(
-                f"the recurrent states of {slots} sequences take "
-                f"{slots * per_slot / 2**30:.1f} GiB ({per_slot / 2**20:.1f} MiB a sequence), "
-                f"more than the {available / 2**30:.1f} GiB of memory available; lower "
-                f"--max-num-seqs (about {max(available // per_slot // 2, 1)} fit)")
-        self.states = [None if layer.linear_attn is None
-                       else layer.linear_attn.states(slots, dtype, device)
-                       for layer in self.layers]
+        """Zeroed states for ``slots`` sequences in every linear-attention layer
+        (``recurrent.allocate_states``)."""
+        self.states = allocate_states([layer.linear_attn for layer in self.layers], slots,
+                                      self.embedding.dtype, self.embedding.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
