@@ -34,6 +34,7 @@ from freetoken_core.models.config_fields import (
     starcoder2_fields,
 )
 from freetoken_core.models.config_gemma4 import gemma4_config, gemma4_fields
+from freetoken_core.models.config_lfm2 import lfm2_config, lfm2_fields
 from freetoken_core.models.config_moe import gpt_oss_fields, moe_fields, quantized_experts
 from freetoken_core.models.config_qwen3_5 import (
     qwen3_5_config,
@@ -53,6 +54,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "Lfm2ForCausalLM": "lfm2",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
@@ -84,6 +86,7 @@ SUPPORTED_ARCHITECTURES = {
 _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "gemma4": "gelu_pytorch_tanh", "phi3": "silu", "qwen3_5": "silu",
                 "qwen3_5_moe": "silu", "qwen3_next": "silu",
+                "lfm2": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
                 "olmoe": "silu", "granitemoe": "silu", "hunyuan_dense": "silu",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu",
@@ -98,7 +101,7 @@ _PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "starcoder2": starcoder2_config, "olmoe": olmoe_config,
     "hunyuan_dense": hunyuan_dense_config, "gemma4": gemma4_config,
     "qwen3_5": qwen3_5_config, "qwen3_5_moe": qwen3_5_moe_config,
-    "qwen3_next": qwen3_next_config,
+    "qwen3_next": qwen3_next_config, "lfm2": lfm2_config,
     "cohere": functools.partial(cohere_config, family="cohere"),
     "cohere2": functools.partial(cohere_config, family="cohere2"),
 }
@@ -226,12 +229,15 @@ class ModelConfig:
     none."""
 
     layer_kinds: tuple[str, ...] = ()
-    """Per layer, ``attention`` or ``linear_attention`` (Qwen3.5's Gated DeltaNet layers: a
-    recurrent state per sequence instead of keys and values, ``gated_deltanet``); empty:
-    every layer attention."""
+    """Per layer, ``attention``, ``linear_attention`` (Qwen3.5's Gated DeltaNet layers: a
+    recurrent state per sequence instead of keys and values, ``gated_deltanet``) or
+    ``short_conv`` (LFM2's, ``short_conv``); empty: every layer attention."""
     linear_attention_shape: tuple[int, ...] = ()
     """The linear-attention layers' ``(key heads, value heads, key head size, value head
     size, convolution kernel)``."""
+    short_conv_kernel: int = 0
+    """LFM2's ``conv`` layers' kernel (``conv_L_cache``): each keeps a sequence's last
+    ``kernel - 1`` inputs (``short_conv``)."""
     attention_output_gate: bool = False
     """The attention's output times the sigmoid of a gate the q projection also gives, per
     head beside its query (Qwen3.5's)."""
@@ -308,6 +314,8 @@ class ModelConfig:
             fields.update(qwen3_5_moe_fields(cfg))
         elif family == "qwen3_next":
             fields.update(qwen3_next_fields(cfg))
+        elif family == "lfm2":
+            fields.update(lfm2_fields(cfg))
         elif family == "gemma2":
             fields.update(gemma2_fields(cfg))
         elif family == "phi3":
@@ -353,7 +361,7 @@ class ModelConfig:
                             or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
             qk_norm=(family in ("qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3",
                                 "gemma4", "qwen3_moe", "olmo2", "olmo3", "exaone4", "olmoe",
-                                "hunyuan_dense")
+                                "hunyuan_dense", "lfm2")
                      or (family == "cohere" and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),

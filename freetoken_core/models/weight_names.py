@@ -34,6 +34,18 @@ _RENAMES: dict[str, list[tuple[re.Pattern[str], str]]] = {
         (r"\.mlp\.c_fc\.", ".mlp.up_proj."),
         (r"\.mlp\.c_proj\.", ".mlp.down_proj."),
     )],
+    # LFM2: Llama's block under its own names (short_conv.py reads its conv layers')
+    "lfm2": [(re.compile(pattern), replacement) for pattern, replacement in (
+        (r"^model\.embedding_norm\.", "model.norm."),
+        (r"\.operator_norm\.", ".input_layernorm."),
+        (r"\.ffn_norm\.", ".post_attention_layernorm."),
+        (r"\.feed_forward\.w1\.", ".mlp.gate_proj."),
+        (r"\.feed_forward\.w3\.", ".mlp.up_proj."),
+        (r"\.feed_forward\.w2\.", ".mlp.down_proj."),
+        (r"\.self_attn\.out_proj\.", ".self_attn.o_proj."),
+        (r"\.self_attn\.q_layernorm\.", ".self_attn.q_norm."),
+        (r"\.self_attn\.k_layernorm\.", ".self_attn.k_norm."),
+    )],
     # Hunyuan dense: its q/k norms (normed after the rotation: llama.py)
     "hunyuan_dense": [(re.compile(pattern), replacement) for pattern, replacement in (
         (r"\.self_attn\.query_layernorm\.", ".self_attn.q_norm."),

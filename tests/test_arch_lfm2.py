@@ -1,0 +1,85 @@
+"""LFM2 (``Lfm2ForCausalLM`` directories), exact against transformers: greedy tokens and every
+position's logits, its short-convolution layers' states kept per sequence by the engine.
+
+A tiny random LFM2: convolution layers (a kernel of 3, with biases) beside attention layers
+with q/k norms. As for Qwen3.5 (tests/test_arch_qwen3_5.py), the states must come out as
+transformers' single pass leaves them however the engine runs a sequence: prompts whole or
+in chunks, several sequences decoding together, more requests than slots, preemption."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_arch_gemma3 import chunked_logits, engine_path
+from test_arch_phi3 import save_tiny_model
+from test_arch_qwen3_5 import generate, prompts_of, served
+from test_gguf_rope_factors import greedy
+from transformers import Lfm2Config
+from transformers import Lfm2ForCausalLM as HFLfm2
+
+from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.config import ModelConfig
+from freetoken_core.models.kv_layout import kv_cache_dims
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SHAPE: dict[str, Any] = {"num_hidden_layers": 4, "conv_bias": True,
+                         "layer_types": ["conv", "full_attention", "conv", "conv"],
+                         "block_auto_adjust_ff_dim": False}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("lfm2"), Lfm2Config, HFLfm2, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path) -> Any:
+    return HFLfm2.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_lfm2_directory_matches_transformers(model_dir: Path, hf: Any, path: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    native, _ = engine_path(path, monkeypatch)
+    llm = served(model_dir)
+    model = llm.engine.core.runner.model
+    assert model.native is native and model.config.architecture == "lfm2"
+    assert model.config.layer_kinds == ("short_conv", "attention", "short_conv", "short_conv")
+    assert kv_cache_dims(model.config) == (1, 2, 16)
+    prompts = prompts_of(llm, 7)
+    assert generate(llm, prompts) == greedy(hf, prompts, 12)
+    ids = prompts[1]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    for chunks in ([len(ids)], [1, 1, 70, len(ids) - 72]):
+        torch.testing.assert_close(chunked_logits(model, ids, chunks), want, atol=1e-3,
+                                   rtol=1e-4)
+
+
+def test_lfm2_states_across_slots_chunks_and_preemption(model_dir: Path, hf: Any) -> None:
+    prompts = prompts_of(served(model_dir, max_num_seqs=1), 7)
+    want = greedy(hf, prompts, 12)
+    assert generate(served(model_dir, max_num_seqs=2, max_num_batched_tokens=16),
+                    prompts) == want
+    llm = served(model_dir, kv_cache_tokens=192, block_size=8, max_num_seqs=4)
+    assert generate(llm, prompts) == want
+    assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+def test_lfm2_config_keys_defaults_and_errors() -> None:
+    base = {"architectures": ["Lfm2ForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "norm_eps": 1e-4,
+            "block_ff_dim": 96, "full_attn_idxs": [1, 3]}
+    cfg = ModelConfig.from_dict(base)
+    assert cfg.layer_kinds == ("short_conv", "attention") * 2
+    assert (cfg.rms_norm_eps, cfg.intermediate_size, cfg.short_conv_kernel) == (1e-4, 96, 3)
+    assert cfg.tie_word_embeddings and cfg.rope_theta == 1e6 and cfg.qk_norm
+    for bad, match in (({"conv_L_cache": 1}, "conv_L_cache"),
+                       ({"layer_types": ["mamba"] * 4}, "layer_types"),
+                       ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "yarn")):
+        with pytest.raises(ModelLoadError, match=match):
+            ModelConfig.from_dict({**base, **bad})
