@@ -1,4 +1,4 @@
-"""LFM2 (``Lfm2ForCausalLM`` directories), exact against transformers: greedy tokens and every
+"""LFM2 (``Lfm2ForCausalLM`` and ``Lfm2MoeForCausalLM`` directories), exact against transformers: greedy tokens and every
 position's logits, its short-convolution layers' states kept per sequence by the engine.
 
 A tiny random LFM2: convolution layers (a kernel of 3, with biases) beside attention layers
@@ -17,7 +17,7 @@ from test_arch_gemma3 import chunked_logits, engine_path
 from test_arch_phi3 import save_tiny_model
 from test_arch_qwen3_5 import generate, prompts_of, served
 from test_gguf_rope_factors import greedy
-from transformers import Lfm2Config
+from transformers import Lfm2Config, Lfm2MoeConfig, Lfm2MoeForCausalLM
 from transformers import Lfm2ForCausalLM as HFLfm2
 
 from freetoken_core.errors import ModelLoadError
@@ -58,6 +58,30 @@ def test_lfm2_directory_matches_transformers(model_dir: Path, hf: Any, path: str
     for chunks in ([len(ids)], [1, 1, 70, len(ids) - 72]):
         torch.testing.assert_close(chunked_logits(model, ids, chunks), want, atol=1e-3,
                                    rtol=1e-4)
+
+
+def test_lfm2_moe_directory_matches_transformers(tmp_path: Path) -> None:
+    # (experts past the first layer, chosen by sigmoid scores plus a per-expert bias)
+    model_dir = save_tiny_model(tmp_path, Lfm2MoeConfig, Lfm2MoeForCausalLM, **SHAPE,
+                                num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, routed_scaling_factor=1.5)
+    hf = Lfm2MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers[1:]:  # (the bias changes which experts are chosen)
+            layer.feed_forward.expert_bias.normal_(0.0, 0.5,
+                                                   generator=torch.Generator().manual_seed(3))
+    hf.save_pretrained(model_dir)
+    llm = served(model_dir)
+    model = llm.engine.core.runner.model
+    assert model.config.architecture == "lfm2_moe"
+    assert [layer.moe is None for layer in model.layers] == [True, False, False, False]
+    prompts = prompts_of(llm, 4)
+    assert generate(llm, prompts) == greedy(hf, prompts, 12)
+    ids = prompts[1]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(chunked_logits(model, ids, [70, len(ids) - 70]), want,
+                               atol=1e-3, rtol=1e-4)
 
 
 def test_lfm2_states_across_slots_chunks_and_preemption(model_dir: Path, hf: Any) -> None:

@@ -34,7 +34,12 @@ from freetoken_core.models.config_fields import (
     starcoder2_fields,
 )
 from freetoken_core.models.config_gemma4 import gemma4_config, gemma4_fields
-from freetoken_core.models.config_lfm2 import lfm2_config, lfm2_fields
+from freetoken_core.models.config_lfm2 import (
+    lfm2_config,
+    lfm2_fields,
+    lfm2_moe_config,
+    lfm2_moe_fields,
+)
 from freetoken_core.models.config_moe import gpt_oss_fields, moe_fields, quantized_experts
 from freetoken_core.models.config_qwen3_5 import (
     qwen3_5_config,
@@ -55,6 +60,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Lfm2ForCausalLM": "lfm2",
+    "Lfm2MoeForCausalLM": "lfm2_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
@@ -86,7 +92,7 @@ SUPPORTED_ARCHITECTURES = {
 _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "gemma4": "gelu_pytorch_tanh", "phi3": "silu", "qwen3_5": "silu",
                 "qwen3_5_moe": "silu", "qwen3_next": "silu",
-                "lfm2": "silu",
+                "lfm2": "silu", "lfm2_moe": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
                 "olmoe": "silu", "granitemoe": "silu", "hunyuan_dense": "silu",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu",
@@ -101,7 +107,7 @@ _PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "starcoder2": starcoder2_config, "olmoe": olmoe_config,
     "hunyuan_dense": hunyuan_dense_config, "gemma4": gemma4_config,
     "qwen3_5": qwen3_5_config, "qwen3_5_moe": qwen3_5_moe_config,
-    "qwen3_next": qwen3_next_config, "lfm2": lfm2_config,
+    "qwen3_next": qwen3_next_config, "lfm2": lfm2_config, "lfm2_moe": lfm2_moe_config,
     "cohere": functools.partial(cohere_config, family="cohere"),
     "cohere2": functools.partial(cohere_config, family="cohere2"),
 }
@@ -189,8 +195,13 @@ class ModelConfig:
     expert_gating: str = "softmax"
     """How the router's logits weight the experts: ``softmax`` (the softmax of all of them,
     then the top k) or ``softmax_weight`` (the top k logits, then their softmax: gpt-oss;
-    llama.cpp's ``LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT``); ``gemma4``: Gemma 4's router
-    (gemma4.py)."""
+    llama.cpp's ``LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT``); ``sigmoid`` (each logit's
+    sigmoid, LFM2-MoE's); ``gemma4``: Gemma 4's router (gemma4.py)."""
+    expert_selection_bias: bool = False
+    """A per-expert bias added to the router's scores to choose the experts, not to weight
+    them (LFM2-MoE's ``use_expert_bias``: ``mlp.expert_bias``)."""
+    expert_norm_eps: float = 0.0
+    """Added to the chosen weights' sum before they are rescaled by it (LFM2-MoE: 1e-6)."""
     expert_bias: bool = False
     """The router and each expert's linears have biases (gpt-oss)."""
     swiglu_limit: float | None = None
@@ -316,6 +327,8 @@ class ModelConfig:
             fields.update(qwen3_next_fields(cfg))
         elif family == "lfm2":
             fields.update(lfm2_fields(cfg))
+        elif family == "lfm2_moe":
+            fields.update(lfm2_moe_fields(cfg))
         elif family == "gemma2":
             fields.update(gemma2_fields(cfg))
         elif family == "phi3":
@@ -361,7 +374,7 @@ class ModelConfig:
                             or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
             qk_norm=(family in ("qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3",
                                 "gemma4", "qwen3_moe", "olmo2", "olmo3", "exaone4", "olmoe",
-                                "hunyuan_dense", "lfm2")
+                                "hunyuan_dense", "lfm2", "lfm2_moe")
                      or (family == "cohere" and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),

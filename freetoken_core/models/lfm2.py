@@ -1,5 +1,6 @@
-"""Native LFM2 causal LM (Liquid AI's LFM2-350M ... 2.6B: transformers' ``Lfm2ForCausalLM``),
-computed as transformers computes it. Its ``full_attention`` layers are Qwen3's (Llama's
+"""Native LFM2 causal LM (Liquid AI's LFM2-350M ... 2.6B: transformers' ``Lfm2ForCausalLM``;
+LFM2-8B-A1B, ``Lfm2MoeForCausalLM``, with experts in its MLPs past the first two, routed
+by sigmoid scores: ``moe.py``), computed as transformers computes it. Its ``full_attention`` layers are Qwen3's (Llama's
 block with q/k RMSNorms per head; its names read as Llama's: ``weight_names.py``), its
 ``conv`` layers the same block with a gated short convolution (``short_conv``) in place of
 attention, which keeps per running sequence its convolution's last inputs in the sequence's
@@ -23,6 +24,7 @@ from freetoken_core.models.kv_layout import layer_caches
 from freetoken_core.models.layers import add_rms_norm, rms_norm, silu_and_mul
 from freetoken_core.models.linear import BlockArena, make_linear
 from freetoken_core.models.llama import DecoderLayer, LlamaForCausalLM, Weights
+from freetoken_core.models.moe import SparseMoE
 from freetoken_core.models.recurrent import allocate_states
 from freetoken_core.models.sharding import Shard
 from freetoken_core.models.short_conv import ShortConv
@@ -36,16 +38,22 @@ class ShortConvLayer:
                  arena: BlockArena | None = None) -> None:
         prefix = f"model.layers.{index}."
         self.mixer = ShortConv(cfg, weights, prefix, arena)
-        self.gate_up_proj = make_linear([weights.pop(prefix + "mlp.gate_proj.weight"),
-                                         weights.pop(prefix + "mlp.up_proj.weight")],
-                                        arena=arena)
-        self.down_proj = make_linear([weights.pop(prefix + "mlp.down_proj.weight")],
-                                     arena=arena)
+        self.moe: SparseMoE | None = None
+        if cfg.is_moe_layer(index):  # (LFM2-MoE's)
+            self.moe = SparseMoE(cfg, weights, prefix, native, arena)
+            mlp = self.moe.linears
+        else:
+            self.gate_up_proj = make_linear([weights.pop(prefix + "mlp.gate_proj.weight"),
+                                             weights.pop(prefix + "mlp.up_proj.weight")],
+                                            arena=arena)
+            self.down_proj = make_linear([weights.pop(prefix + "mlp.down_proj.weight")],
+                                         arena=arena)
+            mlp = (self.gate_up_proj, self.down_proj)
         self.input_norm = weights.pop(prefix + "input_layernorm.weight")
         self.post_attn_norm = weights.pop(prefix + "post_attention_layernorm.weight")
-        self.linears = (*self.mixer.linears, self.gate_up_proj, self.down_proj)
+        self.linears = (*self.mixer.linears, *mlp)
         self.eps, self.native = cfg.rms_norm_eps, native
-        self.one_call = self.moe = None
+        self.one_call = None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, states: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +65,8 @@ class ShortConvLayer:
         assert meta.sequences is not None
         x = self.mixer(x, states, meta.sequences)
         x, residual = add_rms_norm(x, residual, self.post_attn_norm, self.eps, self.native)
+        if self.moe is not None:
+            return self.moe(x), residual
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native)), residual
 
 

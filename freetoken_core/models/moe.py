@@ -6,7 +6,9 @@ computes it:
   (float32) gives probabilities, of which the top ``num_experts_per_tok`` are kept (the
   weights), rescaled to sum to 1 where ``norm_topk_prob`` (Mixtral always), times
   ``routed_scaling_factor``; gpt-oss's router (with a bias) keeps the top k logits and
-  their softmax is the weights (``expert_gating`` ``softmax_weight``);
+  their softmax is the weights (``expert_gating`` ``softmax_weight``); LFM2-MoE's takes each
+  logit's sigmoid, chooses the top k of those plus a per-expert bias (``mlp.expert_bias``)
+  and rescales the chosen sigmoids to sum to 1 (plus ``expert_norm_eps``: ``sigmoid``);
 - each expert is a SwiGLU MLP (its gate and up projections one linear; gpt-oss's with
   biases and its clamped SwiGLU, ``swiglu_oai``); the block's output is the sum over a
   token's chosen experts of weight x expert output, added expert by expert in the experts'
@@ -158,6 +160,14 @@ class SparseMoE:
             gate = weights.pop(f"{mlp}_gate.weight")
             self.shared_gate = make_linear([gate.reshape(1, -1) if isinstance(
                 gate, torch.Tensor) else gate], arena=arena)
+        self.selection_bias = None
+        if cfg.expert_selection_bias:  # (LFM2-MoE's: added to the scores to choose only)
+            self.selection_bias = weights.pop(prefix + "mlp.expert_bias").float()
+            if tuple(self.selection_bias.shape) != (cfg.num_experts,):
+                raise ModelLoadError(f"{prefix}mlp.expert_bias has shape "
+                                     f"{list(self.selection_bias.shape)}; expected "
+                                     f"[{cfg.num_experts}]")
+        self.norm_eps = cfg.expert_norm_eps
         self.top_k = cfg.num_experts_per_tok
         self.gating = cfg.expert_gating
         self.swiglu = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit else None
@@ -200,6 +210,13 @@ class SparseMoE:
         if self.gating == "softmax_weight":  # the top k logits, then their softmax
             top, chosen = torch.topk(logits, self.top_k, dim=-1)
             weights = torch.softmax(top, dim=-1)
+        elif self.gating == "sigmoid":  # each expert's sigmoid; chosen with a bias, if any
+            scores = torch.sigmoid(logits)
+            chosen = torch.topk(scores if self.selection_bias is None
+                                else scores + self.selection_bias, self.top_k, dim=-1).indices
+            weights = scores.gather(1, chosen)
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps)
         else:
             probs = torch.softmax(logits, dim=-1)
             weights, chosen = torch.topk(probs, self.top_k, dim=-1)

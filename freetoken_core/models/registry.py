@@ -28,6 +28,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen3_5_moe": Qwen3_5ForCausalLM,  # (experts in every layer: moe.SparseMoE)
     "qwen3_next": Qwen3_5ForCausalLM,  # (Qwen3.5-MoE's layers, its projections fused)
     "lfm2": Lfm2ForCausalLM,
+    "lfm2_moe": Lfm2ForCausalLM,  # (experts past the first layers: moe.py's sigmoid gating)
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "gemma4": Gemma4ForCausalLM,

@@ -46,12 +46,24 @@ _RENAMES: dict[str, list[tuple[re.Pattern[str], str]]] = {
         (r"\.self_attn\.q_layernorm\.", ".self_attn.q_norm."),
         (r"\.self_attn\.k_layernorm\.", ".self_attn.k_norm."),
     )],
+    # LFM2-MoE: LFM2's, and its experts (per expert as released, or transformers 5's fused)
+    "lfm2_moe": [(re.compile(pattern), replacement) for pattern, replacement in (
+        (r"\.feed_forward\.experts\.(\d+)\.w1\.", r".mlp.experts.\1.gate_proj."),
+        (r"\.feed_forward\.experts\.(\d+)\.w3\.", r".mlp.experts.\1.up_proj."),
+        (r"\.feed_forward\.experts\.(\d+)\.w2\.", r".mlp.experts.\1.down_proj."),
+        (r"\.feed_forward\.experts\.", ".mlp.experts."),
+        (r"\.feed_forward\.gate\.", ".mlp.gate."),
+        (r"\.feed_forward\.expert_bias$", ".mlp.expert_bias"),
+    )],
     # Hunyuan dense: its q/k norms (normed after the rotation: llama.py)
     "hunyuan_dense": [(re.compile(pattern), replacement) for pattern, replacement in (
         (r"\.self_attn\.query_layernorm\.", ".self_attn.q_norm."),
         (r"\.self_attn\.key_layernorm\.", ".self_attn.k_norm."),
     )],
 }
+
+
+_RENAMES["lfm2_moe"] += _RENAMES["lfm2"]
 
 
 def weight_renamer(family: str) -> Callable[[str], str] | None:
