@@ -20,6 +20,7 @@ from freetoken_core.models.config_defaults import (
     olmoe_config,
     seed_oss_config,
     starcoder2_config,
+    with_defaults,
 )
 from freetoken_core.models.config_fields import (
     exaone4_fields,
@@ -40,7 +41,13 @@ from freetoken_core.models.config_lfm2 import (
     lfm2_moe_config,
     lfm2_moe_fields,
 )
-from freetoken_core.models.config_moe import gpt_oss_fields, moe_fields, quantized_experts
+from freetoken_core.models.config_moe import (
+    GLM4_MOE_DEFAULTS,
+    glm4_moe_fields,
+    gpt_oss_fields,
+    moe_fields,
+    quantized_experts,
+)
 from freetoken_core.models.config_qwen3_5 import (
     qwen3_5_config,
     qwen3_5_fields,
@@ -61,6 +68,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "Lfm2ForCausalLM": "lfm2",
     "Lfm2MoeForCausalLM": "lfm2_moe",
+    "Glm4MoeForCausalLM": "glm4_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
@@ -92,7 +100,7 @@ SUPPORTED_ARCHITECTURES = {
 _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "gemma4": "gelu_pytorch_tanh", "phi3": "silu", "qwen3_5": "silu",
                 "qwen3_5_moe": "silu", "qwen3_next": "silu",
-                "lfm2": "silu", "lfm2_moe": "silu",
+                "lfm2": "silu", "lfm2_moe": "silu", "glm4_moe": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
                 "olmoe": "silu", "granitemoe": "silu", "hunyuan_dense": "silu",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu",
@@ -108,6 +116,7 @@ _PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "hunyuan_dense": hunyuan_dense_config, "gemma4": gemma4_config,
     "qwen3_5": qwen3_5_config, "qwen3_5_moe": qwen3_5_moe_config,
     "qwen3_next": qwen3_next_config, "lfm2": lfm2_config, "lfm2_moe": lfm2_moe_config,
+    "glm4_moe": functools.partial(with_defaults, defaults=GLM4_MOE_DEFAULTS, theta=10_000.0),
     "cohere": functools.partial(cohere_config, family="cohere"),
     "cohere2": functools.partial(cohere_config, family="cohere2"),
 }
@@ -200,6 +209,9 @@ class ModelConfig:
     expert_selection_bias: bool = False
     """A per-expert bias added to the router's scores to choose the experts, not to weight
     them (LFM2-MoE's ``use_expert_bias``: ``mlp.expert_bias``)."""
+    expert_groups: tuple[int, ...] = ()
+    """``(n_group, topk_group)``: the experts in ``n_group`` groups, a token's chosen among
+    its best ``topk_group`` groups' (GLM-4.5's); empty: no groups."""
     expert_norm_eps: float = 0.0
     """Added to the chosen weights' sum before they are rescaled by it (LFM2-MoE: 1e-6)."""
     expert_bias: bool = False
@@ -329,6 +341,8 @@ class ModelConfig:
             fields.update(lfm2_fields(cfg))
         elif family == "lfm2_moe":
             fields.update(lfm2_moe_fields(cfg))
+        elif family == "glm4_moe":
+            fields.update(glm4_moe_fields(cfg))
         elif family == "gemma2":
             fields.update(gemma2_fields(cfg))
         elif family == "phi3":
@@ -375,7 +389,7 @@ class ModelConfig:
             qk_norm=(family in ("qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3",
                                 "gemma4", "qwen3_moe", "olmo2", "olmo3", "exaone4", "olmoe",
                                 "hunyuan_dense", "lfm2", "lfm2_moe")
-                     or (family == "cohere" and bool(cfg.get("use_qk_norm")))),
+                     or (family in ("cohere", "glm4_moe") and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -1,5 +1,5 @@
 """The mixture-of-experts families' ``ModelConfig`` fields (Qwen3-MoE, Qwen2-MoE, Mixtral,
-OLMoE, Granite MoE, gpt-oss), read from config.json as transformers' config classes read them
+OLMoE, Granite MoE, gpt-oss, GLM-4.5), read from config.json as transformers' config classes read them
 (their defaults where a key is left out), a value FreeToken cannot run refused naming its
 key (``config.ModelConfig.from_dict`` calls them)."""
 
@@ -149,3 +149,42 @@ def quantized_experts(arch: str, family: str, quantization: Any) -> bool:
         f"{arch} with quantization_config.quant_method {method!r} is not supported: FreeToken "
         "reads float safetensors (and gpt-oss's MXFP4 experts) from a directory; serve a "
         "GGUF file of the model (any common quant type) or its unquantized checkpoint")
+
+
+# Glm4MoeConfig's defaults that differ from what config.py assumes for a key left out.
+GLM4_MOE_DEFAULTS = {"vocab_size": 151_552, "hidden_size": 4096, "intermediate_size": 10_944,
+                     "num_hidden_layers": 46, "num_attention_heads": 96,
+                     "num_key_value_heads": 8, "max_position_embeddings": 131_072,
+                     "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+
+
+def glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5's fields as transformers' ``Glm4MoeConfig`` reads them: RoPE on the first
+    ``partial_rotary_factor`` (0.5) of each head (NEOX pairs within it), q/k norms where
+    ``use_qk_norm``; past the first ``first_k_dense_replace`` (1) layers,
+    ``n_routed_experts`` (128) experts of ``moe_intermediate_size`` (1408),
+    ``num_experts_per_tok`` (8) a token chosen by sigmoid scores plus the router's
+    ``e_score_correction_bias`` among the best ``topk_group`` of ``n_group`` groups (1 of 1),
+    their sigmoids rescaled to sum to 1 where ``norm_topk_prob`` (on) times
+    ``routed_scaling_factor`` (1), and ``n_shared_experts`` (1) ungated shared experts."""
+    arch, layers = "Glm4MoeForCausalLM", cfg["num_hidden_layers"]
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))
+    experts, top_k = cfg.get("n_routed_experts", 128), cfg.get("num_experts_per_tok", 8)
+    size, shared = cfg.get("moe_intermediate_size", 1408), cfg.get("n_shared_experts", 1)
+    groups, keep = cfg.get("n_group", 1), cfg.get("topk_group", 1)
+    dense = cfg.get("first_k_dense_replace", 1)
+    _expert_counts(arch, (("n_routed_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
+                          ("moe_intermediate_size", size, 1), ("n_shared_experts", shared, 0),
+                          ("n_group", groups, 1), ("topk_group", keep, 1),
+                          ("first_k_dense_replace", dense, 0)), top_k, experts)
+    if experts % groups or keep > groups or top_k > keep * (experts // groups):
+        raise ModelLoadError(f"{arch} n_group {groups} / topk_group {keep} do not divide "
+                             f"{experts} experts into groups holding {top_k} of them")
+    return {"partial_rotary_factor": partial, "num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": size, "shared_expert_intermediate_size": size * shared,
+            "expert_gating": "sigmoid", "expert_selection_bias": True,
+            "expert_groups": (groups, keep), "expert_norm_eps": 1e-20,
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+            "routed_scaling_factor": _routed_scale(cfg, arch),
+            "moe_layers": tuple(int(i >= dense) for i in range(layers))}

@@ -153,21 +153,26 @@ class SparseMoE:
         self.shared: tuple[Linear, Linear] | None = None
         self.shared_gate: Linear | None = None
         if cfg.shared_expert_intermediate_size:
-            mlp = prefix + "mlp.shared_expert"
+            # (Qwen2-MoE's shared_expert and its gate; GLM-4.5's shared_experts, ungated)
+            gated = prefix + "mlp.shared_experts.gate_proj.weight" not in weights
+            mlp = prefix + ("mlp.shared_expert" if gated else "mlp.shared_experts")
             self.shared = (make_linear([weights.pop(f"{mlp}.gate_proj.weight"),
                                         weights.pop(f"{mlp}.up_proj.weight")], arena=arena),
                            make_linear([weights.pop(f"{mlp}.down_proj.weight")], arena=arena))
-            gate = weights.pop(f"{mlp}_gate.weight")
-            self.shared_gate = make_linear([gate.reshape(1, -1) if isinstance(
-                gate, torch.Tensor) else gate], arena=arena)
+            if gated:
+                gate = weights.pop(f"{mlp}_gate.weight")
+                self.shared_gate = make_linear([gate.reshape(1, -1) if isinstance(
+                    gate, torch.Tensor) else gate], arena=arena)
         self.selection_bias = None
-        if cfg.expert_selection_bias:  # (LFM2-MoE's: added to the scores to choose only)
+        if cfg.expert_selection_bias:  # (LFM2-MoE's, GLM-4.5's: to choose the experts only)
             self.selection_bias = weights.pop(prefix + "mlp.expert_bias").float()
             if tuple(self.selection_bias.shape) != (cfg.num_experts,):
                 raise ModelLoadError(f"{prefix}mlp.expert_bias has shape "
                                      f"{list(self.selection_bias.shape)}; expected "
                                      f"[{cfg.num_experts}]")
         self.norm_eps = cfg.expert_norm_eps
+        self.groups = cfg.expert_groups if cfg.expert_groups[:1] != (1,) and (
+            cfg.expert_groups) else None
         self.top_k = cfg.num_experts_per_tok
         self.gating = cfg.expert_gating
         self.swiglu = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit else None
@@ -200,7 +205,8 @@ class SparseMoE:
     def linears(self) -> tuple[Linear, ...]:
         """The router's, every expert's and the shared expert's linears (for the model's
         block layouts)."""
-        shared = (*self.shared, self.shared_gate) if self.shared is not None else ()
+        shared = (*self.shared, *([self.shared_gate] if self.shared_gate else [])
+                  ) if self.shared is not None else ()
         return (self.router, *(lin for pair in self.experts for lin in pair), *shared)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,8 +218,10 @@ class SparseMoE:
             weights = torch.softmax(top, dim=-1)
         elif self.gating == "sigmoid":  # each expert's sigmoid; chosen with a bias, if any
             scores = torch.sigmoid(logits)
-            chosen = torch.topk(scores if self.selection_bias is None
-                                else scores + self.selection_bias, self.top_k, dim=-1).indices
+            choice = scores if self.selection_bias is None else scores + self.selection_bias
+            if self.groups is not None:  # (only the experts of the best groups)
+                choice = self.best_groups(choice)
+            chosen = torch.topk(choice, self.top_k, dim=-1).indices
             weights = scores.gather(1, chosen)
             if self.norm_topk_prob:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps)
@@ -226,6 +234,17 @@ class SparseMoE:
             weights = weights * self.scale
         return weights.to(x.dtype), chosen
 
+    def best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """``choice`` ``[tokens, experts]`` with every expert outside each token's best
+        ``topk_group`` groups at -inf, a group's score the sum of its two best (DeepSeek-V3's
+        and GLM-4.5's group-limited routing, ``n_group`` groups of consecutive experts)."""
+        groups, keep = self.groups
+        grouped = choice.view(choice.shape[0], groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(keep, dim=-1).indices
+        mask = torch.zeros(choice.shape[0], groups, dtype=torch.bool, device=choice.device)
+        mask.scatter_(1, best, True)
+        return grouped.masked_fill(~mask[..., None], float("-inf")).view_as(choice)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
         out = self.experts_sum(x, weights, chosen)
@@ -233,6 +252,8 @@ class SparseMoE:
             return out
         gate_up, down = self.shared
         shared = down(silu_and_mul(gate_up(x), self.native))
+        if self.shared_gate is None:
+            return out + shared
         return out + torch.sigmoid(self.shared_gate(x)) * shared
 
     def experts_sum(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor

@@ -11,6 +11,7 @@ from freetoken_core.models.gemma2 import Gemma2ForCausalLM
 from freetoken_core.models.gemma3 import Gemma3ForCausalLM
 from freetoken_core.models.gemma4 import Gemma4ForCausalLM
 from freetoken_core.models.glm4 import Glm4ForCausalLM
+from freetoken_core.models.glm4_moe import Glm4MoeForCausalLM
 from freetoken_core.models.lfm2 import Lfm2ForCausalLM
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.olmo2 import Olmo2ForCausalLM
@@ -43,6 +44,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "olmoe": LlamaForCausalLM,  # (experts, and q/k norms over all heads: llama.py)
     "gpt_oss": LlamaForCausalLM,  # (sinks, biases and windows: config fields too)
     "glm4": Glm4ForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
     "ministral3": LlamaForCausalLM,  # (its attention temperature: config fields too)
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,  # (OLMo 2's blocks with sliding-window layers)

@@ -55,6 +55,8 @@ _RENAMES: dict[str, list[tuple[re.Pattern[str], str]]] = {
         (r"\.feed_forward\.gate\.", ".mlp.gate."),
         (r"\.feed_forward\.expert_bias$", ".mlp.expert_bias"),
     )],
+    # GLM-4.5: the router's selection bias, under the name moe.py reads
+    "glm4_moe": [(re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.expert_bias")],
     # Hunyuan dense: its q/k norms (normed after the rotation: llama.py)
     "hunyuan_dense": [(re.compile(pattern), replacement) for pattern, replacement in (
         (r"\.self_attn\.query_layernorm\.", ".self_attn.q_norm."),
