@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import torch
-from test_arch_gemma3 import chunked_logits, engine_path
+from test_arch_gemma3 import engine_path
 from test_arch_phi3 import save_tiny_model
-from test_arch_qwen3_5 import generate, prompts_of, served
+from test_arch_qwen3_5 import assert_matches, generate, prompts_of, served
 from test_gguf_rope_factors import greedy
 from transformers import Lfm2Config, Lfm2MoeConfig, Lfm2MoeForCausalLM
 from transformers import Lfm2ForCausalLM as HFLfm2
@@ -50,14 +50,7 @@ def test_lfm2_directory_matches_transformers(model_dir: Path, hf: Any, path: str
     assert model.native is native and model.config.architecture == "lfm2"
     assert model.config.layer_kinds == ("short_conv", "attention", "short_conv", "short_conv")
     assert kv_cache_dims(model.config) == (1, 2, 16)
-    prompts = prompts_of(llm, 7)
-    assert generate(llm, prompts) == greedy(hf, prompts, 12)
-    ids = prompts[1]
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0]
-    for chunks in ([len(ids)], [1, 1, 70, len(ids) - 72]):
-        torch.testing.assert_close(chunked_logits(model, ids, chunks), want, atol=1e-3,
-                                   rtol=1e-4)
+    assert_matches(llm, hf, 7, [[], [1, 1, 70]])
 
 
 def test_lfm2_moe_directory_matches_transformers(tmp_path: Path) -> None:
@@ -75,13 +68,7 @@ def test_lfm2_moe_directory_matches_transformers(tmp_path: Path) -> None:
     model = llm.engine.core.runner.model
     assert model.config.architecture == "lfm2_moe"
     assert [layer.moe is None for layer in model.layers] == [True, False, False, False]
-    prompts = prompts_of(llm, 4)
-    assert generate(llm, prompts) == greedy(hf, prompts, 12)
-    ids = prompts[1]
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(chunked_logits(model, ids, [70, len(ids) - 70]), want,
-                               atol=1e-3, rtol=1e-4)
+    assert_matches(llm, hf, 4, [[70]])
 
 
 def test_lfm2_states_across_slots_chunks_and_preemption(model_dir: Path, hf: Any) -> None:

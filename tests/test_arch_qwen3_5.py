@@ -79,6 +79,21 @@ def generate(llm: LLM, prompts: list[list[int]], n: int = 12) -> list[list[int]]
     return [o.outputs[0].token_ids for o in outs]
 
 
+def assert_matches(llm: LLM, hf: Any, count: int, chunkings: list[list[int]]) -> Any:
+    """Greedy tokens of ``count`` prompts equal ``hf``'s, and every position's logits of the
+    150-token one, fed in each of ``chunkings``' chunks; returns the served model."""
+    model = llm.engine.core.runner.model
+    prompts = prompts_of(llm, count)
+    assert generate(llm, prompts) == greedy(hf, prompts, 12)
+    ids = prompts[1]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    for chunks in chunkings:
+        torch.testing.assert_close(chunked_logits(model, ids, [*chunks, len(ids) - sum(chunks)]),
+                                   want, atol=1e-3, rtol=1e-4)
+    return model
+
+
 @pytest.mark.parametrize("path", ["native", "torch"])
 def test_qwen3_5_directory_matches_transformers(model_dir: Path, hf: Any, path: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,14 +104,7 @@ def test_qwen3_5_directory_matches_transformers(model_dir: Path, hf: Any, path: 
     cfg = model.config
     assert cfg.layer_kinds == ("linear_attention",) * 3 + ("attention",)
     assert kv_cache_dims(cfg) == (1, 2, 16)  # (the attention layer alone)
-    prompts = prompts_of(llm, 7)
-    assert generate(llm, prompts) == greedy(hf, prompts, 12)
-    ids = prompts[1]
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0]
-    for chunks in ([len(ids)], [1, 1, 70, len(ids) - 72], [64, 64, len(ids) - 128]):
-        torch.testing.assert_close(chunked_logits(model, ids, chunks), want, atol=1e-3,
-                                   rtol=1e-4)
+    assert_matches(llm, hf, 7, [[], [1, 1, 70], [64, 64]])
 
 
 def test_qwen3_5_moe_directory_matches_transformers(tmp_path: Path) -> None:
@@ -108,13 +116,7 @@ def test_qwen3_5_moe_directory_matches_transformers(tmp_path: Path) -> None:
     model = llm.engine.core.runner.model
     assert model.config.architecture == "qwen3_5_moe"
     assert all(layer.moe is not None and layer.moe.shared is not None for layer in model.layers)
-    prompts = prompts_of(llm, 4)
-    assert generate(llm, prompts) == greedy(hf, prompts, 12)
-    ids = prompts[1]
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(chunked_logits(model, ids, [70, len(ids) - 70]), want,
-                               atol=1e-3, rtol=1e-4)
+    assert_matches(llm, hf, 4, [[70]])
 
 
 def test_qwen3_next_directory_matches_transformers(tmp_path: Path) -> None:

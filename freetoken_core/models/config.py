@@ -121,6 +121,19 @@ _PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "cohere2": functools.partial(cohere_config, family="cohere2"),
 }
 
+# The families' fields beyond the common ones, read from their config.json alone
+# (config_fields.py and the families' own config modules).
+_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "gemma2": gemma2_fields, "gemma3": gemma3_fields, "gemma4": gemma4_fields,
+    "qwen3_5": qwen3_5_fields, "qwen3_5_moe": qwen3_5_moe_fields,
+    "qwen3_next": qwen3_next_fields, "lfm2": lfm2_fields, "lfm2_moe": lfm2_moe_fields,
+    "glm4_moe": glm4_moe_fields, "smollm3": smollm3_fields,
+    "ministral3": ministral3_fields, "olmo3": olmo3_fields, "exaone4": exaone4_fields,
+    "starcoder2": starcoder2_fields,
+}
+# ... and with the rope parameters the common code read.
+_ROPE_FIELDS = {"phi3": phi3_fields, "gpt_oss": gpt_oss_fields, "glm4": glm4_fields}
+
 # transformers' default activation where config.json leaves hidden_act out, other than SiLU.
 _DEFAULT_ACTIVATIONS = {"arcee": "relu2", "starcoder2": "gelu_pytorch_tanh"}
 
@@ -327,46 +340,16 @@ class ModelConfig:
             "gated_mlp": family not in ("arcee", "starcoder2"),
             "qk_norm_after_rope": family == "hunyuan_dense",
         }
-        if family == "gemma3":
-            fields.update(gemma3_fields(cfg))
-        elif family == "gemma4":
-            fields.update(gemma4_fields(cfg))
-        elif family == "qwen3_5":
-            fields.update(qwen3_5_fields(cfg))
-        elif family == "qwen3_5_moe":
-            fields.update(qwen3_5_moe_fields(cfg))
-        elif family == "qwen3_next":
-            fields.update(qwen3_next_fields(cfg))
-        elif family == "lfm2":
-            fields.update(lfm2_fields(cfg))
-        elif family == "lfm2_moe":
-            fields.update(lfm2_moe_fields(cfg))
-        elif family == "glm4_moe":
-            fields.update(glm4_moe_fields(cfg))
-        elif family == "gemma2":
-            fields.update(gemma2_fields(cfg))
-        elif family == "phi3":
-            fields.update(phi3_fields(cfg, rope_scaling))
-        elif family == "smollm3":
-            fields.update(smollm3_fields(cfg))
+        if family in _FIELDS:
+            fields.update(_FIELDS[family](cfg))
+        elif family in ("phi3", "gpt_oss", "glm4"):  # (their rope read with the config's)
+            fields.update(_ROPE_FIELDS[family](cfg, rope_scaling))
         elif family in ("granite", "granitemoe"):
             fields.update(granite_fields(cfg, arch))
             if family == "granitemoe":
                 fields.update(moe_fields(cfg, arch, family))
         elif family in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe"):
             fields.update(moe_fields(cfg, arch, family))
-        elif family == "gpt_oss":
-            fields.update(gpt_oss_fields(cfg, rope_scaling))
-        elif family == "glm4":
-            fields.update(glm4_fields(cfg, rope_scaling))
-        elif family == "ministral3":
-            fields.update(ministral3_fields(cfg))
-        elif family == "olmo3":
-            fields.update(olmo3_fields(cfg))
-        elif family == "exaone4":
-            fields.update(exaone4_fields(cfg))
-        elif family == "starcoder2":
-            fields.update(starcoder2_fields(cfg))
         elif family in ("cohere", "cohere2"):
             fields.update(cohere_fields(cfg, family))
         fields["mxfp4_experts"] = quantized_experts(arch, family,

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
-from freetoken_core.models.kv_layout import kv_sources, layer_caches, layer_kv_shape
+from freetoken_core.models.kv_layout import LayerViews, kv_sources, layer_kv_shape
 from freetoken_core.models.layers import (
     RotaryEmbedding,
     apply_rope,
@@ -211,19 +211,8 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
                                  "replicates it)")
         self.config = cfg
         self.num_kv_heads = cfg.num_kv_heads
-        embed = weights.pop("model.embed_tokens.weight")
-        head = weights.pop("lm_head.weight", None)
-        if head is None or cfg.tie_word_embeddings:
-            head = embed
         per_layer_embed = weights.pop("model.embed_tokens_per_layer.weight", None)
-        arena = BlockArena.for_weights({**weights, "lm_head.weight": head, "embed": embed})
-        self.lm_head = make_linear([head], arena=arena)
-        self.embedding = (Embedding(embed, blocks=self.lm_head.blocks)
-                          if head is embed and self.lm_head.blocks is not None
-                          else Embedding(embed, arena))
-        self.native = (self.embedding.device.type == "cpu"
-                       and self.embedding.dtype in (torch.float32, torch.bfloat16)
-                       and _kernels())
+        arena = self.set_embeddings(cfg, weights)
         dtype, device = self.embedding.dtype, self.embedding.device
         self.per_layer_size = cfg.per_layer_input_size
         if self.per_layer_size:
@@ -253,7 +242,7 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         leftover = [k for k in weights if "rotary_emb" not in k]
         if leftover:
             raise ValueError(f"unused weights in checkpoint: {leftover[:5]}")
-        self._views: tuple[Any, list[torch.Tensor]] | None = None
+        self.views = LayerViews(cfg)
         if arena is None:
             self.pack_blocks()
         self.set_all_layers_args()
@@ -288,13 +277,6 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
                                             self.native).view(shape)
         return (projected + tokens) * 2.0 ** -0.5
 
-    def layer_caches(self, kv_caches: torch.Tensor) -> list[torch.Tensor]:
-        """Each layer's view of the cache (``kv_layout.layer_caches``), made once a cache."""
-        key = (kv_caches.data_ptr(), tuple(kv_caches.shape))
-        if self._views is None or self._views[0] != key:
-            self._views = (key, layer_caches(self.config, kv_caches))
-        return self._views[1]
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat step; writes the step's KV into the cache."""
@@ -304,7 +286,7 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         metas = {window: meta.with_window(window) for window in set(self.windows)}
         step_kv: dict[int, torch.Tensor] = {}
         for i, (layer, window, cache) in enumerate(zip(self.layers, self.windows,
-                                                       self.layer_caches(kv_caches))):
+                                                       self.views(kv_caches))):
             x = layer(x, None if per_layer is None else per_layer[:, i], *ropes[self.rope_of[i]],
                       cache, metas[window], step_kv, i)
         return float32_weight_rms_norm(x, self.norm, self.config.rms_norm_eps, self.native)
@@ -316,8 +298,3 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
-
-def _kernels() -> bool:
-    from freetoken_core.models import llama
-
-    return llama.cpu_kernels_available()

@@ -74,3 +74,19 @@ def layer_caches(cfg: ModelConfig, kv_caches: torch.Tensor) -> list[torch.Tensor
         views[layer] = kv_caches[n].view(-1)[:slots * 2 * heads * dim].view(
             slots, 2, heads, dim)
     return [None if source is None else views[source] for source in sources]
+
+
+class LayerViews:
+    """``layer_caches`` of the cache a model is given, made once a cache (a step's
+    ``forward`` asks each time; the engine's cache is one tensor for good)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self._key: tuple[int, tuple[int, ...]] | None = None
+        self._views: list[torch.Tensor | None] = []
+
+    def __call__(self, kv_caches: torch.Tensor) -> list[torch.Tensor | None]:
+        key = (kv_caches.data_ptr(), tuple(kv_caches.shape))
+        if key != self._key:
+            self._key, self._views = key, layer_caches(self.cfg, kv_caches)
+        return self._views

@@ -20,12 +20,12 @@ import torch
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata
 from freetoken_core.models.config import ModelConfig
-from freetoken_core.models.kv_layout import layer_caches
+from freetoken_core.models.kv_layout import LayerViews
 from freetoken_core.models.layers import add_rms_norm, rms_norm, silu_and_mul
 from freetoken_core.models.linear import BlockArena, make_linear
 from freetoken_core.models.llama import DecoderLayer, LlamaForCausalLM, Weights
 from freetoken_core.models.moe import SparseMoE
-from freetoken_core.models.recurrent import allocate_states
+from freetoken_core.models.recurrent import allocate_states, check_step
 from freetoken_core.models.sharding import Shard
 from freetoken_core.models.short_conv import ShortConv
 
@@ -93,7 +93,7 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
                                  "replicates it)")
         super().__init__(cfg, weights, max_positions)
         self.states: list[Any] = []
-        self._views: tuple[Any, list[torch.Tensor | None]] | None = None
+        self.views = LayerViews(cfg)
 
     def allocate_states(self, slots: int) -> None:
         self.states = allocate_states([getattr(layer, "mixer", None) for layer in self.layers],
@@ -101,15 +101,10 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.sequences is None or not self.states:
-            raise RuntimeError("LFM2 steps need their sequences' state slots "
-                               "(AttentionMetadata.sequences) and allocate_states first")
-        key = (kv_caches.data_ptr(), tuple(kv_caches.shape))
-        if self._views is None or self._views[0] != key:
-            self._views = (key, layer_caches(self.config, kv_caches))
+        check_step(self, meta)
         cos, sin = self.rotary.tables(positions)
         x, residual = self.embedding(input_ids), None
-        for layer, cache, states in zip(self.layers, self._views[1], self.states):
+        for layer, cache, states in zip(self.layers, self.views(kv_caches), self.states):
             if states is not None:
                 x, residual = layer(x, residual, states, meta)
             else:

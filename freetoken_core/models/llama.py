@@ -218,20 +218,7 @@ class LlamaForCausalLM(BlockLayouts):
             layer_cfg, vocab_range = shard_weights(cfg, weights, shard)
         self.num_kv_heads = layer_cfg.num_kv_heads
         """KV heads of this rank's blocks (its KV cache's)."""
-        embed = weights.pop("model.embed_tokens.weight")
-        head = weights.pop("lm_head.weight", None)
-        if head is None or cfg.tie_word_embeddings:
-            head = embed
-        arena = BlockArena.for_weights({**weights, "lm_head.weight": head, "embed": embed})
-        self.lm_head = make_linear([head], arena=arena)
-        if head is embed and self.lm_head.blocks is not None:
-            self.embedding = Embedding(embed, blocks=self.lm_head.blocks)  # tied: one copy
-        else:
-            self.embedding = Embedding(embed, arena)
-        # The native CPU kernels (attention's decode path too) or the torch operators.
-        self.native = (self.embedding.device.type == "cpu"
-                       and self.embedding.dtype in (torch.float32, torch.bfloat16)
-                       and cpu_kernels_available())
+        arena = self.set_embeddings(cfg, weights)
         self.layers = [self.layer_class(layer_cfg, weights, i, self.native, arena)
                        for i in range(cfg.num_layers)]
         # Each layer's sliding window (``with_window``), None where it has none or where it
@@ -256,6 +243,26 @@ class LlamaForCausalLM(BlockLayouts):
         if shard is not None:
             self.join_ranks(shard, vocab_range[0])
         self.set_all_layers_args()
+
+    def set_embeddings(self, cfg: ModelConfig, weights: Weights) -> BlockArena | None:
+        """The embedding and the head (one copy of the blocks where they are tied), popped
+        from ``weights``, and ``native``: whether the model runs the native CPU kernels
+        (attention's decode path too) or the torch operators. Returns the arena every
+        linear's GGUF blocks are laid into (None for float weights)."""
+        embed = weights.pop("model.embed_tokens.weight")
+        head = weights.pop("lm_head.weight", None)
+        if head is None or cfg.tie_word_embeddings:
+            head = embed
+        arena = BlockArena.for_weights({**weights, "lm_head.weight": head, "embed": embed})
+        self.lm_head = make_linear([head], arena=arena)
+        if head is embed and self.lm_head.blocks is not None:
+            self.embedding = Embedding(embed, blocks=self.lm_head.blocks)  # tied: one copy
+        else:
+            self.embedding = Embedding(embed, arena)
+        self.native = (self.embedding.device.type == "cpu"
+                       and self.embedding.dtype in (torch.float32, torch.bfloat16)
+                       and cpu_kernels_available())
+        return arena
 
     def join_ranks(self, shard: Shard, vocab_start: int) -> None:
         """Tensor parallelism's communication (``sharding``): the o and down projections'

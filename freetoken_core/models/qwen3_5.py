@@ -29,17 +29,17 @@ from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.gated_deltanet import GatedDeltaNet, RecurrentStates
 from freetoken_core.models.gemma3 import norm_weight
-from freetoken_core.models.kv_layout import layer_caches
+from freetoken_core.models.kv_layout import LayerViews
 from freetoken_core.models.layers import (
     RotaryEmbedding,
     float32_weight_add_rms_norm,
     float32_weight_rms_norm,
     silu_and_mul,
 )
-from freetoken_core.models.linear import BlockArena, Embedding, make_linear
+from freetoken_core.models.linear import BlockArena, make_linear
 from freetoken_core.models.llama import LlamaForCausalLM, Weights
 from freetoken_core.models.moe import SparseMoE
-from freetoken_core.models.recurrent import allocate_states
+from freetoken_core.models.recurrent import allocate_states, check_step
 from freetoken_core.models.sharding import Shard
 
 
@@ -150,20 +150,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             del weights[name]  # (multi-token prediction: not used)
         self.config = cfg
         self.num_kv_heads = cfg.num_kv_heads
-        embed = weights.pop("model.embed_tokens.weight")
-        head = weights.pop("lm_head.weight", None)
-        if head is None or cfg.tie_word_embeddings:
-            head = embed
-        arena = BlockArena.for_weights({**weights, "lm_head.weight": head, "embed": embed})
-        self.lm_head = make_linear([head], arena=arena)
-        self.embedding = (Embedding(embed, blocks=self.lm_head.blocks)
-                          if head is embed and self.lm_head.blocks is not None
-                          else Embedding(embed, arena))
-        from freetoken_core.models import llama
-
-        self.native = (self.embedding.device.type == "cpu"
-                       and self.embedding.dtype in (torch.float32, torch.bfloat16)
-                       and llama.cpu_kernels_available())
+        arena = self.set_embeddings(cfg, weights)
         self.layers = [Qwen3_5DecoderLayer(cfg, weights, i, self.native, arena)
                        for i in range(cfg.num_layers)]
         self.windows = [None] * cfg.num_layers
@@ -177,7 +164,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         if leftover:
             raise ValueError(f"unused weights in checkpoint: {leftover[:5]}")
         self.states: list[RecurrentStates | None] = []
-        self._views: tuple[Any, list[torch.Tensor | None]] | None = None
+        self.views = LayerViews(cfg)
         if arena is None:
             self.pack_blocks()
         self.set_all_layers_args()
@@ -192,15 +179,10 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat step; writes the step's KV into the cache and
         its sequences' states into their slots (``meta.sequences``)."""
-        if meta.sequences is None or not self.states:
-            raise RuntimeError("Qwen3.5 steps need their sequences' state slots "
-                               "(AttentionMetadata.sequences) and allocate_states first")
-        key = (kv_caches.data_ptr(), tuple(kv_caches.shape))
-        if self._views is None or self._views[0] != key:
-            self._views = (key, layer_caches(self.config, kv_caches))
+        check_step(self, meta)
         cos, sin = self.rotary.tables(positions)
         x, residual = self.embedding(input_ids), None
-        for layer, cache, states in zip(self.layers, self._views[1], self.states):
+        for layer, cache, states in zip(self.layers, self.views(kv_caches), self.states):
             x, residual = layer(x, residual, cos, sin, cache, meta, states)
         return float32_weight_add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps,
                                            self.native)[0]

@@ -23,6 +23,15 @@ class Mixer(Protocol):
     def states(self, slots: int, dtype: torch.dtype, device: torch.device) -> Any: ...
 
 
+def check_step(model: Any, meta: Any) -> None:
+    """A step of a model with recurrent layers needs its sequences' slots
+    (``AttentionMetadata.sequences``, which the engine's runner gives) and the states
+    allocated (``allocate_states``)."""
+    if meta.sequences is None or not model.states:
+        raise RuntimeError(f"{model.config.architecture} steps need their sequences' state "
+                           "slots (AttentionMetadata.sequences) and allocate_states first")
+
+
 def allocate_states(mixers: list[Mixer | None], slots: int, dtype: torch.dtype,
                     device: torch.device) -> list[Any]:
     """Each layer's states for ``slots`` sequences (None for a layer without: attention);
