@@ -4,6 +4,7 @@ test modules (each keeps its own module-scoped fixture over ``start_server``).""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -104,3 +105,19 @@ def events(server: Server, path: str, body: dict) -> list[dict]:
     lines = [ln[len("data: "):] for ln in r.text.splitlines() if ln.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(ln) for ln in lines[:-1]]
+
+
+def start_script_server(model_dir: Path, template: Path, tmp: Path) -> Server:
+    """``freetoken serve`` of ``model_dir`` with the chat template ``template`` and the test
+    plugin ``script`` (tests/plugins/freetoken_script.py: the model "writes" the token ids a
+    request scripts), installed as an entry point from a dist-info made in ``tmp``."""
+    dist = tmp / "freetoken_script-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: freetoken-script\n"
+                                   "Version: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        "[freetoken.plugins]\nscript = freetoken_script:Script\n")
+    plugins = Path(__file__).parent / "plugins"
+    path = os.pathsep.join([str(plugins), str(tmp), os.environ.get("PYTHONPATH", "")])
+    return start_server(model_dir, "--chat-template", str(template),
+                        env={**os.environ, "PYTHONPATH": path}, log_file=tmp / "serve.log")

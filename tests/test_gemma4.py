@@ -14,14 +14,13 @@ its end-of-generation tokens, as in Gemma 4.
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-from server_fixtures import Server, start_server, stop_server
+from server_fixtures import Server, start_script_server, stop_server
 from server_fixtures import events as _events
 from server_fixtures import ok as _ok
 from tiny_models import make_tiny_model
@@ -329,16 +328,8 @@ def test_the_plugins_split_and_parse_in_pieces(tokenizer: Any) -> None:
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
     tmp = tmp_path_factory.mktemp("script-plugin-gemma4")
-    dist = tmp / "freetoken_script-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: freetoken-script\n"
-                                   "Version: 0.1\n")
-    (dist / "entry_points.txt").write_text(
-        "[freetoken.plugins]\nscript = freetoken_script:Script\n")
     (tmp / "gemma4.jinja").write_text(TEMPLATE)
-    path = os.pathsep.join([str(PLUGIN_DIR), str(tmp), os.environ.get("PYTHONPATH", "")])
-    srv = start_server(model_dir, "--chat-template", str(tmp / "gemma4.jinja"),
-                       env={**os.environ, "PYTHONPATH": path}, log_file=tmp / "serve.log")
+    srv = start_script_server(model_dir, tmp / "gemma4.jinja", tmp)
     yield srv
     stop_server(srv)
 

@@ -14,13 +14,12 @@ model's end-of-generation tokens, as in gpt-oss.
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
-from server_fixtures import Server, post, start_server, stop_server
+from server_fixtures import Server, post, start_script_server, stop_server
 from server_fixtures import events as _events
 from server_fixtures import ok as _ok
 from tiny_models import make_tiny_model
@@ -238,16 +237,8 @@ def tokenizer(model_dir: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
-    tmp = tmp_path_factory.mktemp("script-plugin")
-    dist = tmp / "freetoken_script-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: freetoken-script\n"
-                                   "Version: 0.1\n")
-    (dist / "entry_points.txt").write_text(
-        "[freetoken.plugins]\nscript = freetoken_script:Script\n")
-    path = os.pathsep.join([str(PLUGIN_DIR), str(tmp), os.environ.get("PYTHONPATH", "")])
-    srv = start_server(model_dir, "--chat-template", str(model_dir / "harmony.jinja"),
-                       env={**os.environ, "PYTHONPATH": path}, log_file=tmp / "serve.log")
+    srv = start_script_server(model_dir, model_dir / "harmony.jinja",
+                              tmp_path_factory.mktemp("script-plugin"))
     yield srv
     stop_server(srv)
 

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
+from freetoken_core.models.gemma3 import Gemma3ForCausalLM
 from freetoken_core.models.kv_layout import LayerViews, kv_sources, layer_kv_shape
 from freetoken_core.models.layers import (
     RotaryEmbedding,
@@ -291,10 +292,5 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
                       cache, metas[window], step_kv, i)
         return float32_weight_rms_norm(x, self.norm, self.config.rms_norm_eps, self.native)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        cap = self.config.final_logit_softcap
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+    compute_logits = Gemma3ForCausalLM.compute_logits  # (softcapped where configured)
 

@@ -210,15 +210,23 @@ def _bpe_model(vocab: GGUFVocab) -> Any:
     from tokenizers import models
 
     ids = _token_ids(vocab)
+    return models.BPE(ids, bpe_merges(vocab.merges, ids),
+                      ignore_merges=vocab.pre_tokenizer.ignore_merges)
+
+
+def bpe_merges(texts: list[str], ids: dict[str, int]) -> list[tuple[str, str]]:
+    """The file's merges (``"first second"``, split at the first space after the first
+    character, as llama.cpp splits them) in rank order, each once (the first of a repeated
+    merge counts); merges of texts outside the vocabulary ``ids`` are dropped (no token)."""
     merges, seen = [], set()
-    for merge in vocab.merges:
+    for merge in texts:
         cut = merge.find(" ", 1)
         pair = (merge[:cut], merge[cut + 1:])
         if cut > 0 and pair not in seen and pair[0] in ids and pair[1] in ids \
                 and pair[0] + pair[1] in ids:
             seen.add(pair)
             merges.append(pair)
-    return models.BPE(ids, merges, ignore_merges=vocab.pre_tokenizer.ignore_merges)
+    return merges
 
 
 def _set_bpe_steps(tokenizer: Any, pre: PreTokenizer) -> None:

@@ -48,15 +48,11 @@ def build_gemma4_tokenizer(vocab: Any) -> Any:
     special tokens and BOS / EOS are the caller's."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+    from freetoken_core.models.gguf_tokenizer import bpe_merges
+
     ids = {text: i for i, text in enumerate(vocab.tokens)}  # a repeated text: its last id
-    merges, seen = [], set()
-    for merge in vocab.merges:
-        cut = merge.find(" ", 1)
-        pair = (merge[:cut], merge[cut + 1:])
-        if cut > 0 and pair not in seen and pair[0] in ids and pair[1] in ids \
-                and pair[0] + pair[1] in ids:
-            seen.add(pair)
-            merges.append(pair)
+    merges = bpe_merges(vocab.merges, ids)
+    seen = set(merges)
     lengths = sorted(len(t) for t in ids if t and not t.strip("\n"))
     newline_merges = any(not (a + b).strip("\n") for a, b in merges)
     for total in lengths:
