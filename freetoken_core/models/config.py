@@ -35,6 +35,7 @@ from freetoken_core.models.config_fields import (
     starcoder2_fields,
 )
 from freetoken_core.models.config_gemma4 import gemma4_config, gemma4_fields
+from freetoken_core.models.config_granite4 import granite4_config, granite4_fields
 from freetoken_core.models.config_lfm2 import (
     lfm2_config,
     lfm2_fields,
@@ -69,6 +70,7 @@ SUPPORTED_ARCHITECTURES = {
     "Lfm2ForCausalLM": "lfm2",
     "Lfm2MoeForCausalLM": "lfm2_moe",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
@@ -101,6 +103,7 @@ _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "gemma4": "gelu_pytorch_tanh", "phi3": "silu", "qwen3_5": "silu",
                 "qwen3_5_moe": "silu", "qwen3_next": "silu",
                 "lfm2": "silu", "lfm2_moe": "silu", "glm4_moe": "silu",
+                "granitemoehybrid": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
                 "olmoe": "silu", "granitemoe": "silu", "hunyuan_dense": "silu",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu",
@@ -117,6 +120,7 @@ _PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "qwen3_5": qwen3_5_config, "qwen3_5_moe": qwen3_5_moe_config,
     "qwen3_next": qwen3_next_config, "lfm2": lfm2_config, "lfm2_moe": lfm2_moe_config,
     "glm4_moe": functools.partial(with_defaults, defaults=GLM4_MOE_DEFAULTS, theta=10_000.0),
+    "granitemoehybrid": granite4_config,
     "cohere": functools.partial(cohere_config, family="cohere"),
     "cohere2": functools.partial(cohere_config, family="cohere2"),
 }
@@ -128,6 +132,7 @@ _FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "qwen3_5": qwen3_5_fields, "qwen3_5_moe": qwen3_5_moe_fields,
     "qwen3_next": qwen3_next_fields, "lfm2": lfm2_fields, "lfm2_moe": lfm2_moe_fields,
     "glm4_moe": glm4_moe_fields, "smollm3": smollm3_fields,
+    "granitemoehybrid": granite4_fields,
     "ministral3": ministral3_fields, "olmo3": olmo3_fields, "exaone4": exaone4_fields,
     "starcoder2": starcoder2_fields,
 }
@@ -266,11 +271,17 @@ class ModelConfig:
 
     layer_kinds: tuple[str, ...] = ()
     """Per layer, ``attention``, ``linear_attention`` (Qwen3.5's Gated DeltaNet layers: a
-    recurrent state per sequence instead of keys and values, ``gated_deltanet``) or
-    ``short_conv`` (LFM2's, ``short_conv``); empty: every layer attention."""
+    recurrent state per sequence instead of keys and values, ``gated_deltanet``),
+    ``short_conv`` (LFM2's, ``short_conv``) or ``mamba`` (Granite 4's Mamba-2, ``mamba2``);
+    empty: every layer attention."""
     linear_attention_shape: tuple[int, ...] = ()
     """The linear-attention layers' ``(key heads, value heads, key head size, value head
     size, convolution kernel)``."""
+    mamba_shape: tuple[int, ...] = ()
+    """Granite 4's ``mamba`` layers' ``(heads, head size, groups, state size, conv kernel,
+    chunk size)`` (``mamba2``)."""
+    mamba_time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    """The bounds of a Mamba-2 layer's time step (``time_step_limit``)."""
     short_conv_kernel: int = 0
     """LFM2's ``conv`` layers' kernel (``conv_L_cache``): each keeps a sequence's last
     ``kernel - 1`` inputs (``short_conv``)."""

@@ -12,6 +12,7 @@ from freetoken_core.models.gemma3 import Gemma3ForCausalLM
 from freetoken_core.models.gemma4 import Gemma4ForCausalLM
 from freetoken_core.models.glm4 import Glm4ForCausalLM
 from freetoken_core.models.glm4_moe import Glm4MoeForCausalLM
+from freetoken_core.models.granite_hybrid import GraniteHybridForCausalLM
 from freetoken_core.models.lfm2 import Lfm2ForCausalLM
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.olmo2 import Olmo2ForCausalLM
@@ -29,6 +30,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen3_5_moe": Qwen3_5ForCausalLM,  # (experts in every layer: moe.SparseMoE)
     "qwen3_next": Qwen3_5ForCausalLM,  # (Qwen3.5-MoE's layers, its projections fused)
     "lfm2": Lfm2ForCausalLM,
+    "granitemoehybrid": GraniteHybridForCausalLM,
     "lfm2_moe": Lfm2ForCausalLM,  # (experts past the first layers: moe.py's sigmoid gating)
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,

@@ -57,6 +57,15 @@ _RENAMES: dict[str, list[tuple[re.Pattern[str], str]]] = {
     )],
     # GLM-4.5: the router's selection bias, under the name moe.py reads
     "glm4_moe": [(re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.expert_bias")],
+    # Granite 4: Granite MoE's experts as released (JetMoE's names) or as transformers 5
+    # saves them
+    "granitemoehybrid": [(re.compile(pattern), replacement) for pattern, replacement in (
+        (r"\.block_sparse_moe\.input_linear\.weight$", ".mlp.experts.gate_up_proj"),
+        (r"\.block_sparse_moe\.output_linear\.weight$", ".mlp.experts.down_proj"),
+        (r"\.block_sparse_moe\.router\.layer\.weight$", ".mlp.gate.weight"),
+        (r"\.block_sparse_moe\.router\.weight$", ".mlp.gate.weight"),
+        (r"\.block_sparse_moe\.experts\.", ".mlp.experts."),
+    )],
     # Hunyuan dense: its q/k norms (normed after the rotation: llama.py)
     "hunyuan_dense": [(re.compile(pattern), replacement) for pattern, replacement in (
         (r"\.self_attn\.query_layernorm\.", ".self_attn.q_norm."),
