@@ -26,6 +26,7 @@ from freetoken_core.models.gguf_families import (
     text_rope_sections,
 )
 from freetoken_core.models.gguf_gemma4 import gemma4_config
+from freetoken_core.models.gguf_qwen35 import qwen35_config
 from freetoken_core.models.gguf_reader import field, require, token_count
 
 ARCH = "llama"
@@ -39,6 +40,7 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gemma4": "Gemma4ForCausalLM",
+    "qwen35": "Qwen3_5ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
@@ -201,15 +203,17 @@ def build_config(reader: Any) -> dict[str, Any]:
     kv_heads = heads if layered else int(field(reader, p + "attention.head_count_kv", heads))
     head_dim = int(field(reader, p + "attention.key_length", hidden // heads))
     rope_dim = int(field(reader, p + "rope.dimension_count", head_dim))
-    # Partial rotary (Phi-4-mini: the first 3/4 of each head; GLM-4: half): llama.cpp's
-    # rotation of the first rope_dim dimensions is transformers' partial_rotary_factor.
-    if rope_dim != head_dim and not (arch in ("phi3", "glm4") and 0 < rope_dim < head_dim
-                                     and rope_dim % 2 == 0):
+    # Partial rotary (Phi-4-mini: the first 3/4 of each head; GLM-4: half; Qwen3.5: a
+    # quarter, checked in qwen35_config): llama.cpp's rotation of the first rope_dim
+    # dimensions is transformers' partial_rotary_factor.
+    if rope_dim != head_dim and arch != "qwen35" and not (
+            arch in ("phi3", "glm4") and 0 < rope_dim < head_dim and rope_dim % 2 == 0):
         raise ModelLoadError(
             f"GGUF {p}rope.dimension_count {rope_dim} != head_dim {head_dim} (partial rotary) "
             "is supported for phi3 and glm4 only; use a GGUF whose rotary embedding covers "
             "the whole head")
-    text_rope_sections(reader, arch, rope_dim)
+    if arch != "qwen35":  # (its interleaved sections: qwen35_config)
+        text_rope_sections(reader, arch, rope_dim)
     names = {t.name for t in reader.tensors}
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
@@ -237,6 +241,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(gemma2_config(reader, config))
     if arch == "gemma4":
         config.update(gemma4_config(reader, config, names))
+    if arch == "qwen35":
+        config.update(qwen35_config(reader, config, rope_dim))
     if arch == "phi3" and rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
     if arch == "glm4":

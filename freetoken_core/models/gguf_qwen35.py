@@ -1,0 +1,236 @@
+"""Qwen3.5 GGUF files (``general.architecture`` ``qwen35``), as llama.cpp's converter writes
+them (``conversion/qwen.py`` ``Qwen3_5TextModel`` over ``Qwen3NextModel``) and its
+``src/models/qwen35.cpp`` reads them: the metadata as the Hugging Face config keys
+``config_qwen3_5`` reads, the tensor names, and the converter's changes to the tensors undone
+(:func:`hf_weights`), so ``qwen3_5.py`` gets transformers' tensors.
+
+Metadata: ``ssm.group_count`` the linear layers' key heads, ``ssm.time_step_rank`` their value
+heads, ``ssm.state_size`` the key head size, ``ssm.inner_size`` the value heads' total size,
+``ssm.conv_kernel``; ``attention.recurrent_layers`` a bool a block (true: Gated DeltaNet),
+else every ``full_attention_interval``-th layer (4) attention; ``rope.dimension_count`` the
+rotated part of a head (``partial_rotary_factor``) and ``rope.dimension_sections`` its
+interleaved multimodal sections (a text token has one position in all of them: plain RoPE
+where they cover every rotated pair); ``block_count`` counts the multi-token-prediction
+blocks too (``nextn_predict_layers``, last; their tensors are not read).
+
+Tensors, as the converter changes them:
+- every RMSNorm but the linear attention's gated one is stored as ``1 + w`` (``w`` here);
+- ``A_log`` is stored as ``ssm_a = -exp(A_log)`` (``A_log = log(-ssm_a)`` here), ``dt_bias``
+  as ``ssm_dt.bias``, ``conv1d.weight`` ``[channels, 1, kernel]`` squeezed to 2-d (F32);
+- where a key head serves several value heads, the value heads are stored tiled (``[k0 v0,
+  k1 v0, ..., k0 v1, ...]`` for ggml's broadcast) instead of grouped by key head
+  (transformers'): the v rows of ``attn_qkv``, the rows of ``attn_gate`` (z), ``ssm_beta``
+  (b), ``ssm_alpha`` (a), ``ssm_a``, ``ssm_dt``, the v channels of ``ssm_conv1d`` and the
+  columns of ``ssm_out``; rows are read back in grouped order (``GGUFWeight.reorder``),
+  ``ssm_out``'s columns moved as whole blocks where a value head is whole blocks of its type,
+  else the weight is dequantized to F32 (exact, 4 bytes a weight);
+- the attention's ``attn_q`` holds each head's query and output gate side by side, as
+  transformers' ``q_proj`` does (unchanged).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.gguf_reader import array_field, field, require
+
+P = "qwen35."
+# A block's tensors, by their names under ``blk.{i}.`` (the multi-token-prediction blocks'
+# ``nextn.*`` named so that they can be left out).
+LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",  # (query and gate, each head's side by side)
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    **{f"nextn.{n}.weight": f"nextn.{n}.weight" for n in (
+        "eh_proj", "embed_tokens", "enorm", "hnorm", "shared_head_head", "shared_head_norm")},
+}
+# The norms stored as 1 + w (transformers' Qwen3_5RMSNorm; not linear_attn.norm).
+_PLUS_ONE = ("input_layernorm.weight", "post_attention_layernorm.weight",
+             "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+def _positive(reader: Any, key: str) -> int:
+    value = require(reader, key)
+    if not isinstance(value, (int, np.integer)) or int(value) < 1:
+        raise ModelLoadError(f"GGUF {key} must be a positive integer, not {value!r}; "
+                             "re-export the model with llama.cpp")
+    return int(value)
+
+
+def qwen35_config(reader: Any, config: dict[str, Any], rope_dim: int) -> dict[str, Any]:
+    """The Hugging Face config keys of a ``qwen35`` file (module docstring), over the common
+    ones in ``config``; ``rope_dim`` its ``rope.dimension_count``."""
+    blocks = config["num_hidden_layers"]
+    mtp = int(field(reader, P + "nextn_predict_layers", 0))
+    layers = blocks - mtp
+    if not 0 <= mtp < blocks:
+        raise ModelLoadError(f"GGUF {P}nextn_predict_layers {mtp} leaves no layers of the "
+                             f"{blocks} blocks ({P}block_count)")
+    recurrent = array_field(reader, P + "attention.recurrent_layers")
+    if recurrent is not None:
+        if len(recurrent) != blocks:
+            raise ModelLoadError(f"GGUF {P}attention.recurrent_layers has {len(recurrent)} "
+                                 f"values for {blocks} blocks")
+        linear = [bool(r) for r in recurrent[:layers]]
+    else:
+        interval = _positive(reader, P + "full_attention_interval") if (
+            P + "full_attention_interval" in reader.fields) else 4
+        linear = [(i + 1) % interval != 0 for i in range(layers)]
+    key_heads = _positive(reader, P + "ssm.group_count")
+    value_heads = _positive(reader, P + "ssm.time_step_rank")
+    inner = _positive(reader, P + "ssm.inner_size")
+    if inner % value_heads:
+        raise ModelLoadError(f"GGUF {P}ssm.inner_size {inner} does not split into "
+                             f"{value_heads} value heads ({P}ssm.time_step_rank)")
+    head_dim = config["head_dim"]
+    if int(field(reader, P + "attention.value_length", head_dim)) != head_dim:
+        raise ModelLoadError(f"GGUF {P}attention.value_length "
+                             f"{field(reader, P + 'attention.value_length')} != "
+                             f"{P}attention.key_length {head_dim}")
+    if not 0 < rope_dim <= head_dim or rope_dim % 2:
+        raise ModelLoadError(f"GGUF {P}rope.dimension_count {rope_dim} must be an even number "
+                             f"of the {head_dim} dimensions of a head")
+    _check_sections(reader, rope_dim)
+    for key, unscaled in (("rope.scaling.type", "none"), ("rope.scaling.factor", 1.0),
+                          ("rope.scale_linear", 1.0)):
+        if field(reader, P + key, unscaled) != unscaled:
+            raise ModelLoadError(f"GGUF {P}{key} {field(reader, P + key)!r}: FreeToken runs "
+                                 "Qwen3.5 files with its default rope only")
+    partial = rope_dim / head_dim
+    return {
+        "model_type": "qwen3_5_text",
+        "num_hidden_layers": layers,
+        "layer_types": ["linear_attention" if r else "full_attention" for r in linear],
+        "linear_num_key_heads": key_heads,
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": _positive(reader, P + "ssm.state_size"),
+        "linear_value_head_dim": inner // value_heads,
+        "linear_conv_kernel_dim": _positive(reader, P + "ssm.conv_kernel"),
+        "partial_rotary_factor": partial,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config["rope_theta"],
+                            "partial_rotary_factor": partial},
+        "rms_norm_eps": float(field(reader, P + "attention.layer_norm_rms_epsilon", 1e-6)),
+    }
+
+
+def _check_sections(reader: Any, rope_dim: int) -> None:
+    """llama.cpp's interleaved multimodal rope (``ggml_mrope_cache_init``, ``is_imrope``)
+    turns pair ``i`` at the time, height or width position (a text token's one position) where
+    its sector ``s = i % sum(sections)`` is below ``3 * sections[s % 3]``, else at the fourth
+    (0 for text: not turning); FreeToken turns them all, so the sections must cover them."""
+    sections = array_field(reader, P + "rope.dimension_sections")
+    if sections is None:
+        return
+    values = [int(s) for s in list(sections)[:4]]
+    total = sum(values)
+    left = [i for i in range(rope_dim // 2) if total == 0
+            or (i % total) >= 3 * (values + [0, 0, 0])[(i % total) % 3]]
+    if left:
+        raise ModelLoadError(f"GGUF {P}rope.dimension_sections {values} leave {len(left)} of "
+                             f"the {rope_dim // 2} rotated pairs out (from pair {left[0]}); "
+                             "FreeToken serves files whose sections cover them all")
+
+
+def tiled_order(value_heads: int, key_heads: int, width: int) -> np.ndarray:
+    """The order that reads ``value_heads`` heads of ``width`` rows (or columns) stored
+    tiled (the converter's ``_reorder_v_heads``: ``[k0 v0, k1 v0, ..., k0 v1, ...]``) back in
+    transformers' order, grouped by key head (``[k0 v0, k0 v1, ..., k1 v0, ...]``)."""
+    heads = np.arange(value_heads).reshape(value_heads // key_heads, key_heads).T.reshape(-1)
+    return (heads[:, None] * width + np.arange(width)).reshape(-1)
+
+
+def hf_weights(reader: Any, weights: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """``weights`` (a ``qwen35`` file's, under the Hugging Face names of
+    :data:`LAYER_TENSORS`) as transformers' checkpoint holds them: the module docstring's
+    changes undone; the multi-token-prediction blocks' tensors left out."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for name, w in weights.items():
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and int(parts[2]) >= num_layers:
+            continue  # (a multi-token-prediction block)
+        if name == "model.norm.weight" or name.endswith(_PLUS_ONE):
+            w = w - 1.0
+        elif name.endswith(".A_log"):
+            if not bool(torch.all(w <= 0)):
+                raise ModelLoadError(f"GGUF tensor {name} (ssm_a) holds values above 0; llama.cpp "
+                                     "stores -exp(A_log) there - re-export the model")
+            w = torch.log(-w)
+        elif name.endswith(".conv1d.weight") and not isinstance(w, torch.Tensor):
+            w = w.dequantize()
+        out[name] = w
+    key_heads = int(require(reader, P + "ssm.group_count"))
+    value_heads = int(require(reader, P + "ssm.time_step_rank"))
+    if value_heads != key_heads:
+        value_size = int(require(reader, P + "ssm.inner_size")) // value_heads
+        key_dim = key_heads * int(require(reader, P + "ssm.state_size"))
+        for i in range(num_layers):
+            _untile(out, f"model.layers.{i}.linear_attn.", key_heads, value_heads, value_size,
+                    key_dim)
+    return out
+
+
+def _untile(weights: dict[str, Any], p: str, key_heads: int, value_heads: int,
+            value_size: int, key_dim: int) -> None:
+    """Layer ``p``'s linear-attention tensors with their value heads back in transformers'
+    order (the module docstring); nothing for an attention layer."""
+    import torch
+
+    if p + "in_proj_qkv.weight" not in weights:
+        return
+    heads = tiled_order(value_heads, key_heads, 1)
+    vectors = tiled_order(value_heads, key_heads, value_size)
+    channels = np.concatenate([np.arange(2 * key_dim), 2 * key_dim + vectors])
+    rows = {"in_proj_qkv.weight": channels, "in_proj_z.weight": vectors,
+            "in_proj_b.weight": heads, "in_proj_a.weight": heads, "A_log": heads,
+            "dt_bias": heads, "conv1d.weight": channels}
+    for name, order in rows.items():
+        w = weights.get(p + name)
+        if w is None or w.shape[0] != len(order):
+            raise ModelLoadError(f"GGUF {p}{name} has shape {None if w is None else list(w.shape)}"
+                                 f"; the file's ssm.* keys give {len(order)} rows")
+        weights[p + name] = (w[torch.from_numpy(order)] if isinstance(w, torch.Tensor)
+                             else w.reorder(order))
+    weights[p + "out_proj.weight"] = _untile_columns(weights[p + "out_proj.weight"], vectors,
+                                                     value_size)
+
+
+def _untile_columns(w: Any, order: np.ndarray, width: int) -> Any:
+    """``w`` (a ``GGUFWeight``) with column ``i`` its column ``order[i]``, ``order`` moving
+    whole heads of ``width`` columns: as whole blocks where a head is whole blocks of its
+    type, else dequantized to F32."""
+    import dataclasses
+
+    from freetoken_core.models.gguf_weights import GGUF_TYPES
+
+    if w.shape[1] != len(order):
+        raise ModelLoadError(f"GGUF tensor {w.name!r} has {w.shape[1]} columns; the file's "
+                             f"ssm.* keys give {len(order)}")
+    block = GGUF_TYPES[w.qtype][1]
+    heads = order[::width] // width
+    if width % block == 0:
+        rows = w.rows.reshape(w.shape[0], len(heads), -1)[:, heads].reshape(w.shape[0], -1)
+        return dataclasses.replace(w, mapped=np.ascontiguousarray(rows), order=None)
+    values = w.dequantize()[:, order].contiguous().numpy()
+    return dataclasses.replace(w, qtype=0, mapped=values.view(np.uint8), order=None)
