@@ -81,12 +81,14 @@ def test_qwen35_gguf_matches_transformers(tmp_path: Path, shape: str, path: str,
     kinds = ("linear_attention",) * 3 + ("attention",)
     assert cfg.layer_kinds == (kinds + ("linear_attention",))[:cfg.num_layers]
     assert kv_cache_dims(cfg) == (1, 2, 16)
-    # ssm_out's blocks: Q8_0 moved whole, or dequantized to F32 to be reordered
+    # the value heads left in the converter's tiled order: every weight the file's blocks,
+    # ssm_out's too (whatever a head's width in blocks), none reordered
+    assert cfg.linear_value_heads_tiled
     weights = read_gguf_weights(file, open_header(file), "qwen35", cfg.num_layers,
                                 cfg.num_heads, cfg.num_kv_heads, cfg.tie_word_embeddings)
     out_proj = weights["model.layers.0.linear_attn.out_proj.weight"]
-    assert out_proj.type_name == {"9b-like": "Q8_0", "small-heads": "F32",
-                                  "equal-heads": "Q4_0"}[shape]
+    assert out_proj.type_name == ("Q4_0" if shape == "equal-heads" else "Q8_0")
+    assert all(getattr(w, "order", None) is None for w in weights.values())
     assert not any(".layers.4." in name for name in weights) or shape == "small-heads"
 
 

@@ -285,6 +285,10 @@ class ModelConfig:
     short_conv_kernel: int = 0
     """LFM2's ``conv`` layers' kernel (``conv_L_cache``): each keeps a sequence's last
     ``kernel - 1`` inputs (``short_conv``)."""
+    linear_value_heads_tiled: bool = False
+    """The linear-attention layers' value heads are in llama.cpp's tiled order (a ``qwen35``
+    file's: value head ``j`` served by key head ``j mod key heads``), not transformers'
+    grouped one (by key head ``j // (value heads / key heads)``)."""
     attention_output_gate: bool = False
     """The attention's output times the sigmoid of a gate the q projection also gives, per
     head beside its query (Qwen3.5's)."""

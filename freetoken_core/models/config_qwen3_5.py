@@ -127,4 +127,6 @@ def qwen3_5_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                              "number above 0")
     return {"layer_kinds": tuple("attention" if t == "full_attention" else t for t in types),
             "linear_attention_shape": tuple(shape), "partial_rotary_factor": partial,
+            # (FreeToken's key: a GGUF file's layout, gguf_qwen35.py)
+            "linear_value_heads_tiled": bool(cfg.get("linear_value_heads_tiled", False)),
             "attention_output_gate": True, "rope_scaling": None}

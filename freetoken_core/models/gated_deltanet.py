@@ -176,6 +176,7 @@ class GatedDeltaNet:
         self.norm = weights.pop(p + "norm.weight")
         self.out_proj = make_linear([weights.pop(p + "out_proj.weight")], arena=arena)
         self.eps = cfg.rms_norm_eps
+        self.tiled = cfg.linear_value_heads_tiled
         self.linears = (self.in_proj, self.out_proj)
 
     def state_bytes(self, dtype: torch.dtype) -> int:
@@ -231,7 +232,11 @@ class GatedDeltaNet:
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         group = self.value_heads // self.key_heads
         q, k = (l2_normalized(t.reshape(n, self.key_heads, self.key_size).float())
-                .repeat_interleave(group, dim=1) for t in (q, k))
+                for t in (q, k))
+        if self.tiled:  # (value head j: key head j mod key heads)
+            q, k = q.repeat(1, group, 1), k.repeat(1, group, 1)
+        else:  # (value head j: key head j // group)
+            q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
         return (q * self.key_size ** -0.5, k,
                 v.reshape(n, self.value_heads, self.value_size).float())
 

@@ -21,9 +21,10 @@ Tensors, as the converter changes them:
   k1 v0, ..., k0 v1, ...]`` for ggml's broadcast) instead of grouped by key head
   (transformers'): the v rows of ``attn_qkv``, the rows of ``attn_gate`` (z), ``ssm_beta``
   (b), ``ssm_alpha`` (a), ``ssm_a``, ``ssm_dt``, the v channels of ``ssm_conv1d`` and the
-  columns of ``ssm_out``; rows are read back in grouped order (``GGUFWeight.reorder``),
-  ``ssm_out``'s columns moved as whole blocks where a value head is whole blocks of its type,
-  else the weight is dequantized to F32 (exact, 4 bytes a weight);
+  columns of ``ssm_out``. They are left so (the config's ``linear_value_heads_tiled``): the
+  layer pairs value head ``j`` with key head ``j mod key heads`` (``gated_deltanet``), which
+  computes what transformers computes with the heads in its order, every weight the file's
+  blocks as they are;
 - the attention's ``attn_q`` holds each head's query and output gate side by side, as
   transformers' ``q_proj`` does (unchanged).
 """
@@ -126,6 +127,7 @@ def qwen35_config(reader: Any, config: dict[str, Any], rope_dim: int) -> dict[st
         "linear_key_head_dim": _positive(reader, P + "ssm.state_size"),
         "linear_value_head_dim": inner // value_heads,
         "linear_conv_kernel_dim": _positive(reader, P + "ssm.conv_kernel"),
+        "linear_value_heads_tiled": True,  # (the converter's order, kept: module docstring)
         "partial_rotary_factor": partial,
         "rope_parameters": {"rope_type": "default", "rope_theta": config["rope_theta"],
                             "partial_rotary_factor": partial},
@@ -151,14 +153,6 @@ def _check_sections(reader: Any, rope_dim: int) -> None:
                              "FreeToken serves files whose sections cover them all")
 
 
-def tiled_order(value_heads: int, key_heads: int, width: int) -> np.ndarray:
-    """The order that reads ``value_heads`` heads of ``width`` rows (or columns) stored
-    tiled (the converter's ``_reorder_v_heads``: ``[k0 v0, k1 v0, ..., k0 v1, ...]``) back in
-    transformers' order, grouped by key head (``[k0 v0, k0 v1, ..., k1 v0, ...]``)."""
-    heads = np.arange(value_heads).reshape(value_heads // key_heads, key_heads).T.reshape(-1)
-    return (heads[:, None] * width + np.arange(width)).reshape(-1)
-
-
 def hf_weights(reader: Any, weights: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """``weights`` (a ``qwen35`` file's, under the Hugging Face names of
     :data:`LAYER_TENSORS`) as transformers' checkpoint holds them: the module docstring's
@@ -180,57 +174,4 @@ def hf_weights(reader: Any, weights: dict[str, Any], num_layers: int) -> dict[st
         elif name.endswith(".conv1d.weight") and not isinstance(w, torch.Tensor):
             w = w.dequantize()
         out[name] = w
-    key_heads = int(require(reader, P + "ssm.group_count"))
-    value_heads = int(require(reader, P + "ssm.time_step_rank"))
-    if value_heads != key_heads:
-        value_size = int(require(reader, P + "ssm.inner_size")) // value_heads
-        key_dim = key_heads * int(require(reader, P + "ssm.state_size"))
-        for i in range(num_layers):
-            _untile(out, f"model.layers.{i}.linear_attn.", key_heads, value_heads, value_size,
-                    key_dim)
     return out
-
-
-def _untile(weights: dict[str, Any], p: str, key_heads: int, value_heads: int,
-            value_size: int, key_dim: int) -> None:
-    """Layer ``p``'s linear-attention tensors with their value heads back in transformers'
-    order (the module docstring); nothing for an attention layer."""
-    import torch
-
-    if p + "in_proj_qkv.weight" not in weights:
-        return
-    heads = tiled_order(value_heads, key_heads, 1)
-    vectors = tiled_order(value_heads, key_heads, value_size)
-    channels = np.concatenate([np.arange(2 * key_dim), 2 * key_dim + vectors])
-    rows = {"in_proj_qkv.weight": channels, "in_proj_z.weight": vectors,
-            "in_proj_b.weight": heads, "in_proj_a.weight": heads, "A_log": heads,
-            "dt_bias": heads, "conv1d.weight": channels}
-    for name, order in rows.items():
-        w = weights.get(p + name)
-        if w is None or w.shape[0] != len(order):
-            raise ModelLoadError(f"GGUF {p}{name} has shape {None if w is None else list(w.shape)}"
-                                 f"; the file's ssm.* keys give {len(order)} rows")
-        weights[p + name] = (w[torch.from_numpy(order)] if isinstance(w, torch.Tensor)
-                             else w.reorder(order))
-    weights[p + "out_proj.weight"] = _untile_columns(weights[p + "out_proj.weight"], vectors,
-                                                     value_size)
-
-
-def _untile_columns(w: Any, order: np.ndarray, width: int) -> Any:
-    """``w`` (a ``GGUFWeight``) with column ``i`` its column ``order[i]``, ``order`` moving
-    whole heads of ``width`` columns: as whole blocks where a head is whole blocks of its
-    type, else dequantized to F32."""
-    import dataclasses
-
-    from freetoken_core.models.gguf_weights import GGUF_TYPES
-
-    if w.shape[1] != len(order):
-        raise ModelLoadError(f"GGUF tensor {w.name!r} has {w.shape[1]} columns; the file's "
-                             f"ssm.* keys give {len(order)}")
-    block = GGUF_TYPES[w.qtype][1]
-    heads = order[::width] // width
-    if width % block == 0:
-        rows = w.rows.reshape(w.shape[0], len(heads), -1)[:, heads].reshape(w.shape[0], -1)
-        return dataclasses.replace(w, mapped=np.ascontiguousarray(rows), order=None)
-    values = w.dequantize()[:, order].contiguous().numpy()
-    return dataclasses.replace(w, qtype=0, mapped=values.view(np.uint8), order=None)
