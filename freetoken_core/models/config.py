@@ -49,6 +49,7 @@ from freetoken_core.models.config_moe import (
     moe_fields,
     quantized_experts,
 )
+from freetoken_core.models.config_nemotron_h import nemotron_h_config, nemotron_h_fields
 from freetoken_core.models.config_qwen3_5 import (
     qwen3_5_config,
     qwen3_5_fields,
@@ -71,6 +72,7 @@ SUPPORTED_ARCHITECTURES = {
     "Lfm2MoeForCausalLM": "lfm2_moe",
     "Glm4MoeForCausalLM": "glm4_moe",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "NemotronHForCausalLM": "nemotron_h",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
@@ -120,7 +122,7 @@ _PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "qwen3_5": qwen3_5_config, "qwen3_5_moe": qwen3_5_moe_config,
     "qwen3_next": qwen3_next_config, "lfm2": lfm2_config, "lfm2_moe": lfm2_moe_config,
     "glm4_moe": functools.partial(with_defaults, defaults=GLM4_MOE_DEFAULTS, theta=10_000.0),
-    "granitemoehybrid": granite4_config,
+    "granitemoehybrid": granite4_config, "nemotron_h": nemotron_h_config,
     "cohere": functools.partial(cohere_config, family="cohere"),
     "cohere2": functools.partial(cohere_config, family="cohere2"),
 }
@@ -132,7 +134,7 @@ _FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "qwen3_5": qwen3_5_fields, "qwen3_5_moe": qwen3_5_moe_fields,
     "qwen3_next": qwen3_next_fields, "lfm2": lfm2_fields, "lfm2_moe": lfm2_moe_fields,
     "glm4_moe": glm4_moe_fields, "smollm3": smollm3_fields,
-    "granitemoehybrid": granite4_fields,
+    "granitemoehybrid": granite4_fields, "nemotron_h": nemotron_h_fields,
     "ministral3": ministral3_fields, "olmo3": olmo3_fields, "exaone4": exaone4_fields,
     "starcoder2": starcoder2_fields,
 }

@@ -60,15 +60,12 @@ def granite4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ModelLoadError(f"{ARCH} mamba_n_heads {heads} x mamba_d_head {head_size} must be "
                              f"mamba_expand x hidden ({inner}), and a multiple of "
                              f"mamba_n_groups")
-    limit = [_number(v) for v in cfg.get("time_step_limit") or (0.0, math.inf)]
-    if len(limit) != 2 or None in limit or limit[0] > limit[1]:  # type: ignore[operator]
-        raise ModelLoadError(f"{ARCH} time_step_limit must be two numbers, low and high, not "
-                             f"{cfg.get('time_step_limit')!r}")
+
     experts = cfg.get("num_local_experts", 8) or 0
     fields: dict[str, Any] = {
         **granite_fields(cfg, ARCH),
         "layer_kinds": tuple(_KINDS[t] for t in types), "mamba_shape": shape,
-        "mamba_time_step_limit": (float(limit[0]), float(limit[1])),
+        "mamba_time_step_limit": time_step_limit(ARCH, cfg),
         "no_rope_layers": () if cfg.get("position_embedding_type") == "rope" else
         (0,) * layers}
     if experts:
@@ -80,6 +77,16 @@ def granite4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                       moe_intermediate_size=cfg["intermediate_size"],
                       expert_gating="softmax_weight")
     return fields
+
+
+def time_step_limit(arch: str, cfg: dict[str, Any]) -> tuple[float, float]:
+    """A Mamba-2 model's ``time_step_limit`` (default no bound): two numbers, low then
+    high."""
+    limit = [_number(v) for v in cfg.get("time_step_limit") or (0.0, math.inf)]
+    if len(limit) != 2 or limit[0] is None or limit[1] is None or limit[0] > limit[1]:
+        raise ModelLoadError(f"{arch} time_step_limit must be two numbers, low and high, not "
+                             f"{cfg.get('time_step_limit')!r}")
+    return limit[0], limit[1]
 
 
 def _number(value: Any) -> float | None:

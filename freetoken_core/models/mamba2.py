@@ -1,5 +1,6 @@
-"""Mamba-2, the state-space mixer of Granite 4's ``mamba`` layers (transformers'
-``GraniteMoeHybridMambaLayer``), over per-sequence states (``recurrent``).
+"""Mamba-2, the state-space mixer of Granite 4's ``mamba`` layers and Nemotron-H's (transformers'
+``GraniteMoeHybridMambaLayer``, ``NemotronHMamba2Mixer``: the same computation), over
+per-sequence states (``recurrent``).
 
 A layer keeps, per sequence, its convolution's last ``kernel - 1`` inputs (``conv``) and a
 state per head (``ssm`` ``[heads, head size, state size]``, float32). A token's computation, as
@@ -86,8 +87,8 @@ class Mamba2:
     ``norm``, ``out_proj``."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, Any], prefix: str,
-                 arena: BlockArena | None) -> None:
-        p = prefix + "mamba."
+                 arena: BlockArena | None, name: str = "mamba") -> None:
+        p = f"{prefix}{name}."  # (Nemotron-H's: mixer)
         (self.heads, self.head_size, self.groups, self.state_size, self.kernel,
          self.chunk) = cfg.mamba_shape
         self.inner = self.heads * self.head_size

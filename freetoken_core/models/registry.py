@@ -15,6 +15,7 @@ from freetoken_core.models.glm4_moe import Glm4MoeForCausalLM
 from freetoken_core.models.granite_hybrid import GraniteHybridForCausalLM
 from freetoken_core.models.lfm2 import Lfm2ForCausalLM
 from freetoken_core.models.llama import LlamaForCausalLM
+from freetoken_core.models.nemotron_h import NemotronHForCausalLM
 from freetoken_core.models.olmo2 import Olmo2ForCausalLM
 from freetoken_core.models.phi3 import Phi3ForCausalLM
 from freetoken_core.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -31,6 +32,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen3_next": Qwen3_5ForCausalLM,  # (Qwen3.5-MoE's layers, its projections fused)
     "lfm2": Lfm2ForCausalLM,
     "granitemoehybrid": GraniteHybridForCausalLM,
+    "nemotron_h": NemotronHForCausalLM,
     "lfm2_moe": Lfm2ForCausalLM,  # (experts past the first layers: moe.py's sigmoid gating)
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,

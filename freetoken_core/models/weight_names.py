@@ -66,6 +66,12 @@ _RENAMES: dict[str, list[tuple[re.Pattern[str], str]]] = {
         (r"\.block_sparse_moe\.router\.weight$", ".mlp.gate.weight"),
         (r"\.block_sparse_moe\.experts\.", ".mlp.experts."),
     )],
+    # Nemotron-H: its released "backbone." names and its embedding's and final norm's
+    "nemotron_h": [(re.compile(pattern), replacement) for pattern, replacement in (
+        (r"^backbone\.", "model."),
+        (r"^model\.embeddings\.", "model.embed_tokens."),
+        (r"^model\.norm_f\.", "model.norm."),
+    )],
     # Hunyuan dense: its q/k norms (normed after the rotation: llama.py)
     "hunyuan_dense": [(re.compile(pattern), replacement) for pattern, replacement in (
         (r"\.self_attn\.query_layernorm\.", ".self_attn.q_norm."),
