@@ -1,5 +1,5 @@
-"""LFM2 (``Lfm2ForCausalLM`` and ``Lfm2MoeForCausalLM`` directories), exact against transformers: greedy tokens and every
-position's logits, its short-convolution layers' states kept per sequence by the engine.
+"""LFM2 (``Lfm2ForCausalLM`` and ``Lfm2MoeForCausalLM`` directories), exact against
+transformers: greedy tokens and every position's logits, its short-convolution layers' states kept per sequence by the engine.
 
 A tiny random LFM2: convolution layers (a kernel of 3, with biases) beside attention layers
 with q/k norms. As for Qwen3.5 (tests/test_arch_qwen3_5.py), the states must come out as

@@ -1,7 +1,7 @@
 """The mixture-of-experts families' ``ModelConfig`` fields (Qwen3-MoE, Qwen2-MoE, Mixtral,
-OLMoE, Granite MoE, gpt-oss, GLM-4.5), read from config.json as transformers' config classes read them
-(their defaults where a key is left out), a value FreeToken cannot run refused naming its
-key (``config.ModelConfig.from_dict`` calls them)."""
+OLMoE, Granite MoE, gpt-oss, GLM-4.5), read from config.json as transformers' config classes
+read them (their defaults where a key is left out), a value FreeToken cannot run refused
+naming its key (``config.ModelConfig.from_dict`` calls them)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Native LFM2 causal LM (Liquid AI's LFM2-350M ... 2.6B: transformers' ``Lfm2ForCausalLM``;
 LFM2-8B-A1B, ``Lfm2MoeForCausalLM``, with experts in its MLPs past the first two, routed
-by sigmoid scores: ``moe.py``), computed as transformers computes it. Its ``full_attention`` layers are Qwen3's (Llama's
-block with q/k RMSNorms per head; its names read as Llama's: ``weight_names.py``), its
+by sigmoid scores: ``moe.py``), computed as transformers computes it. Its ``full_attention``
+layers are Qwen3's (Llama's block with q/k RMSNorms per head; its names read as Llama's:
+``weight_names.py``), its
 ``conv`` layers the same block with a gated short convolution (``short_conv``) in place of
 attention, which keeps per running sequence its convolution's last inputs in the sequence's
 scheduler slot (``recurrent``). RMSNorm ``w * x``; tied embeddings; the final norm is the

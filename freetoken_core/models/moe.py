@@ -73,6 +73,10 @@ def _expert_weights(weights: dict[str, Any], prefix: str, num_experts: int
                                  "expert size, hidden]")
         return router, router_bias, [(*gate_up[e].chunk(2), down[e], None, None, None)
                                      for e in range(num_experts)]
+    if mlp + "experts.up_proj" in weights:  # (transformers 5's, ungated: Nemotron-H's)
+        up, down = weights.pop(mlp + "experts.up_proj"), weights.pop(mlp + "experts.down_proj")
+        return router, router_bias, [(None, up[e], down[e], None, None, None)
+                                     for e in range(num_experts)]
 
     return router, router_bias, [_named_expert(weights, mlp, e) for e in range(num_experts)]
 
@@ -90,7 +94,8 @@ def _named_expert(weights: dict[str, Any], mlp: str, e: int) -> ExpertWeights:
         biases = (None, None) if bias is None else bias.chunk(2)
         return (gate, up, weights.pop(names[2] + ".weight"), *biases,
                 weights.pop(names[2] + ".bias", None))
-    return (*(weights.pop(n + ".weight") for n in names),
+    gate = weights.pop(names[0] + ".weight", None)  # (None: an ungated expert)
+    return (gate, *(weights.pop(n + ".weight") for n in names[1:]),
             *(weights.pop(n + ".bias", None) for n in names))
 
 
@@ -146,18 +151,24 @@ class SparseMoE:
             raise ModelLoadError(f"{prefix}: {cfg.architecture}'s router and experts have "
                                  "biases; the checkpoint lacks some of them")
         self.router = make_linear([router], router_bias, arena=arena)
+        self.gated = experts[0][0] is not None  # (ungated: act(up x), Nemotron-H's ReLU²)
+        if any((gate is not None) != self.gated for gate, *_ in experts):
+            raise ModelLoadError(f"{prefix}: some experts have a gate projection, others not")
         self.experts: list[tuple[Linear, Linear]] = [
-            (make_linear([gate, up], None if gate_b is None else torch.cat([gate_b, up_b]),
-                         arena=arena), make_linear([down], down_b, arena=arena))
+            (make_linear([gate, up] if self.gated else [up],
+                         None if up_b is None else torch.cat([gate_b, up_b]) if self.gated
+                         else up_b, arena=arena), make_linear([down], down_b, arena=arena))
             for gate, up, down, gate_b, up_b, down_b in experts]
         self.shared: tuple[Linear, Linear] | None = None
         self.shared_gate: Linear | None = None
         if cfg.shared_expert_intermediate_size:
-            # (Qwen2-MoE's shared_expert and its gate; GLM-4.5's shared_experts, ungated)
-            gated = prefix + "mlp.shared_experts.gate_proj.weight" not in weights
+            # (Qwen2-MoE's shared_expert and its gate; GLM-4.5's and Nemotron-H's
+            # shared_experts, not gated by a sigmoid; Nemotron-H's without a gate projection)
+            gated = prefix + "mlp.shared_expert.gate_proj.weight" in weights
             mlp = prefix + ("mlp.shared_expert" if gated else "mlp.shared_experts")
-            self.shared = (make_linear([weights.pop(f"{mlp}.gate_proj.weight"),
-                                        weights.pop(f"{mlp}.up_proj.weight")], arena=arena),
+            gate_proj = weights.pop(f"{mlp}.gate_proj.weight", None)
+            self.shared = (make_linear(([gate_proj] if gate_proj is not None else [])
+                                       + [weights.pop(f"{mlp}.up_proj.weight")], arena=arena),
                            make_linear([weights.pop(f"{mlp}.down_proj.weight")], arena=arena))
             if gated:
                 gate = weights.pop(f"{mlp}_gate.weight")
@@ -190,7 +201,7 @@ class SparseMoE:
         linears = [lin for pair in self.experts for lin in pair]
         self.native_args = None
         biased = [lin.bias is not None for lin in linears]
-        if self.native and (all(biased) or not any(biased)) and all(
+        if self.native and self.gated and (all(biased) or not any(biased)) and all(
                 lin.blocks is not None and lin.post is None for lin in linears):
             alpha, limit = self.swiglu or (0.0, 0.0)
             self.native_args = ([gu.blocks[1] for gu, _ in self.experts],
@@ -251,7 +262,7 @@ class SparseMoE:
         if self.shared is None:
             return out
         gate_up, down = self.shared
-        shared = down(silu_and_mul(gate_up(x), self.native))
+        shared = down(self.activation(gate_up(x)))
         if self.shared_gate is None:
             return out + shared
         return out + torch.sigmoid(self.shared_gate(x)) * shared
@@ -267,7 +278,10 @@ class SparseMoE:
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """An expert's activation of its fused ``[gate | up]`` output: SwiGLU, gpt-oss's
-        clamped one, or GELU-tanh-and-mul (Gemma 4's)."""
+        clamped one, or GELU-tanh-and-mul (Gemma 4's); of an ungated expert's ``up`` output,
+        ReLU² (Nemotron-H's)."""
+        if not self.gated:
+            return torch.square(torch.relu(gate_up))
         if self.gelu_tanh:
             return gelu_tanh_and_mul(gate_up)
         if self.swiglu is not None:

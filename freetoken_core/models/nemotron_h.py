@@ -2,10 +2,11 @@
 Nemotron Nano 2 9B/12B), computed as transformers computes it. Each block is one sub-layer,
 ``x + mixer(norm(x))``, its mixer per ``hybrid_override_pattern`` / ``layers_block_type``:
 Mamba-2 (``M``, ``mamba2``: a state per running sequence in its scheduler slot,
-``recurrent``), attention without positional encoding (``*``), or an MLP ``down(relu(up(x))^2)``
-(``-``). RMSNorm ``w * x`` with the weight multiplied in float32. The mixture-of-experts blocks
-(``E``: Nemotron 3 Nano) are refused; so are tensor parallelism and, as for the other recurrent
-models, the prefix cache (the engine turns it off)."""
+``recurrent``), attention without positional encoding (``*``), an MLP ``down(relu(up(x))^2)``
+(``-``), or (``E``: Nemotron 3 Nano) experts of that MLP chosen by sigmoid scores plus a
+selection bias among groups, beside a shared one (``moe.py``). RMSNorm ``w * x`` with the
+weight multiplied in float32. Tensor parallelism is refused and, as for the other recurrent
+models, the prefix cache is off."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from freetoken_core.models.layers import float32_weight_add_rms_norm, float32_we
 from freetoken_core.models.linear import BlockArena, make_linear
 from freetoken_core.models.llama import LlamaForCausalLM, Weights
 from freetoken_core.models.mamba2 import Mamba2
+from freetoken_core.models.moe import SparseMoE
 from freetoken_core.models.recurrent import allocate_states, check_step
 from freetoken_core.models.sharding import Shard
 
@@ -34,9 +36,16 @@ class NemotronHBlock:
         mixer = prefix + "mixer."
         self.kind = cfg.layer_kinds[index]
         self.mamba: Mamba2 | None = None
+        self.moe: SparseMoE | None = None
         if self.kind == "mamba":
             self.mamba = Mamba2(cfg, weights, prefix, arena, name="mixer")
             linears = self.mamba.linears
+        elif self.kind == "moe":  # (its mixer's tensors under the names moe.py reads)
+            for name in [k for k in weights if k.startswith(mixer)]:
+                weights[prefix + "mlp." + name[len(mixer):].replace(
+                    "gate.e_score_correction_bias", "expert_bias")] = weights.pop(name)
+            self.moe = SparseMoE(cfg, weights, prefix, native, arena)
+            linears = self.moe.linears
         elif self.kind == "attention":
             self.qkv_proj = make_linear([weights.pop(f"{mixer}{p}_proj.weight") for p in "qkv"],
                                         arena=arena)
@@ -53,7 +62,7 @@ class NemotronHBlock:
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_heads, cfg.num_kv_heads,
                                                             cfg.head_dim)
         self.eps, self.native = cfg.rms_norm_eps, native
-        self.one_call = self.moe = None
+        self.one_call = None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None,
                  kv_cache: torch.Tensor | None, meta: AttentionMetadata, states: Any
@@ -67,6 +76,8 @@ class NemotronHBlock:
         if self.mamba is not None:
             assert meta.sequences is not None
             return self.mamba(x, states, meta.sequences), residual
+        if self.moe is not None:
+            return self.moe(x), residual
         if self.kind == "attention":
             assert kv_cache is not None
             n, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
