@@ -15,6 +15,8 @@ from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.cohere_config import cohere_config, cohere_fields
 from freetoken_core.models.config_defaults import (
     ernie4_5_config,
+    ernie4_5_moe_config,
+    ernie4_5_moe_fields,
     exaone_config,
     hunyuan_dense_config,
     olmoe_config,
@@ -91,6 +93,7 @@ SUPPORTED_ARCHITECTURES = {
     "Exaone4ForCausalLM": "exaone4",
     "ExaoneForCausalLM": "exaone",
     "Ernie4_5ForCausalLM": "ernie4_5",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "SeedOssForCausalLM": "seed_oss",
     "ArceeForCausalLM": "arcee",
     "Starcoder2ForCausalLM": "starcoder2",
@@ -108,7 +111,7 @@ _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "granitemoehybrid": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
                 "olmoe": "silu", "granitemoe": "silu", "hunyuan_dense": "silu",
-                "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu",
+                "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu", "ernie4_5_moe": "silu",
                 "exaone4": "silu", "exaone": "silu", "seed_oss": "silu", "arcee": "relu2",
                 "starcoder2": "gelu_pytorch_tanh",
                 "cohere": "silu", "cohere2": "silu"}
@@ -117,6 +120,7 @@ _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
 # keys out, under the key names from_dict reads (config_defaults.py, cohere_config.py).
 _PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "exaone": exaone_config, "ernie4_5": ernie4_5_config, "seed_oss": seed_oss_config,
+    "ernie4_5_moe": ernie4_5_moe_config,
     "starcoder2": starcoder2_config, "olmoe": olmoe_config,
     "hunyuan_dense": hunyuan_dense_config, "gemma4": gemma4_config,
     "qwen3_5": qwen3_5_config, "qwen3_5_moe": qwen3_5_moe_config,
@@ -135,6 +139,7 @@ _FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "qwen3_next": qwen3_next_fields, "lfm2": lfm2_fields, "lfm2_moe": lfm2_moe_fields,
     "glm4_moe": glm4_moe_fields, "smollm3": smollm3_fields,
     "granitemoehybrid": granite4_fields, "nemotron_h": nemotron_h_fields,
+    "ernie4_5_moe": ernie4_5_moe_fields,
     "ministral3": ministral3_fields, "olmo3": olmo3_fields, "exaone4": exaone4_fields,
     "starcoder2": starcoder2_fields,
 }

@@ -41,6 +41,52 @@ def ernie4_5_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Ernie4_5_MoeConfig's (its keys moe_num_experts / moe_k: num_experts / num_experts_per_tok)
+_ERNIE4_5_MOE_DEFAULTS = {"vocab_size": 103_424, "hidden_size": 2560, "intermediate_size": 12_288,
+                          "num_hidden_layers": 28, "num_attention_heads": 20,
+                          "num_key_value_heads": 4, "moe_intermediate_size": 1536,
+                          "moe_k": 6, "moe_num_experts": 64, "moe_num_shared_experts": 2,
+                          "moe_layer_start_index": 1, "moe_layer_end_index": -1,
+                          "moe_layer_interval": 1}
+
+
+def ernie4_5_moe_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ERNIE 4.5 MoE's config.json as :func:`ernie4_5_config` reads ERNIE 4.5's, with
+    ``Ernie4_5_MoeConfig``'s defaults where it leaves keys out."""
+    return ernie4_5_config({**_ERNIE4_5_MOE_DEFAULTS, **cfg})
+
+
+def ernie4_5_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ERNIE 4.5 MoE's experts (ERNIE-4.5-21B-A3B, 300B-A47B), as transformers reads them: in
+    each ``moe_layer_interval``-th layer from ``moe_layer_start_index`` to
+    ``moe_layer_end_index`` (-1: the last), ``moe_num_experts`` experts of
+    ``moe_intermediate_size``, ``moe_k`` a token chosen by their softmax probabilities plus
+    the router's ``e_score_correction_bias`` and weighted by the probabilities rescaled to sum
+    to 1, beside ``moe_num_shared_experts`` shared experts (one SwiGLU MLP that many times as
+    wide, not gated)."""
+    arch, layers = "Ernie4_5_MoeForCausalLM", cfg["num_hidden_layers"]
+    keys = ("moe_num_experts", "moe_k", "moe_intermediate_size", "moe_num_shared_experts",
+            "moe_layer_start_index", "moe_layer_interval")
+    for key in keys:
+        value = cfg[key]
+        if not isinstance(value, int) or value < (0 if key in (
+                "moe_num_shared_experts", "moe_layer_start_index") else 1):
+            raise ModelLoadError(f"{arch} {key} must be a positive integer, not {value!r}")
+    experts, top_k = cfg["moe_num_experts"], cfg["moe_k"]
+    if top_k > experts:
+        raise ModelLoadError(f"{arch} moe_k {top_k} exceeds moe_num_experts {experts}")
+    end = cfg["moe_layer_end_index"]
+    end = layers - 1 if end == -1 else end
+    start, step = cfg["moe_layer_start_index"], cfg["moe_layer_interval"]
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": cfg["moe_intermediate_size"], "norm_topk_prob": True,
+            "shared_expert_intermediate_size": (cfg["moe_intermediate_size"]
+                                                * cfg["moe_num_shared_experts"]),
+            "expert_selection_bias": True,
+            "moe_layers": tuple(int((i + 1) % step == 0 and start <= i <= end)
+                                for i in range(layers))}
+
+
 # transformers' SeedOssConfig defaults that differ from what config.py assumes.
 _SEED_OSS_DEFAULTS = {"vocab_size": 155136, "hidden_size": 4096, "intermediate_size": 27648,
                       "num_hidden_layers": 64, "num_attention_heads": 80,

@@ -175,8 +175,8 @@ class SparseMoE:
                 self.shared_gate = make_linear([gate.reshape(1, -1) if isinstance(
                     gate, torch.Tensor) else gate], arena=arena)
         self.selection_bias = None
-        if cfg.expert_selection_bias:  # (LFM2-MoE's, GLM-4.5's: to choose the experts only)
-            self.selection_bias = weights.pop(prefix + "mlp.expert_bias").float()
+        if cfg.expert_selection_bias:  # (LFM2-MoE's, GLM-4.5's, ERNIE 4.5's: to choose only)
+            self.selection_bias = weights.pop(prefix + "mlp.expert_bias").float().reshape(-1)
             if tuple(self.selection_bias.shape) != (cfg.num_experts,):
                 raise ModelLoadError(f"{prefix}mlp.expert_bias has shape "
                                      f"{list(self.selection_bias.shape)}; expected "
@@ -238,7 +238,11 @@ class SparseMoE:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps)
         else:
             probs = torch.softmax(logits, dim=-1)
-            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+            if self.selection_bias is None:
+                weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+            else:  # (ERNIE 4.5's: chosen by the probabilities plus the bias, weighted by them)
+                chosen = torch.topk(probs + self.selection_bias, self.top_k, dim=-1).indices
+                weights = probs.gather(1, chosen)
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.scale != 1.0:

@@ -53,6 +53,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,  # (OLMo 2's blocks with sliding-window layers)
     "ernie4_5": Ernie4_5ForCausalLM,
+    "ernie4_5_moe": Ernie4_5ForCausalLM,  # (with experts: moe.py's biased softmax choice)
     "exaone": LlamaForCausalLM,  # (Llama under other names: weight_names.py)
     "seed_oss": LlamaForCausalLM,  # (Llama with q/k/v biases)
     "arcee": LlamaForCausalLM,  # (Llama with a ReLU² MLP: ModelConfig.gated_mlp)

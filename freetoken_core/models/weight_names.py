@@ -72,6 +72,9 @@ _RENAMES: dict[str, list[tuple[re.Pattern[str], str]]] = {
         (r"^model\.embeddings\.", "model.embed_tokens."),
         (r"^model\.norm_f\.", "model.norm."),
     )],
+    # ERNIE 4.5 MoE: the router's selection bias, as released or as transformers 5 saves it
+    "ernie4_5_moe": [(re.compile(r"\.mlp\.(gate\.)?moe_statics\.e_score_correction_bias$"),
+                      ".mlp.expert_bias")],
     # Hunyuan dense: its q/k norms (normed after the rotation: llama.py)
     "hunyuan_dense": [(re.compile(pattern), replacement) for pattern, replacement in (
         (r"\.self_attn\.query_layernorm\.", ".self_attn.q_norm."),
