@@ -71,3 +71,23 @@ def test_dynamic_ntk_without_alpha_is_refused() -> None:
         ModelConfig.from_dict({"architectures": ["HunYuanDenseV1ForCausalLM"],
                                "hidden_size": 64, "num_attention_heads": 4,
                                "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+
+
+def test_hunyuan_moe_directory_matches_transformers(tmp_path: Path) -> None:
+    # (Hunyuan-A13B's shape: every layer's experts beside a shared SwiGLU MLP)
+    import torch
+    from test_arch_phi3 import save_tiny_model
+    from test_arch_qwen3_5 import assert_matches
+    from test_arch_qwen3_5 import served as served_hybrid
+    from transformers import HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM
+
+    model_dir = save_tiny_model(
+        tmp_path, HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM, num_hidden_layers=2,
+        head_dim=16, num_experts=4, moe_topk=2, intermediate_size=32, use_qk_norm=True,
+        rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                         "rope_theta": 10000.0})
+    hf = HunYuanMoEV1ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = assert_matches(served_hybrid(model_dir), hf, 5, [[70]])
+    assert model.config.architecture == "hunyuan_moe" and model.config.qk_norm_after_rope
+    assert all(layer.moe is not None and layer.moe.shared_gate is None
+               for layer in model.layers)

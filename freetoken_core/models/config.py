@@ -19,6 +19,8 @@ from freetoken_core.models.config_defaults import (
     ernie4_5_moe_fields,
     exaone_config,
     hunyuan_dense_config,
+    hunyuan_moe_config,
+    hunyuan_moe_fields,
     olmoe_config,
     seed_oss_config,
     starcoder2_config,
@@ -99,6 +101,7 @@ SUPPORTED_ARCHITECTURES = {
     "Starcoder2ForCausalLM": "starcoder2",
     "OlmoeForCausalLM": "olmoe",
     "HunYuanDenseV1ForCausalLM": "hunyuan_dense",
+    "HunYuanMoEV1ForCausalLM": "hunyuan_moe",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
 }
@@ -111,6 +114,7 @@ _ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "granitemoehybrid": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
                 "olmoe": "silu", "granitemoe": "silu", "hunyuan_dense": "silu",
+                "hunyuan_moe": "silu",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu", "ernie4_5_moe": "silu",
                 "exaone4": "silu", "exaone": "silu", "seed_oss": "silu", "arcee": "relu2",
                 "starcoder2": "gelu_pytorch_tanh",
@@ -123,6 +127,7 @@ _PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "ernie4_5_moe": ernie4_5_moe_config,
     "starcoder2": starcoder2_config, "olmoe": olmoe_config,
     "hunyuan_dense": hunyuan_dense_config, "gemma4": gemma4_config,
+    "hunyuan_moe": hunyuan_moe_config,
     "qwen3_5": qwen3_5_config, "qwen3_5_moe": qwen3_5_moe_config,
     "qwen3_next": qwen3_next_config, "lfm2": lfm2_config, "lfm2_moe": lfm2_moe_config,
     "glm4_moe": functools.partial(with_defaults, defaults=GLM4_MOE_DEFAULTS, theta=10_000.0),
@@ -139,7 +144,7 @@ _FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "qwen3_next": qwen3_next_fields, "lfm2": lfm2_fields, "lfm2_moe": lfm2_moe_fields,
     "glm4_moe": glm4_moe_fields, "smollm3": smollm3_fields,
     "granitemoehybrid": granite4_fields, "nemotron_h": nemotron_h_fields,
-    "ernie4_5_moe": ernie4_5_moe_fields,
+    "ernie4_5_moe": ernie4_5_moe_fields, "hunyuan_moe": hunyuan_moe_fields,
     "ministral3": ministral3_fields, "olmo3": olmo3_fields, "exaone4": exaone4_fields,
     "starcoder2": starcoder2_fields,
 }
@@ -360,7 +365,7 @@ class ModelConfig:
                                                            "smollm3"))),
             "hidden_act": hidden_act,
             "gated_mlp": family not in ("arcee", "starcoder2"),
-            "qk_norm_after_rope": family == "hunyuan_dense",
+            "qk_norm_after_rope": family in ("hunyuan_dense", "hunyuan_moe"),
         }
         if family in _FIELDS:
             fields.update(_FIELDS[family](cfg))
@@ -393,7 +398,7 @@ class ModelConfig:
                             or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
             qk_norm=(family in ("qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3",
                                 "gemma4", "qwen3_moe", "olmo2", "olmo3", "exaone4", "olmoe",
-                                "hunyuan_dense", "lfm2", "lfm2_moe")
+                                "hunyuan_dense", "hunyuan_moe", "lfm2", "lfm2_moe")
                      or (family in ("cohere", "glm4_moe") and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),

@@ -163,6 +163,32 @@ def hunyuan_dense_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def hunyuan_moe_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Hunyuan MoE's config.json (``HunYuanMoEV1Config``: Hunyuan-A13B) as
+    :func:`hunyuan_dense_config` reads the dense model's (its rope the same), and its
+    experts: ``num_experts`` (1) of ``intermediate_size`` in every layer, ``moe_topk`` (1) a
+    token by their softmax probabilities rescaled to sum to 1, beside a shared SwiGLU MLP of
+    ``intermediate_size`` (``shared_mlp``, not gated); per-layer expert counts refused."""
+    out = hunyuan_dense_config(cfg)
+    experts, top_k = cfg.get("num_experts", 1), cfg.get("moe_topk", 1)
+    for key, value in (("num_experts", experts), ("moe_topk", top_k)):
+        if not isinstance(value, int) or value < 1:
+            raise ModelLoadError(f"HunYuanMoEV1ForCausalLM {key} must be one positive integer "
+                                 f"for every layer, not {value!r}")
+    if top_k > experts:
+        raise ModelLoadError(f"HunYuanMoEV1ForCausalLM moe_topk {top_k} exceeds num_experts "
+                             f"{experts}")
+    out.update(num_experts=experts, moe_topk=top_k)
+    return out
+
+
+def hunyuan_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Hunyuan MoE's experts (:func:`hunyuan_moe_config`) as ``ModelConfig`` fields."""
+    return {"num_experts": cfg["num_experts"], "num_experts_per_tok": cfg["moe_topk"],
+            "norm_topk_prob": True, "moe_intermediate_size": cfg["intermediate_size"],
+            "shared_expert_intermediate_size": cfg["intermediate_size"]}
+
+
 def with_defaults(cfg: dict[str, Any], defaults: dict[str, Any], theta: float | None = None
                   ) -> dict[str, Any]:
     """``cfg`` with a config class's ``defaults`` where it leaves keys out, and its rope base

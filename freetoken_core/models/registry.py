@@ -45,6 +45,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen2_moe": LlamaForCausalLM,  # blocks build where the config has experts)
     "mixtral": LlamaForCausalLM,
     "hunyuan_dense": LlamaForCausalLM,  # (q/k norms after the rotation: llama.py)
+    "hunyuan_moe": LlamaForCausalLM,  # (Hunyuan dense's layers, experts, a shared MLP)
     "olmoe": LlamaForCausalLM,  # (experts, and q/k norms over all heads: llama.py)
     "gpt_oss": LlamaForCausalLM,  # (sinks, biases and windows: config fields too)
     "glm4": Glm4ForCausalLM,

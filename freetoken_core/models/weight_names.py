@@ -80,7 +80,13 @@ _RENAMES: dict[str, list[tuple[re.Pattern[str], str]]] = {
         (r"\.self_attn\.query_layernorm\.", ".self_attn.q_norm."),
         (r"\.self_attn\.key_layernorm\.", ".self_attn.k_norm."),
     )],
+    # Hunyuan MoE: the dense model's, the router and the shared MLP under moe.py's names
+    "hunyuan_moe": [(re.compile(pattern), replacement) for pattern, replacement in (
+        (r"\.mlp\.gate\.wg\.", ".mlp.gate."),
+        (r"\.mlp\.shared_mlp\.", ".mlp.shared_experts."),
+    )],
 }
+_RENAMES["hunyuan_moe"] += _RENAMES["hunyuan_dense"]
 
 
 _RENAMES["lfm2_moe"] += _RENAMES["lfm2"]
