@@ -22,7 +22,7 @@ import numpy as np
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.hugepages import PAGE, madvise_dontneed
-from freetoken_core.models import gguf_gemma4
+from freetoken_core.models import gguf_gemma4, gguf_lfm2
 from freetoken_core.models.gguf_metadata import ROPE_FACTOR_TENSORS
 
 if TYPE_CHECKING:
@@ -148,6 +148,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "gpt-oss": _GPT_OSS,
     "gemma3": {**_GEMMA_NORMS, **_ATTENTION, **_MLP},
     "gemma4": gguf_gemma4.LAYER_TENSORS,
+    **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_TENSORS),
     "gemma2": {**_GEMMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
                **_MLP},  # (no q/k norms)
     "glm4": {
@@ -271,6 +272,8 @@ def hf_name(arch: str, gguf_name: str) -> str | None:
         return _GLOBAL[gguf_name]
     if arch == "gemma4" and gguf_name in gguf_gemma4.GLOBAL_TENSORS:
         return gguf_gemma4.GLOBAL_TENSORS[gguf_name]
+    if arch in gguf_lfm2.ARCHITECTURES and gguf_name in gguf_lfm2.GLOBAL_TENSORS:
+        return gguf_lfm2.GLOBAL_TENSORS[gguf_name]
     match = _LAYER_RE.match(gguf_name)
     if match and match.group(2) in _LAYER_TENSORS[arch]:
         return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[arch][match.group(2)]}"
@@ -373,8 +376,9 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
                  if arch in PERMUTED_QK and tail in heads else None)
         weights[name] = GGUFWeight(t.name, qtype, (shape[0], shape[1]), rows, order)
     missing = {"model.embed_tokens.weight", "model.norm.weight"} - set(weights)
-    missing |= {f"model.layers.{i}.self_attn.o_proj.weight" for i in range(num_layers)} - set(
-        weights)
+    missing |= {f"model.layers.{i}.self_attn.o_proj.weight" for i in range(num_layers)
+                if f"model.layers.{i}.conv.out_proj.weight" not in weights  # (LFM2's conv)
+                } - set(weights)
     if not tied:
         missing |= {"lm_head.weight"} - set(weights)
     if missing:
