@@ -12,6 +12,7 @@ their reference is transformers' model holding the file's weights."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.gguf import convert_gguf
 from freetoken_core.models.kv_layout import kv_cache_dims
+from freetoken_core.models.resolve import converted_dir
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -122,6 +124,8 @@ def test_lfm2_gguf_matches_transformers(tmp_path: Path, arch: str, path: str,
     native, _ = engine_path(path, monkeypatch)
     file = tmp_path / f"{arch}.gguf"
     hf = write_lfm2_gguf(file, lfm2_model(arch, seed=3))
+    # (the same file each run: this code's conversion, not an earlier run's cached one)
+    shutil.rmtree(converted_dir(file), ignore_errors=True)
     llm = served(file)
     model = llm.engine.core.runner.model
     assert model.native is native and model.uses_gguf_blocks
