@@ -1,19 +1,25 @@
-"""LFM2 (``Lfm2ForCausalLM`` and ``Lfm2MoeForCausalLM`` directories), exact against
-transformers: greedy tokens and every position's logits, its short-convolution layers' states kept per sequence by the engine.
+"""LFM2 (``Lfm2ForCausalLM`` and ``Lfm2MoeForCausalLM`` directories, ``lfm2`` and ``lfm2moe``
+GGUF files), exact against transformers: greedy tokens and every position's logits, its
+short-convolution layers' states kept per sequence by the engine.
 
 A tiny random LFM2: convolution layers (a kernel of 3, with biases) beside attention layers
 with q/k norms. As for Qwen3.5 (tests/test_arch_qwen3_5.py), the states must come out as
 transformers' single pass leaves them however the engine runs a sequence: prompts whole or
-in chunks, several sequences decoding together, more requests than slots, preemption."""
+in chunks, several sequences decoding together, more requests than slots, preemption.
+The GGUF files are written as llama.cpp's converter writes them (tests/gguf_lfm2_files.py);
+their reference is transformers' model holding the file's weights."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from test_arch_gemma3 import engine_path
+from gguf_lfm2_files import lfm2_model, write_lfm2_gguf
+from test_arch_gemma3 import chunked_logits, engine_path
 from test_arch_phi3 import save_tiny_model
 from test_arch_qwen3_5 import assert_matches, generate, prompts_of, served
 from test_gguf_rope_factors import greedy
@@ -22,7 +28,9 @@ from transformers import Lfm2ForCausalLM as HFLfm2
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.config import ModelConfig
+from freetoken_core.models.gguf import convert_gguf
 from freetoken_core.models.kv_layout import kv_cache_dims
+from freetoken_core.models.resolve import converted_dir
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -94,3 +102,70 @@ def test_lfm2_config_keys_defaults_and_errors() -> None:
                        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "yarn")):
         with pytest.raises(ModelLoadError, match=match):
             ModelConfig.from_dict({**base, **bad})
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("arch", ["lfm2", "lfm2moe"])
+def test_lfm2_gguf_matches_transformers(tmp_path: Path, arch: str, path: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    native, _ = engine_path(path, monkeypatch)
+    file = tmp_path / f"{arch}.gguf"
+    hf = write_lfm2_gguf(file, lfm2_model(arch, seed=3))
+    # (the same file each run: this code's conversion, not an earlier run's cached one)
+    shutil.rmtree(converted_dir(file), ignore_errors=True)
+    llm = served(file)
+    model = llm.engine.core.runner.model
+    assert model.native is native and model.uses_gguf_blocks
+    assert model.config.architecture == {"lfm2": "lfm2", "lfm2moe": "lfm2_moe"}[arch]
+    assert model.config.layer_kinds == ("short_conv", "attention", "short_conv", "short_conv")
+    assert kv_cache_dims(model.config) == (1, 2, 16)
+    if arch == "lfm2moe":
+        assert [layer.moe is None for layer in model.layers] == [True, False, False, False]
+    prompts = prompts_of(llm, 4)
+    got = generate(llm, prompts)
+    assert got == greedy(hf, prompts, 12) and len(set(got[1])) > 3
+    ids = prompts[1]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    for chunks in ([len(ids)], [1, 1, 70, len(ids) - 72]):
+        torch.testing.assert_close(chunked_logits(model, ids, chunks), want, atol=1e-3,
+                                   rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "lfm2moe"])
+def test_lfm2_gguf_config_is_transformers_config(tmp_path: Path, arch: str) -> None:
+    hf = lfm2_model(arch, num_hidden_layers=5, norm_eps=1e-4, conv_L_cache=4,
+                    layer_types=["conv", "full_attention", "conv", "full_attention", "conv"],
+                    **({"num_dense_layers": 2} if arch == "lfm2moe" else {}))
+    path = tmp_path / f"{arch}.gguf"
+    write_lfm2_gguf(path, hf)
+    config = json.loads((convert_gguf(path, tmp_path / "out", progress=False)
+                         / "config.json").read_text())
+    from_file, from_hf = ModelConfig.from_dict(config), ModelConfig.from_dict(
+        hf.config.to_dict())
+    for name in ("architecture", "layer_kinds", "short_conv_kernel", "num_heads",
+                 "num_kv_heads", "head_dim", "intermediate_size",
+                 "rope_theta", "qk_norm", "tie_word_embeddings", "num_experts",
+                 "num_experts_per_tok", "moe_intermediate_size", "moe_layers", "expert_gating",
+                 "norm_topk_prob", "routed_scaling_factor", "expert_selection_bias"):
+        assert getattr(from_file, name) == getattr(from_hf, name), name
+    assert from_file.short_conv_kernel == 4  # (the eps: float32 in the file)
+    assert from_file.rms_norm_eps == pytest.approx(1e-4) and from_hf.rms_norm_eps == 1e-4
+
+
+@pytest.mark.parametrize(("arch", "keys", "match"), [
+    ("lfm2", {"attention.layer_norm_rms_epsilon": None}, "'lfm2.attention.layer_norm_rms_"),
+    ("lfm2", {"shortconv.l_cache": None}, "'lfm2.shortconv.l_cache'"),
+    ("lfm2", {"attention.head_count_kv": None}, "'lfm2.attention.head_count_kv'"),
+    ("lfm2", {"attention.head_count_kv": [0, 2, 0]}, "head_count_kv has 3 values for 4"),
+    ("lfm2", {"attention.head_count_kv": [0, 2, 1, 0]}, "head_count_kv \\[0, 2, 1, 0\\]"),
+    ("lfm2", {"attention.sliding_window": 8}, "lfm2.attention.sliding_window"),
+    ("lfm2moe", {"expert_gating_func": 1}, "lfm2moe.expert_gating_func 1"),
+    ("lfm2moe", {"expert_used_count": None}, "'lfm2moe.expert_used_count'"),
+])
+def test_lfm2_gguf_metadata_errors(tmp_path: Path, arch: str, keys: dict[str, Any],
+                                   match: str) -> None:
+    path = tmp_path / f"{arch}.gguf"
+    write_lfm2_gguf(path, lfm2_model(arch, num_hidden_layers=4), keys=keys)
+    with pytest.raises(ModelLoadError, match=match):
+        convert_gguf(path, tmp_path / "out", progress=False)

@@ -26,6 +26,8 @@ from freetoken_core.models.gguf_families import (
     text_rope_sections,
 )
 from freetoken_core.models.gguf_gemma4 import gemma4_config
+from freetoken_core.models.gguf_lfm2 import ARCHITECTURES as LFM2_ARCHITECTURES
+from freetoken_core.models.gguf_lfm2 import lfm2_config
 from freetoken_core.models.gguf_qwen35 import qwen35_config
 from freetoken_core.models.gguf_reader import field, require, token_count
 
@@ -61,6 +63,7 @@ ARCHITECTURES = {
     "ernie4_5": "Ernie4_5ForCausalLM",
     "command-r": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
+    **LFM2_ARCHITECTURES,  # (lfm2, lfm2moe: gguf_lfm2.py)
     # the language models of vision-language files (gguf_families.TEXT_ARCHITECTURES)
     "qwen2vl": "Qwen2ForCausalLM",
     "qwen3vl": "Qwen3ForCausalLM",
@@ -199,7 +202,8 @@ def build_config(reader: Any) -> dict[str, Any]:
     p = f"{arch}."  # (the file's keys; arch's tensors and computation: text_architecture)
     hidden = int(require(reader, p + "embedding_length"))
     heads = int(require(reader, p + "attention.head_count"))
-    layered = arch == "gemma4"  # (head_count_kv, feed_forward_length: a number a layer too)
+    # (head_count_kv, feed_forward_length: a number a layer too)
+    layered = arch == "gemma4" or arch in LFM2_ARCHITECTURES
     kv_heads = heads if layered else int(field(reader, p + "attention.head_count_kv", heads))
     head_dim = int(field(reader, p + "attention.key_length", hidden // heads))
     rope_dim = int(field(reader, p + "rope.dimension_count", head_dim))
@@ -243,6 +247,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(gemma4_config(reader, config, names))
     if arch == "qwen35":
         config.update(qwen35_config(reader, config, rope_dim))
+    if arch in LFM2_ARCHITECTURES:
+        config.update(lfm2_config(reader, arch, config, names))
     if arch == "phi3" and rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
     if arch == "glm4":

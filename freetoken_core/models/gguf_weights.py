@@ -22,7 +22,7 @@ import numpy as np
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.hugepages import PAGE, madvise_dontneed
-from freetoken_core.models import gguf_gemma4, gguf_qwen35
+from freetoken_core.models import gguf_gemma4, gguf_lfm2, gguf_qwen35
 from freetoken_core.models.gguf_metadata import ROPE_FACTOR_TENSORS
 
 if TYPE_CHECKING:
@@ -149,6 +149,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "gemma3": {**_GEMMA_NORMS, **_ATTENTION, **_MLP},
     "gemma4": gguf_gemma4.LAYER_TENSORS,
     "qwen35": gguf_qwen35.LAYER_TENSORS,  # (read back as transformers' by hf_weights)
+    **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_TENSORS),
     "gemma2": {**_GEMMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
                **_MLP},  # (no q/k norms)
     "glm4": {
@@ -180,6 +181,9 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
 # interleaved rotary pairs.
 PERMUTED_QK = frozenset({"llama", "smollm3", "granite", "granitemoe", "mistral3", "arcee"})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# The out projections of the token mixers other than attention (a layer must have one of
+# them or attention's o_proj): Qwen3.5's linear attention, LFM2's convolution.
+_MIXER_OUTPUTS = ("linear_attn.out_proj.weight", "conv.out_proj.weight")
 
 
 @dataclass(frozen=True)
@@ -272,6 +276,8 @@ def hf_name(arch: str, gguf_name: str) -> str | None:
         return _GLOBAL[gguf_name]
     if arch == "gemma4" and gguf_name in gguf_gemma4.GLOBAL_TENSORS:
         return gguf_gemma4.GLOBAL_TENSORS[gguf_name]
+    if arch in gguf_lfm2.ARCHITECTURES and gguf_name in gguf_lfm2.GLOBAL_TENSORS:
+        return gguf_lfm2.GLOBAL_TENSORS[gguf_name]
     match = _LAYER_RE.match(gguf_name)
     if match and match.group(2) in _LAYER_TENSORS[arch]:
         return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[arch][match.group(2)]}"
@@ -375,9 +381,10 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
         weights[name] = GGUFWeight(t.name, qtype, (shape[0], shape[1]), rows, order)
     if arch == "qwen35":
         weights = gguf_qwen35.hf_weights(reader, weights, num_layers)
-    every = "mlp.down_proj.weight" if arch == "qwen35" else "self_attn.o_proj.weight"
     missing = {"model.embed_tokens.weight", "model.norm.weight"} - set(weights)
-    missing |= {f"model.layers.{i}.{every}" for i in range(num_layers)} - set(weights)
+    missing |= {f"model.layers.{i}.self_attn.o_proj.weight" for i in range(num_layers)
+                if not any(f"model.layers.{i}.{mixer}" in weights for mixer in _MIXER_OUTPUTS)
+                } - set(weights)
     if not tied:
         missing |= {"lm_head.weight"} - set(weights)
     if missing:

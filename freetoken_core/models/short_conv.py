@@ -14,13 +14,15 @@ import torch
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import SequenceSpans
 from freetoken_core.models.config import ModelConfig
+from freetoken_core.models.gguf_weights import GGUFWeight
 from freetoken_core.models.linear import BlockArena, make_linear
 from freetoken_core.models.recurrent import conv_step, conv_with_state
 
 
 class ShortConv:
     """Layer ``prefix``'s short convolution, by transformers' names under ``conv.``:
-    ``in_proj``, ``conv`` (``[hidden, 1, kernel]``, its bias where the config has one),
+    ``in_proj``, ``conv`` (``[hidden, 1, kernel]``, or ``[hidden, kernel]`` as a GGUF file
+    squeezes it; its bias where the config has one),
     ``out_proj`` (and their biases where ``conv_bias``)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, Any], prefix: str,
@@ -32,6 +34,8 @@ class ShortConv:
         self.out_proj = make_linear([weights.pop(p + "out_proj.weight")],
                                     weights.pop(p + "out_proj.bias", None), arena=arena)
         conv = weights.pop(p + "conv.weight")
+        if isinstance(conv, GGUFWeight):  # (a GGUF file's, [hidden, kernel]: gguf_lfm2.py)
+            conv = conv.dequantize()
         if tuple(conv.shape) not in ((self.hidden, 1, self.kernel), (self.hidden, self.kernel)):
             raise ModelLoadError(f"{p}conv.weight has shape {list(conv.shape)}; expected "
                                  f"[{self.hidden}, 1, {self.kernel}] (conv_L_cache)")
