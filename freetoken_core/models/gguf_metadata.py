@@ -26,6 +26,7 @@ from freetoken_core.models.gguf_families import (
     text_rope_sections,
 )
 from freetoken_core.models.gguf_gemma4 import gemma4_config
+from freetoken_core.models.gguf_granite4 import granite4_config, kv_head_count
 from freetoken_core.models.gguf_qwen35 import qwen35_config
 from freetoken_core.models.gguf_reader import field, require, token_count
 
@@ -45,6 +46,7 @@ ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
+    "granitehybrid": "GraniteMoeHybridForCausalLM",  # (Granite 4's hybrids: gguf_granite4)
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
@@ -200,7 +202,7 @@ def build_config(reader: Any) -> dict[str, Any]:
     hidden = int(require(reader, p + "embedding_length"))
     heads = int(require(reader, p + "attention.head_count"))
     layered = arch == "gemma4"  # (head_count_kv, feed_forward_length: a number a layer too)
-    kv_heads = heads if layered else int(field(reader, p + "attention.head_count_kv", heads))
+    kv_heads = heads if layered else kv_head_count(reader, arch, heads)  # (or one a layer)
     head_dim = int(field(reader, p + "attention.key_length", hidden // heads))
     rope_dim = int(field(reader, p + "rope.dimension_count", head_dim))
     # Partial rotary (Phi-4-mini: the first 3/4 of each head; GLM-4: half; Qwen3.5: a
@@ -243,6 +245,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(gemma4_config(reader, config, names))
     if arch == "qwen35":
         config.update(qwen35_config(reader, config, rope_dim))
+    if arch == "granitehybrid":
+        config.update(granite4_config(reader, config))
     if arch == "phi3" and rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
     if arch == "glm4":
