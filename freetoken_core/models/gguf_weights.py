@@ -377,10 +377,9 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
         weights[name] = GGUFWeight(t.name, qtype, (shape[0], shape[1]), rows, order)
     if arch == "qwen35":
         weights = gguf_qwen35.hf_weights(reader, weights, num_layers)
-    if arch == "granitehybrid":
-        weights = gguf_granite4.hf_weights(weights)
     every = "mlp.down_proj.weight" if arch == "qwen35" else "self_attn.o_proj.weight"
-    every = gguf_granite4.EVERY_LAYER if arch == "granitehybrid" else every
+    if arch == "granitehybrid":  # (its Mamba-2 blocks have no o_proj)
+        weights, every = gguf_granite4.hf_weights(weights), gguf_granite4.EVERY_LAYER
     missing = {"model.embed_tokens.weight", "model.norm.weight"} - set(weights)
     missing |= {f"model.layers.{i}.{every}" for i in range(num_layers)} - set(weights)
     if not tied:
