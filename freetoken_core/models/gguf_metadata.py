@@ -26,6 +26,7 @@ from freetoken_core.models.gguf_families import (
     text_rope_sections,
 )
 from freetoken_core.models.gguf_gemma4 import gemma4_config
+from freetoken_core.models.gguf_granite4 import granite4_config, kv_head_count
 from freetoken_core.models.gguf_lfm2 import ARCHITECTURES as LFM2_ARCHITECTURES
 from freetoken_core.models.gguf_lfm2 import lfm2_config
 from freetoken_core.models.gguf_qwen35 import qwen35_config
@@ -47,6 +48,7 @@ ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
+    "granitehybrid": "GraniteMoeHybridForCausalLM",  # (Granite 4's hybrids: gguf_granite4)
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
@@ -204,7 +206,7 @@ def build_config(reader: Any) -> dict[str, Any]:
     heads = int(require(reader, p + "attention.head_count"))
     # (head_count_kv, feed_forward_length: a number a layer too)
     layered = arch == "gemma4" or arch in LFM2_ARCHITECTURES
-    kv_heads = heads if layered else int(field(reader, p + "attention.head_count_kv", heads))
+    kv_heads = heads if layered else kv_head_count(reader, arch, heads)  # (or one a layer)
     head_dim = int(field(reader, p + "attention.key_length", hidden // heads))
     rope_dim = int(field(reader, p + "rope.dimension_count", head_dim))
     # Partial rotary (Phi-4-mini: the first 3/4 of each head; GLM-4: half; Qwen3.5: a
@@ -249,6 +251,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(qwen35_config(reader, config, rope_dim))
     if arch in LFM2_ARCHITECTURES:
         config.update(lfm2_config(reader, arch, config, names))
+    if arch == "granitehybrid":
+        config.update(granite4_config(reader, config))
     if arch == "phi3" and rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
     if arch == "glm4":

@@ -22,7 +22,7 @@ import numpy as np
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.hugepages import PAGE, madvise_dontneed
-from freetoken_core.models import gguf_gemma4, gguf_lfm2, gguf_qwen35
+from freetoken_core.models import gguf_gemma4, gguf_granite4, gguf_lfm2, gguf_qwen35
 from freetoken_core.models.gguf_metadata import ROPE_FACTOR_TENSORS
 
 if TYPE_CHECKING:
@@ -150,6 +150,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "gemma4": gguf_gemma4.LAYER_TENSORS,
     "qwen35": gguf_qwen35.LAYER_TENSORS,  # (read back as transformers' by hf_weights)
     **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_TENSORS),
+    "granitehybrid": gguf_granite4.LAYER_TENSORS,  # (and its hf_weights)
     "gemma2": {**_GEMMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
                **_MLP},  # (no q/k norms)
     "glm4": {
@@ -179,11 +180,14 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
 }
 # The architectures whose converter (LlamaModel's) stores q/k rows permuted for llama.cpp's
 # interleaved rotary pairs.
-PERMUTED_QK = frozenset({"llama", "smollm3", "granite", "granitemoe", "mistral3", "arcee"})
+PERMUTED_QK = frozenset({"llama", "smollm3", "granite", "granitemoe", "mistral3", "arcee",
+                         "granitehybrid"})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # The out projections of the token mixers other than attention (a layer must have one of
-# them or attention's o_proj): Qwen3.5's linear attention, LFM2's convolution.
-_MIXER_OUTPUTS = ("linear_attn.out_proj.weight", "conv.out_proj.weight")
+# them or attention's o_proj): Qwen3.5's linear attention, LFM2's convolution, Granite 4's
+# Mamba-2.
+_MIXER_OUTPUTS = ("linear_attn.out_proj.weight", "conv.out_proj.weight",
+                  "mamba.out_proj.weight")
 
 
 @dataclass(frozen=True)
@@ -381,6 +385,8 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
         weights[name] = GGUFWeight(t.name, qtype, (shape[0], shape[1]), rows, order)
     if arch == "qwen35":
         weights = gguf_qwen35.hf_weights(reader, weights, num_layers)
+    if arch == "granitehybrid":
+        weights = gguf_granite4.hf_weights(weights)
     missing = {"model.embed_tokens.weight", "model.norm.weight"} - set(weights)
     missing |= {f"model.layers.{i}.self_attn.o_proj.weight" for i in range(num_layers)
                 if not any(f"model.layers.{i}.{mixer}" in weights for mixer in _MIXER_OUTPUTS)

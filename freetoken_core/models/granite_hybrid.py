@@ -4,9 +4,10 @@ Granite's multipliers (embeddings, residual branches, attention scores, logits) 
 whose token mixer is Mamba-2 (``mamba`` layers, ``mamba2``: a state per running sequence in
 its scheduler slot, ``recurrent``) or attention (RoPE where ``position_embedding_type`` is
 ``rope``, else none), and whose MLP is a shared SwiGLU MLP (``shared_mlp``, gate and up in
-one tensor) plus, where the config has experts, Granite MoE's experts (the softmax of the top
-k router logits: ``moe.py``). Only the attention layers have keys and values; the prefix
-cache is off and tensor parallelism refused, as for the other recurrent models."""
+one tensor, or two as GGUF files hold them: ``gguf_granite4``) plus, where the config has
+experts, Granite MoE's experts (the softmax of the top k router logits: ``moe.py``). Only
+the attention layers have keys and values; the prefix cache is off and tensor parallelism
+refused, as for the other recurrent models."""
 
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ class GraniteHybridLayer:
         self.moe = SparseMoE(cfg, weights, prefix, native, arena) if cfg.num_experts else None
         if self.moe is not None:
             linears += self.moe.linears
-        self.shared_up = make_linear([w("shared_mlp.input_linear.weight")], arena=arena)
+        fused = prefix + "shared_mlp.input_linear.weight"  # (gate rows, then up rows)
+        self.shared_up = make_linear([weights.pop(fused)] if fused in weights else [
+            w("shared_mlp.gate_proj.weight"), w("shared_mlp.up_proj.weight")], arena=arena)
         self.shared_down = make_linear([w("shared_mlp.output_linear.weight")], arena=arena)
         self.input_norm = w("input_layernorm.weight")
         self.post_attn_norm = w("post_attention_layernorm.weight")
