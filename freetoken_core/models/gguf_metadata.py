@@ -26,6 +26,7 @@ from freetoken_core.models.gguf_families import (
     text_rope_sections,
 )
 from freetoken_core.models.gguf_gemma4 import gemma4_config
+from freetoken_core.models.gguf_glm4moe import glm4moe_config
 from freetoken_core.models.gguf_reader import field, require, token_count
 
 ARCH = "llama"
@@ -47,6 +48,7 @@ ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "glm4moe": "Glm4MoeForCausalLM",
     "mistral3": "Ministral3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",  # (OLMo 3's files too: Olmo3ForCausalLM where they slide)
     "exaone4": "Exaone4ForCausalLM",
@@ -201,14 +203,16 @@ def build_config(reader: Any) -> dict[str, Any]:
     kv_heads = heads if layered else int(field(reader, p + "attention.head_count_kv", heads))
     head_dim = int(field(reader, p + "attention.key_length", hidden // heads))
     rope_dim = int(field(reader, p + "rope.dimension_count", head_dim))
-    # Partial rotary (Phi-4-mini: the first 3/4 of each head; GLM-4: half): llama.cpp's
-    # rotation of the first rope_dim dimensions is transformers' partial_rotary_factor.
-    if rope_dim != head_dim and not (arch in ("phi3", "glm4") and 0 < rope_dim < head_dim
+    # Partial rotary (Phi-4-mini: the first 3/4 of each head; GLM-4, GLM-4.5: half):
+    # llama.cpp's rotation of the first rope_dim dimensions is transformers'
+    # partial_rotary_factor.
+    partial = ("phi3", "glm4", "glm4moe")
+    if rope_dim != head_dim and not (arch in partial and 0 < rope_dim < head_dim
                                      and rope_dim % 2 == 0):
         raise ModelLoadError(
             f"GGUF {p}rope.dimension_count {rope_dim} != head_dim {head_dim} (partial rotary) "
-            "is supported for phi3 and glm4 only; use a GGUF whose rotary embedding covers "
-            "the whole head")
+            f"is supported for {', '.join(partial)} only; use a GGUF whose rotary embedding "
+            "covers the whole head")
     text_rope_sections(reader, arch, rope_dim)
     names = {t.name for t in reader.tensors}
     config: dict[str, Any] = {
@@ -241,6 +245,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config["partial_rotary_factor"] = rope_dim / head_dim
     if arch == "glm4":
         config.update(glm4_config(reader, rope_dim / head_dim, names))
+    if arch == "glm4moe":  # (gguf_glm4moe: its layers without the MTP ones; experts below)
+        config.update(glm4moe_config(reader, rope_dim / head_dim))
     if arch == "olmo2":
         config.update(olmo_config(reader, config))
     if arch == "exaone4":

@@ -22,7 +22,7 @@ import numpy as np
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.hugepages import PAGE, madvise_dontneed
-from freetoken_core.models import gguf_gemma4
+from freetoken_core.models import gguf_gemma4, gguf_glm4moe
 from freetoken_core.models.gguf_metadata import ROPE_FACTOR_TENSORS
 
 if TYPE_CHECKING:
@@ -148,6 +148,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "gpt-oss": _GPT_OSS,
     "gemma3": {**_GEMMA_NORMS, **_ATTENTION, **_MLP},
     "gemma4": gguf_gemma4.LAYER_TENSORS,
+    "glm4moe": gguf_glm4moe.LAYER_TENSORS,
     "gemma2": {**_GEMMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
                **_MLP},  # (no q/k norms)
     "glm4": {
