@@ -7,6 +7,7 @@ files' metadata errors name their key."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,12 @@ VOCAB = 49152  # (the default model's vocabulary, which the GGUF files take)
 
 
 def gguf_served(path: Path) -> Any:
-    from freetoken_core.models.resolve import default_gguf_path
+    """``path`` served, its config built afresh (the files here are the same bytes at every
+    run: a conversion cached by an earlier run would stand in for the metadata's reading)."""
+    from freetoken_core.models.resolve import converted_dir, default_gguf_path
 
     assert default_gguf_path().exists()
+    shutil.rmtree(converted_dir(path), ignore_errors=True)
     return served(path)
 
 
