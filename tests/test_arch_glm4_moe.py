@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf_glm4moe_files import glm4moe_model, mtp_layer, write_glm4moe_gguf
 from safetensors.torch import load_file, save_file
-from test_arch_gemma3 import chunked_logits
+from test_arch_gemma3 import chunked_logits, engine_path
 from test_arch_phi3 import save_tiny_model
 from test_arch_qwen3_5 import generate, prompts_of, served
 from test_gguf_rope_factors import greedy
@@ -100,20 +100,24 @@ GGUF_SHAPES: dict[str, tuple[dict[str, Any], int]] = {
 }
 
 
-@pytest.mark.parametrize("shape", list(GGUF_SHAPES))
-def test_glm4_moe_gguf_matches_transformers(tmp_path: Path, shape: str) -> None:
+@pytest.mark.parametrize(("shape", "path"), [("glm-4.5-like", "native"),
+                                             ("air-like", "native"), ("glm-4.5-like", "torch")])
+def test_glm4_moe_gguf_matches_transformers(tmp_path: Path, shape: str, path: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    native, _ = engine_path(path, monkeypatch)
     overrides, weight_type = GGUF_SHAPES[shape]
     hf = glm4moe_model(VOCAB, seed=3, **overrides)
-    path = tmp_path / "glm4moe.gguf"
-    hf = write_glm4moe_gguf(path, hf, mtp_layer(hf), weight_type=weight_type)
-    llm = gguf_served(path)
+    file = tmp_path / "glm4moe.gguf"
+    hf = write_glm4moe_gguf(file, hf, mtp_layer(hf), weight_type=weight_type)
+    llm = gguf_served(file)
     model = llm.engine.core.runner.model
     cfg = model.config
-    assert model.uses_gguf_blocks and cfg.architecture == "glm4_moe"
+    assert model.uses_gguf_blocks and cfg.architecture == "glm4_moe" and model.native is native
     assert cfg.num_layers == 3 and len(model.layers) == 3  # (the MTP layer not run)
     assert cfg.qk_norm is hf.config.use_qk_norm and cfg.partial_rotary_factor == 0.5
     assert [layer.moe is None for layer in model.layers] == [True, False, False]
     assert all(layer.moe.shared_gate is None and layer.moe.selection_bias is not None
+               and (layer.moe.native_args is not None) is native  # (one native call)
                for layer in model.layers[1:])
     prompts = prompts_of(llm, 5)
     assert generate(llm, prompts) == greedy(hf, prompts, 12)
