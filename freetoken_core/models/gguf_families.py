@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.gguf_glm4moe import glm4moe_experts
 from freetoken_core.models.gguf_reader import array_field, field, require
 
 # A llama file with experts (llama.expert_count > 0) is Mixtral's.
@@ -249,26 +250,33 @@ def moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any]
     softmax routing with the top k renormalized (llama.cpp passes ``norm_w = true`` for
     qwen3moe, llama and granitemoe, false for qwen2moe and olmoe), times
     ``expert_weights_scale`` where
-    the file has one. Empty for a dense file. Shared experts of other families and gating
-    other than softmax are refused."""
+    the file has one; ``glm4moe`` (sigmoid gating, ungated shared experts, groups:
+    ``gguf_glm4moe.glm4moe_experts``). Empty for a dense file. Shared experts of other
+    families and gating other than each family's (softmax; glm4moe's sigmoid) are refused."""
     p = f"{arch}."
     experts = int(field(reader, p + "expert_count", 0))
     kind = text_architecture(arch)
-    if kind not in ("llama", "qwen3moe", "qwen2moe", "olmoe", "granitemoe") or (
+    if kind not in ("llama", "qwen3moe", "qwen2moe", "olmoe", "granitemoe", "glm4moe") or (
             kind == "llama" and experts == 0):
         return {}
     used = _experts_used(reader, arch, experts)
     shared = int(field(reader, p + "expert_shared_feed_forward_length", 0))
-    if kind != "qwen2moe" and (int(field(reader, p + "expert_shared_count", 0)) or shared):
+    if kind not in ("qwen2moe", "glm4moe") and (
+            int(field(reader, p + "expert_shared_count", 0)) or shared):
         raise ModelLoadError(f"GGUF {arch} with shared experts is not supported")
-    gating = int(field(reader, p + "expert_gating_func", 1))
-    if gating != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+    # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (1); glm4moe's SIGMOID (2, or 0)
+    sigmoid = kind == "glm4moe"
+    gating = int(field(reader, p + "expert_gating_func", 0 if sigmoid else 1))
+    if gating not in ((2, 0) if sigmoid else (1,)):
         raise ModelLoadError(f"GGUF {p}expert_gating_func {gating} is not supported "
-                             "(FreeToken routes with softmax, 1)")
+                             f"(FreeToken routes {arch} with "
+                             f"{'sigmoid, 2' if sigmoid else 'softmax, 1'})")
     scale = float(field(reader, p + "expert_weights_scale", 0.0))
     out: dict[str, Any] = {"num_experts_per_tok": used,
                            "norm_topk_prob": kind not in ("qwen2moe", "olmoe"),
                            "routed_scaling_factor": scale if scale else 1.0}
+    if sigmoid:
+        return {**out, **glm4moe_experts(reader, config, experts, used)}
     if kind == "llama":
         return {**out, "architectures": [MIXTRAL], "model_type": "mixtral",
                 "num_local_experts": experts}

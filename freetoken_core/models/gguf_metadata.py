@@ -26,6 +26,7 @@ from freetoken_core.models.gguf_families import (
     text_rope_sections,
 )
 from freetoken_core.models.gguf_gemma4 import gemma4_config
+from freetoken_core.models.gguf_glm4moe import glm4moe_config
 from freetoken_core.models.gguf_granite4 import granite4_config, kv_head_count
 from freetoken_core.models.gguf_lfm2 import ARCHITECTURES as LFM2_ARCHITECTURES
 from freetoken_core.models.gguf_lfm2 import lfm2_config
@@ -53,6 +54,7 @@ ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "glm4moe": "Glm4MoeForCausalLM",
     "mistral3": "Ministral3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",  # (OLMo 3's files too: Olmo3ForCausalLM where they slide)
     "exaone4": "Exaone4ForCausalLM",
@@ -209,15 +211,16 @@ def build_config(reader: Any) -> dict[str, Any]:
     kv_heads = heads if layered else kv_head_count(reader, arch, heads)  # (or one a layer)
     head_dim = int(field(reader, p + "attention.key_length", hidden // heads))
     rope_dim = int(field(reader, p + "rope.dimension_count", head_dim))
-    # Partial rotary (Phi-4-mini: the first 3/4 of each head; GLM-4: half; Qwen3.5: a
-    # quarter, checked in qwen35_config): llama.cpp's rotation of the first rope_dim
+    # Partial rotary (Phi-4-mini: the first 3/4 of each head; GLM-4, GLM-4.5: half; Qwen3.5:
+    # a quarter, checked in qwen35_config): llama.cpp's rotation of the first rope_dim
     # dimensions is transformers' partial_rotary_factor.
+    partial = ("phi3", "glm4", "glm4moe")
     if rope_dim != head_dim and arch != "qwen35" and not (
-            arch in ("phi3", "glm4") and 0 < rope_dim < head_dim and rope_dim % 2 == 0):
+            arch in partial and 0 < rope_dim < head_dim and rope_dim % 2 == 0):
         raise ModelLoadError(
             f"GGUF {p}rope.dimension_count {rope_dim} != head_dim {head_dim} (partial rotary) "
-            "is supported for phi3 and glm4 only; use a GGUF whose rotary embedding covers "
-            "the whole head")
+            f"is supported for {', '.join(partial)} and qwen35 only; use a GGUF whose rotary "
+            "embedding covers the whole head")
     if arch != "qwen35":  # (its interleaved sections: qwen35_config)
         text_rope_sections(reader, arch, rope_dim)
     names = {t.name for t in reader.tensors}
@@ -257,6 +260,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config["partial_rotary_factor"] = rope_dim / head_dim
     if arch == "glm4":
         config.update(glm4_config(reader, rope_dim / head_dim, names))
+    if arch == "glm4moe":  # (gguf_glm4moe: its layers without the MTP ones; experts below)
+        config.update(glm4moe_config(reader, rope_dim / head_dim))
     if arch == "olmo2":
         config.update(olmo_config(reader, config))
     if arch == "exaone4":

@@ -22,7 +22,13 @@ import numpy as np
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.hugepages import PAGE, madvise_dontneed
-from freetoken_core.models import gguf_gemma4, gguf_granite4, gguf_lfm2, gguf_qwen35
+from freetoken_core.models import (
+    gguf_gemma4,
+    gguf_glm4moe,
+    gguf_granite4,
+    gguf_lfm2,
+    gguf_qwen35,
+)
 from freetoken_core.models.gguf_metadata import ROPE_FACTOR_TENSORS
 
 if TYPE_CHECKING:
@@ -151,6 +157,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "qwen35": gguf_qwen35.LAYER_TENSORS,  # (read back as transformers' by hf_weights)
     **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_TENSORS),
     "granitehybrid": gguf_granite4.LAYER_TENSORS,  # (and its hf_weights)
+    "glm4moe": gguf_glm4moe.LAYER_TENSORS,
     "gemma2": {**_GEMMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
                **_MLP},  # (no q/k norms)
     "glm4": {
