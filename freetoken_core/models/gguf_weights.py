@@ -148,7 +148,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "gpt-oss": _GPT_OSS,
     "gemma3": {**_GEMMA_NORMS, **_ATTENTION, **_MLP},
     "gemma4": gguf_gemma4.LAYER_TENSORS,
-    "qwen35": gguf_qwen35.LAYER_TENSORS,  # (read back as transformers' by hf_weights)
+    **gguf_qwen35.LAYER_TENSORS_BY_ARCH,  # (qwen35, qwen35moe, qwen3next: hf_weights)
     "gemma2": {**_GEMMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
                **_MLP},  # (no q/k norms)
     "glm4": {
@@ -373,9 +373,9 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
         order = (_reverse_permutation(shape[0], heads[tail], t.name)
                  if arch in PERMUTED_QK and tail in heads else None)
         weights[name] = GGUFWeight(t.name, qtype, (shape[0], shape[1]), rows, order)
-    if arch == "qwen35":
+    if arch in gguf_qwen35.EVERY_LAYER:
         weights = gguf_qwen35.hf_weights(reader, weights, num_layers)
-    every = "mlp.down_proj.weight" if arch == "qwen35" else "self_attn.o_proj.weight"
+    every = gguf_qwen35.EVERY_LAYER.get(arch, "self_attn.o_proj.weight")
     missing = {"model.embed_tokens.weight", "model.norm.weight"} - set(weights)
     missing |= {f"model.layers.{i}.{every}" for i in range(num_layers)} - set(weights)
     if not tied:
