@@ -116,7 +116,9 @@ def unfuse_qwen3_next(weights: dict[str, Any], p: str, shape: tuple[int, ...]) -
     k, then the v and z of the value heads it serves; its value heads' b, then their a), as
     Qwen3.5's ``in_proj_qkv`` / ``_z`` / ``_b`` / ``_a`` (transformers'
     ``fix_query_key_value_ordering``), in ``weights`` under the layer's ``linear_attn.``
-    prefix ``p``: rows reordered, float tensors or GGUF blocks alike."""
+    prefix ``p``: rows reordered, float tensors or GGUF blocks alike. (A ``qwen3next`` GGUF
+    file has ``in_proj_qkvz`` split into ``in_proj_qkv`` / ``_z`` already, ``in_proj_ba``
+    not: ``gguf_qwen35``.)"""
     key_heads, value_heads, key_size, value_size, _ = shape
     group = value_heads // key_heads
     width = 2 * key_size + 2 * group * value_size  # (one key head's rows of qkvz)
@@ -137,10 +139,12 @@ def unfuse_qwen3_next(weights: dict[str, Any], p: str, shape: tuple[int, ...]) -
                                  else w[start:start + len(o)])
             start += len(o)
 
-    split("in_proj_qkvz.weight", [rows(0, key_size, width) + rows(key_size, key_size, width)
-                                  + rows(2 * key_size, group * value_size, width),
-                                  rows(2 * key_size + group * value_size, group * value_size,
-                                       width)], ["in_proj_qkv.weight", "in_proj_z.weight"])
+    if p + "in_proj_qkvz.weight" in weights:  # (a qwen3next GGUF file's: split already)
+        split("in_proj_qkvz.weight", [
+            rows(0, key_size, width) + rows(key_size, key_size, width)
+            + rows(2 * key_size, group * value_size, width),
+            rows(2 * key_size + group * value_size, group * value_size, width)],
+              ["in_proj_qkv.weight", "in_proj_z.weight"])
     split("in_proj_ba.weight", [rows(0, group, 2 * group), rows(group, group, 2 * group)],
           ["in_proj_b.weight", "in_proj_a.weight"])
 
@@ -158,7 +162,7 @@ class GatedDeltaNet:
         self.key_size, self.value_size, self.kernel = key_size, value_size, kernel
         self.key_dim, self.value_dim = key_heads * key_size, value_heads * value_size
         self.channels = 2 * self.key_dim + self.value_dim
-        if p + "in_proj_qkvz.weight" in weights:  # (Qwen3-Next's fused projections)
+        if p + "in_proj_ba.weight" in weights:  # (Qwen3-Next's fused projections)
             unfuse_qwen3_next(weights, p, cfg.linear_attention_shape)
         self.in_proj = make_linear([weights.pop(p + f"in_proj_{n}.weight")
                                     for n in ("qkv", "z", "b", "a")], arena=arena)

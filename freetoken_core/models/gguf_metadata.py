@@ -30,7 +30,7 @@ from freetoken_core.models.gguf_glm4moe import glm4moe_config
 from freetoken_core.models.gguf_granite4 import granite4_config, kv_head_count
 from freetoken_core.models.gguf_lfm2 import ARCHITECTURES as LFM2_ARCHITECTURES
 from freetoken_core.models.gguf_lfm2 import lfm2_config
-from freetoken_core.models.gguf_qwen35 import qwen35_config
+from freetoken_core.models.gguf_qwen35 import QWEN35_ARCHS, QWEN35_MOE, qwen35_config
 from freetoken_core.models.gguf_reader import field, require, token_count
 
 ARCH = "llama"
@@ -45,6 +45,7 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "gemma4": "Gemma4ForCausalLM",
     "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
@@ -215,21 +216,21 @@ def build_config(reader: Any) -> dict[str, Any]:
     # a quarter, checked in qwen35_config): llama.cpp's rotation of the first rope_dim
     # dimensions is transformers' partial_rotary_factor.
     partial = ("phi3", "glm4", "glm4moe")
-    if rope_dim != head_dim and arch != "qwen35" and not (
+    if rope_dim != head_dim and arch not in QWEN35_ARCHS and not (
             arch in partial and 0 < rope_dim < head_dim and rope_dim % 2 == 0):
         raise ModelLoadError(
             f"GGUF {p}rope.dimension_count {rope_dim} != head_dim {head_dim} (partial rotary) "
-            f"is supported for {', '.join(partial)} and qwen35 only; use a GGUF whose rotary "
-            "embedding covers the whole head")
-    if arch != "qwen35":  # (its interleaved sections: qwen35_config)
+            f"is supported for {', '.join(partial)} and the qwen35 families only; use a GGUF "
+            "whose rotary embedding covers the whole head")
+    if arch not in QWEN35_ARCHS:  # (its interleaved sections: qwen35_config)
         text_rope_sections(reader, arch, rope_dim)
     names = {t.name for t in reader.tensors}
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": text_architecture(arch),
         "hidden_size": hidden,
-        "intermediate_size": 0 if layered else int(require(reader,
-                                                           p + "feed_forward_length")),
+        "intermediate_size": 0 if layered else int((field if arch in QWEN35_MOE else require)(
+            reader, p + "feed_forward_length") or 0),  # (qwen35moe's: none, qwen35_config)
         "num_hidden_layers": int(require(reader, p + "block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -250,8 +251,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(gemma2_config(reader, config))
     if arch == "gemma4":
         config.update(gemma4_config(reader, config, names))
-    if arch == "qwen35":
-        config.update(qwen35_config(reader, config, rope_dim))
+    if arch in QWEN35_ARCHS:  # (qwen35, qwen35moe, qwen3next)
+        config.update(qwen35_config(reader, config, rope_dim, arch))
     if arch in LFM2_ARCHITECTURES:
         config.update(lfm2_config(reader, arch, config, names))
     if arch == "granitehybrid":

@@ -154,7 +154,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "gpt-oss": _GPT_OSS,
     "gemma3": {**_GEMMA_NORMS, **_ATTENTION, **_MLP},
     "gemma4": gguf_gemma4.LAYER_TENSORS,
-    "qwen35": gguf_qwen35.LAYER_TENSORS,  # (read back as transformers' by hf_weights)
+    **gguf_qwen35.LAYER_TENSORS_BY_ARCH,  # (qwen35, qwen35moe, qwen3next: hf_weights)
     **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_TENSORS),
     "granitehybrid": gguf_granite4.LAYER_TENSORS,  # (and its hf_weights)
     "glm4moe": gguf_glm4moe.LAYER_TENSORS,
@@ -390,7 +390,7 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
         order = (_reverse_permutation(shape[0], heads[tail], t.name)
                  if arch in PERMUTED_QK and tail in heads else None)
         weights[name] = GGUFWeight(t.name, qtype, (shape[0], shape[1]), rows, order)
-    if arch == "qwen35":
+    if arch in gguf_qwen35.EVERY_LAYER:
         weights = gguf_qwen35.hf_weights(reader, weights, num_layers)
     if arch == "granitehybrid":
         weights = gguf_granite4.hf_weights(weights)
