@@ -149,7 +149,8 @@ class Gemma4DecoderLayer:
         self.one_call = None  # (Llama's one-call block: not Gemma 4's)
         self.eps = cfg.rms_norm_eps
         self.native = native
-        self.unit = torch.ones(self.head_dim)  # (the values' norm has no weight)
+        # (the values' norm has no weight)
+        self.unit = torch.ones(self.head_dim, device=self.q_norm.device)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Gemma 4's RMSNorm of the rows of ``x`` (any shape; its last dimension normed)."""
