@@ -13,7 +13,6 @@ model's blocks plus the KV cache and activations (docs/operations.md).
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,14 +21,9 @@ import numpy as np
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.hugepages import PAGE, madvise_dontneed
-from freetoken_core.models import (
-    gguf_gemma4,
-    gguf_glm4moe,
-    gguf_granite4,
-    gguf_lfm2,
-    gguf_qwen35,
-)
+from freetoken_core.models import gguf_granite4, gguf_qwen35
 from freetoken_core.models.gguf_metadata import ROPE_FACTOR_TENSORS
+from freetoken_core.models.gguf_names import MIXER_OUTPUTS, PERMUTED_QK, hf_name
 
 if TYPE_CHECKING:
     import torch
@@ -48,154 +42,6 @@ GGUF_TYPES: dict[int, tuple[str, int, int]] = {
     18: ("IQ3_XXS", 256, 98), 21: ("IQ3_S", 256, 110), 19: ("IQ1_S", 256, 50),
     29: ("IQ1_M", 256, 56),
 }
-
-# GGUF tensor name -> Hugging Face name, per architecture family; ``{i}`` is the layer.
-_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output_norm.bias": "model.norm.bias",  # (StarCoder2's LayerNorm)
-    "output.weight": "lm_head.weight",
-}
-_ATTENTION = {
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-}
-_MLP = {
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-# Mixture-of-experts MLPs: the router, and each expert's slice of the 3-d expert tensors
-# ([experts, out, in] as Hugging Face orders them), ``{e}`` the expert.
-_MOE = {
-    "ffn_gate_inp.weight": "mlp.gate.weight",
-    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
-    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
-    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
-}
-# Qwen2-MoE's shared expert and its gate (1-d in the file: ``[hidden]``).
-_SHARED_EXPERT = {
-    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-}
-# gpt-oss's: biases on the attention's projections, a sink per head, a router with a bias,
-# experts with biases (``ffn_gate_up_exps``: gate and up in one tensor, as llama.cpp's
-# converter can write them).
-_GPT_OSS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    **_ATTENTION,
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_sinks.weight": "self_attn.sinks",
-    **_MOE,
-    "ffn_gate_inp.bias": "mlp.gate.bias",
-    "ffn_gate_exps.bias": "mlp.experts.{e}.gate_proj.bias",
-    "ffn_up_exps.bias": "mlp.experts.{e}.up_proj.bias",
-    "ffn_down_exps.bias": "mlp.experts.{e}.down_proj.bias",
-    "ffn_gate_up_exps.weight": "mlp.experts.{e}.gate_up_proj.weight",
-    "ffn_gate_up_exps.bias": "mlp.experts.{e}.gate_up_proj.bias",
-}
-_LLAMA_NORMS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-# Gemma's four norms a block (their weights stored as 1 + w: ``_vector`` takes the 1 off).
-_GEMMA_NORMS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-}
-# OLMo 2's and EXAONE 4's: norms after attention and MLP, none before.
-_POST_NORMED = {
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-    **_ATTENTION, **_MLP,
-}
-_LAYER_TENSORS: dict[str, dict[str, str]] = {
-    "llama": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},  # (Mixtral: llama with experts)
-    "smollm3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
-    "mistral3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
-    "olmo2": _POST_NORMED,  # (no input norms; q/k norms over all heads)
-    "exaone4": _POST_NORMED,  # (OLMo 2's, with q/k norms per head)
-    "granite": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
-    "granitemoe": {**_LLAMA_NORMS, **_ATTENTION, **_MOE},
-    "exaone": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (q/k unpermuted: not PERMUTED_QK)
-    "arcee": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (no ffn_gate: ReLU² of ffn_up)
-    "starcoder2": {  # (LayerNorms and linears with biases; no ffn_gate: GELU of ffn_up)
-        **_LLAMA_NORMS, "attn_norm.bias": "input_layernorm.bias",
-        "ffn_norm.bias": "post_attention_layernorm.bias", **_ATTENTION,
-        "attn_output.bias": "self_attn.o_proj.bias", **_MLP,
-        "ffn_up.bias": "mlp.up_proj.bias", "ffn_down.bias": "mlp.down_proj.bias",
-    },
-    "seed_oss": {  # (its converter names the MLP's input norm as a post-attention norm)
-        "attn_norm.weight": "input_layernorm.weight",
-        "post_attention_norm.weight": "post_attention_layernorm.weight",
-        **_ATTENTION, **_MLP,
-    },
-    # (Cohere's parallel blocks: one norm; Command R+'s q/k norms [heads, head_dim])
-    "command-r": {"attn_norm.weight": "input_layernorm.weight", **_ATTENTION, **_MLP},
-    "cohere2": {"attn_norm.weight": "input_layernorm.weight", **_ATTENTION, **_MLP},
-    "qwen2": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
-    "qwen3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
-    "qwen3moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},
-    "olmoe": {**_LLAMA_NORMS, **_ATTENTION, **_MOE},  # (q/k norms over all heads)
-    "hunyuan-dense": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (q/k normed after rope)
-    "qwen2moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE, **_SHARED_EXPERT},
-    "gpt-oss": _GPT_OSS,
-    "gemma3": {**_GEMMA_NORMS, **_ATTENTION, **_MLP},
-    "gemma4": gguf_gemma4.LAYER_TENSORS,
-    **gguf_qwen35.LAYER_TENSORS_BY_ARCH,  # (qwen35, qwen35moe, qwen3next: hf_weights)
-    **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_TENSORS),
-    "granitehybrid": gguf_granite4.LAYER_TENSORS,  # (and its hf_weights)
-    "glm4moe": gguf_glm4moe.LAYER_TENSORS,
-    "gemma2": {**_GEMMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
-               **_MLP},  # (no q/k norms)
-    "glm4": {
-        "attn_norm.weight": "input_layernorm.weight",
-        "post_attention_norm.weight": "post_self_attn_layernorm.weight",
-        "ffn_norm.weight": "post_attention_layernorm.weight",
-        "post_ffw_norm.weight": "post_mlp_layernorm.weight",
-        **_ATTENTION,
-        "ffn_up.weight": "mlp.gate_up_proj.weight",
-        "ffn_down.weight": "mlp.down_proj.weight",
-    },
-    # (llama.cpp's converter writes ERNIE 4.5's biases where use_bias gives it them; its
-    # graph leaves attn_output.bias out and does not load the MLP's: FreeToken computes the
-    # model as transformers does, every bias the file has)
-    "ernie4_5": {
-        **_LLAMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
-        "attn_output.bias": "self_attn.o_proj.bias", **_MLP,
-        **{f"ffn_{p}.bias": f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")},
-    },
-    "phi3": {
-        **_LLAMA_NORMS,
-        "attn_qkv.weight": "self_attn.qkv_proj.weight",
-        "attn_output.weight": "self_attn.o_proj.weight",
-        "ffn_up.weight": "mlp.gate_up_proj.weight",
-        "ffn_down.weight": "mlp.down_proj.weight",
-    },
-}
-# The architectures whose converter (LlamaModel's) stores q/k rows permuted for llama.cpp's
-# interleaved rotary pairs.
-PERMUTED_QK = frozenset({"llama", "smollm3", "granite", "granitemoe", "mistral3", "arcee",
-                         "granitehybrid"})
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-# The out projections of the token mixers other than attention (a layer must have one of
-# them or attention's o_proj): Qwen3.5's linear attention, LFM2's convolution, Granite 4's
-# Mamba-2.
-_MIXER_OUTPUTS = ("linear_attn.out_proj.weight", "conv.out_proj.weight",
-                  "mamba.out_proj.weight")
-
 
 @dataclass(frozen=True)
 class GGUFWeight:
@@ -278,21 +124,6 @@ class GGUFWeight:
             return rows.view(torch.float32).clone().reshape(self.shape)
         values = dequantize(self.rows.reshape(-1), self.qtype)
         return torch.from_numpy(np.asarray(values, dtype=np.float32)).reshape(self.shape)
-
-
-def hf_name(arch: str, gguf_name: str) -> str | None:
-    """The Hugging Face name of tensor ``gguf_name`` of an ``arch`` file; ``None`` if the
-    family has no such tensor."""
-    if gguf_name in _GLOBAL:
-        return _GLOBAL[gguf_name]
-    if arch == "gemma4" and gguf_name in gguf_gemma4.GLOBAL_TENSORS:
-        return gguf_gemma4.GLOBAL_TENSORS[gguf_name]
-    if arch in gguf_lfm2.ARCHITECTURES and gguf_name in gguf_lfm2.GLOBAL_TENSORS:
-        return gguf_lfm2.GLOBAL_TENSORS[gguf_name]
-    match = _LAYER_RE.match(gguf_name)
-    if match and match.group(2) in _LAYER_TENSORS[arch]:
-        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[arch][match.group(2)]}"
-    return None
 
 
 def check_tensors(reader: Any, path: Path) -> None:
@@ -396,7 +227,7 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
         weights = gguf_granite4.hf_weights(weights)
     missing = {"model.embed_tokens.weight", "model.norm.weight"} - set(weights)
     missing |= {f"model.layers.{i}.self_attn.o_proj.weight" for i in range(num_layers)
-                if not any(f"model.layers.{i}.{mixer}" in weights for mixer in _MIXER_OUTPUTS)
+                if not any(f"model.layers.{i}.{mixer}" in weights for mixer in MIXER_OUTPUTS)
                 } - set(weights)
     if not tied:
         missing |= {"lm_head.weight"} - set(weights)
