@@ -35,8 +35,9 @@ def ernie4_5_config(cfg: dict[str, Any]) -> dict[str, Any]:
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     params = params if isinstance(params, dict) else {}
     if rope_kind(params) != "default":
-        raise ModelLoadError(f"Ernie4_5ForCausalLM with rope type {rope_kind(params)!r} is "
-                             "not supported (its checkpoints use the default rope)")
+        arch = next(iter(cfg.get("architectures") or []), "Ernie4_5ForCausalLM")
+        raise ModelLoadError(f"{arch} with rope type {rope_kind(params)!r} is not supported "
+                             "(its checkpoints use the default rope)")
     out["attention_bias"] = bool(out["use_bias"])
     return out
 
