@@ -229,13 +229,18 @@ def test_registry_maps_every_architecture() -> None:
         return ModelConfig.from_dict({
             "architectures": [name], "vocab_size": 8, "hidden_size": 8,
             "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
-            "sliding_window": 4})
+            "sliding_window": 4, "mamba_n_heads": 2})  # (Granite 4's Mamba-2 heads of 8)
 
     classes = {family: model_class(config(name))
                for name, family in SUPPORTED_ARCHITECTURES.items()}
     assert classes["gemma3"] is Gemma3ForCausalLM and classes["phi3"] is Phi3ForCausalLM
     assert classes["glm4"] is Glm4ForCausalLM
     assert classes["gemma2"] is Gemma2ForCausalLM
+    assert {family: classes[family].__name__ for family in (
+        "gemma4", "qwen3_5", "qwen3_next", "lfm2_moe", "granitemoehybrid", "nemotron_h")} == {
+        "gemma4": "Gemma4ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
+        "qwen3_next": "Qwen3_5ForCausalLM", "lfm2_moe": "Lfm2ForCausalLM",
+        "granitemoehybrid": "GraniteHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
     assert all(classes[f] is llama.LlamaForCausalLM for f in (
         "llama", "mistral", "qwen2", "qwen3", "granite", "qwen3_moe", "mixtral", "gpt_oss"))
     assert set(SUPPORTED) == set(classes)
