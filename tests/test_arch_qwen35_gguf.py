@@ -59,17 +59,26 @@ def written(tmp_path: Path, shape: str, seed: int = 3) -> tuple[Path, Any]:
     return path, hf
 
 
+def served_file_matches(file: Path, hf: Any, native: bool, texts: list[str] = PROMPTS
+                        ) -> tuple[Any, list[list[int]]]:
+    """``file`` served: its greedy tokens of ``texts`` equal ``hf``'s, are not one token
+    over and over, on the path ``native`` says, from the file's blocks; the served model and
+    the texts' ids."""
+    llm, prompts, got = served(file, texts, 16)
+    assert got == greedy(hf, prompts, 16)
+    assert len(set(got[-1])) > 3  # (the generation is not one token over and over)
+    model = llm.engine.core.runner.model
+    assert model.native is native and model.uses_gguf_blocks
+    return model, prompts
+
+
 @pytest.mark.parametrize("shape,path", [("9b-like", "native"), ("9b-like", "torch"),
                                         ("small-heads", "native"), ("equal-heads", "native")])
 def test_qwen35_gguf_matches_transformers(tmp_path: Path, shape: str, path: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     native, _ = engine_path(path, monkeypatch)
     file, hf = written(tmp_path, shape)
-    llm, prompts, got = served(file, PROMPTS, 16)
-    assert got == greedy(hf, prompts, 16)
-    assert len(set(got[-1])) > 3  # (the generation is not one token over and over)
-    model = llm.engine.core.runner.model
-    assert model.native is native and model.uses_gguf_blocks
+    model, prompts = served_file_matches(file, hf, native)
     ids = prompts[-1]
     assert len(ids) > 64  # (past a block of the chunked delta rule)
     with torch.no_grad():

@@ -28,7 +28,8 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_qwen35_files import add_keys
 from gguf_qwen35moe_files import moe_keys, moe_model, write_moe_gguf
 from test_arch_gemma3 import chunked_logits, engine_path
-from test_gguf_rope_factors import LONG, greedy, served
+from test_arch_qwen35_gguf import served_file_matches
+from test_gguf_rope_factors import LONG
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.config import ModelConfig
@@ -84,11 +85,7 @@ def test_qwen35moe_gguf_matches_transformers(tmp_path: Path, shape: str, path: s
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     native, _ = engine_path(path, monkeypatch)
     file, hf = written(tmp_path, shape)
-    llm, prompts, got = served(file, PROMPTS, 16)
-    assert got == greedy(hf, prompts, 16)
-    assert len(set(got[-1])) > 3  # (the generation is not one token over and over)
-    model = llm.engine.core.runner.model
-    assert model.native is native and model.uses_gguf_blocks
+    model, prompts = served_file_matches(file, hf, native, PROMPTS)
     ids = prompts[-1]
     assert len(ids) > 64  # (past a block of the chunked delta rule)
     want = float64_logits(hf, ids)
