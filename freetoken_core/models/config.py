@@ -33,6 +33,9 @@ SUPPORTED_ARCHITECTURES = {
     "Lfm2ForCausalLM": "lfm2",
     "Lfm2MoeForCausalLM": "lfm2_moe",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "NemotronHForCausalLM": "nemotron_h",
     "Gemma2ForCausalLM": "gemma2",
@@ -151,6 +154,9 @@ class ModelConfig:
     expert_groups: tuple[int, ...] = ()
     """``(n_group, topk_group)``: the experts in ``n_group`` groups, a token's chosen among
     its best ``topk_group`` groups' (GLM-4.5's); empty: no groups."""
+    expert_group_by_max: bool = False
+    """A group's score is its best expert's (DeepSeek-V2's ``group_limited_greedy``), not
+    the sum of its two best."""
     expert_norm_eps: float = 0.0
     """Added to the chosen weights' sum before they are rescaled by it (LFM2-MoE: 1e-6)."""
     expert_bias: bool = False
@@ -213,6 +219,14 @@ class ModelConfig:
     attention_output_gate: bool = False
     """The attention's output times the sigmoid of a gate the q projection also gives, per
     head beside its query (Qwen3.5's)."""
+
+    mla_shape: tuple[int, ...] = ()
+    """Multi-head latent attention's ``(q_lora_rank or 0, kv_lora_rank, qk_nope_head_dim,
+    qk_rope_head_dim, v_head_dim)`` (DeepSeek-V2/V3's: ``models/deepseek.py``; the cache
+    holds one KV head of ``kv_lora_rank + qk_rope_head_dim``); empty: none."""
+    rope_interleaved: bool = False
+    """The rotated dimensions turn in adjacent pairs ``(2i, 2i + 1)`` as the checkpoint
+    lays them out (DeepSeek's), reordered at load into half-offset pairs."""
 
     text_of: str = ""
     """The vision-language class whose language model this is (``models/multimodal.py``; its

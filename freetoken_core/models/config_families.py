@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from freetoken_core.models.cohere_config import cohere_config
+from freetoken_core.models.config_deepseek import mla_config, mla_fields
 from freetoken_core.models.config_defaults import (
     ernie4_5_config,
     ernie4_5_moe_config,
@@ -68,7 +69,8 @@ ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu", "ernie4_5_moe": "silu",
                 "exaone4": "silu", "exaone": "silu", "seed_oss": "silu", "arcee": "relu2",
                 "starcoder2": "gelu_pytorch_tanh",
-                "cohere": "silu", "cohere2": "silu"}
+                "cohere": "silu", "cohere2": "silu", "deepseek_v2": "silu",
+                "deepseek_v3": "silu", "glm4_moe_lite": "silu"}
 
 # The families whose config.json is read with their config class's defaults where it leaves
 # keys out, under the key names from_dict reads (config_defaults.py, cohere_config.py).
@@ -84,6 +86,8 @@ PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "granitemoehybrid": granite4_config, "nemotron_h": nemotron_h_config,
     "cohere": functools.partial(cohere_config, family="cohere"),
     "cohere2": functools.partial(cohere_config, family="cohere2"),
+    **{family: functools.partial(mla_config, family=family)
+       for family in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")},
 }
 
 # The families' fields beyond the common ones, read from their config.json alone
@@ -97,6 +101,8 @@ FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "ernie4_5_moe": ernie4_5_moe_fields, "hunyuan_moe": hunyuan_moe_fields,
     "ministral3": ministral3_fields, "olmo3": olmo3_fields, "exaone4": exaone4_fields,
     "starcoder2": starcoder2_fields,
+    **{family: functools.partial(mla_fields, family=family)
+       for family in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")},
 }
 # ... and with the rope parameters the common code read.
 ROPE_FIELDS = {"phi3": phi3_fields, "gpt_oss": gpt_oss_fields, "glm4": glm4_fields}

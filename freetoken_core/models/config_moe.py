@@ -35,7 +35,7 @@ def moe_fields(cfg: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
     size = cfg.get("moe_intermediate_size", 1408 if qwen2 else 768) if qwen else cfg.get(
         "intermediate_size")
     shared = cfg.get("shared_expert_intermediate_size", 5632) if qwen2 else 0
-    _expert_counts(arch, (("num_experts" if qwen else "num_local_experts", experts, 1),
+    expert_counts(arch, (("num_experts" if qwen else "num_local_experts", experts, 1),
                           ("num_experts_per_tok", top_k, 1),
                           ("moe_intermediate_size" if qwen else "intermediate_size", size, 1),
                           ("shared_expert_intermediate_size", shared, 0)), top_k, experts)
@@ -47,7 +47,7 @@ def moe_fields(cfg: dict[str, Any], arch: str, family: str) -> dict[str, Any]:
     return {"num_experts": experts, "num_experts_per_tok": top_k,
             "moe_intermediate_size": size,
             "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)) if qwen else True,
-            "routed_scaling_factor": _routed_scale(cfg, arch),
+            "routed_scaling_factor": routed_scale(cfg, arch),
             "shared_expert_intermediate_size": shared,
             "moe_layers": flags if 0 in flags else ()}
 
@@ -59,14 +59,14 @@ def _olmoe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     ``clip_qkv`` (null in the released models) is refused."""
     experts, top_k = cfg.get("num_experts", 64), cfg.get("num_experts_per_tok", 8)
     size = cfg.get("intermediate_size", 2048)
-    _expert_counts(arch, (("num_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
+    expert_counts(arch, (("num_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
                           ("intermediate_size", size, 1)), top_k, experts)
     if cfg.get("clip_qkv") is not None:
         raise ModelLoadError(f"{arch} with clip_qkv {cfg['clip_qkv']!r} is not supported "
                              "(the released OLMoE models have none)")
     return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": size,
             "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
-            "routed_scaling_factor": _routed_scale(cfg, arch)}
+            "routed_scaling_factor": routed_scale(cfg, arch)}
 
 
 def _granitemoe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -76,13 +76,13 @@ def _granitemoe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     ``GraniteMoeTopKRouter``)."""
     experts, top_k = cfg.get("num_local_experts", 8), cfg.get("num_experts_per_tok", 2)
     size = cfg.get("intermediate_size", 1024)
-    _expert_counts(arch, (("num_local_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
+    expert_counts(arch, (("num_local_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
                           ("intermediate_size", size, 1)), top_k, experts)
     return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": size,
-            "expert_gating": "softmax_weight", "routed_scaling_factor": _routed_scale(cfg, arch)}
+            "expert_gating": "softmax_weight", "routed_scaling_factor": routed_scale(cfg, arch)}
 
 
-def _routed_scale(cfg: dict[str, Any], arch: str) -> float:
+def routed_scale(cfg: dict[str, Any], arch: str) -> float:
     """The routing weights' multiplier (``routed_scaling_factor``; a GGUF file's
     ``expert_weights_scale``), default 1."""
     scale = cfg.get("routed_scaling_factor", 1.0)
@@ -92,7 +92,7 @@ def _routed_scale(cfg: dict[str, Any], arch: str) -> float:
     return float(scale)
 
 
-def _expert_counts(arch: str, counts: tuple[tuple[str, Any, int], ...], top_k: int,
+def expert_counts(arch: str, counts: tuple[tuple[str, Any, int], ...], top_k: int,
                    experts: int) -> None:
     """Each ``(key, value, least)`` an integer of at least ``least``, and no more experts a
     token than there are."""
@@ -117,7 +117,7 @@ def gpt_oss_fields(cfg: dict[str, Any], rope_scaling: dict[str, Any] | None
     experts = cfg.get("num_local_experts", 128)
     top_k = cfg.get("num_experts_per_tok", 4)
     size = cfg.get("intermediate_size", 2880)
-    _expert_counts(arch, (("num_local_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
+    expert_counts(arch, (("num_local_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
                           ("intermediate_size", size, 1)), top_k, experts)
     limit, alpha = cfg.get("swiglu_limit", 7.0), cfg.get("swiglu_alpha", 1.702)
     for key, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
@@ -174,7 +174,7 @@ def glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     size, shared = cfg.get("moe_intermediate_size", 1408), cfg.get("n_shared_experts", 1)
     groups, keep = cfg.get("n_group", 1), cfg.get("topk_group", 1)
     dense = cfg.get("first_k_dense_replace", 1)
-    _expert_counts(arch, (("n_routed_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
+    expert_counts(arch, (("n_routed_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
                           ("moe_intermediate_size", size, 1), ("n_shared_experts", shared, 0),
                           ("n_group", groups, 1), ("topk_group", keep, 1),
                           ("first_k_dense_replace", dense, 0)), top_k, experts)
@@ -186,5 +186,5 @@ def glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             "expert_gating": "sigmoid", "expert_selection_bias": True,
             "expert_groups": (groups, keep), "expert_norm_eps": 1e-20,
             "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
-            "routed_scaling_factor": _routed_scale(cfg, arch),
+            "routed_scaling_factor": routed_scale(cfg, arch),
             "moe_layers": tuple(int(i >= dense) for i in range(layers))}

@@ -21,15 +21,20 @@ from freetoken_core.models.sharding import Shard
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+def drop_extra_layers(weights: Weights, num_layers: int) -> None:
+    """The weights of layers ``num_layers`` on (checkpoints' multi-token-prediction layers,
+    which transformers does not read) removed from ``weights``."""
+    for name in [k for k in weights if (m := _LAYER.match(k)) and int(m.group(1)) >= num_layers]:
+        del weights[name]
+
+
 class Glm4MoeForCausalLM(LlamaForCausalLM):
     """GLM-4.5 (module docstring); ``forward`` and ``compute_logits`` as Llama's, with
     Phi-3's partial rotation tables."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
                  shard: Shard | None = None) -> None:
-        for name in [k for k in weights if (m := _LAYER.match(k))
-                     and int(m.group(1)) >= cfg.num_layers]:
-            del weights[name]  # (the multi-token-prediction layers)
+        drop_extra_layers(weights, cfg.num_layers)  # (the multi-token-prediction layers)
         rot = rotary_dim(cfg)
         if rot < cfg.head_dim:
             order = head_order(cfg.head_dim, rot)

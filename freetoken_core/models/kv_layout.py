@@ -13,7 +13,9 @@ their shape); a layer's view of its cache layer
 (:func:`layer_caches`) is the first ``slots x 2 x its KV heads x its head dim`` values of it,
 contiguous, shaped ``[slot, key/value, its KV heads, its head dim]``. The narrower layers
 leave the rest of their cache layer unused (Gemma 4 31B: its 10 global layers' slots are
-half used)."""
+half used). Multi-head latent attention (DeepSeek's, ``mla_shape``) stores one KV head of a
+token's normed latent and rotated key part, its keys and values the same vector
+(``deepseek.MlaAttention``)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ def kv_sources(cfg: ModelConfig) -> tuple[int | None, ...]:
 def kv_cache_dims(cfg: ModelConfig, num_kv_heads: int | None = None) -> tuple[int, int, int]:
     """``(cache layers, KV heads, head dim)`` of the model's cache (``num_kv_heads``: a
     tensor-parallel rank's share of a uniform model's)."""
+    if cfg.mla_shape:  # (the latent and the rotated key part, one "head": deepseek.py)
+        return cfg.num_layers, 1, cfg.mla_shape[1] + cfg.mla_shape[3]
     if uniform(cfg):
         return cfg.num_layers, num_kv_heads or cfg.num_kv_heads, cfg.head_dim
     stores = [i for i, source in enumerate(kv_sources(cfg)) if source == i]

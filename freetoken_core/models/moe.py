@@ -184,6 +184,7 @@ class SparseMoE:
         self.norm_eps = cfg.expert_norm_eps
         self.groups = cfg.expert_groups if cfg.expert_groups[:1] != (1,) and (
             cfg.expert_groups) else None
+        self.group_by_max = cfg.expert_group_by_max
         self.top_k = cfg.num_experts_per_tok
         self.gating = cfg.expert_gating
         self.swiglu = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit else None
@@ -238,7 +239,10 @@ class SparseMoE:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps)
         else:
             probs = torch.softmax(logits, dim=-1)
-            if self.selection_bias is None:
+            if self.groups is not None:  # (DeepSeek-V2's group_limited_greedy)
+                chosen = torch.topk(self.best_groups(probs), self.top_k, dim=-1).indices
+                weights = probs.gather(1, chosen)
+            elif self.selection_bias is None:
                 weights, chosen = torch.topk(probs, self.top_k, dim=-1)
             else:  # (ERNIE 4.5's: chosen by the probabilities plus the bias, weighted by them)
                 chosen = torch.topk(probs + self.selection_bias, self.top_k, dim=-1).indices
@@ -252,10 +256,13 @@ class SparseMoE:
     def best_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """``choice`` ``[tokens, experts]`` with every expert outside each token's best
         ``topk_group`` groups at -inf, a group's score the sum of its two best (DeepSeek-V3's
-        and GLM-4.5's group-limited routing, ``n_group`` groups of consecutive experts)."""
+        and GLM-4.5's group-limited routing, ``n_group`` groups of consecutive experts) or
+        its best (DeepSeek-V2's, ``expert_group_by_max``)."""
         groups, keep = self.groups
         grouped = choice.view(choice.shape[0], groups, -1)
-        best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(keep, dim=-1).indices
+        scores = (grouped.max(dim=-1).values if self.group_by_max
+                  else grouped.topk(2, dim=-1).values.sum(dim=-1))
+        best = scores.topk(keep, dim=-1).indices
         mask = torch.zeros(choice.shape[0], groups, dtype=torch.bool, device=choice.device)
         mask.scatter_(1, best, True)
         return grouped.masked_fill(~mask[..., None], float("-inf")).view_as(choice)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.cohere import CohereForCausalLM
 from freetoken_core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from freetoken_core.models.deepseek import DeepseekForCausalLM
 from freetoken_core.models.ernie4_5 import Ernie4_5ForCausalLM
 from freetoken_core.models.gemma2 import Gemma2ForCausalLM
 from freetoken_core.models.gemma3 import Gemma3ForCausalLM
@@ -50,6 +51,9 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "gpt_oss": LlamaForCausalLM,  # (sinks, biases and windows: config fields too)
     "glm4": Glm4ForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    "deepseek_v2": DeepseekForCausalLM,  # (multi-head latent attention, experts)
+    "deepseek_v3": DeepseekForCausalLM,
+    "glm4_moe_lite": DeepseekForCausalLM,  # (DeepSeek-V3's layers: GLM-4.7-Flash)
     "ministral3": LlamaForCausalLM,  # (its attention temperature: config fields too)
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,  # (OLMo 2's blocks with sliding-window layers)

@@ -55,8 +55,10 @@ _RENAMES: dict[str, list[tuple[re.Pattern[str], str]]] = {
         (r"\.feed_forward\.gate\.", ".mlp.gate."),
         (r"\.feed_forward\.expert_bias$", ".mlp.expert_bias"),
     )],
-    # GLM-4.5: the router's selection bias, under the name moe.py reads
-    "glm4_moe": [(re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.expert_bias")],
+    # GLM-4.5, DeepSeek-V3, GLM-4.7-Flash: the router's selection bias, under the name
+    # moe.py reads
+    **{family: [(re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.expert_bias")]
+       for family in ("glm4_moe", "deepseek_v3", "glm4_moe_lite")},
     # Granite 4: Granite MoE's experts as released (JetMoE's names) or as transformers 5
     # saves them
     "granitemoehybrid": [(re.compile(pattern), replacement) for pattern, replacement in (
