@@ -55,13 +55,13 @@ def glm4moe_model(vocab_size: int, seed: int = 0, **overrides: Any) -> Glm4MoeFo
     return model
 
 
-def mtp_layer(model: Glm4MoeForCausalLM, seed: int = 7) -> dict[str, torch.Tensor]:
+def mtp_layer(model: Any, seed: int = 7) -> dict[str, torch.Tensor]:
     """A multi-token-prediction layer as the released checkpoints hold it after the model's
-    layers (``model.layers.{n}``): a whole sparse block, ``eh_proj``, ``enorm``, ``hnorm``,
+    layers (``model.layers.{n}``; of a GLM-4.5 or a DeepSeek-V3): a whole sparse block, ``eh_proj``, ``enorm``, ``hnorm``,
     ``embed_tokens`` and ``shared_head`` (random: nothing may read it)."""
     cfg = model.config
     n, hidden = cfg.num_hidden_layers, cfg.hidden_size
-    block = random_model(Glm4MoeForCausalLM, Glm4MoeConfig(**{
+    block = random_model(type(model), type(cfg)(**{
         **cfg.to_dict(), "num_hidden_layers": 1, "first_k_dense_replace": 0}), seed)
     gen = torch.Generator().manual_seed(seed)
     out = {f"model.layers.{n}.{k.split('.', 3)[3]}": v

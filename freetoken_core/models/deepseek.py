@@ -38,7 +38,7 @@ from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.glm4_moe import drop_extra_layers
 from freetoken_core.models.layers import add_rms_norm, apply_rope, rms_norm, silu_and_mul
-from freetoken_core.models.linear import BlockArena, make_linear
+from freetoken_core.models.linear import BlockArena, Linear, make_linear
 from freetoken_core.models.llama import LlamaForCausalLM, Weights
 from freetoken_core.models.moe import SparseMoE
 from freetoken_core.models.phi3 import reorder_rows
@@ -93,16 +93,32 @@ class MlaAttention:
         self.q_a_norm = pop("q_a_layernorm.weight") if q_lora else None
         self.q_b_proj = make_linear([pop("q_b_proj.weight")], arena=arena) if q_lora else None
         self.kv_a_norm = pop("kv_a_layernorm.weight")
-        kv_b = pop("kv_b_proj.weight")
-        if not isinstance(kv_b, torch.Tensor):
-            kv_b = kv_b.dequantize()
-        if tuple(kv_b.shape) != (h * (nope + v), kv_lora):
-            raise ModelLoadError(f"{attn}kv_b_proj.weight has shape {list(kv_b.shape)}; "
-                                 f"expected [{h * (nope + v)}, {kv_lora}] (heads x "
-                                 "(qk_nope_head_dim + v_head_dim), kv_lora_rank)")
-        per_head = kv_b.view(h, nope + v, kv_lora)
-        self.w_uk = per_head[:, :nope].contiguous()  # [heads, nope, latent]
-        self.w_uv_t = per_head[:, nope:].transpose(1, 2).contiguous()  # [heads, latent, v]
+        self.k_b: list[Linear] | None = None  # (per head: GGUF blocks, k_b_proj / v_b_proj)
+        self.v_b: list[Linear] | None = None
+        kv_b = weights.pop(attn + "kv_b_proj.weight", None)
+        if kv_b is None:  # (a GGUF file's: kv_b split per head, W_UK transposed)
+            k_b = [pop(f"k_b_proj.{i}.weight") for i in range(h)]
+            v_b = [pop(f"v_b_proj.{i}.weight") for i in range(h)]
+            for name, parts, shape in (("k_b_proj", k_b, (kv_lora, nope)),
+                                       ("v_b_proj", v_b, (v, kv_lora))):
+                if any(tuple(p.shape) != shape for p in parts):
+                    raise ModelLoadError(f"{attn}{name} has heads of shape "
+                                         f"{list(parts[0].shape)}; expected {list(shape)}")
+            if all(isinstance(p, torch.Tensor) for p in (*k_b, *v_b)):
+                kv_b = torch.cat([torch.cat([k.t(), w]) for k, w in zip(k_b, v_b)])
+            else:
+                self.k_b = [make_linear([w], arena=arena) for w in k_b]
+                self.v_b = [make_linear([w], arena=arena) for w in v_b]
+        if kv_b is not None:
+            if not isinstance(kv_b, torch.Tensor):  # (older GGUF files' unsplit kv_b)
+                kv_b = kv_b.dequantize()
+            if tuple(kv_b.shape) != (h * (nope + v), kv_lora):
+                raise ModelLoadError(f"{attn}kv_b_proj.weight has shape {list(kv_b.shape)}; "
+                                     f"expected [{h * (nope + v)}, {kv_lora}] (heads x "
+                                     "(qk_nope_head_dim + v_head_dim), kv_lora_rank)")
+            per_head = kv_b.view(h, nope + v, kv_lora)
+            self.w_uk = per_head[:, :nope].contiguous()  # [heads, nope, latent]
+            self.w_uv_t = per_head[:, nope:].transpose(1, 2).contiguous()  # [heads, latent, v]
         self.o_proj = make_linear([pop("o_proj.weight")],
                                   weights.pop(attn + "o_proj.bias", None), arena)
         self.shape = (h, kv_lora, nope, rope, v)
@@ -111,8 +127,8 @@ class MlaAttention:
 
     @property
     def linears(self) -> tuple[Any, ...]:
-        return tuple(lin for lin in (self.a_proj, self.q_b_proj, self.o_proj)
-                     if lin is not None)
+        return tuple(lin for lin in (self.a_proj, self.q_b_proj, self.o_proj,
+                                     *(self.k_b or ()), *(self.v_b or ())) if lin is not None)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata, native: bool
@@ -128,13 +144,21 @@ class MlaAttention:
         # One rotation for the heads' query parts and the shared key part.
         rotated = apply_rope(torch.cat([q[:, :, nope:], k_rot.view(n, 1, rope)], dim=1),
                              cos, sin, native)
-        q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), self.w_uk.to(q.dtype))
-        query = torch.cat([q_latent.transpose(0, 1), rotated[:, :h]], dim=-1)
+        if self.k_b is None:
+            q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), self.w_uk.to(q.dtype)
+                                 ).transpose(0, 1)
+        else:
+            q_latent = torch.stack([lin(q[:, i, :nope].contiguous())
+                                    for i, lin in enumerate(self.k_b)], dim=1)
+        query = torch.cat([q_latent, rotated[:, :h]], dim=-1)
         key = torch.cat([latent, rotated[:, h]], dim=-1).view(n, 1, 1, kv_lora + rope)
         out = paged_attention(query.contiguous(), key.expand(n, 2, 1, kv_lora + rope),
                               kv_cache, meta, self.scale)
-        mixed = out.view(n, h, kv_lora + rope)[:, :, :kv_lora].transpose(0, 1)
-        values = torch.bmm(mixed, self.w_uv_t.to(mixed.dtype))  # [heads, T, v]
+        mixed = out.view(n, h, kv_lora + rope)[:, :, :kv_lora]
+        if self.v_b is not None:
+            return self.o_proj(torch.cat([lin(mixed[:, i].contiguous())
+                                          for i, lin in enumerate(self.v_b)], dim=-1))
+        values = torch.bmm(mixed.transpose(0, 1), self.w_uv_t.to(mixed.dtype))  # [heads, T, v]
         return self.o_proj(values.transpose(0, 1).reshape(n, h * v))
 
 

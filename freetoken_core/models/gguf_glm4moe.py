@@ -34,6 +34,16 @@ from freetoken_core.models.gguf_reader import array_field, field, require
 
 _P = "glm4moe."
 _NEXTN = re.compile(r"^blk\.(\d+)\.nextn\.")
+# The multi-token-prediction layers' own tensors (the checkpoint's names; not read: the
+# model drops every layer past its own, ``glm4_moe.drop_extra_layers``).
+NEXTN_TENSORS = {
+    "nextn.eh_proj.weight": "eh_proj.weight",
+    "nextn.embed_tokens.weight": "embed_tokens.weight",
+    "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight",
+    "nextn.shared_head_head.weight": "shared_head.head.weight",
+    "nextn.shared_head_norm.weight": "shared_head.norm.weight",
+}
 # A block's tensors, by their names under ``blk.{i}.`` (``{e}``: an expert of a 3-d tensor).
 LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -59,13 +69,7 @@ LAYER_TENSORS = {
     "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
-    # the multi-token-prediction layers' own tensors (the checkpoint's names; not read)
-    "nextn.eh_proj.weight": "eh_proj.weight",
-    "nextn.embed_tokens.weight": "embed_tokens.weight",
-    "nextn.enorm.weight": "enorm.weight",
-    "nextn.hnorm.weight": "hnorm.weight",
-    "nextn.shared_head_head.weight": "shared_head.head.weight",
-    "nextn.shared_head_norm.weight": "shared_head.norm.weight",
+    **NEXTN_TENSORS,
 }
 
 

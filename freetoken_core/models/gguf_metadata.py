@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.gguf_deepseek2 import deepseek2_config
 from freetoken_core.models.gguf_families import (
     cohere_config,
     exaone4_config,
@@ -56,6 +57,7 @@ ARCHITECTURES = {
     "gpt-oss": "GptOssForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "glm4moe": "Glm4MoeForCausalLM",
+    "deepseek2": "DeepseekV3ForCausalLM",  # (or V2's: gguf_deepseek2, by the experts' scoring)
     "mistral3": "Ministral3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",  # (OLMo 3's files too: Olmo3ForCausalLM where they slide)
     "exaone4": "Exaone4ForCausalLM",
@@ -207,6 +209,11 @@ def build_config(reader: Any) -> dict[str, Any]:
     p = f"{arch}."  # (the file's keys; arch's tensors and computation: text_architecture)
     hidden = int(require(reader, p + "embedding_length"))
     heads = int(require(reader, p + "attention.head_count"))
+    if arch == "deepseek2":  # (its key length is the latent cache's: gguf_deepseek2)
+        names = {t.name for t in reader.tensors}
+        return {**deepseek2_config(reader, hidden, heads,
+                                   embedding_rows(reader) or token_count(reader), names),
+                **special_token_ids(reader)}
     # (head_count_kv, feed_forward_length: a number a layer too)
     layered = arch == "gemma4" or arch in LFM2_ARCHITECTURES
     kv_heads = heads if layered else kv_head_count(reader, arch, heads)  # (or one a layer)
