@@ -36,6 +36,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "NemotronHForCausalLM": "nemotron_h",
     "Gemma2ForCausalLM": "gemma2",
@@ -321,7 +322,8 @@ class ModelConfig:
                             or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))),
             qk_norm=(family in ("qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3",
                                 "gemma4", "qwen3_moe", "olmo2", "olmo3", "exaone4", "olmoe",
-                                "hunyuan_dense", "hunyuan_moe", "lfm2", "lfm2_moe")
+                                "hunyuan_dense", "hunyuan_moe", "lfm2", "lfm2_moe",
+                                "minimax_m2")
                      or (family in ("cohere", "glm4_moe") and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),

@@ -188,3 +188,41 @@ def glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
             "routed_scaling_factor": routed_scale(cfg, arch),
             "moe_layers": tuple(int(i >= dense) for i in range(layers))}
+
+
+# MiniMaxM2Config's defaults that differ from what config.py assumes for a key left out.
+MINIMAX_M2_DEFAULTS = {"vocab_size": 200_064, "hidden_size": 3072, "intermediate_size": 1536,
+                       "num_hidden_layers": 62, "num_attention_heads": 48,
+                       "num_key_value_heads": 8, "head_dim": 128,
+                       "max_position_embeddings": 196_608, "bos_token_id": 200_034,
+                       "eos_token_id": 200_020, "tie_word_embeddings": False}
+
+
+def minimax_m2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MiniMax-M2's fields as transformers' ``MiniMaxM2Config`` reads them: RMSNorms over all
+    the heads' queries and keys before the rotation, RoPE on the first ``rotary_dim`` (or
+    ``partial_rotary_factor`` of each head; default all) in NEOX pairs; every layer's MLP
+    ``num_local_experts`` (256) experts of ``intermediate_size``, ``num_experts_per_tok``
+    (8) chosen by sigmoid scores plus the block's ``e_score_correction_bias``, their
+    sigmoids rescaled to sum to 1. The released configs' switches of other variants
+    (``scoring_func`` other than sigmoid, ``use_routing_bias`` off, shared experts,
+    ``qk_norm_type`` other than ``per_layer``) are refused, naming them."""
+    arch = "MiniMaxM2ForCausalLM"
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rotary = cfg.get("rotary_dim")
+    partial = (rotary / cfg["head_dim"] if rotary else
+               rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    experts, top_k = cfg.get("num_local_experts", 256), cfg.get("num_experts_per_tok", 8)
+    size = cfg.get("intermediate_size")
+    expert_counts(arch, (("num_local_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
+                         ("intermediate_size", size, 1)), top_k, experts)
+    for key, good in (("scoring_func", "sigmoid"), ("use_routing_bias", True),
+                      ("qk_norm_type", "per_layer"), ("use_qk_norm", True),
+                      ("shared_intermediate_size", 0)):
+        if cfg.get(key, good) != good:
+            raise ModelLoadError(f"{arch} with {key} {cfg[key]!r} is not supported "
+                                 f"(transformers' MiniMax-M2 computes {key} {good!r})")
+    return {"partial_rotary_factor": float(partial), "num_experts": experts,
+            "num_experts_per_tok": top_k, "moe_intermediate_size": size,
+            "expert_gating": "sigmoid", "expert_selection_bias": True,
+            "norm_topk_prob": True}

@@ -251,12 +251,14 @@ def moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any]
     qwen3moe, llama and granitemoe, false for qwen2moe and olmoe), times
     ``expert_weights_scale`` where
     the file has one; ``glm4moe`` (sigmoid gating, ungated shared experts, groups:
-    ``gguf_glm4moe.glm4moe_experts``). Empty for a dense file. Shared experts of other
+    ``gguf_glm4moe.glm4moe_experts``); ``minimax-m2`` (sigmoid gating with the selection
+    bias ``exp_probs_b.bias``, rescaled, experts of ``expert_feed_forward_length``). Empty for a dense file. Shared experts of other
     families and gating other than each family's (softmax; glm4moe's sigmoid) are refused."""
     p = f"{arch}."
     experts = int(field(reader, p + "expert_count", 0))
     kind = text_architecture(arch)
-    if kind not in ("llama", "qwen3moe", "qwen2moe", "olmoe", "granitemoe", "glm4moe") or (
+    if kind not in ("llama", "qwen3moe", "qwen2moe", "olmoe", "granitemoe", "glm4moe",
+                    "minimax-m2") or (
             kind == "llama" and experts == 0):
         return {}
     used = _experts_used(reader, arch, experts)
@@ -265,7 +267,7 @@ def moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any]
             int(field(reader, p + "expert_shared_count", 0)) or shared):
         raise ModelLoadError(f"GGUF {arch} with shared experts is not supported")
     # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (1); glm4moe's SIGMOID (2, or 0)
-    sigmoid = kind == "glm4moe"
+    sigmoid = kind in ("glm4moe", "minimax-m2")
     gating = int(field(reader, p + "expert_gating_func", 0 if sigmoid else 1))
     if gating not in ((2, 0) if sigmoid else (1,)):
         raise ModelLoadError(f"GGUF {p}expert_gating_func {gating} is not supported "
@@ -275,6 +277,10 @@ def moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any]
     out: dict[str, Any] = {"num_experts_per_tok": used,
                            "norm_topk_prob": kind not in ("qwen2moe", "olmoe"),
                            "routed_scaling_factor": scale if scale else 1.0}
+    if kind == "minimax-m2":  # (experts of expert_feed_forward_length in every layer)
+        size = int(field(reader, p + "expert_feed_forward_length", 0))
+        return {**out, "num_local_experts": experts,
+                "intermediate_size": size or config["intermediate_size"]}
     if sigmoid:
         return {**out, **glm4moe_experts(reader, config, experts, used)}
     if kind == "llama":

@@ -57,6 +57,7 @@ ARCHITECTURES = {
     "gpt-oss": "GptOssForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "glm4moe": "Glm4MoeForCausalLM",
+    "minimax-m2": "MiniMaxM2ForCausalLM",
     "deepseek2": "DeepseekV3ForCausalLM",  # (or V2's: gguf_deepseek2, by the experts' scoring)
     "mistral3": "Ministral3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",  # (OLMo 3's files too: Olmo3ForCausalLM where they slide)
@@ -222,7 +223,7 @@ def build_config(reader: Any) -> dict[str, Any]:
     # Partial rotary (Phi-4-mini: the first 3/4 of each head; GLM-4, GLM-4.5: half; Qwen3.5:
     # a quarter, checked in qwen35_config): llama.cpp's rotation of the first rope_dim
     # dimensions is transformers' partial_rotary_factor.
-    partial = ("phi3", "glm4", "glm4moe")
+    partial = ("phi3", "glm4", "glm4moe", "minimax-m2")
     if rope_dim != head_dim and arch not in QWEN35_ARCHS and not (
             arch in partial and 0 < rope_dim < head_dim and rope_dim % 2 == 0):
         raise ModelLoadError(
@@ -264,6 +265,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(lfm2_config(reader, arch, config, names))
     if arch == "granitehybrid":
         config.update(granite4_config(reader, config))
+    if arch == "minimax-m2":  # (its config's rotary_dim; experts: moe_config)
+        config["rotary_dim"] = rope_dim
     if arch == "phi3" and rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
     if arch == "glm4":

@@ -126,6 +126,8 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "granitehybrid": gguf_granite4.LAYER_TENSORS,  # (and its hf_weights)
     "glm4moe": gguf_glm4moe.LAYER_TENSORS,
     "deepseek2": gguf_deepseek2.LAYER_TENSORS,
+    # (q/k norms over all heads, [heads x head_dim]; the router's selection bias)
+    "minimax-m2": {**_LLAMA_NORMS, **_ATTENTION, **_MOE, "exp_probs_b.bias": "mlp.expert_bias"},
     "gemma2": {**_GEMMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
                **_MLP},  # (no q/k norms)
     "glm4": {

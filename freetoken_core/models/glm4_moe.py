@@ -6,11 +6,17 @@ weights reordered so that Llama's full-width rotation turns them, the passed dim
 angle 0), and past the first ``first_k_dense_replace`` layers a mixture of experts routed by
 sigmoid scores, chosen with the router's ``e_score_correction_bias`` among the best groups,
 beside ungated shared experts (``moe.py``). The checkpoints' multi-token-prediction layers
-(``model.layers.{num_hidden_layers}`` on) are not read, as transformers does not."""
+(``model.layers.{num_hidden_layers}`` on) are not read, as transformers does not.
+
+MiniMax-M2 (``MiniMaxM2ForCausalLM``: M2, M2.1, M2.5) is the same computation with q/k
+RMSNorms over all the heads at once (their weights reordered head by head), no biases, and
+experts in every layer without groups or shared experts (``config_moe.minimax_m2_fields``)."""
 
 from __future__ import annotations
 
 import re
+
+import torch
 
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.glm4 import reorder_qk_heads
@@ -41,10 +47,12 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
             for i in range(cfg.num_layers):
                 attn = f"model.layers.{i}.self_attn."
                 reorder_qk_heads(weights, attn, cfg, order)
-                for norm in ("q_norm", "k_norm"):  # (a weight a head dimension)
-                    key = f"{attn}{norm}.weight"
+                for norm in ("q_norm", "k_norm"):  # (a weight a head dimension, or a
+                    key = f"{attn}{norm}.weight"  # head's dimensions each: MiniMax-M2's)
                     if key in weights:
-                        weights[key] = reorder_rows(weights[key], order)
+                        heads = weights[key].shape[0] // cfg.head_dim
+                        weights[key] = reorder_rows(weights[key], (
+                            torch.arange(heads)[:, None] * cfg.head_dim + order).reshape(-1))
         super().__init__(cfg, weights, max_positions, shard)
         self.rotary = phi3_rope(cfg, max_positions, rot, self.embedding.dtype,
                                 self.embedding.device)

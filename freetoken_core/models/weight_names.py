@@ -55,6 +55,10 @@ _RENAMES: dict[str, list[tuple[re.Pattern[str], str]]] = {
         (r"\.feed_forward\.gate\.", ".mlp.gate."),
         (r"\.feed_forward\.expert_bias$", ".mlp.expert_bias"),
     )],
+    # MiniMax-M2: its experts' block's selection bias (as released, or as transformers 5
+    # saves it), under the name moe.py reads
+    "minimax_m2": [(re.compile(r"\.(block_sparse_moe|mlp)\.e_score_correction_bias$"),
+                    ".mlp.expert_bias")],
     # GLM-4.5, DeepSeek-V3, GLM-4.7-Flash: the router's selection bias, under the name
     # moe.py reads
     **{family: [(re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.expert_bias")]
