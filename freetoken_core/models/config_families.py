@@ -47,6 +47,7 @@ from freetoken_core.models.config_moe import (
     gpt_oss_fields,
 )
 from freetoken_core.models.config_nemotron_h import nemotron_h_config, nemotron_h_fields
+from freetoken_core.models.config_phi import phi_config, phi_fields
 from freetoken_core.models.config_qwen3_5 import (
     qwen3_5_config,
     qwen3_5_fields,
@@ -68,7 +69,7 @@ ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu", "ernie4_5_moe": "silu",
                 "exaone4": "silu", "exaone": "silu", "seed_oss": "silu", "arcee": "relu2",
                 "starcoder2": "gelu_pytorch_tanh",
-                "cohere": "silu", "cohere2": "silu"}
+                "cohere": "silu", "cohere2": "silu", "phi": "gelu_new"}
 
 # The families whose config.json is read with their config class's defaults where it leaves
 # keys out, under the key names from_dict reads (config_defaults.py, cohere_config.py).
@@ -84,6 +85,7 @@ PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "granitemoehybrid": granite4_config, "nemotron_h": nemotron_h_config,
     "cohere": functools.partial(cohere_config, family="cohere"),
     "cohere2": functools.partial(cohere_config, family="cohere2"),
+    "phi": phi_config,
 }
 
 # The families' fields beyond the common ones, read from their config.json alone
@@ -96,10 +98,10 @@ FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "granitemoehybrid": granite4_fields, "nemotron_h": nemotron_h_fields,
     "ernie4_5_moe": ernie4_5_moe_fields, "hunyuan_moe": hunyuan_moe_fields,
     "ministral3": ministral3_fields, "olmo3": olmo3_fields, "exaone4": exaone4_fields,
-    "starcoder2": starcoder2_fields,
+    "starcoder2": starcoder2_fields, "phi": phi_fields,
 }
 # ... and with the rope parameters the common code read.
 ROPE_FIELDS = {"phi3": phi3_fields, "gpt_oss": gpt_oss_fields, "glm4": glm4_fields}
 
 # transformers' default activation where config.json leaves hidden_act out, other than SiLU.
-DEFAULT_ACTIVATIONS = {"arcee": "relu2", "starcoder2": "gelu_pytorch_tanh"}
+DEFAULT_ACTIVATIONS = {"arcee": "relu2", "starcoder2": "gelu_pytorch_tanh", "phi": "gelu_new"}
