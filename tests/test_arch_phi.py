@@ -172,10 +172,13 @@ def test_phi2_gguf_matches_transformers(tmp_path: Path, qtype: int, fused: bool,
 
 
 def test_phi2_gguf_config_is_transformers_config(tmp_path: Path) -> None:
-    hf = phi_model(num_attention_heads=2, layer_norm_eps=1e-4, partial_rotary_factor=0.5,
+    # 30 of 44 dimensions rotated: rope.dimension_count 30, whose fraction 30 / 44 times 44
+    # is a float just below 30 (the config's fraction must give 30 back)
+    hf = phi_model(hidden_size=88, intermediate_size=352, num_attention_heads=2,
+                   layer_norm_eps=1e-4, partial_rotary_factor=0.682,
                    max_position_embeddings=512)
     path = tmp_path / "phi2.gguf"
-    write_phi2_gguf(path, hf)
+    write_phi2_gguf(path, hf, GGMLQuantizationType.F16)  # (rows of 88: not Q8_0 blocks)
     config = json.loads((convert_gguf(path, tmp_path / "out", progress=False)
                          / "config.json").read_text())
     assert config["architectures"] == ["PhiForCausalLM"]
@@ -184,11 +187,10 @@ def test_phi2_gguf_config_is_transformers_config(tmp_path: Path) -> None:
     for name in ("architecture", "vocab_size", "hidden_size", "intermediate_size",
                  "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
                  "rope_scaling", "max_position_embeddings", "tie_word_embeddings",
-                 "attention_bias", "qk_norm", "gated_mlp", "hidden_act",
-                 "partial_rotary_factor"):
+                 "attention_bias", "qk_norm", "gated_mlp", "hidden_act"):
         assert getattr(from_file, name) == getattr(from_hf, name), name
     assert from_file.rms_norm_eps == pytest.approx(from_hf.rms_norm_eps)
-    assert rotary_dim(from_file) == rotary_dim(from_hf) == 16
+    assert rotary_dim(from_file) == rotary_dim(from_hf) == 30
 
 
 @pytest.mark.parametrize(("keys", "message"), [
