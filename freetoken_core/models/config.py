@@ -43,6 +43,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
     "Phi3ForCausalLM": "phi3",
+    "PhiForCausalLM": "phi",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
     "GraniteMoeForCausalLM": "granitemoe",
@@ -324,7 +325,7 @@ class ModelConfig:
                                 "gemma4", "qwen3_moe", "olmo2", "olmo3", "exaone4", "olmoe",
                                 "hunyuan_dense", "hunyuan_moe", "lfm2", "lfm2_moe",
                                 "minimax_m2")
-                     or (family in ("cohere", "glm4_moe") and bool(cfg.get("use_qk_norm")))),
+                     or (family in ("cohere", "glm4_moe", "phi") and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -50,6 +50,7 @@ from freetoken_core.models.config_moe import (
     minimax_m2_fields,
 )
 from freetoken_core.models.config_nemotron_h import nemotron_h_config, nemotron_h_fields
+from freetoken_core.models.config_phi import phi_config, phi_fields
 from freetoken_core.models.config_qwen3_5 import (
     qwen3_5_config,
     qwen3_5_fields,
@@ -73,7 +74,7 @@ ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "starcoder2": "gelu_pytorch_tanh",
                 "cohere": "silu", "cohere2": "silu", "deepseek_v2": "silu",
                 "deepseek_v3": "silu", "glm4_moe_lite": "silu",
-                "minimax_m2": "silu"}
+                "minimax_m2": "silu", "phi": "gelu_new"}
 
 # The families whose config.json is read with their config class's defaults where it leaves
 # keys out, under the key names from_dict reads (config_defaults.py, cohere_config.py).
@@ -93,6 +94,7 @@ PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "cohere2": functools.partial(cohere_config, family="cohere2"),
     **{family: functools.partial(mla_config, family=family)
        for family in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")},
+    "phi": phi_config,
 }
 
 # The families' fields beyond the common ones, read from their config.json alone
@@ -105,7 +107,7 @@ FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "granitemoehybrid": granite4_fields, "nemotron_h": nemotron_h_fields,
     "ernie4_5_moe": ernie4_5_moe_fields, "hunyuan_moe": hunyuan_moe_fields,
     "ministral3": ministral3_fields, "olmo3": olmo3_fields, "exaone4": exaone4_fields,
-    "starcoder2": starcoder2_fields,
+    "starcoder2": starcoder2_fields, "phi": phi_fields,
     **{family: functools.partial(mla_fields, family=family)
        for family in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")},
 }
@@ -113,4 +115,4 @@ FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 ROPE_FIELDS = {"phi3": phi3_fields, "gpt_oss": gpt_oss_fields, "glm4": glm4_fields}
 
 # transformers' default activation where config.json leaves hidden_act out, other than SiLU.
-DEFAULT_ACTIVATIONS = {"arcee": "relu2", "starcoder2": "gelu_pytorch_tanh"}
+DEFAULT_ACTIVATIONS = {"arcee": "relu2", "starcoder2": "gelu_pytorch_tanh", "phi": "gelu_new"}

@@ -31,6 +31,7 @@ from freetoken_core.models.gguf_glm4moe import glm4moe_config
 from freetoken_core.models.gguf_granite4 import granite4_config, kv_head_count
 from freetoken_core.models.gguf_lfm2 import ARCHITECTURES as LFM2_ARCHITECTURES
 from freetoken_core.models.gguf_lfm2 import lfm2_config
+from freetoken_core.models.gguf_phi2 import phi2_config
 from freetoken_core.models.gguf_qwen35 import QWEN35_ARCHS, QWEN35_MOE, qwen35_config
 from freetoken_core.models.gguf_reader import field, require, token_count
 
@@ -48,6 +49,7 @@ ARCHITECTURES = {
     "qwen35": "Qwen3_5ForCausalLM",
     "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "phi2": "PhiForCausalLM",  # (Phi-1, Phi-1.5, Phi-2: gguf_phi2.py)
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
@@ -223,7 +225,7 @@ def build_config(reader: Any) -> dict[str, Any]:
     # Partial rotary (Phi-4-mini: the first 3/4 of each head; GLM-4, GLM-4.5: half; Qwen3.5:
     # a quarter, checked in qwen35_config): llama.cpp's rotation of the first rope_dim
     # dimensions is transformers' partial_rotary_factor.
-    partial = ("phi3", "glm4", "glm4moe", "minimax-m2")
+    partial = ("phi3", "glm4", "glm4moe", "minimax-m2", "phi2")
     if rope_dim != head_dim and arch not in QWEN35_ARCHS and not (
             arch in partial and 0 < rope_dim < head_dim and rope_dim % 2 == 0):
         raise ModelLoadError(
@@ -269,6 +271,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config["rotary_dim"] = rope_dim
     if arch == "phi3" and rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
+    if arch == "phi2":  # (LayerNorms, biases, GELU, partial rotary)
+        config.update(phi2_config(reader, head_dim, rope_dim))
     if arch == "glm4":
         config.update(glm4_config(reader, rope_dim / head_dim, names))
     if arch == "glm4moe":  # (gguf_glm4moe: its layers without the MTP ones; experts below)

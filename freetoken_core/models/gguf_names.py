@@ -13,6 +13,7 @@ from freetoken_core.models import (
     gguf_glm4moe,
     gguf_granite4,
     gguf_lfm2,
+    gguf_phi2,
     gguf_qwen35,
 )
 
@@ -128,6 +129,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "deepseek2": gguf_deepseek2.LAYER_TENSORS,
     # (q/k norms over all heads, [heads x head_dim]; the router's selection bias)
     "minimax-m2": {**_LLAMA_NORMS, **_ATTENTION, **_MOE, "exp_probs_b.bias": "mlp.expert_bias"},
+    "phi2": gguf_phi2.LAYER_TENSORS,  # (q/k/v apart or fused; biases; no ffn_gate)
     "gemma2": {**_GEMMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
                **_MLP},  # (no q/k norms)
     "glm4": {
@@ -177,6 +179,8 @@ def hf_name(arch: str, gguf_name: str) -> str | None:
         return gguf_gemma4.GLOBAL_TENSORS[gguf_name]
     if arch in gguf_lfm2.ARCHITECTURES and gguf_name in gguf_lfm2.GLOBAL_TENSORS:
         return gguf_lfm2.GLOBAL_TENSORS[gguf_name]
+    if arch == "phi2" and gguf_name in gguf_phi2.GLOBAL_TENSORS:
+        return gguf_phi2.GLOBAL_TENSORS[gguf_name]
     match = _LAYER_RE.match(gguf_name)
     if match and match.group(2) in _LAYER_TENSORS[arch]:
         return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[arch][match.group(2)]}"

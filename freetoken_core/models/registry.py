@@ -18,6 +18,7 @@ from freetoken_core.models.lfm2 import Lfm2ForCausalLM
 from freetoken_core.models.llama import LlamaForCausalLM
 from freetoken_core.models.nemotron_h import NemotronHForCausalLM
 from freetoken_core.models.olmo2 import Olmo2ForCausalLM
+from freetoken_core.models.phi import PhiForCausalLM
 from freetoken_core.models.phi3 import Phi3ForCausalLM
 from freetoken_core.models.qwen3_5 import Qwen3_5ForCausalLM
 from freetoken_core.models.smollm3 import SmolLM3ForCausalLM
@@ -39,6 +40,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "gemma3": Gemma3ForCausalLM,
     "gemma4": Gemma4ForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "phi": PhiForCausalLM,
     "smollm3": SmolLM3ForCausalLM,
     "granite": LlamaForCausalLM,  # (its multipliers are ModelConfig fields Llama's reads)
     "granitemoe": LlamaForCausalLM,  # (Granite's multipliers, experts in every layer)

@@ -34,6 +34,15 @@ _RENAMES: dict[str, list[tuple[re.Pattern[str], str]]] = {
         (r"\.mlp\.c_fc\.", ".mlp.up_proj."),
         (r"\.mlp\.c_proj\.", ".mlp.down_proj."),
     )],
+    # Phi: its final norm, attention output and MLP linears (not gated: up and down), q/k norms
+    "phi": [(re.compile(pattern), replacement) for pattern, replacement in (
+        (r"^model\.final_layernorm\.", "model.norm."),
+        (r"\.self_attn\.dense\.", ".self_attn.o_proj."),
+        (r"\.mlp\.fc1\.", ".mlp.up_proj."),
+        (r"\.mlp\.fc2\.", ".mlp.down_proj."),
+        (r"\.self_attn\.q_layernorm\.", ".self_attn.q_norm."),
+        (r"\.self_attn\.k_layernorm\.", ".self_attn.k_norm."),
+    )],
     # LFM2: Llama's block under its own names (short_conv.py reads its conv layers')
     "lfm2": [(re.compile(pattern), replacement) for pattern, replacement in (
         (r"^model\.embedding_norm\.", "model.norm."),
