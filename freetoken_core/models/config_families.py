@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from freetoken_core.models.cohere_config import cohere_config
+from freetoken_core.models.config_apertus import apertus_config
 from freetoken_core.models.config_defaults import (
     ernie4_5_config,
     ernie4_5_moe_config,
@@ -68,7 +69,7 @@ ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu", "ernie4_5_moe": "silu",
                 "exaone4": "silu", "exaone": "silu", "seed_oss": "silu", "arcee": "relu2",
                 "starcoder2": "gelu_pytorch_tanh",
-                "cohere": "silu", "cohere2": "silu"}
+                "cohere": "silu", "cohere2": "silu", "apertus": "xielu"}
 
 # The families whose config.json is read with their config class's defaults where it leaves
 # keys out, under the key names from_dict reads (config_defaults.py, cohere_config.py).
@@ -84,6 +85,7 @@ PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "granitemoehybrid": granite4_config, "nemotron_h": nemotron_h_config,
     "cohere": functools.partial(cohere_config, family="cohere"),
     "cohere2": functools.partial(cohere_config, family="cohere2"),
+    "apertus": apertus_config,
 }
 
 # The families' fields beyond the common ones, read from their config.json alone
@@ -102,4 +104,4 @@ FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 ROPE_FIELDS = {"phi3": phi3_fields, "gpt_oss": gpt_oss_fields, "glm4": glm4_fields}
 
 # transformers' default activation where config.json leaves hidden_act out, other than SiLU.
-DEFAULT_ACTIVATIONS = {"arcee": "relu2", "starcoder2": "gelu_pytorch_tanh"}
+DEFAULT_ACTIVATIONS = {"arcee": "relu2", "starcoder2": "gelu_pytorch_tanh", "apertus": "xielu"}
