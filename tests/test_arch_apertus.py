@@ -30,8 +30,10 @@ from transformers import (
     ApertusConfig,
     ApertusForCausalLM,
 )
+from transformers.activations import XIELUActivation
 
 from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.apertus import XIELU
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.gguf_metadata import build_config
 from freetoken_core.models.gguf_reader import open_header
@@ -69,6 +71,22 @@ def test_apertus_directory_matches_transformers(tmp_path: Path, kind: str, path:
     assert_apertus_layers(model)
     assert model.config.rope_scaling["rope_type"] == "llama3"
     assert_matches(llm, hf, 5, CHUNKINGS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_xielu_is_transformers_bit_for_bit(dtype: torch.dtype) -> None:
+    act = XIELUActivation(dtype=dtype)
+    with torch.no_grad():  # (eps wide enough that min(x, eps) clamps some inputs)
+        for name, value in (("alpha_p", 0.3), ("alpha_n", -0.7), ("beta", 0.45),
+                            ("eps", -0.05)):
+            getattr(act, name).fill_(value)
+        weights = {f"act_fn.{name}": getattr(act, name).clone()
+                   for name in ("alpha_p", "alpha_n", "beta", "eps")}
+        x = (torch.randn(256, 64, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+        x[0, :4] = torch.tensor([-0.01, -0.05, 0.0, 1e-3])
+        want = act(x)
+    got = XIELU(weights, "act_fn.")(x)
+    assert not weights and got.dtype == dtype and torch.equal(got, want)
 
 
 def test_apertus_config_defaults_and_errors() -> None:
