@@ -67,6 +67,8 @@ SUPPORTED_ARCHITECTURES = {
     "HunYuanMoEV1ForCausalLM": "hunyuan_moe",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
+    "ApertusForCausalLM": "apertus",
+    "Apertus1p5TextForCausalLM": "apertus",  # (Apertus's model: config_apertus.py)
 }
 
 @dataclass(frozen=True)
@@ -289,7 +291,7 @@ class ModelConfig:
                                                 family in ("gemma2", "gemma3",
                                                            "smollm3"))),
             "hidden_act": hidden_act,
-            "gated_mlp": family not in ("arcee", "starcoder2"),
+            "gated_mlp": family not in ("arcee", "starcoder2", "apertus"),
             "qk_norm_after_rope": family in ("hunyuan_dense", "hunyuan_moe"),
         }
         if family in FIELDS:
@@ -324,7 +326,7 @@ class ModelConfig:
             qk_norm=(family in ("qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3",
                                 "gemma4", "qwen3_moe", "olmo2", "olmo3", "exaone4", "olmoe",
                                 "hunyuan_dense", "hunyuan_moe", "lfm2", "lfm2_moe",
-                                "minimax_m2")
+                                "minimax_m2", "apertus")
                      or (family in ("cohere", "glm4_moe", "phi") and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from freetoken_core.models.cohere_config import cohere_config
+from freetoken_core.models.config_apertus import apertus_config
 from freetoken_core.models.config_deepseek import mla_config, mla_fields
 from freetoken_core.models.config_defaults import (
     ernie4_5_config,
@@ -74,7 +75,8 @@ ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "starcoder2": "gelu_pytorch_tanh",
                 "cohere": "silu", "cohere2": "silu", "deepseek_v2": "silu",
                 "deepseek_v3": "silu", "glm4_moe_lite": "silu",
-                "minimax_m2": "silu", "phi": "gelu_new"}
+                "minimax_m2": "silu", "phi": "gelu_new",
+                "apertus": "xielu"}
 
 # The families whose config.json is read with their config class's defaults where it leaves
 # keys out, under the key names from_dict reads (config_defaults.py, cohere_config.py).
@@ -95,6 +97,7 @@ PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     **{family: functools.partial(mla_config, family=family)
        for family in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")},
     "phi": phi_config,
+    "apertus": apertus_config,
 }
 
 # The families' fields beyond the common ones, read from their config.json alone
@@ -115,4 +118,5 @@ FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 ROPE_FIELDS = {"phi3": phi3_fields, "gpt_oss": gpt_oss_fields, "glm4": glm4_fields}
 
 # transformers' default activation where config.json leaves hidden_act out, other than SiLU.
-DEFAULT_ACTIVATIONS = {"arcee": "relu2", "starcoder2": "gelu_pytorch_tanh", "phi": "gelu_new"}
+DEFAULT_ACTIVATIONS = {"arcee": "relu2", "starcoder2": "gelu_pytorch_tanh", "phi": "gelu_new",
+                       "apertus": "xielu"}

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.gguf_apertus import apertus_config
 from freetoken_core.models.gguf_deepseek2 import deepseek2_config
 from freetoken_core.models.gguf_families import (
     cohere_config,
@@ -73,6 +74,7 @@ ARCHITECTURES = {
     "ernie4_5": "Ernie4_5ForCausalLM",
     "command-r": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
+    "apertus": "ApertusForCausalLM",  # (xIELU's scalars in metadata: gguf_apertus)
     **LFM2_ARCHITECTURES,  # (lfm2, lfm2moe: gguf_lfm2.py)
     # the language models of vision-language files (gguf_families.TEXT_ARCHITECTURES)
     "qwen2vl": "Qwen2ForCausalLM",
@@ -131,6 +133,7 @@ ROPE_FACTOR_TENSORS = {
     "exaone4": ("rope_freqs.weight",),
     "exaone": ("rope_freqs.weight",),
     "arcee": ("rope_freqs.weight",),
+    "apertus": ("rope_freqs.weight",),
     "gemma4": ("rope_freqs.weight",),  # (its global layers' proportional rope)
     "phi3": ("rope_factors_long.weight", "rope_factors_short.weight"),
 }
@@ -283,6 +286,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(exaone4_config(reader, config))
     if arch == "ernie4_5":  # (transformers' use_bias: biases where the file has them)
         config["use_bias"] = config["attention_bias"]
+    if arch == "apertus":
+        config.update(apertus_config(reader, config))
     if arch == "arcee":  # (llama.cpp's LLM_FFN_RELU_SQR on ffn_up alone)
         config["hidden_act"] = "relu2"
     if arch == "starcoder2":  # (LayerNorms, biases, a GELU MLP; no window unless the key)

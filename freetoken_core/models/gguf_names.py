@@ -99,6 +99,10 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "granitemoe": {**_LLAMA_NORMS, **_ATTENTION, **_MOE},
     "exaone": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (q/k unpermuted: not PERMUTED_QK)
     "arcee": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (no ffn_gate: ReLU² of ffn_up)
+    "apertus": {  # (per-head q/k norms, q/k unpermuted; no ffn_gate: xIELU of ffn_up)
+        **_LLAMA_NORMS, **_ATTENTION, "attn_output.bias": "self_attn.o_proj.bias",
+        "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+    },
     "starcoder2": {  # (LayerNorms and linears with biases; no ffn_gate: GELU of ffn_up)
         **_LLAMA_NORMS, "attn_norm.bias": "input_layernorm.bias",
         "ffn_norm.bias": "post_attention_layernorm.bias", **_ATTENTION,

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.kernels import cpu_kernels_available
+from freetoken_core.models.apertus import XIELU
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.layers import (
@@ -83,6 +84,8 @@ class DecoderLayer:
             self.down_proj = make_linear([w("mlp.down_proj.weight")],
                                          weights.pop(prefix + "mlp.down_proj.bias", None), arena)
             mlp_linears = (self.gate_up_proj, self.down_proj)
+        # (Apertus's xIELU: its four scalars a layer, apertus.py)
+        self.xielu = XIELU(weights, prefix + "mlp.act_fn.") if cfg.hidden_act == "xielu" else None
         self.input_norm = w("input_layernorm.weight")
         self.post_attn_norm = w("post_attention_layernorm.weight")
         self.q_norm = w(attn + "q_norm.weight") if cfg.qk_norm else None
@@ -142,13 +145,15 @@ class DecoderLayer:
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP of the normed hidden states ``x``: the experts, SwiGLU, or (not gated)
-        ``down(act(up(x)))`` with transformers' ``relu2`` (Arcee's: relu squared) or
-        ``gelu_pytorch_tanh`` (StarCoder2's)."""
+        ``down(act(up(x)))`` with transformers' ``relu2`` (Arcee's: relu squared),
+        ``xielu`` (Apertus's) or ``gelu_pytorch_tanh`` (StarCoder2's)."""
         if self.moe is not None:
             return self.moe(x)
         if self.gated:
             return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native))
         up = self.gate_up_proj(x)
+        if self.xielu is not None:
+            return self.down_proj(self.xielu(up))
         if self.act == "relu2":
             return self.down_proj(torch.square(torch.relu(up)))
         return self.down_proj(F.gelu(up, approximate="tanh"))  # (StarCoder2's)

@@ -69,6 +69,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "exaone4": Olmo2ForCausalLM,  # (OLMo 2's blocks, per-head q/k norms, NoPE global layers)
     "cohere": CohereForCausalLM,
     "cohere2": CohereForCausalLM,  # (Cohere's blocks, sliding layers beside NoPE global ones)
+    "apertus": LlamaForCausalLM,  # (q/k norms, an xIELU MLP without a gate: apertus.py)
 }
 
 SUPPORTED: tuple[str, ...] = tuple(sorted(_CLASSES))

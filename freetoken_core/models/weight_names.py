@@ -100,6 +100,11 @@ _RENAMES: dict[str, list[tuple[re.Pattern[str], str]]] = {
         (r"\.mlp\.gate\.wg\.", ".mlp.gate."),
         (r"\.mlp\.shared_mlp\.", ".mlp.shared_experts."),
     )],
+    # Apertus: Llama's two norms a block under its own names
+    "apertus": [(re.compile(pattern), replacement) for pattern, replacement in (
+        (r"\.attention_layernorm\.", ".input_layernorm."),
+        (r"\.feedforward_layernorm\.", ".post_attention_layernorm."),
+    )],
 }
 _RENAMES["hunyuan_moe"] += _RENAMES["hunyuan_dense"]
 
