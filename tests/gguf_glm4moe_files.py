@@ -13,7 +13,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter
+from gguf import (
+    MODEL_ARCH,
+    ExpertGatingFuncType,
+    GGMLQuantizationType,
+    GGUFWriter,
+    get_tensor_name_map,
+)
 from gguf.quants import dequantize, quantize
 from gguf_models import _tokenizer_fields
 from test_arch_phi3 import random_model
@@ -80,12 +86,13 @@ def write_glm4moe_gguf(path: Path, model: Glm4MoeForCausalLM,
                        weight_type: int = GGMLQuantizationType.Q8_0,
                        tokenizer_fields: list[tuple[str, Any, Any]] | None = None,
                        drop_keys: tuple[str, ...] = (),
-                       keys: dict[str, Any] | None = None) -> Glm4MoeForCausalLM:
+                       keys: dict[str, Any] | None = None, arch: str = "glm4moe") -> Any:
     """``model`` (and its ``mtp`` layer, :func:`mtp_layer`) written to ``path`` as llama.cpp's
     converter writes a GLM-4.5 (``tokenizer_fields``' vocabulary, default the default model's,
     which ``model``'s must match; 2-d and 3-d weights in ``weight_type``, the routers and 1-d
     tensors F32); ``drop_keys`` left out and ``keys`` written instead of the converter's
-    (error cases). Returns ``model`` holding the file's weights."""
+    (error cases); ``arch`` ``dots1``: a dots.llm1 (its converter writes GLM-4.5's keys and
+    names). Returns ``model`` holding the file's weights."""
     cfg = model.config
     if tokenizer_fields is None:
         tokenizer_fields = _tokenizer_fields(default_gguf_path())
@@ -102,7 +109,7 @@ def write_glm4moe_gguf(path: Path, model: Glm4MoeForCausalLM,
         "expert_count": cfg.n_routed_experts, "expert_used_count": cfg.num_experts_per_tok,
         "expert_group_count": cfg.n_group, "expert_group_used_count": cfg.topk_group,
         "attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim,
-        "rope.dimension_count": int(cfg.head_dim * rope["partial_rotary_factor"]),
+        "rope.dimension_count": int(cfg.head_dim * rope.get("partial_rotary_factor", 1.0)),
         "expert_feed_forward_length": cfg.moe_intermediate_size,
         "expert_shared_count": cfg.n_shared_experts,
         "leading_dense_block_count": cfg.first_k_dense_replace,
@@ -111,9 +118,9 @@ def write_glm4moe_gguf(path: Path, model: Glm4MoeForCausalLM,
         "expert_weights_norm": bool(cfg.norm_topk_prob),
         **({"nextn_predict_layers": nextn} if nextn else {})}
     values = {**{k: v for k, v in values.items() if k not in drop_keys}, **(keys or {})}
-    writer = GGUFWriter(str(path), "glm4moe")
+    writer = GGUFWriter(str(path), arch)
     for key, value in values.items():
-        name = f"glm4moe.{key}"
+        name = f"{arch}.{key}"
         if isinstance(value, bool):
             writer.add_bool(name, value)
         elif isinstance(value, float):
@@ -123,6 +130,7 @@ def write_glm4moe_gguf(path: Path, model: Glm4MoeForCausalLM,
     for key, value, kind in tokenizer_fields:
         writer.add_key_value(key, value, kind[0], sub_type=kind[1] if len(kind) > 1 else None)
     held: dict[str, torch.Tensor] = {}
+    dots1_names = get_tensor_name_map(MODEL_ARCH.DOTS1, cfg.num_hidden_layers)
     state = {**model.state_dict(), **(mtp or {})}
     for name, tensor in state.items():
         tensor = tensor.detach().float()
@@ -136,6 +144,9 @@ def write_glm4moe_gguf(path: Path, model: Glm4MoeForCausalLM,
         elif name.endswith("experts.down_proj"):
             held[name] = _add(writer, f"blk.{_layer(name)}.ffn_down_exps.weight", tensor,
                               weight_type)
+        elif arch == "dots1":  # (gguf-py's names of its converter: ffn_norm, ...)
+            gguf_name = dots1_names.get_name(name, try_suffixes=(".weight", ".bias"))
+            held[name] = _add(writer, gguf_name or _gguf_name(name), tensor, weight_type)
         else:
             held[name] = _add(writer, _gguf_name(name), tensor, weight_type)
     writer.write_header_to_file()

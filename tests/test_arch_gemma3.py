@@ -230,7 +230,9 @@ def test_registry_maps_every_architecture() -> None:
             "architectures": [name], "vocab_size": 8, "hidden_size": 8,
             "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
             "sliding_window": 4, "mamba_n_heads": 2,  # (Granite 4's Mamba-2 heads of 8)
-            "num_experts_per_tok": 1})  # (DeepSeek-V2's has no default)
+            "num_experts_per_tok": 1,  # (DeepSeek-V2's has no default, nor dots1's counts)
+            **({"n_routed_experts": 2, "n_shared_experts": 1} if name == "Dots1ForCausalLM"
+               else {})})
 
     classes = {family: model_class(config(name))
                for name, family in SUPPORTED_ARCHITECTURES.items()}
@@ -243,7 +245,8 @@ def test_registry_maps_every_architecture() -> None:
         "qwen3_next": "Qwen3_5ForCausalLM", "lfm2_moe": "Lfm2ForCausalLM",
         "granitemoehybrid": "GraniteHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
     assert {classes[f].__name__ for f in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")} == {
-        "DeepseekForCausalLM"} and classes["minimax_m2"].__name__ == "Glm4MoeForCausalLM"
+        "DeepseekForCausalLM"} and {classes[f].__name__ for f in (
+        "minimax_m2", "dots1")} == {"Glm4MoeForCausalLM"}
     assert all(classes[f] is llama.LlamaForCausalLM for f in (
         "llama", "mistral", "qwen2", "qwen3", "granite", "qwen3_moe", "mixtral", "gpt_oss"))
     assert set(SUPPORTED) == set(classes)

@@ -37,6 +37,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "Dots1ForCausalLM": "dots1",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "NemotronHForCausalLM": "nemotron_h",
     "Gemma2ForCausalLM": "gemma2",
@@ -326,7 +327,7 @@ class ModelConfig:
             qk_norm=(family in ("qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3",
                                 "gemma4", "qwen3_moe", "olmo2", "olmo3", "exaone4", "olmoe",
                                 "hunyuan_dense", "hunyuan_moe", "lfm2", "lfm2_moe",
-                                "minimax_m2", "apertus")
+                                "minimax_m2", "apertus", "dots1")
                      or (family in ("cohere", "glm4_moe", "phi") and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),

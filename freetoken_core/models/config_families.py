@@ -44,8 +44,10 @@ from freetoken_core.models.config_lfm2 import (
     lfm2_moe_fields,
 )
 from freetoken_core.models.config_moe import (
+    DOTS1_DEFAULTS,
     GLM4_MOE_DEFAULTS,
     MINIMAX_M2_DEFAULTS,
+    dots1_fields,
     glm4_moe_fields,
     gpt_oss_fields,
     minimax_m2_fields,
@@ -75,7 +77,7 @@ ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "starcoder2": "gelu_pytorch_tanh",
                 "cohere": "silu", "cohere2": "silu", "deepseek_v2": "silu",
                 "deepseek_v3": "silu", "glm4_moe_lite": "silu",
-                "minimax_m2": "silu", "phi": "gelu_new",
+                "minimax_m2": "silu", "dots1": "silu", "phi": "gelu_new",
                 "apertus": "xielu"}
 
 # The families whose config.json is read with their config class's defaults where it leaves
@@ -91,6 +93,7 @@ PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "glm4_moe": functools.partial(with_defaults, defaults=GLM4_MOE_DEFAULTS, theta=10_000.0),
     "minimax_m2": functools.partial(with_defaults, defaults=MINIMAX_M2_DEFAULTS,
                                     theta=10_000.0),
+    "dots1": functools.partial(with_defaults, defaults=DOTS1_DEFAULTS, theta=10_000.0),
     "granitemoehybrid": granite4_config, "nemotron_h": nemotron_h_config,
     "cohere": functools.partial(cohere_config, family="cohere"),
     "cohere2": functools.partial(cohere_config, family="cohere2"),
@@ -107,6 +110,7 @@ FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "qwen3_5": qwen3_5_fields, "qwen3_5_moe": qwen3_5_moe_fields,
     "qwen3_next": qwen3_next_fields, "lfm2": lfm2_fields, "lfm2_moe": lfm2_moe_fields,
     "glm4_moe": glm4_moe_fields, "smollm3": smollm3_fields, "minimax_m2": minimax_m2_fields,
+    "dots1": dots1_fields,
     "granitemoehybrid": granite4_fields, "nemotron_h": nemotron_h_fields,
     "ernie4_5_moe": ernie4_5_moe_fields, "hunyuan_moe": hunyuan_moe_fields,
     "ministral3": ministral3_fields, "olmo3": olmo3_fields, "exaone4": exaone4_fields,

@@ -226,3 +226,52 @@ def minimax_m2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             "num_experts_per_tok": top_k, "moe_intermediate_size": size,
             "expert_gating": "sigmoid", "expert_selection_bias": True,
             "norm_topk_prob": True}
+
+
+# Dots1Config's defaults that differ from what config.py assumes for a key left out.
+DOTS1_DEFAULTS = {"vocab_size": 152_064, "hidden_size": 4608, "intermediate_size": 10_944,
+                  "num_hidden_layers": 62, "num_attention_heads": 32,
+                  "tie_word_embeddings": False}
+
+
+def dots1_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """dots.llm1's fields as transformers' ``Dots1Config`` reads them: Qwen3's attention
+    (per-head q/k norms, whole-head rotary), past the first ``first_k_dense_replace`` (0)
+    layers ``n_routed_experts`` experts of ``moe_intermediate_size`` (1408), a token's
+    ``num_experts_per_tok`` chosen by sigmoid scores plus the router's
+    ``e_score_correction_bias`` among the best ``topk_group`` of ``n_group`` groups (1 of 1),
+    rescaled where ``norm_topk_prob`` (off) times ``routed_scaling_factor`` (1), beside
+    ``n_shared_experts`` shared experts; the layers ``layer_types`` names sliding (default:
+    from ``max_window_layers`` on, where ``sliding_window`` is set) attend to the last
+    ``sliding_window`` keys. The expert counts have no default (transformers' None)."""
+    arch, layers = "Dots1ForCausalLM", cfg["num_hidden_layers"]
+    experts, top_k = cfg.get("n_routed_experts"), cfg.get("num_experts_per_tok")
+    size, shared = cfg.get("moe_intermediate_size", 1408), cfg.get("n_shared_experts")
+    groups, keep = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
+    dense = cfg.get("first_k_dense_replace") or 0
+    expert_counts(arch, (("n_routed_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
+                         ("moe_intermediate_size", size, 1), ("n_shared_experts", shared, 0),
+                         ("n_group", groups, 1), ("topk_group", keep, 1),
+                         ("first_k_dense_replace", dense, 0)), top_k, experts)
+    if experts % groups or keep > groups or top_k > keep * (experts // groups):
+        raise ModelLoadError(f"{arch} n_group {groups} / topk_group {keep} do not divide "
+                             f"{experts} experts into groups holding {top_k} of them")
+    window = cfg.get("sliding_window", 4096)
+    kinds = cfg.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= cfg.get("max_window_layers", 62)
+        else "full_attention" for i in range(layers)]
+    if len(kinds) != layers or set(kinds) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"{arch} layer_types must name each of its {layers} layers "
+                             f"sliding_attention or full_attention, not {kinds!r}")
+    if "sliding_attention" in kinds and not (isinstance(window, int) and window > 0):
+        raise ModelLoadError(f"{arch} has sliding_attention layers but sliding_window "
+                             f"{window!r}")
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": size, "shared_expert_intermediate_size": size * shared,
+            "expert_gating": "sigmoid", "expert_selection_bias": True,
+            "expert_groups": (groups, keep), "expert_norm_eps": 1e-20,
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "routed_scaling_factor": routed_scale(cfg, arch),
+            "moe_layers": tuple(int(i >= dense) for i in range(layers)),
+            "layer_windows": tuple(window if kind == "sliding_attention" else None
+                                   for kind in kinds) if "sliding_attention" in kinds else ()}

@@ -252,22 +252,23 @@ def moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any]
     ``expert_weights_scale`` where
     the file has one; ``glm4moe`` (sigmoid gating, ungated shared experts, groups:
     ``gguf_glm4moe.glm4moe_experts``); ``minimax-m2`` (sigmoid gating with the selection
-    bias ``exp_probs_b.bias``, rescaled, experts of ``expert_feed_forward_length``). Empty for a dense file. Shared experts of other
+    bias ``exp_probs_b.bias``, rescaled, experts of ``expert_feed_forward_length``);
+    ``dots1`` (glm4moe's keys and routing). Empty for a dense file. Shared experts of other
     families and gating other than each family's (softmax; glm4moe's sigmoid) are refused."""
     p = f"{arch}."
     experts = int(field(reader, p + "expert_count", 0))
     kind = text_architecture(arch)
     if kind not in ("llama", "qwen3moe", "qwen2moe", "olmoe", "granitemoe", "glm4moe",
-                    "minimax-m2") or (
+                    "minimax-m2", "dots1") or (
             kind == "llama" and experts == 0):
         return {}
     used = _experts_used(reader, arch, experts)
     shared = int(field(reader, p + "expert_shared_feed_forward_length", 0))
-    if kind not in ("qwen2moe", "glm4moe") and (
+    if kind not in ("qwen2moe", "glm4moe", "dots1") and (
             int(field(reader, p + "expert_shared_count", 0)) or shared):
         raise ModelLoadError(f"GGUF {arch} with shared experts is not supported")
     # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (1); glm4moe's SIGMOID (2, or 0)
-    sigmoid = kind in ("glm4moe", "minimax-m2")
+    sigmoid = kind in ("glm4moe", "minimax-m2", "dots1")
     gating = int(field(reader, p + "expert_gating_func", 0 if sigmoid else 1))
     if gating not in ((2, 0) if sigmoid else (1,)):
         raise ModelLoadError(f"GGUF {p}expert_gating_func {gating} is not supported "
@@ -281,8 +282,8 @@ def moe_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any]
         size = int(field(reader, p + "expert_feed_forward_length", 0))
         return {**out, "num_local_experts": experts,
                 "intermediate_size": size or config["intermediate_size"]}
-    if sigmoid:
-        return {**out, **glm4moe_experts(reader, config, experts, used)}
+    if sigmoid:  # (glm4moe's keys; dots1's the same under its prefix)
+        return {**out, **glm4moe_experts(reader, config, experts, used, p)}
     if kind == "llama":
         return {**out, "architectures": [MIXTRAL], "model_type": "mixtral",
                 "num_local_experts": experts}

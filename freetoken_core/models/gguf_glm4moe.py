@@ -106,34 +106,35 @@ def glm4moe_config(reader: Any, rope_fraction: float) -> dict[str, Any]:
             "use_qk_norm": "blk.0.attn_q_norm.weight" in names}
 
 
-def glm4moe_experts(reader: Any, config: dict[str, Any], experts: int, used: int
-                    ) -> dict[str, Any]:
-    """The experts' config keys of a ``glm4moe`` file (module docstring), beside
-    ``moe_config``'s ``num_experts_per_tok`` and ``routed_scaling_factor``: llama.cpp
-    requires ``expert_shared_count``; its ``expert_feed_forward_length`` may be a number a
-    layer, which FreeToken takes where every sparse layer's is the same."""
+def glm4moe_experts(reader: Any, config: dict[str, Any], experts: int, used: int,
+                    prefix: str = _P) -> dict[str, Any]:
+    """The experts' config keys of a ``glm4moe`` file (module docstring; a ``dots1`` file's
+    are the same keys under its ``prefix``), beside ``moe_config``'s ``num_experts_per_tok``
+    and ``routed_scaling_factor``: llama.cpp requires ``expert_shared_count``; its
+    ``expert_feed_forward_length`` may be a number a layer, which FreeToken takes where
+    every sparse layer's is the same."""
     layers = config["num_hidden_layers"]
-    dense = int(field(reader, _P + "leading_dense_block_count", 0))
+    dense = int(field(reader, prefix + "leading_dense_block_count", 0))
     if not 0 <= dense <= layers:
-        raise ModelLoadError(f"GGUF {_P}leading_dense_block_count {dense} is not between 0 "
+        raise ModelLoadError(f"GGUF {prefix}leading_dense_block_count {dense} is not between 0 "
                              f"and the {layers} layers")
-    size = _expert_size(reader, dense, layers) or config["intermediate_size"] // used
-    groups = int(field(reader, _P + "expert_group_count", 1)) or 1
-    keep = int(field(reader, _P + "expert_group_used_count", 1)) or 1
+    size = _expert_size(reader, dense, layers, prefix) or config["intermediate_size"] // used
+    groups = int(field(reader, prefix + "expert_group_count", 1)) or 1
+    keep = int(field(reader, prefix + "expert_group_used_count", 1)) or 1
     if experts % groups or not 1 <= keep <= groups:
-        raise ModelLoadError(f"GGUF {_P}expert_group_count {groups} / "
+        raise ModelLoadError(f"GGUF {prefix}expert_group_count {groups} / "
                              f"expert_group_used_count {keep}: the {experts} experts must "
                              "split into equal groups, of which 1 to all are used")
     return {"n_routed_experts": experts, "moe_intermediate_size": size,
-            "n_shared_experts": int(require(reader, _P + "expert_shared_count")),
+            "n_shared_experts": int(require(reader, prefix + "expert_shared_count")),
             "n_group": groups, "topk_group": keep, "first_k_dense_replace": dense,
-            "norm_topk_prob": bool(field(reader, _P + "expert_weights_norm", False))}
+            "norm_topk_prob": bool(field(reader, prefix + "expert_weights_norm", False))}
 
 
-def _expert_size(reader: Any, dense: int, layers: int) -> int:
+def _expert_size(reader: Any, dense: int, layers: int, prefix: str) -> int:
     """``expert_feed_forward_length``: the file's number, or the one number of every sparse
     layer's in its array; 0 where the file has none."""
-    key = _P + "expert_feed_forward_length"
+    key = prefix + "expert_feed_forward_length"
     sizes = array_field(reader, key)
     if sizes is None:
         return int(field(reader, key, 0))

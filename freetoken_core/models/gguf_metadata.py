@@ -61,6 +61,7 @@ ARCHITECTURES = {
     "glm4": "Glm4ForCausalLM",
     "glm4moe": "Glm4MoeForCausalLM",
     "minimax-m2": "MiniMaxM2ForCausalLM",
+    "dots1": "Dots1ForCausalLM",
     "deepseek2": "DeepseekV3ForCausalLM",  # (or V2's: gguf_deepseek2, by the experts' scoring)
     "mistral3": "Ministral3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",  # (OLMo 3's files too: Olmo3ForCausalLM where they slide)

@@ -133,6 +133,10 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "deepseek2": gguf_deepseek2.LAYER_TENSORS,
     # (q/k norms over all heads, [heads x head_dim]; the router's selection bias)
     "minimax-m2": {**_LLAMA_NORMS, **_ATTENTION, **_MOE, "exp_probs_b.bias": "mlp.expert_bias"},
+    # (Qwen3's attention, GLM-4.5's experts: its dense layers, shared experts, selection bias)
+    "dots1": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE, "exp_probs_b.bias": "mlp.expert_bias",
+              **{f"ffn_{p}_shexp.weight": f"mlp.shared_experts.{p}_proj.weight"
+                 for p in ("gate", "up", "down")}},
     "phi2": gguf_phi2.LAYER_TENSORS,  # (q/k/v apart or fused; biases; no ffn_gate)
     "gemma2": {**_GEMMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
                **_MLP},  # (no q/k norms)

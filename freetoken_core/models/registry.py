@@ -54,6 +54,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "glm4": Glm4ForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "minimax_m2": Glm4MoeForCausalLM,  # (GLM-4.5's partial rotary; full-width q/k norms)
+    "dots1": Glm4MoeForCausalLM,  # (GLM-4.5's experts; Qwen3's attention, whole-head rotary)
     "deepseek_v2": DeepseekForCausalLM,  # (multi-head latent attention, experts)
     "deepseek_v3": DeepseekForCausalLM,
     "glm4_moe_lite": DeepseekForCausalLM,  # (DeepSeek-V3's layers: GLM-4.7-Flash)

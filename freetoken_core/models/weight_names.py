@@ -68,10 +68,10 @@ _RENAMES: dict[str, list[tuple[re.Pattern[str], str]]] = {
     # saves it), under the name moe.py reads
     "minimax_m2": [(re.compile(r"\.(block_sparse_moe|mlp)\.e_score_correction_bias$"),
                     ".mlp.expert_bias")],
-    # GLM-4.5, DeepSeek-V3, GLM-4.7-Flash: the router's selection bias, under the name
+    # GLM-4.5, DeepSeek-V3, GLM-4.7-Flash, dots.llm1: the router's selection bias, under the name
     # moe.py reads
     **{family: [(re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.expert_bias")]
-       for family in ("glm4_moe", "deepseek_v3", "glm4_moe_lite")},
+       for family in ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "dots1")},
     # Granite 4: Granite MoE's experts as released (JetMoE's names) or as transformers 5
     # saves them
     "granitemoehybrid": [(re.compile(pattern), replacement) for pattern, replacement in (
