@@ -1,11 +1,13 @@
 """Tiny random Gemma 3n models for tests/test_arch_gemma3n.py: transformers' model (its weights
 at scales that make AltUp's router, LAuReL and the per-layer inputs matter), saved as a
 directory, or written as a GGUF file the way llama.cpp's converter writes one
-(``conversion/gemma.py`` ``Gemma3NModel``: its keys, the AltUp projections stacked into one
-3-d tensor each, the sparsities as their standard normal quantiles, the shared layers' unused
-k/v as a checkpoint holds them; the models here have a per-layer row for every token, which
-the converter would otherwise pad with zero rows), its 2-d weights quantized; the reference is then transformers' model holding
-what the file holds (each weight dequantized by gguf-py)."""
+(``conversion/gemma.py`` ``Gemma3NModel``): its keys; gguf-py's tensor names (its
+``TensorNameMap``, as the converter maps them, not FreeToken's table); the AltUp projections
+stacked into one 3-d tensor each; the sparsities as their standard normal quantiles; the
+shared layers' unused k/v, as a checkpoint holds them. Its 2-d weights are quantized; the
+reference is then transformers' model holding what the file holds (each weight dequantized
+by gguf-py). The models here have a per-layer row for every token (the converter would pad
+the table with zero rows to the vocabulary)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+import gguf
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_gemma4_files import _add
 from gguf_models import _tokenizer_fields
 from transformers import Gemma3nForCausalLM, Gemma3nTextConfig, GenerationConfig
 
-from freetoken_core.models.gguf_gemma3n import GLOBAL_TENSORS, LAYER_TENSORS
 from freetoken_core.models.resolve import default_gguf_path
 
 # Each weight kind's scale (the normal's standard deviation; the norms and the correction
@@ -109,18 +111,23 @@ def write_gemma3n_gguf(path: Path, model: Gemma3nForCausalLM,
     for key, value, kinds in _tokenizer_fields(default_gguf_path()):
         writer.add_key_value(key, value, kinds[0],
                              sub_type=kinds[1] if len(kinds) > 1 else None)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3N, layers)
+
+    def gguf_name(name: str) -> str:  # (the converter's: filter_tensors, map_tensor_name)
+        return names.get_name(name if name.endswith(".weight") else name + ".weight",
+                              try_suffixes=(".weight",))
+
     state = model.state_dict()
     held: dict[str, torch.Tensor] = {}
     for kind in ("altup_projections", "altup_unembed_projections"):
-        names = [f"model.{kind}.{i}.weight" for i in range(cfg.altup_num_inputs - 1)]
-        stacked = _add(writer, {v: k for k, v in GLOBAL_TENSORS.items()}[
-            f"model.{kind}.{{e}}.weight"], torch.stack([state.pop(n) for n in names]),
-            weight_type)
-        held.update(zip(names, stacked))
+        stack = [f"model.{kind}.{i}.weight" for i in range(cfg.altup_num_inputs - 1)]
+        written = _add(writer, gguf_name(f"model.{kind}"),
+                       torch.stack([state.pop(n) for n in stack]), weight_type)
+        held.update(zip(stack, written))
     for name, tensor in state.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        held[name] = _add(writer, _gguf_name(name), tensor.detach().float(), weight_type)
+        held[name] = _add(writer, gguf_name(name), tensor.detach().float(), weight_type)
     gen = torch.Generator().manual_seed(5)
     for i, kind in enumerate(cfg.kv_sharing_modes):  # (a checkpoint's unused k/v)
         if kind == "reuse":
@@ -135,15 +142,4 @@ def write_gemma3n_gguf(path: Path, model: Gemma3nForCausalLM,
     writer.close()
     model.load_state_dict(held, strict=False)
     return model
-
-
-def _gguf_name(name: str) -> str:
-    """The converter's name of the checkpoint's tensor ``name``."""
-    glob = {hf: g for g, hf in GLOBAL_TENSORS.items()}
-    glob.update({"model.embed_tokens.weight": "token_embd.weight",
-                 "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"})
-    if name in glob:
-        return glob[name]
-    _, _, index, rest = name.split(".", 3)
-    return f"blk.{index}." + {hf: g for g, hf in LAYER_TENSORS.items()}[rest]
 

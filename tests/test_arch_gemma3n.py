@@ -18,6 +18,7 @@ their reference is transformers' model holding the file's weights."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -117,15 +118,19 @@ def test_gemma3n_conditional_generation_directory_serves_its_language_model(
                                         ("copy-1", "native")])
 def test_gemma3n_gguf_matches_transformers(tmp_path: Path, shape: str, path: str,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from freetoken_core.models.resolve import default_gguf_path
+    from freetoken_core.models.resolve import converted_dir, default_gguf_path
 
     native, _ = engine_path(path, monkeypatch)
     vocab = 49152  # (the default model's vocabulary, which the file takes)
     assert default_gguf_path().exists()
     # (a file's correction is always scaled: llama.cpp's graph has no key for it)
-    hf = write_gemma3n_gguf(tmp_path / "gemma3n.gguf", gemma3n_model(
+    file = tmp_path / "gemma3n.gguf"
+    hf = write_gemma3n_gguf(file, gemma3n_model(
         vocab, seed=3, **{**SHAPES[shape], "altup_correct_scale": True}))
-    llm, prompts, got = served(tmp_path / "gemma3n.gguf", PROMPTS, 16)
+    # (its config built afresh: the file is the same bytes at every run, and a conversion
+    # cached by an earlier run would stand in for the metadata's reading)
+    shutil.rmtree(converted_dir(file), ignore_errors=True)
+    llm, prompts, got = served(file, PROMPTS, 16)
     model = assert_matches(llm, hf, prompts, got)
     assert model.native is native and model.uses_gguf_blocks
     assert model.config.altup == (hf.config.altup_num_inputs, hf.config.altup_active_idx, 1)
