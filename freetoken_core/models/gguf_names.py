@@ -1,7 +1,7 @@
 """GGUF tensor names as the Hugging Face names FreeToken's models read, per architecture
 family (``gguf_weights.read_gguf_weights`` maps every tensor of a file through
 :func:`hf_name`; the newer families' tables are their own modules': ``gguf_gemma4``,
-``gguf_qwen35``, ``gguf_lfm2``, ``gguf_granite4``, ``gguf_glm4moe``)."""
+``gguf_gemma3n``, ``gguf_qwen35``, ``gguf_lfm2``, ``gguf_granite4``, ``gguf_glm4moe``)."""
 
 from __future__ import annotations
 
