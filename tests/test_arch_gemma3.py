@@ -230,6 +230,7 @@ def test_registry_maps_every_architecture() -> None:
             "architectures": [name], "vocab_size": 8, "hidden_size": 8,
             "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
             "sliding_window": 4, "mamba_n_heads": 2,  # (Granite 4's Mamba-2 heads of 8)
+            "num_kv_shared_layers": 0,  # (Gemma 3n's 15 by default: more than its layer)
             "num_experts_per_tok": 1,  # (DeepSeek-V2's has no default, nor dots1's counts)
             **({"n_routed_experts": 2, "n_shared_experts": 1} if name == "Dots1ForCausalLM"
                else {})})
@@ -240,8 +241,10 @@ def test_registry_maps_every_architecture() -> None:
     assert classes["glm4"] is Glm4ForCausalLM
     assert classes["gemma2"] is Gemma2ForCausalLM
     assert {family: classes[family].__name__ for family in (
-        "gemma4", "qwen3_5", "qwen3_next", "lfm2_moe", "granitemoehybrid", "nemotron_h")} == {
-        "gemma4": "Gemma4ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
+        "gemma4", "gemma3n", "qwen3_5", "qwen3_next", "lfm2_moe", "granitemoehybrid",
+        "nemotron_h")} == {
+        "gemma4": "Gemma4ForCausalLM", "gemma3n": "Gemma3nForCausalLM",
+        "qwen3_5": "Qwen3_5ForCausalLM",
         "qwen3_next": "Qwen3_5ForCausalLM", "lfm2_moe": "Lfm2ForCausalLM",
         "granitemoehybrid": "GraniteHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
     assert {classes[f].__name__ for f in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")} == {

@@ -43,6 +43,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
+    "Gemma3nForCausalLM": "gemma3n",
     "Phi3ForCausalLM": "phi3",
     "PhiForCausalLM": "phi",
     "SmolLM3ForCausalLM": "smollm3",
@@ -200,6 +201,23 @@ class ModelConfig:
     """Gemma 4's per-layer embeddings (``hidden_size_per_layer_input``): each layer's input
     of this size from a second embedding of the token and a projection of the first; 0:
     none."""
+    per_layer_vocab_size: int = 0
+    """The tokens with a row of the per-layer embedding (Gemma 3n's
+    ``vocab_size_per_layer_input``): a token id past them takes token 0's row; 0: every
+    token has its own (Gemma 4's)."""
+    altup: tuple[int, ...] = ()
+    """Gemma 3n's AltUp: ``(copies of the hidden state, the copy the layers compute on, 1
+    where its correction is scaled by the layer's correct_output_scale)`` (``gemma3n``);
+    empty: one hidden state."""
+    laurel_rank: int = 0
+    """The rank of Gemma 3n's LAuReL branch beside attention (``laurel_rank``); 0: none."""
+    activation_sparsity: tuple[float, ...] = ()
+    """Per layer, Gemma 3n's activation sparsity: where > 0, the MLP's gate keeps only what
+    exceeds its mean plus ``icdf(sparsity)`` standard deviations (a Gaussian top-k);
+    empty: none."""
+    layer_intermediate_sizes: tuple[int, ...] = ()
+    """Per layer, its MLP's hidden size where the layers' differ (Gemma 3n's
+    ``intermediate_size`` list); empty: ``intermediate_size`` everywhere."""
 
     layer_kinds: tuple[str, ...] = ()
     """Per layer, ``attention``, ``linear_attention`` (Qwen3.5's Gated DeltaNet layers: a
@@ -278,7 +296,7 @@ class ModelConfig:
         use_window = cfg.get("use_sliding_window", family in ("mistral", "mixtral", "ministral3"))
         # transformers' Gemma reads hidden_activation (default gelu_pytorch_tanh) only.
         hidden_act = ((cfg.get("hidden_activation") or "gelu_pytorch_tanh")
-                      if family in ("gemma2", "gemma3", "gemma4")
+                      if family in ("gemma2", "gemma3", "gemma4", "gemma3n")
                       else (cfg.get("hidden_act") or DEFAULT_ACTIVATIONS.get(family, "silu")))
         expected = ACTIVATIONS.get(family)
         if expected is not None and hidden_act != expected:
@@ -327,7 +345,7 @@ class ModelConfig:
             qk_norm=(family in ("qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3",
                                 "gemma4", "qwen3_moe", "olmo2", "olmo3", "exaone4", "olmoe",
                                 "hunyuan_dense", "hunyuan_moe", "lfm2", "lfm2_moe",
-                                "minimax_m2", "apertus", "dots1")
+                                "minimax_m2", "apertus", "dots1", "gemma3n")
                      or (family in ("cohere", "glm4_moe", "phi") and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),

@@ -35,6 +35,7 @@ from freetoken_core.models.config_fields import (
     smollm3_fields,
     starcoder2_fields,
 )
+from freetoken_core.models.config_gemma3n import gemma3n_config, gemma3n_fields
 from freetoken_core.models.config_gemma4 import gemma4_config, gemma4_fields
 from freetoken_core.models.config_granite4 import granite4_config, granite4_fields
 from freetoken_core.models.config_lfm2 import (
@@ -65,7 +66,8 @@ from freetoken_core.models.config_qwen3_5 import (
 
 # The MLP activation of the families that check it (transformers' ACT2FN names).
 ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
-                "gemma4": "gelu_pytorch_tanh", "phi3": "silu", "qwen3_5": "silu",
+                "gemma4": "gelu_pytorch_tanh", "gemma3n": "gelu_pytorch_tanh",
+                "phi3": "silu", "qwen3_5": "silu",
                 "qwen3_5_moe": "silu", "qwen3_next": "silu",
                 "lfm2": "silu", "lfm2_moe": "silu", "glm4_moe": "silu",
                 "granitemoehybrid": "silu",
@@ -87,6 +89,7 @@ PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "ernie4_5_moe": ernie4_5_moe_config,
     "starcoder2": starcoder2_config, "olmoe": olmoe_config,
     "hunyuan_dense": hunyuan_dense_config, "gemma4": gemma4_config,
+    "gemma3n": gemma3n_config,
     "hunyuan_moe": hunyuan_moe_config,
     "qwen3_5": qwen3_5_config, "qwen3_5_moe": qwen3_5_moe_config,
     "qwen3_next": qwen3_next_config, "lfm2": lfm2_config, "lfm2_moe": lfm2_moe_config,
@@ -107,6 +110,7 @@ PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 # (config_fields.py and the families' own config modules).
 FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "gemma2": gemma2_fields, "gemma3": gemma3_fields, "gemma4": gemma4_fields,
+    "gemma3n": gemma3n_fields,
     "qwen3_5": qwen3_5_fields, "qwen3_5_moe": qwen3_5_moe_fields,
     "qwen3_next": qwen3_next_fields, "lfm2": lfm2_fields, "lfm2_moe": lfm2_moe_fields,
     "glm4_moe": glm4_moe_fields, "smollm3": smollm3_fields, "minimax_m2": minimax_m2_fields,

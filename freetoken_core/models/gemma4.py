@@ -205,6 +205,8 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
     """Gemma 4's text model: ``forward`` gives hidden states, ``compute_logits`` float32
     logits (softcapped where configured); the block layouts are ``LlamaForCausalLM``'s."""
 
+    decoder_layer: type[Gemma4DecoderLayer] = Gemma4DecoderLayer  # (Gemma 3n's: gemma3n.py)
+
     def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
                  shard: Shard | None = None) -> None:
         if shard is not None:
@@ -223,7 +225,7 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
             raise ModelLoadError("the checkpoint has per-layer embeddings "
                                  "(model.embed_tokens_per_layer) but its config sets "
                                  "hidden_size_per_layer_input 0")
-        self.layers = [Gemma4DecoderLayer(cfg, weights, i, self.native, arena)
+        self.layers = [self.decoder_layer(cfg, weights, i, self.native, arena)
                        for i in range(cfg.num_layers)]
         self.windows = [w if w is not None and w < max_positions else None
                         for w in (cfg.layer_windows or (None,) * cfg.num_layers)]
@@ -255,11 +257,12 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         packed from), projection and norm."""
         cfg = self.config
         width = cfg.num_layers * self.per_layer_size
+        rows = cfg.per_layer_vocab_size or cfg.vocab_size
         if table is None or tuple(table.shape) != (table.shape[0], width) or (
-                table.shape[0] < cfg.vocab_size):
+                table.shape[0] < rows):
             shape = None if table is None else list(table.shape)
             raise ModelLoadError(f"model.embed_tokens_per_layer.weight has shape {shape}; "
-                                 f"expected [at least {cfg.vocab_size}, {width}] (vocabulary, "
+                                 f"expected [at least {rows}, {width}] (vocabulary, "
                                  "layers x hidden_size_per_layer_input)")
         self.per_layer_embedding = Embedding(table)
         self.per_layer_projection = make_linear(

@@ -27,6 +27,7 @@ from freetoken_core.models.gguf_families import (
     text_architecture,
     text_rope_sections,
 )
+from freetoken_core.models.gguf_gemma3n import gemma3n_config
 from freetoken_core.models.gguf_gemma4 import gemma4_config
 from freetoken_core.models.gguf_glm4moe import glm4moe_config
 from freetoken_core.models.gguf_granite4 import granite4_config, kv_head_count
@@ -47,6 +48,7 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gemma4": "Gemma4ForCausalLM",
+    "gemma3n": "Gemma3nForCausalLM",
     "qwen35": "Qwen3_5ForCausalLM",
     "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -222,7 +224,7 @@ def build_config(reader: Any) -> dict[str, Any]:
                                    embedding_rows(reader) or token_count(reader), names),
                 **special_token_ids(reader)}
     # (head_count_kv, feed_forward_length: a number a layer too)
-    layered = arch == "gemma4" or arch in LFM2_ARCHITECTURES
+    layered = arch in ("gemma4", "gemma3n") or arch in LFM2_ARCHITECTURES
     kv_heads = heads if layered else kv_head_count(reader, arch, heads)  # (or one a layer)
     head_dim = int(field(reader, p + "attention.key_length", hidden // heads))
     rope_dim = int(field(reader, p + "rope.dimension_count", head_dim))
@@ -265,6 +267,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(gemma2_config(reader, config))
     if arch == "gemma4":
         config.update(gemma4_config(reader, config, names))
+    if arch == "gemma3n":
+        config.update(gemma3n_config(reader, config))
     if arch in QWEN35_ARCHS:  # (qwen35, qwen35moe, qwen3next)
         config.update(qwen35_config(reader, config, rope_dim, arch))
     if arch in LFM2_ARCHITECTURES:

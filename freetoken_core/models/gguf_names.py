@@ -1,7 +1,7 @@
 """GGUF tensor names as the Hugging Face names FreeToken's models read, per architecture
 family (``gguf_weights.read_gguf_weights`` maps every tensor of a file through
 :func:`hf_name`; the newer families' tables are their own modules': ``gguf_gemma4``,
-``gguf_qwen35``, ``gguf_lfm2``, ``gguf_granite4``, ``gguf_glm4moe``, ``gguf_deepseek2``)."""
+``gguf_gemma3n``, ``gguf_qwen35``, ``gguf_lfm2``, ``gguf_granite4``, ``gguf_glm4moe``, ``gguf_deepseek2``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 
 from freetoken_core.models import (
     gguf_deepseek2,
+    gguf_gemma3n,
     gguf_gemma4,
     gguf_glm4moe,
     gguf_granite4,
@@ -126,6 +127,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "gpt-oss": _GPT_OSS,
     "gemma3": {**_GEMMA_NORMS, **_ATTENTION, **_MLP},
     "gemma4": gguf_gemma4.LAYER_TENSORS,
+    "gemma3n": gguf_gemma3n.LAYER_TENSORS,
     **gguf_qwen35.LAYER_TENSORS_BY_ARCH,  # (qwen35, qwen35moe, qwen3next: hf_weights)
     **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_TENSORS),
     "granitehybrid": gguf_granite4.LAYER_TENSORS,  # (and its hf_weights)
@@ -185,6 +187,8 @@ def hf_name(arch: str, gguf_name: str) -> str | None:
         return _GLOBAL[gguf_name]
     if arch == "gemma4" and gguf_name in gguf_gemma4.GLOBAL_TENSORS:
         return gguf_gemma4.GLOBAL_TENSORS[gguf_name]
+    if arch == "gemma3n" and gguf_name in gguf_gemma3n.GLOBAL_TENSORS:
+        return gguf_gemma3n.GLOBAL_TENSORS[gguf_name]
     if arch in gguf_lfm2.ARCHITECTURES and gguf_name in gguf_lfm2.GLOBAL_TENSORS:
         return gguf_lfm2.GLOBAL_TENSORS[gguf_name]
     if arch == "phi2" and gguf_name in gguf_phi2.GLOBAL_TENSORS:

@@ -7,7 +7,9 @@ keep them at the top) and their safetensors hold it under ``model.language_model
 ``language_model.model.`` beside the vision tower and projector, which are not read. On text
 the language model computes what it computes alone: Qwen's multimodal RoPE gives every
 section the same position for a text token (``mrope_section`` then changes nothing), Gemma 3's
-bidirectional attention covers image tokens only. Requests with image parts are refused by
+bidirectional attention covers image tokens only. (Gemma 3n's text tokens are embedded by the
+language model alone: only the ids from its ``embed_vision`` / ``embed_audio`` vocabulary
+offsets on, its image and audio tokens, are not.) Requests with image parts are refused by
 the server (only text content parts)."""
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ WRAPPERS = {
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_text",
     "Gemma3ForConditionalGeneration": "gemma3_text",
     "Gemma4ForConditionalGeneration": "gemma4_text",
+    "Gemma3nForConditionalGeneration": "gemma3n_text",
     "Mistral3ForConditionalGeneration": "mistral",
 }
 # ``text_config.model_type`` -> the causal-LM class FreeToken builds for it.
@@ -38,6 +41,7 @@ TEXT_MODELS = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
+    "gemma3n_text": "Gemma3nForCausalLM",
     "mistral": "MistralForCausalLM",
     "ministral3": "Ministral3ForCausalLM",
     "llama": "LlamaForCausalLM",
@@ -52,7 +56,7 @@ _RENAMES = (("model.language_model.", "model."), ("language_model.model.", "mode
             ("language_model.lm_head.", "lm_head."))
 _SKIPPED = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.",
             "multi_modal_projector.", "model.multi_modal_projector.",
-            "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")  # (Gemma 4's)
+            "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")  # (Gemma 4's, 3n's)
 
 
 def wrapper_of(cfg: dict[str, Any]) -> str | None:

@@ -10,6 +10,7 @@ from freetoken_core.models.deepseek import DeepseekForCausalLM
 from freetoken_core.models.ernie4_5 import Ernie4_5ForCausalLM
 from freetoken_core.models.gemma2 import Gemma2ForCausalLM
 from freetoken_core.models.gemma3 import Gemma3ForCausalLM
+from freetoken_core.models.gemma3n import Gemma3nForCausalLM
 from freetoken_core.models.gemma4 import Gemma4ForCausalLM
 from freetoken_core.models.glm4 import Glm4ForCausalLM
 from freetoken_core.models.glm4_moe import Glm4MoeForCausalLM
@@ -39,6 +40,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "gemma4": Gemma4ForCausalLM,
+    "gemma3n": Gemma3nForCausalLM,  # (Gemma 4's attention and PLE, AltUp, LAuReL, sparsity)
     "phi3": Phi3ForCausalLM,
     "phi": PhiForCausalLM,
     "smollm3": SmolLM3ForCausalLM,
