@@ -62,6 +62,7 @@ SUPPORTED_ARCHITECTURES = {
     "HunYuanMoEV1ForCausalLM": "hunyuan_moe",
     "CohereForCausalLM": "cohere",
     "Cohere2ForCausalLM": "cohere2",
+    "Llama4ForCausalLM": "llama4",
 }
 
 @dataclass(frozen=True)
@@ -92,6 +93,10 @@ class ModelConfig:
     """Per layer, the keys a query attends to, its own included (sliding-window attention),
     or ``None`` for all of them; empty: every layer attends to every key. (Mistral's
     ``sliding_window`` above is not applied: the engine caps the context to it instead.)"""
+    layer_chunks: tuple[int, ...] = ()
+    """Per layer, the chunk of positions its queries attend within (Llama 4's chunked
+    attention: a query at position p attends to the keys from ``p // chunk * chunk`` to p),
+    0 where it attends to every key; empty: no layer is chunked."""
     rope_local_theta: float | None = None
     """RoPE base of the sliding-window layers (Gemma 3's ``rope_local_base_freq``; they get
     no ``rope_scaling``); ``None``: ``rope_theta`` everywhere."""
@@ -166,9 +171,11 @@ class ModelConfig:
     ``self_attn.sinks``)."""
     attention_temperature_beta: float = 0.0
     """Llama 4's attention temperature (Ministral 3's ``llama_4_scaling_beta``): each
-    rotated query times ``1 + beta ln(1 + floor(position / length))``; 0: none."""
+    rotated query times ``1 + beta ln(1 + floor(position / length))``; 0: none. (Llama 4's
+    own, ``attn_scale``: on its NoPE layers only, of ``position + 1``: llama4.py.)"""
     attention_temperature_length: int = 0
-    """The length of that temperature's steps (``original_max_position_embeddings``)."""
+    """The length of that temperature's steps (``original_max_position_embeddings``; Llama
+    4's ``floor_scale``)."""
     mxfp4_experts: bool = False
     """The experts' weights are MXFP4 blocks (``*_blocks`` / ``*_scales``: gpt-oss as OpenAI
     released it, ``quantization_config.quant_method`` ``mxfp4``; ``models/mxfp4.py``)."""
@@ -308,7 +315,8 @@ class ModelConfig:
             qk_norm=(family in ("qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3",
                                 "gemma4", "qwen3_moe", "olmo2", "olmo3", "exaone4", "olmoe",
                                 "hunyuan_dense", "hunyuan_moe", "lfm2", "lfm2_moe")
-                     or (family in ("cohere", "glm4_moe") and bool(cfg.get("use_qk_norm")))),
+                     or (family in ("cohere", "glm4_moe", "llama4")
+                         and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

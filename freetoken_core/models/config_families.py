@@ -41,6 +41,7 @@ from freetoken_core.models.config_lfm2 import (
     lfm2_moe_config,
     lfm2_moe_fields,
 )
+from freetoken_core.models.config_llama4 import llama4_config, llama4_fields
 from freetoken_core.models.config_moe import (
     GLM4_MOE_DEFAULTS,
     glm4_moe_fields,
@@ -68,7 +69,7 @@ ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "ministral3": "silu", "olmo2": "silu", "olmo3": "silu", "ernie4_5": "silu", "ernie4_5_moe": "silu",
                 "exaone4": "silu", "exaone": "silu", "seed_oss": "silu", "arcee": "relu2",
                 "starcoder2": "gelu_pytorch_tanh",
-                "cohere": "silu", "cohere2": "silu"}
+                "cohere": "silu", "cohere2": "silu", "llama4": "silu"}
 
 # The families whose config.json is read with their config class's defaults where it leaves
 # keys out, under the key names from_dict reads (config_defaults.py, cohere_config.py).
@@ -84,6 +85,7 @@ PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "granitemoehybrid": granite4_config, "nemotron_h": nemotron_h_config,
     "cohere": functools.partial(cohere_config, family="cohere"),
     "cohere2": functools.partial(cohere_config, family="cohere2"),
+    "llama4": llama4_config,
 }
 
 # The families' fields beyond the common ones, read from their config.json alone
@@ -96,7 +98,7 @@ FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "granitemoehybrid": granite4_fields, "nemotron_h": nemotron_h_fields,
     "ernie4_5_moe": ernie4_5_moe_fields, "hunyuan_moe": hunyuan_moe_fields,
     "ministral3": ministral3_fields, "olmo3": olmo3_fields, "exaone4": exaone4_fields,
-    "starcoder2": starcoder2_fields,
+    "starcoder2": starcoder2_fields, "llama4": llama4_fields,
 }
 # ... and with the rope parameters the common code read.
 ROPE_FIELDS = {"phi3": phi3_fields, "gpt_oss": gpt_oss_fields, "glm4": glm4_fields}

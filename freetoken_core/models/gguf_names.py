@@ -1,7 +1,7 @@
 """GGUF tensor names as the Hugging Face names FreeToken's models read, per architecture
 family (``gguf_weights.read_gguf_weights`` maps every tensor of a file through
 :func:`hf_name`; the newer families' tables are their own modules': ``gguf_gemma4``,
-``gguf_qwen35``, ``gguf_lfm2``, ``gguf_granite4``, ``gguf_glm4moe``)."""
+``gguf_qwen35``, ``gguf_lfm2``, ``gguf_granite4``, ``gguf_glm4moe``, ``gguf_llama4``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from freetoken_core.models import (
     gguf_glm4moe,
     gguf_granite4,
     gguf_lfm2,
+    gguf_llama4,
     gguf_qwen35,
 )
 
@@ -124,6 +125,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_TENSORS),
     "granitehybrid": gguf_granite4.LAYER_TENSORS,  # (and its hf_weights)
     "glm4moe": gguf_glm4moe.LAYER_TENSORS,
+    "llama4": gguf_llama4.LAYER_TENSORS,
     "gemma2": {**_GEMMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
                **_MLP},  # (no q/k norms)
     "glm4": {
