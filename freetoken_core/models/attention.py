@@ -186,8 +186,9 @@ class AttentionMetadata:
             return replace(self, window=window, chunk=chunk)
         decode_mask = self.decode_mask
         if decode_mask is not None:
-            lens = decode_mask.sum(dim=-1, keepdim=True)  # padding is only at the end
+            # (each query's last key is its own, whatever window or chunk limits the mask)
             pos = torch.arange(decode_mask.shape[-1], device=decode_mask.device)
+            lens = (decode_mask * (pos + 1)).amax(dim=-1, keepdim=True)
             decode_mask = pos < lens
             if window is not None:
                 decode_mask = decode_mask & (pos >= lens - window)

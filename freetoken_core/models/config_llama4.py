@@ -39,7 +39,7 @@ _DEFAULTS = {"vocab_size": 202_048, "hidden_size": 5120, "intermediate_size": 81
              "interleave_moe_layer_step": 1, "use_qk_norm": True, "no_rope_layer_interval": 4,
              "attention_chunk_size": 8192, "attn_temperature_tuning": True,
              "floor_scale": 8192, "attn_scale": 0.1}
-_ROPES = ("default", "linear", "llama3", "yarn")
+_ROPES = ("default", "linear", "llama3", "yarn", "factors")  # (factors: a GGUF file's llama3)
 
 
 def llama4_config(cfg: dict[str, Any]) -> dict[str, Any]:
