@@ -89,6 +89,10 @@ class AttentionMetadata:
     window: int | None = None
     """Sliding-window attention: each query attends to its last ``window`` keys, its own
     included (0 <= query position - key position < window); ``None``: to every key."""
+    chunk: int | None = None
+    """Chunked attention (Llama 4's ``attention_chunk_size``): each query attends to the keys
+    of its own chunk of ``chunk`` positions, up to its own (key position // chunk == query
+    position // chunk); ``None``: to every key. Never with a ``window``."""
     query_scales: torch.Tensor | None = None
     """[T] multipliers of each token's rotated query (Llama 4's attention temperature,
     Ministral 3's ``llama_4_scaling_beta``); ``None``: none (every multiplier 1)."""
@@ -158,35 +162,61 @@ class AttentionMetadata:
     def with_window(self, window: int | None) -> AttentionMetadata:
         """This step's metadata for layers that attend to the last ``window`` keys only
         (the same step: built once per step, shared by those layers)."""
-        if window == self.window:
+        if window == self.window and self.chunk is None:
             return self
         if window is not None and window < 1:
             raise ValueError(f"a sliding window needs at least one key, not {window}")
-        if self.decode_block_tables is not None:  # native: the kernel takes the window
-            return replace(self, window=window)
+        return self._limited(window, None)
+
+    def with_chunk(self, chunk: int | None) -> AttentionMetadata:
+        """This step's metadata for layers whose queries attend within their own chunk of
+        ``chunk`` positions only (Llama 4's chunked attention; built once per step, shared by
+        those layers)."""
+        if chunk == self.chunk and self.window is None:
+            return self
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"an attention chunk needs at least one position, not {chunk}")
+        return self._limited(None, chunk)
+
+    def _limited(self, window: int | None, chunk: int | None) -> AttentionMetadata:
+        """This metadata with ``window`` and ``chunk`` (at most one of them) in place of its
+        own: the native kernel takes them as they are, the torch path's masks are made
+        again."""
+        if self.decode_block_tables is not None:
+            return replace(self, window=window, chunk=chunk)
         decode_mask = self.decode_mask
         if decode_mask is not None:
-            lens = decode_mask.sum(dim=-1, keepdim=True)  # padding is only at the end
+            # (each query's last key is its own, whatever window or chunk limits the mask)
             pos = torch.arange(decode_mask.shape[-1], device=decode_mask.device)
+            lens = (decode_mask * (pos + 1)).amax(dim=-1, keepdim=True)
             decode_mask = pos < lens
             if window is not None:
                 decode_mask = decode_mask & (pos >= lens - window)
-        prefills = [replace(span, mask=_prefill_mask(span, window, self.slot_mapping.device))
+            if chunk is not None:  # (the query is key lens - 1)
+                decode_mask = decode_mask & (pos >= torch.div(lens - 1, chunk,
+                                                              rounding_mode="floor") * chunk)
+        prefills = [replace(span, mask=_prefill_mask(span, window, chunk,
+                                                     self.slot_mapping.device))
                     for span in self.prefills]
-        return replace(self, decode_mask=decode_mask, prefills=prefills, window=window)
+        return replace(self, decode_mask=decode_mask, prefills=prefills, window=window,
+                       chunk=chunk)
 
 
-def _prefill_mask(span: PrefillSpan, window: int | None, device: torch.device
-                  ) -> torch.Tensor | None:
+def _prefill_mask(span: PrefillSpan, window: int | None, chunk: int | None,
+                  device: torch.device) -> torch.Tensor | None:
     """[chunk, context] True where a chunk token attends to a key: causal, and within
-    ``window``; ``None`` for plain causal attention over the chunk alone."""
-    if window is None and span.context_slots is None:
+    ``window`` or within the token's attention ``chunk``; ``None`` for plain causal
+    attention over the chunk alone."""
+    if window is None and chunk is None and span.context_slots is None:
         return None
     q = span.end - span.start
     k_pos = torch.arange(span.context_len, device=device)
     q_pos = torch.arange(span.context_len - q, span.context_len, device=device)
     diff = q_pos[:, None] - k_pos[None, :]
     mask = diff >= 0
+    if chunk is not None:
+        mask = mask & (torch.div(q_pos, chunk, rounding_mode="floor")[:, None]
+                       == torch.div(k_pos, chunk, rounding_mode="floor")[None, :])
     return mask if window is None else mask & (diff < window)
 
 
@@ -261,7 +291,8 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
     each query to its last keys; ``sinks`` ([H] float32) are the heads' attention sinks
     (gpt-oss: a logit per head in every query's softmax, with no value); ``softcap`` > 0
     bounds each scaled score to ``softcap * tanh(score / softcap)`` (Gemma 2's
-    ``attn_logit_softcapping``; 0: none). Returns [T, H * D]. A cache of another dtype than ``q``'s (``kv_cache_dtype``) stores the keys and
+    ``attn_logit_softcapping``; 0: none); ``meta.chunk`` limits each query to the keys of its
+    own chunk of positions (Llama 4's chunked attention). Returns [T, H * D]. A cache of another dtype than ``q``'s (``kv_cache_dtype``) stores the keys and
     values rounded to it, and every query attends to the stored values, this step's too: a
     prompt's result is the same whether its prefix was computed in this chunk or found in
     the cache.
@@ -277,7 +308,7 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
         torch.ops.freetoken.paged_decode_attention(
             q[:d], kv_cache, meta.decode_block_tables, meta.decode_context_lens,
             meta.block_size, head_dim ** -0.5 if scale is None else scale, od,
-            meta.window or 0, sinks, softcap)
+            meta.window or 0, sinks, softcap, meta.chunk or 0)
         od = od.view(d, num_heads * head_dim)
         if not meta.prefills:
             return od

@@ -71,6 +71,7 @@ SUPPORTED_ARCHITECTURES = {
     "Cohere2ForCausalLM": "cohere2",
     "ApertusForCausalLM": "apertus",
     "Apertus1p5TextForCausalLM": "apertus",  # (Apertus's model: config_apertus.py)
+    "Llama4ForCausalLM": "llama4",
 }
 
 @dataclass(frozen=True)
@@ -101,6 +102,10 @@ class ModelConfig:
     """Per layer, the keys a query attends to, its own included (sliding-window attention),
     or ``None`` for all of them; empty: every layer attends to every key. (Mistral's
     ``sliding_window`` above is not applied: the engine caps the context to it instead.)"""
+    layer_chunks: tuple[int, ...] = ()
+    """Per layer, the chunk of positions its queries attend within (Llama 4's chunked
+    attention: a query at position p attends to the keys from ``p // chunk * chunk`` to p),
+    0 where it attends to every key; empty: no layer is chunked."""
     rope_local_theta: float | None = None
     """RoPE base of the sliding-window layers (Gemma 3's ``rope_local_base_freq``; they get
     no ``rope_scaling``); ``None``: ``rope_theta`` everywhere."""
@@ -178,9 +183,11 @@ class ModelConfig:
     ``self_attn.sinks``)."""
     attention_temperature_beta: float = 0.0
     """Llama 4's attention temperature (Ministral 3's ``llama_4_scaling_beta``): each
-    rotated query times ``1 + beta ln(1 + floor(position / length))``; 0: none."""
+    rotated query times ``1 + beta ln(1 + floor(position / length))``; 0: none. (Llama 4's
+    own, ``attn_scale``: on its NoPE layers only, of ``position + 1``: llama4.py.)"""
     attention_temperature_length: int = 0
-    """The length of that temperature's steps (``original_max_position_embeddings``)."""
+    """The length of that temperature's steps (``original_max_position_embeddings``; Llama
+    4's ``floor_scale``)."""
     mxfp4_experts: bool = False
     """The experts' weights are MXFP4 blocks (``*_blocks`` / ``*_scales``: gpt-oss as OpenAI
     released it, ``quantization_config.quant_method`` ``mxfp4``; ``models/mxfp4.py``)."""
@@ -346,7 +353,7 @@ class ModelConfig:
                                 "gemma4", "qwen3_moe", "olmo2", "olmo3", "exaone4", "olmoe",
                                 "hunyuan_dense", "hunyuan_moe", "lfm2", "lfm2_moe",
                                 "minimax_m2", "apertus", "dots1", "gemma3n")
-                     or (family in ("cohere", "glm4_moe", "phi") and bool(cfg.get("use_qk_norm")))),
+                     or (family in ("cohere", "glm4_moe", "phi", "llama4") and bool(cfg.get("use_qk_norm")))),
             sliding_window=cfg.get("sliding_window") if use_window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

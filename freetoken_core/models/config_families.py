@@ -44,6 +44,7 @@ from freetoken_core.models.config_lfm2 import (
     lfm2_moe_config,
     lfm2_moe_fields,
 )
+from freetoken_core.models.config_llama4 import llama4_config, llama4_fields
 from freetoken_core.models.config_moe import (
     DOTS1_DEFAULTS,
     GLM4_MOE_DEFAULTS,
@@ -80,7 +81,7 @@ ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "cohere": "silu", "cohere2": "silu", "deepseek_v2": "silu",
                 "deepseek_v3": "silu", "glm4_moe_lite": "silu",
                 "minimax_m2": "silu", "dots1": "silu", "phi": "gelu_new",
-                "apertus": "xielu"}
+                "apertus": "xielu", "llama4": "silu"}
 
 # The families whose config.json is read with their config class's defaults where it leaves
 # keys out, under the key names from_dict reads (config_defaults.py, cohere_config.py).
@@ -104,6 +105,7 @@ PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
        for family in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")},
     "phi": phi_config,
     "apertus": apertus_config,
+    "llama4": llama4_config,
 }
 
 # The families' fields beyond the common ones, read from their config.json alone
@@ -121,6 +123,7 @@ FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "starcoder2": starcoder2_fields, "phi": phi_fields,
     **{family: functools.partial(mla_fields, family=family)
        for family in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")},
+    "llama4": llama4_fields,
 }
 # ... and with the rope parameters the common code read.
 ROPE_FIELDS = {"phi3": phi3_fields, "gpt_oss": gpt_oss_fields, "glm4": glm4_fields}

@@ -33,6 +33,7 @@ from freetoken_core.models.gguf_glm4moe import glm4moe_config
 from freetoken_core.models.gguf_granite4 import granite4_config, kv_head_count
 from freetoken_core.models.gguf_lfm2 import ARCHITECTURES as LFM2_ARCHITECTURES
 from freetoken_core.models.gguf_lfm2 import lfm2_config
+from freetoken_core.models.gguf_llama4 import llama4_config
 from freetoken_core.models.gguf_phi2 import phi2_config
 from freetoken_core.models.gguf_qwen35 import QWEN35_ARCHS, QWEN35_MOE, qwen35_config
 from freetoken_core.models.gguf_reader import field, require, token_count
@@ -78,6 +79,7 @@ ARCHITECTURES = {
     "command-r": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
     "apertus": "ApertusForCausalLM",  # (xIELU's scalars in metadata: gguf_apertus)
+    "llama4": "Llama4ForCausalLM",  # (gguf_llama4.py)
     **LFM2_ARCHITECTURES,  # (lfm2, lfm2moe: gguf_lfm2.py)
     # the language models of vision-language files (gguf_families.TEXT_ARCHITECTURES)
     "qwen2vl": "Qwen2ForCausalLM",
@@ -138,6 +140,7 @@ ROPE_FACTOR_TENSORS = {
     "arcee": ("rope_freqs.weight",),
     "apertus": ("rope_freqs.weight",),
     "gemma4": ("rope_freqs.weight",),  # (its global layers' proportional rope)
+    "llama4": ("rope_freqs.weight",),
     "phi3": ("rope_factors_long.weight", "rope_factors_short.weight"),
 }
 
@@ -303,6 +306,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config["no_rope_layer_interval"] = 4
     if arch in ("granite", "granitemoe"):
         config.update(granite_config(reader, arch, head_dim))
+    if arch == "llama4":
+        config.update(llama4_config(reader, config))
     config.update(moe_config(reader, arch, config))
     if arch == "gpt-oss":
         config.update(gpt_oss_config(reader, config))

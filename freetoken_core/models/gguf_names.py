@@ -1,7 +1,8 @@
 """GGUF tensor names as the Hugging Face names FreeToken's models read, per architecture
 family (``gguf_weights.read_gguf_weights`` maps every tensor of a file through
 :func:`hf_name`; the newer families' tables are their own modules': ``gguf_gemma4``,
-``gguf_gemma3n``, ``gguf_qwen35``, ``gguf_lfm2``, ``gguf_granite4``, ``gguf_glm4moe``, ``gguf_deepseek2``)."""
+``gguf_gemma3n``, ``gguf_qwen35``, ``gguf_lfm2``, ``gguf_granite4``, ``gguf_glm4moe``, ``gguf_deepseek2``,
+``gguf_llama4``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from freetoken_core.models import (
     gguf_glm4moe,
     gguf_granite4,
     gguf_lfm2,
+    gguf_llama4,
     gguf_phi2,
     gguf_qwen35,
 )
@@ -140,6 +142,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
               **{f"ffn_{p}_shexp.weight": f"mlp.shared_experts.{p}_proj.weight"
                  for p in ("gate", "up", "down")}},
     "phi2": gguf_phi2.LAYER_TENSORS,  # (q/k/v apart or fused; biases; no ffn_gate)
+    "llama4": gguf_llama4.LAYER_TENSORS,
     "gemma2": {**_GEMMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
                **_MLP},  # (no q/k norms)
     "glm4": {

@@ -47,6 +47,8 @@ class DecoderLayer:
     """Transformer block ``index``; its weights come from ``weights`` under
     ``model.layers.{index}.``."""
 
+    moe_class: type[SparseMoE] = SparseMoE  # (a subclass's experts: llama4.py)
+
     def __init__(self, cfg: ModelConfig, weights: Weights, index: int, native: bool,
                  arena: BlockArena | None = None) -> None:
         prefix = f"model.layers.{index}."
@@ -70,7 +72,7 @@ class DecoderLayer:
                                      f"expected [{cfg.num_heads}] (one per attention head)")
         self.moe = None
         if cfg.is_moe_layer(index):
-            self.moe = SparseMoE(cfg, weights, prefix, native, arena)
+            self.moe = self.moe_class(cfg, weights, prefix, native, arena)
             self.gate_up_proj = self.down_proj = None
             mlp_linears = self.moe.linears
         else:
@@ -177,7 +179,7 @@ class DecoderLayer:
         kv = torch.cat([qk[:, h:], v.view(n, kvh, d)], dim=1).view(n, 2, kvh, d)
         q = qk[:, :h]
         if meta.query_scales is not None:  # (Llama 4's attention temperature)
-            q = q * meta.query_scales[:, None, None]
+            q = (q * meta.query_scales[:, None, None]).to(q.dtype)
         return self.o_proj(paged_attention(q, kv, kv_cache, meta, self.scale, self.sinks,
                                            self.softcap))
 

@@ -304,7 +304,7 @@ class SparseMoE:
         """The experts' sum from Python, expert by expert (what ``moe_experts`` computes)."""
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        tokens = torch.div(order, self.top_k, rounding_mode="floor")
+        tokens = torch.div(order, chosen.shape[1], rounding_mode="floor")
         pair_weights = weights.reshape(-1)[order]
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
         out = torch.zeros_like(x)

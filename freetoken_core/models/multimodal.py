@@ -1,6 +1,7 @@
 """Vision-language checkpoints served for text: the language model inside Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL (and -MoE), Gemma 3 (4B and up) and Mistral 3 (Mistral Small 3.1/3.2, Ministral 3)
-directories, as ``llama-server`` serves their GGUF files without a projector file.
+Qwen2.5-VL, Qwen3-VL (and -MoE), Gemma 3 (4B and up), Mistral 3 (Mistral Small 3.1/3.2,
+Ministral 3) and Llama 4 (Scout, Maverick) directories, as ``llama-server`` serves their GGUF
+files without a projector file.
 
 Their config.json nests the language model's keys under ``text_config`` (older Qwen2-VL ones
 keep them at the top) and their safetensors hold it under ``model.language_model.`` or
@@ -30,6 +31,7 @@ WRAPPERS = {
     "Gemma4ForConditionalGeneration": "gemma4_text",
     "Gemma3nForConditionalGeneration": "gemma3n_text",
     "Mistral3ForConditionalGeneration": "mistral",
+    "Llama4ForConditionalGeneration": "llama4_text",
 }
 # ``text_config.model_type`` -> the causal-LM class FreeToken builds for it.
 TEXT_MODELS = {
@@ -45,6 +47,7 @@ TEXT_MODELS = {
     "mistral": "MistralForCausalLM",
     "ministral3": "Ministral3ForCausalLM",
     "llama": "LlamaForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 # Keys of the wrapper's config that are the language model's (the wrapper's value wins).
 _SHARED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "quantization_config")
@@ -56,7 +59,8 @@ _RENAMES = (("model.language_model.", "model."), ("language_model.model.", "mode
             ("language_model.lm_head.", "lm_head."))
 _SKIPPED = ("model.visual.", "visual.", "vision_tower.", "model.vision_tower.",
             "multi_modal_projector.", "model.multi_modal_projector.",
-            "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")  # (Gemma 4's, 3n's)
+            "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",  # (Gemma 4's, 3n's)
+            "vision_model.")  # (Llama 4's)
 
 
 def wrapper_of(cfg: dict[str, Any]) -> str | None:

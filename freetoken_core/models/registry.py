@@ -17,6 +17,7 @@ from freetoken_core.models.glm4_moe import Glm4MoeForCausalLM
 from freetoken_core.models.granite_hybrid import GraniteHybridForCausalLM
 from freetoken_core.models.lfm2 import Lfm2ForCausalLM
 from freetoken_core.models.llama import LlamaForCausalLM
+from freetoken_core.models.llama4 import Llama4ForCausalLM
 from freetoken_core.models.nemotron_h import NemotronHForCausalLM
 from freetoken_core.models.olmo2 import Olmo2ForCausalLM
 from freetoken_core.models.phi import PhiForCausalLM
@@ -73,6 +74,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "cohere": CohereForCausalLM,
     "cohere2": CohereForCausalLM,  # (Cohere's blocks, sliding layers beside NoPE global ones)
     "apertus": LlamaForCausalLM,  # (q/k norms, an xIELU MLP without a gate: apertus.py)
+    "llama4": Llama4ForCausalLM,
 }
 
 SUPPORTED: tuple[str, ...] = tuple(sorted(_CLASSES))

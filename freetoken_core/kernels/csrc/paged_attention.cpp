@@ -18,6 +18,10 @@
 //   context_lens [D] int32              keys each query attends to, its own included
 //   window                              > 0: only the last `window` of those (sliding-window
 //                                       attention: 0 <= query pos - key pos < window)
+//   attention_chunk                     > 0: only those in the query's own chunk of that
+//                                       many positions (Llama 4's chunked attention: key
+//                                       pos / attention_chunk == query pos / attention_chunk);
+//                                       not with a window
 //   sinks        [H] float32, optional  each head's attention sink (gpt-oss): a logit that
 //                                       joins every query's softmax with no value, so the
 //                                       weights of its keys sum to less than one
@@ -410,8 +414,8 @@ constexpr int64_t kRun = 8, kRunChunk = 64;
 template <typename TQ, typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens,
-                      int64_t block_size, double scale, int64_t window, const float* sinks,
-                      float softcap, at::Tensor& out) {
+                      int64_t block_size, double scale, int64_t window, int64_t attention_chunk,
+                      const float* sinks, float softcap, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = kv_cache.size(2), group = num_heads / num_kv_heads;
   const int64_t q_stride = q.stride(0), slot_stride = kv_cache.stride(0);
@@ -422,10 +426,13 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   TQ* out_ptr = out.data_ptr<TQ>();
   const float scale_f = static_cast<float>(scale);
-  // The first key a query of context `len` attends to; its scores are computed from that
-  // key rounded down to a multiple of 4 (group_scores' groups of four keys, so a key's score
-  // is the same floats whatever the range), the softmax and the values from the key itself.
-  const auto first_key = [window](int64_t len) {
+  // The first key a query of context `len` attends to (never earlier for a longer context:
+  // a run's first query reads the fewest keys); its scores are computed from that key
+  // rounded down to a multiple of 4 (group_scores' groups of four keys, so a key's score is
+  // the same floats whatever the range), the softmax and the values from the key itself.
+  const auto first_key = [window, attention_chunk](int64_t len) {
+    // (the query is key len - 1)
+    if (attention_chunk > 0) return (len - 1) / attention_chunk * attention_chunk;
     return window > 0 ? std::max<int64_t>(0, len - window) : int64_t{0};
   };
 
@@ -577,12 +584,16 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
 namespace freetoken {
 
 // paged_decode_attention with a sliding window (the op's `window` argument; 0: none),
-// attention sinks (`sinks`: none where absent) and the scores' softcap (`softcap`; 0: none).
+// attention sinks (`sinks`: none where absent), the scores' softcap (`softcap`; 0: none) and
+// chunked attention (`attention_chunk`; 0: none).
 void paged_window_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
                             int64_t block_size, double scale, at::Tensor out, int64_t window,
-                            const std::optional<at::Tensor>& sinks, double softcap) {
+                            const std::optional<at::Tensor>& sinks, double softcap,
+                            int64_t attention_chunk) {
   TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0");
+  TORCH_CHECK(attention_chunk >= 0 && !(attention_chunk > 0 && window > 0),
+              "paged_decode_attention: attention_chunk must be >= 0, and 0 with a window");
   TORCH_CHECK(softcap >= 0 && std::isfinite(softcap),
               "paged_decode_attention: softcap must be finite and >= 0 (0: none)");
   const float cap = static_cast<float>(softcap);
@@ -608,13 +619,15 @@ void paged_window_attention(const at::Tensor& q, const at::Tensor& kv_cache,
     switch (kv_cache.scalar_type()) {
       case at::kFloat:
         return decode_attention<TQ, float>(q, kv_cache, block_tables, context_lens, block_size,
-                                           scale, window, sink_ptr, cap, out);
+                                           scale, window, attention_chunk, sink_ptr, cap, out);
       case at::kBFloat16:
         return decode_attention<TQ, c10::BFloat16>(q, kv_cache, block_tables, context_lens,
-                                                   block_size, scale, window, sink_ptr, cap, out);
+                                                   block_size, scale, window, attention_chunk,
+                                                   sink_ptr, cap, out);
       case at::kHalf:
         return decode_attention<TQ, c10::Half>(q, kv_cache, block_tables, context_lens,
-                                               block_size, scale, window, sink_ptr, cap, out);
+                                               block_size, scale, window, attention_chunk,
+                                               sink_ptr, cap, out);
       default:
         TORCH_CHECK(false, "paged_decode_attention: a float32, bfloat16 or float16 cache only");
     }
@@ -632,7 +645,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
                             int64_t block_size, double scale, at::Tensor out) {
   paged_window_attention(q, kv_cache, block_tables, context_lens, block_size, scale, out, 0,
-                         std::nullopt, 0.0);
+                         std::nullopt, 0.0, 0);
 }
 
 }  // namespace freetoken
@@ -640,6 +653,6 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
 TORCH_LIBRARY(freetoken, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, "
         "Tensor context_lens, int block_size, float scale, Tensor(a!) out, int window=0, "
-        "Tensor? sinks=None, float softcap=0.0) -> ()",
+        "Tensor? sinks=None, float softcap=0.0, int attention_chunk=0) -> ()",
         &freetoken::paged_window_attention);
 }
