@@ -22,6 +22,7 @@ from freetoken_core.models.config_defaults import (
     starcoder2_config,
     with_defaults,
 )
+from freetoken_core.models.config_falcon_h1 import falcon_h1_config, falcon_h1_fields
 from freetoken_core.models.config_fields import (
     exaone4_fields,
     gemma2_fields,
@@ -61,7 +62,7 @@ ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "gemma4": "gelu_pytorch_tanh", "phi3": "silu", "qwen3_5": "silu",
                 "qwen3_5_moe": "silu", "qwen3_next": "silu",
                 "lfm2": "silu", "lfm2_moe": "silu", "glm4_moe": "silu",
-                "granitemoehybrid": "silu",
+                "granitemoehybrid": "silu", "falcon_h1": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
                 "olmoe": "silu", "granitemoe": "silu", "hunyuan_dense": "silu",
                 "hunyuan_moe": "silu",
@@ -82,6 +83,7 @@ PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "qwen3_next": qwen3_next_config, "lfm2": lfm2_config, "lfm2_moe": lfm2_moe_config,
     "glm4_moe": functools.partial(with_defaults, defaults=GLM4_MOE_DEFAULTS, theta=10_000.0),
     "granitemoehybrid": granite4_config, "nemotron_h": nemotron_h_config,
+    "falcon_h1": falcon_h1_config,
     "cohere": functools.partial(cohere_config, family="cohere"),
     "cohere2": functools.partial(cohere_config, family="cohere2"),
 }
@@ -94,6 +96,7 @@ FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "qwen3_next": qwen3_next_fields, "lfm2": lfm2_fields, "lfm2_moe": lfm2_moe_fields,
     "glm4_moe": glm4_moe_fields, "smollm3": smollm3_fields,
     "granitemoehybrid": granite4_fields, "nemotron_h": nemotron_h_fields,
+    "falcon_h1": falcon_h1_fields,
     "ernie4_5_moe": ernie4_5_moe_fields, "hunyuan_moe": hunyuan_moe_fields,
     "ministral3": ministral3_fields, "olmo3": olmo3_fields, "exaone4": exaone4_fields,
     "starcoder2": starcoder2_fields,
