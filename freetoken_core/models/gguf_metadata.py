@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.gguf_falcon_h1 import falcon_h1_config
 from freetoken_core.models.gguf_families import (
     cohere_config,
     exaone4_config,
@@ -51,6 +52,7 @@ ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
     "granitehybrid": "GraniteMoeHybridForCausalLM",  # (Granite 4's hybrids: gguf_granite4)
+    "falcon-h1": "FalconH1ForCausalLM",  # (gguf_falcon_h1)
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
@@ -257,6 +259,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(lfm2_config(reader, arch, config, names))
     if arch == "granitehybrid":
         config.update(granite4_config(reader, config))
+    if arch == "falcon-h1":
+        config.update(falcon_h1_config(reader, names))
     if arch == "phi3" and rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
     if arch == "glm4":

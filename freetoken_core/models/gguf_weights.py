@@ -223,7 +223,7 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
         weights[name] = GGUFWeight(t.name, qtype, (shape[0], shape[1]), rows, order)
     if arch in gguf_qwen35.EVERY_LAYER:
         weights = gguf_qwen35.hf_weights(reader, weights, num_layers)
-    if arch == "granitehybrid":
+    if arch in ("granitehybrid", "falcon-h1"):  # (their Mamba-2 tensors, changed alike)
         weights = gguf_granite4.hf_weights(weights)
     missing = {"model.embed_tokens.weight", "model.norm.weight"} - set(weights)
     missing |= {f"model.layers.{i}.self_attn.o_proj.weight" for i in range(num_layers)
