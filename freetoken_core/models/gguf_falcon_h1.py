@@ -22,7 +22,9 @@ llama.cpp's, ``embedding_multiplier / lm_head_multiplier`` times transformers' (
 says so). The mixer's gated norm is there where the file has ``ssm_norm`` (the checkpoint's
 ``mamba_rms_norm``), after the gate as llama.cpp computes it (``mamba_norm_before_gate``
 false, as the released configs have it; the file does not say). No q/k permutation
-(llama.cpp rotates Falcon-H1's halves, as transformers does).
+(llama.cpp rotates Falcon-H1's halves, as transformers does). The MLP's norm is ``ffn_norm``,
+without ``.weight`` (gguf-py maps the checkpoint's ``pre_ff_layernorm.weight`` whole, and
+llama.cpp reads that name).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ P = "falcon-h1."
 # A block's tensors, by their names under ``blk.{i}.`` (Llama's names: weight_names.py).
 LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm": "post_attention_layernorm.weight",  # (no ".weight": module docstring)
     **{k: v for k, v in gguf_granite4.LAYER_TENSORS.items() if k.startswith(("attn_", "ssm_"))},
     **{f"ffn_{p}.{kind}": f"mlp.{p}_proj.{kind}" for p in ("gate", "up", "down")
        for kind in ("weight", "bias")},
@@ -63,14 +65,21 @@ def falcon_h1_config(reader: Any, names: set[str]) -> dict[str, Any]:
         raise ModelLoadError(f"GGUF {P}ssm.inner_size {inner} must split into the {heads} "
                              f"Mamba heads ({P}ssm.time_step_rank), a multiple of the "
                              f"{groups} groups ({P}ssm.group_count)")
-    if "output.weight" not in names:
-        log.warning("this falcon-h1 GGUF has no output.weight (a tied checkpoint's): llama.cpp's "
-                    "converter multiplied embedding_multiplier into token_embd and dropped "
-                    "lm_head_multiplier, so the logits are llama.cpp's, not transformers' (the "
-                    "same greedy tokens, another scale for sampling)")
     return {"model_type": "falcon_h1", "mamba_n_heads": heads, "mamba_d_head": inner // heads,
             "mamba_d_ssm": inner, "mamba_n_groups": groups,
             "mamba_d_state": positive(reader, P + "ssm.state_size"),
             "mamba_d_conv": positive(reader, P + "ssm.conv_kernel"),
             "mamba_rms_norm": "blk.0.ssm_norm.weight" in names,
             "mamba_norm_before_gate": False, **_FOLDED}
+
+
+def hf_weights(weights: dict[str, Any], tied: bool) -> dict[str, Any]:
+    """``weights`` (the file's, under the names of :data:`LAYER_TENSORS`) with the mixers'
+    tensors as transformers' checkpoint holds them (``gguf_granite4.hf_weights``); a
+    ``tied`` file (no ``output.weight``) warned about (module docstring)."""
+    if tied:
+        log.warning("this falcon-h1 GGUF has no output.weight (a tied checkpoint's): llama.cpp's "
+                    "converter multiplied embedding_multiplier into token_embd and dropped "
+                    "lm_head_multiplier, so the logits are llama.cpp's, not transformers' (the "
+                    "same greedy tokens, another scale for sampling)")
+    return gguf_granite4.hf_weights(weights)

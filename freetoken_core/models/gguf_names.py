@@ -124,7 +124,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     **gguf_qwen35.LAYER_TENSORS_BY_ARCH,  # (qwen35, qwen35moe, qwen3next: hf_weights)
     **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_TENSORS),
     "granitehybrid": gguf_granite4.LAYER_TENSORS,  # (and its hf_weights)
-    "falcon-h1": gguf_falcon_h1.LAYER_TENSORS,  # (and Granite 4's hf_weights)
+    "falcon-h1": gguf_falcon_h1.LAYER_TENSORS,  # (and its hf_weights)
     "glm4moe": gguf_glm4moe.LAYER_TENSORS,
     "gemma2": {**_GEMMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
                **_MLP},  # (no q/k norms)
