@@ -237,10 +237,12 @@ def test_registry_maps_every_architecture() -> None:
     assert classes["glm4"] is Glm4ForCausalLM
     assert classes["gemma2"] is Gemma2ForCausalLM
     assert {family: classes[family].__name__ for family in (
-        "gemma4", "qwen3_5", "qwen3_next", "lfm2_moe", "granitemoehybrid", "nemotron_h")} == {
+        "gemma4", "qwen3_5", "qwen3_next", "lfm2_moe", "granitemoehybrid", "nemotron_h",
+        "falcon_h1")} == {
         "gemma4": "Gemma4ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
         "qwen3_next": "Qwen3_5ForCausalLM", "lfm2_moe": "Lfm2ForCausalLM",
-        "granitemoehybrid": "GraniteHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
+        "granitemoehybrid": "GraniteHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+        "falcon_h1": "FalconH1ForCausalLM"}
     assert all(classes[f] is llama.LlamaForCausalLM for f in (
         "llama", "mistral", "qwen2", "qwen3", "granite", "qwen3_moe", "mixtral", "gpt_oss"))
     assert set(SUPPORTED) == set(classes)
