@@ -42,12 +42,14 @@ def llama_tokens(port: int, ids: list[int], n: int) -> list[int]:
     return json.loads(urllib.request.urlopen(request, timeout=120).read())["tokens"]
 
 
-def check(server: str, path: Path) -> bool:
+def check(server: str, path: Path, args: tuple[str, ...] = ()) -> bool:
+    """``llama-server`` (with ``args``) on ``path``: its greedy tokens of ``TEXTS`` equal
+    FreeToken's (each prompt's printed)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([server, "-m", str(path), "--port", str(port), "-c", "1024",
-                             "-np", "1", "-t", "2"], stdout=subprocess.DEVNULL,
+                             "-np", "1", "-t", "2", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         for _ in range(120):

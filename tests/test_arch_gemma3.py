@@ -242,11 +242,12 @@ def test_registry_maps_every_architecture() -> None:
     assert classes["gemma2"] is Gemma2ForCausalLM
     assert {family: classes[family].__name__ for family in (
         "gemma4", "gemma3n", "qwen3_5", "qwen3_next", "lfm2_moe", "granitemoehybrid",
-        "nemotron_h")} == {
+        "nemotron_h", "falcon_h1")} == {
         "gemma4": "Gemma4ForCausalLM", "gemma3n": "Gemma3nForCausalLM",
         "qwen3_5": "Qwen3_5ForCausalLM",
         "qwen3_next": "Qwen3_5ForCausalLM", "lfm2_moe": "Lfm2ForCausalLM",
-        "granitemoehybrid": "GraniteHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
+        "granitemoehybrid": "GraniteHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+        "falcon_h1": "FalconH1ForCausalLM"}
     assert {classes[f].__name__ for f in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")} == {
         "DeepseekForCausalLM"} and {classes[f].__name__ for f in (
         "minimax_m2", "dots1")} == {"Glm4MoeForCausalLM"}

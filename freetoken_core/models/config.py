@@ -11,6 +11,7 @@ from typing import Any
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.cohere_config import cohere_fields
+from freetoken_core.models.config_falcon_h1 import HybridMultipliers
 from freetoken_core.models.config_families import (
     ACTIVATIONS,
     DEFAULT_ACTIVATIONS,
@@ -40,6 +41,7 @@ SUPPORTED_ARCHITECTURES = {
     "Dots1ForCausalLM": "dots1",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "NemotronHForCausalLM": "nemotron_h",
+    "FalconH1ForCausalLM": "falcon_h1",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
@@ -229,7 +231,8 @@ class ModelConfig:
     layer_kinds: tuple[str, ...] = ()
     """Per layer, ``attention``, ``linear_attention`` (Qwen3.5's Gated DeltaNet layers: a
     recurrent state per sequence instead of keys and values, ``gated_deltanet``),
-    ``short_conv`` (LFM2's, ``short_conv``) or ``mamba`` (Granite 4's Mamba-2, ``mamba2``);
+    ``short_conv`` (LFM2's, ``short_conv``), ``mamba`` (Granite 4's Mamba-2, ``mamba2``) or
+    ``hybrid`` (Falcon-H1's attention and Mamba-2 side by side: keys and values and a state);
     empty: every layer attention."""
     linear_attention_shape: tuple[int, ...] = ()
     """The linear-attention layers' ``(key heads, value heads, key head size, value head
@@ -239,6 +242,12 @@ class ModelConfig:
     chunk size)`` (``mamba2``)."""
     mamba_time_step_limit: tuple[float, float] = (0.0, float("inf"))
     """The bounds of a Mamba-2 layer's time step (``time_step_limit``)."""
+    mamba_norm: str = "after_gate"
+    """A Mamba-2 mixer's output ``y`` and gate ``z``: ``after_gate``, ``norm(y silu(z))``
+    (Granite 4's, Nemotron-H's); ``before_gate``, ``norm(y) silu(z)``; ``none``,
+    ``y silu(z)`` (Falcon-H1's ``mamba_rms_norm`` / ``mamba_norm_before_gate``)."""
+    hybrid_multipliers: HybridMultipliers | None = None
+    """Falcon-H1's µP multipliers of its blocks (``config_falcon_h1``)."""
     short_conv_kernel: int = 0
     """LFM2's ``conv`` layers' kernel (``conv_L_cache``): each keeps a sequence's last
     ``kernel - 1`` inputs (``short_conv``)."""

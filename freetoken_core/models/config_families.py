@@ -24,6 +24,7 @@ from freetoken_core.models.config_defaults import (
     starcoder2_config,
     with_defaults,
 )
+from freetoken_core.models.config_falcon_h1 import falcon_h1_config, falcon_h1_fields
 from freetoken_core.models.config_fields import (
     exaone4_fields,
     gemma2_fields,
@@ -71,7 +72,7 @@ ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh",
                 "phi3": "silu", "qwen3_5": "silu",
                 "qwen3_5_moe": "silu", "qwen3_next": "silu",
                 "lfm2": "silu", "lfm2_moe": "silu", "glm4_moe": "silu",
-                "granitemoehybrid": "silu",
+                "granitemoehybrid": "silu", "falcon_h1": "silu",
                 "qwen3_moe": "silu", "qwen2_moe": "silu", "mixtral": "silu", "glm4": "silu",
                 "olmoe": "silu", "granitemoe": "silu", "hunyuan_dense": "silu",
                 "hunyuan_moe": "silu",
@@ -99,6 +100,7 @@ PREPARED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
                                     theta=10_000.0),
     "dots1": functools.partial(with_defaults, defaults=DOTS1_DEFAULTS, theta=10_000.0),
     "granitemoehybrid": granite4_config, "nemotron_h": nemotron_h_config,
+    "falcon_h1": falcon_h1_config,
     "cohere": functools.partial(cohere_config, family="cohere"),
     "cohere2": functools.partial(cohere_config, family="cohere2"),
     **{family: functools.partial(mla_config, family=family)
@@ -118,6 +120,7 @@ FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "glm4_moe": glm4_moe_fields, "smollm3": smollm3_fields, "minimax_m2": minimax_m2_fields,
     "dots1": dots1_fields,
     "granitemoehybrid": granite4_fields, "nemotron_h": nemotron_h_fields,
+    "falcon_h1": falcon_h1_fields,
     "ernie4_5_moe": ernie4_5_moe_fields, "hunyuan_moe": hunyuan_moe_fields,
     "ministral3": ministral3_fields, "olmo3": olmo3_fields, "exaone4": exaone4_fields,
     "starcoder2": starcoder2_fields, "phi": phi_fields,

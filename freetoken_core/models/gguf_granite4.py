@@ -88,7 +88,8 @@ def kv_head_count(reader: Any, arch: str, heads: int) -> int:
     return counts.pop() if counts else heads
 
 
-def _positive(reader: Any, key: str) -> int:
+def positive(reader: Any, key: str) -> int:
+    """The file's ``key``, required, a positive integer."""
     value = require(reader, key)
     if not isinstance(value, (int, np.integer)) or int(value) < 1:
         raise ModelLoadError(f"GGUF {key} must be a positive integer, not {value!r}; "
@@ -106,8 +107,8 @@ def granite4_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     if len(per_layer) != layers:
         raise ModelLoadError(f"GGUF {P}attention.head_count_kv has {len(per_layer)} values "
                              f"for {layers} blocks")
-    heads = _positive(reader, P + "ssm.time_step_rank")
-    inner = _positive(reader, P + "ssm.inner_size")
+    heads = positive(reader, P + "ssm.time_step_rank")
+    inner = positive(reader, P + "ssm.inner_size")
     if inner % heads or inner % hidden:
         raise ModelLoadError(f"GGUF {P}ssm.inner_size {inner} must split into the "
                              f"{heads} Mamba heads ({P}ssm.time_step_rank) and be a multiple "
@@ -122,9 +123,9 @@ def granite4_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
         "layer_types": ["mamba" if int(kv) == 0 else "attention" for kv in per_layer],
         "mamba_n_heads": heads, "mamba_d_head": inner // heads,
         "mamba_expand": inner // hidden,
-        "mamba_n_groups": _positive(reader, P + "ssm.group_count"),
-        "mamba_d_state": _positive(reader, P + "ssm.state_size"),
-        "mamba_d_conv": _positive(reader, P + "ssm.conv_kernel"),
+        "mamba_n_groups": positive(reader, P + "ssm.group_count"),
+        "mamba_d_state": positive(reader, P + "ssm.state_size"),
+        "mamba_d_conv": positive(reader, P + "ssm.conv_kernel"),
         "position_embedding_type": ("rope" if field(reader, P + "rope.scaling.finetuned", True)
                                     else "nope"),
         "embedding_multiplier": scale("embedding_scale", 1.0),
@@ -151,7 +152,8 @@ def granite4_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
 
 def hf_weights(weights: dict[str, Any]) -> dict[str, Any]:
     """``weights`` (a ``granitehybrid`` file's, under the Hugging Face names of
-    :data:`LAYER_TENSORS`) as transformers' checkpoint holds the Mamba-2 layers' small
+    :data:`LAYER_TENSORS`; or a ``falcon-h1`` file's, whose converter changes its mixers'
+    tensors alike: ``gguf_falcon_h1``) as transformers' checkpoint holds the Mamba-2 layers' small
     tensors (module docstring): float32 tensors of transformers' shapes, ``A_log`` from
     ``ssm_a``."""
     import torch

@@ -12,6 +12,7 @@ import numpy as np
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.gguf_apertus import apertus_config
 from freetoken_core.models.gguf_deepseek2 import deepseek2_config
+from freetoken_core.models.gguf_falcon_h1 import falcon_h1_config
 from freetoken_core.models.gguf_families import (
     cohere_config,
     exaone4_config,
@@ -58,6 +59,7 @@ ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
     "granitehybrid": "GraniteMoeHybridForCausalLM",  # (Granite 4's hybrids: gguf_granite4)
+    "falcon-h1": "FalconH1ForCausalLM",  # (gguf_falcon_h1)
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
@@ -280,6 +282,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(granite4_config(reader, config))
     if arch == "minimax-m2":  # (its config's rotary_dim; experts: moe_config)
         config["rotary_dim"] = rope_dim
+    if arch == "falcon-h1":
+        config.update(falcon_h1_config(reader, names))
     if arch == "phi3" and rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
     if arch == "phi2":  # (LayerNorms, biases, GELU, partial rotary)

@@ -2,7 +2,8 @@
 family (``gguf_weights.read_gguf_weights`` maps every tensor of a file through
 :func:`hf_name`; the newer families' tables are their own modules': ``gguf_gemma4``,
 ``gguf_gemma3n``, ``gguf_qwen35``, ``gguf_lfm2``, ``gguf_granite4``, ``gguf_glm4moe``, ``gguf_deepseek2``,
-``gguf_llama4``)."""
+``gguf_llama4``,
+``gguf_falcon_h1``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 
 from freetoken_core.models import (
     gguf_deepseek2,
+    gguf_falcon_h1,
     gguf_gemma3n,
     gguf_gemma4,
     gguf_glm4moe,
@@ -133,6 +135,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     **gguf_qwen35.LAYER_TENSORS_BY_ARCH,  # (qwen35, qwen35moe, qwen3next: hf_weights)
     **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_TENSORS),
     "granitehybrid": gguf_granite4.LAYER_TENSORS,  # (and its hf_weights)
+    "falcon-h1": gguf_falcon_h1.LAYER_TENSORS,  # (and its hf_weights)
     "glm4moe": gguf_glm4moe.LAYER_TENSORS,
     "deepseek2": gguf_deepseek2.LAYER_TENSORS,
     # (q/k norms over all heads, [heads x head_dim]; the router's selection bias)

@@ -21,7 +21,7 @@ import numpy as np
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.hugepages import PAGE, madvise_dontneed
-from freetoken_core.models import gguf_apertus, gguf_granite4, gguf_qwen35
+from freetoken_core.models import gguf_apertus, gguf_falcon_h1, gguf_granite4, gguf_qwen35
 from freetoken_core.models.gguf_metadata import ROPE_FACTOR_TENSORS
 from freetoken_core.models.gguf_names import MIXER_OUTPUTS, PERMUTED_QK, hf_name
 
@@ -227,6 +227,8 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
         weights = gguf_granite4.hf_weights(weights)
     if arch == "apertus":  # (xIELU's scalars, from the metadata)
         weights = gguf_apertus.hf_weights(reader, weights, num_layers)
+    if arch == "falcon-h1":
+        weights = gguf_falcon_h1.hf_weights(weights, tied)
     missing = {"model.embed_tokens.weight", "model.norm.weight"} - set(weights)
     missing |= {f"model.layers.{i}.self_attn.o_proj.weight" for i in range(num_layers)
                 if not any(f"model.layers.{i}.{mixer}" in weights for mixer in MIXER_OUTPUTS)

@@ -15,7 +15,8 @@ contiguous, shaped ``[slot, key/value, its KV heads, its head dim]``. The narrow
 leave the rest of their cache layer unused (Gemma 4 31B: its 10 global layers' slots are
 half used). Multi-head latent attention (DeepSeek's, ``mla_shape``) stores one KV head of a
 token's normed latent and rotated key part, its keys and values the same vector
-(``deepseek.MlaAttention``)."""
+(``deepseek.MlaAttention``). Falcon-H1's hybrid layers store keys and values (their
+attention) beside a recurrent state (their Mamba-2 mixer, which the model keeps)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,14 @@ import torch
 
 from freetoken_core.models.config import ModelConfig
 
+KV_KINDS = frozenset({"attention", "hybrid"})
+"""The ``ModelConfig.layer_kinds`` whose layers store keys and values."""
+
 
 def uniform(cfg: ModelConfig) -> bool:
     """Whether every layer stores keys and values of the model's own shape."""
     return not cfg.kv_shared_layers and set(cfg.layer_head_dims) <= {cfg.head_dim} and set(
-        cfg.layer_kv_heads) <= {cfg.num_kv_heads} and set(cfg.layer_kinds) <= {"attention"}
+        cfg.layer_kv_heads) <= {cfg.num_kv_heads} and set(cfg.layer_kinds) <= KV_KINDS
 
 
 def layer_kv_shape(cfg: ModelConfig, index: int) -> tuple[int, int]:
@@ -44,7 +48,7 @@ def kv_sources(cfg: ModelConfig) -> tuple[int | None, ...]:
     first_shared = layers - cfg.kv_shared_layers
     sliding = [w is not None for w in cfg.layer_windows or (None,) * layers]
     kinds = cfg.layer_kinds or ("attention",) * layers
-    return tuple(None if kinds[i] != "attention" else i if i < first_shared
+    return tuple(None if kinds[i] not in KV_KINDS else i if i < first_shared
                  else max(j for j in range(first_shared) if sliding[j] == sliding[i])
                  for i in range(layers))
 

@@ -1,6 +1,7 @@
-"""Mamba-2, the state-space mixer of Granite 4's ``mamba`` layers and Nemotron-H's (transformers'
-``GraniteMoeHybridMambaLayer``, ``NemotronHMamba2Mixer``: the same computation), over
-per-sequence states (``recurrent``).
+"""Mamba-2, the state-space mixer of Granite 4's ``mamba`` layers, Nemotron-H's and Falcon-H1's
+(transformers' ``GraniteMoeHybridMambaLayer``, ``NemotronHMamba2Mixer``, ``FalconH1Mixer``:
+the same computation, Falcon-H1's with multipliers, ``falcon_h1.py``), over per-sequence
+states (``recurrent``).
 
 A layer keeps, per sequence, its convolution's last ``kernel - 1`` inputs (``conv``) and a
 state per head (``ssm`` ``[heads, head size, state size]``, float32). A token's computation, as
@@ -14,7 +15,8 @@ transformers computes it:
 - ``dt = softplus(dt + dt_bias)`` (clamped to ``time_step_limit``), ``A = -exp(A_log)``: the
   state decays by ``exp(dt A)`` and takes ``dt B x^T`` (each group's B and C serving
   ``heads / groups`` heads); the output is ``S C + D x``;
-- times ``silu(z)``, RMSNormed in ``groups`` groups (weight ``w``), then the out projection.
+- times ``silu(z)``, RMSNormed in ``groups`` groups (weight ``w``), then the out projection
+  (``ModelConfig.mamba_norm``: Falcon-H1's norm before the gate, or none).
 
 A prompt chunk runs the chunked form (transformers' ``mamba2_chunk_scan``: the same
 recurrence in blocks of ``chunk_size`` tokens) from its sequence's state, or from zeros where
@@ -111,7 +113,8 @@ class Mamba2:
         self.dt_bias = weights.pop(p + "dt_bias")
         self.a = -torch.exp(weights.pop(p + "A_log").float())
         self.d = weights.pop(p + "D")
-        self.norm = weights.pop(p + "norm.weight")
+        self.norm_kind = cfg.mamba_norm
+        self.norm = None if self.norm_kind == "none" else weights.pop(p + "norm.weight")
         self.dt_limit = cfg.mamba_time_step_limit
         self.eps = cfg.rms_norm_eps
         self.linears = (self.in_proj, self.out_proj)
@@ -128,7 +131,7 @@ class Mamba2:
                  ) -> torch.Tensor:
         """The mixer's output for the normed ``x`` ``[T, hidden]`` of the step's sequences
         (``spans``), their states read and written in place."""
-        z, xbc, dt = self.in_proj(x).split([self.inner, self.channels, self.heads], dim=-1)
+        z, xbc, dt = self.project(x).split([self.inner, self.channels, self.heads], dim=-1)
         # (transformers clamps dt to time_step_limit in its chunked form only)
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype))
         out = torch.empty(x.shape[0], self.heads, self.head_size, dtype=torch.float32,
@@ -159,6 +162,10 @@ class Mamba2:
             out[rows] = y + self.d.float()[:, None] * h
         return self.out_proj(self.gated_norm(out, z).to(x.dtype))
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The in projection of ``x``: ``z``, ``xBC`` and ``dt`` side by side."""
+        return self.in_proj(x)
+
     def split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` ``[T, heads, head size]``, ``B`` and ``C`` ``[T, heads, state size]`` (each
         group's repeated for its heads) of the convolution's output, in float32."""
@@ -173,9 +180,16 @@ class Mamba2:
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The scan's output ``y`` ``[T, heads, head size]`` (float32, ``D x`` added) times
         ``silu(z)``, RMSNormed in ``groups`` groups, times the norm's weight (transformers'
-        ``GraniteMoeHybridRMSNormGated``, in float32 as the scan's output is)."""
+        ``GraniteMoeHybridRMSNormGated``, in float32 as the scan's output is); normed before
+        the gate, or not at all, as ``mamba_norm`` says (``FalconH1RMSNormGated``)."""
         n = y.shape[0]
-        h = y.reshape(n, self.inner) * F.silu(z.float())
+        gate = F.silu(z.float())
+        h = y.reshape(n, self.inner)
+        if self.norm is None:
+            return h * gate
+        if self.norm_kind == "after_gate":
+            h = h * gate
         h = h.view(n, self.groups, -1)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.norm * h.view(n, self.inner)
+        h = self.norm * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).view(
+            n, self.inner)
+        return h * gate if self.norm_kind == "before_gate" else h

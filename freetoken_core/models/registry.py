@@ -8,6 +8,7 @@ from freetoken_core.models.cohere import CohereForCausalLM
 from freetoken_core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from freetoken_core.models.deepseek import DeepseekForCausalLM
 from freetoken_core.models.ernie4_5 import Ernie4_5ForCausalLM
+from freetoken_core.models.falcon_h1 import FalconH1ForCausalLM
 from freetoken_core.models.gemma2 import Gemma2ForCausalLM
 from freetoken_core.models.gemma3 import Gemma3ForCausalLM
 from freetoken_core.models.gemma3n import Gemma3nForCausalLM
@@ -37,6 +38,7 @@ _CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "lfm2": Lfm2ForCausalLM,
     "granitemoehybrid": GraniteHybridForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
+    "falcon_h1": FalconH1ForCausalLM,  # (attention and Mamba-2 side by side in every block)
     "lfm2_moe": Lfm2ForCausalLM,  # (experts past the first layers: moe.py's sigmoid gating)
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,

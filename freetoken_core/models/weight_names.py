@@ -87,6 +87,12 @@ _RENAMES: dict[str, list[tuple[re.Pattern[str], str]]] = {
         (r"^model\.embeddings\.", "model.embed_tokens."),
         (r"^model\.norm_f\.", "model.norm."),
     )],
+    # Falcon-H1: Llama's block under its own names (falcon_h1.py reads its mixers')
+    "falcon_h1": [(re.compile(pattern), replacement) for pattern, replacement in (
+        (r"^model\.final_layernorm\.", "model.norm."),
+        (r"\.pre_ff_layernorm\.", ".post_attention_layernorm."),
+        (r"\.feed_forward\.", ".mlp."),
+    )],
     # ERNIE 4.5 MoE: the router's selection bias, as released or as transformers 5 saves it
     "ernie4_5_moe": [(re.compile(r"\.mlp\.(gate\.)?moe_statics\.e_score_correction_bias$"),
                       ".mlp.expert_bias")],
