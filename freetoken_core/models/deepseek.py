@@ -37,10 +37,10 @@ from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.glm4_moe import drop_extra_layers
-from freetoken_core.models.layers import add_rms_norm, apply_rope, rms_norm, silu_and_mul
+from freetoken_core.models.layers import add_rms_norm, apply_rope, rms_norm
 from freetoken_core.models.linear import BlockArena, Linear, make_linear
 from freetoken_core.models.llama import LlamaForCausalLM, Weights
-from freetoken_core.models.moe import SparseMoE
+from freetoken_core.models.moe import SparseMoE, feed_forward
 from freetoken_core.models.phi3 import reorder_rows
 from freetoken_core.models.sharding import Shard
 
@@ -170,20 +170,11 @@ class DeepseekDecoderLayer:
                  arena: BlockArena | None = None) -> None:
         prefix = f"model.layers.{index}."
         self.attn = MlaAttention(cfg, weights, prefix, arena)
-        self.moe: SparseMoE | None = None
-        if cfg.is_moe_layer(index):
-            self.moe = SparseMoE(cfg, weights, prefix, native, arena)
-            mlp = self.moe.linears
-        else:
-            self.gate_up_proj = make_linear([weights.pop(prefix + "mlp.gate_proj.weight"),
-                                             weights.pop(prefix + "mlp.up_proj.weight")],
-                                            arena=arena)
-            self.down_proj = make_linear([weights.pop(prefix + "mlp.down_proj.weight")],
-                                         arena=arena)
-            mlp = (self.gate_up_proj, self.down_proj)
+        self.mlp = feed_forward(cfg, weights, prefix, index, native, arena)
+        self.moe = self.mlp if isinstance(self.mlp, SparseMoE) else None
         self.input_norm = weights.pop(prefix + "input_layernorm.weight")
         self.post_attn_norm = weights.pop(prefix + "post_attention_layernorm.weight")
-        self.linears = (*self.attn.linears, *mlp)
+        self.linears = (*self.attn.linears, *self.mlp.linears)
         self.eps, self.native = cfg.rms_norm_eps, native
         self.one_call = None
 
@@ -197,9 +188,7 @@ class DeepseekDecoderLayer:
             x, residual = add_rms_norm(x, residual, self.input_norm, self.eps, self.native)
         x = self.attn(x, cos, sin, kv_cache, meta, self.native)
         x, residual = add_rms_norm(x, residual, self.post_attn_norm, self.eps, self.native)
-        if self.moe is not None:
-            return self.moe(x), residual
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native)), residual
+        return self.mlp(x), residual
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):

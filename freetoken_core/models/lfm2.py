@@ -22,10 +22,10 @@ from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.kv_layout import LayerViews
-from freetoken_core.models.layers import add_rms_norm, rms_norm, silu_and_mul
-from freetoken_core.models.linear import BlockArena, make_linear
+from freetoken_core.models.layers import add_rms_norm, rms_norm
+from freetoken_core.models.linear import BlockArena
 from freetoken_core.models.llama import DecoderLayer, LlamaForCausalLM, Weights
-from freetoken_core.models.moe import SparseMoE
+from freetoken_core.models.moe import SparseMoE, feed_forward
 from freetoken_core.models.recurrent import allocate_states, check_step
 from freetoken_core.models.sharding import Shard
 from freetoken_core.models.short_conv import ShortConv
@@ -39,20 +39,11 @@ class ShortConvLayer:
                  arena: BlockArena | None = None) -> None:
         prefix = f"model.layers.{index}."
         self.mixer = ShortConv(cfg, weights, prefix, arena)
-        self.moe: SparseMoE | None = None
-        if cfg.is_moe_layer(index):  # (LFM2-MoE's)
-            self.moe = SparseMoE(cfg, weights, prefix, native, arena)
-            mlp = self.moe.linears
-        else:
-            self.gate_up_proj = make_linear([weights.pop(prefix + "mlp.gate_proj.weight"),
-                                             weights.pop(prefix + "mlp.up_proj.weight")],
-                                            arena=arena)
-            self.down_proj = make_linear([weights.pop(prefix + "mlp.down_proj.weight")],
-                                         arena=arena)
-            mlp = (self.gate_up_proj, self.down_proj)
+        self.mlp = feed_forward(cfg, weights, prefix, index, native, arena)
+        self.moe = self.mlp if isinstance(self.mlp, SparseMoE) else None
         self.input_norm = weights.pop(prefix + "input_layernorm.weight")
         self.post_attn_norm = weights.pop(prefix + "post_attention_layernorm.weight")
-        self.linears = (*self.mixer.linears, *mlp)
+        self.linears = (*self.mixer.linears, *self.mlp.linears)
         self.eps, self.native = cfg.rms_norm_eps, native
         self.one_call = None
 
@@ -66,9 +57,7 @@ class ShortConvLayer:
         assert meta.sequences is not None
         x = self.mixer(x, states, meta.sequences)
         x, residual = add_rms_norm(x, residual, self.post_attn_norm, self.eps, self.native)
-        if self.moe is not None:
-            return self.moe(x), residual
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native)), residual
+        return self.mlp(x), residual
 
 
 def _layer(cfg: ModelConfig, weights: Weights, index: int, native: bool,

@@ -317,3 +317,29 @@ class SparseMoE:
             out.index_add_(0, rows, h * pair_weights[start:start + count, None])
             start += count
         return out
+
+
+class SwiGluMlp:
+    """A dense SwiGLU MLP (``mlp.{gate,up,down}_proj``, no biases), its gate and up one
+    linear: ``mlp(x)`` is ``down(silu(gate x) * up x)``."""
+
+    def __init__(self, weights: dict[str, Any], prefix: str, native: bool,
+                 arena: BlockArena | None = None) -> None:
+        mlp = prefix + "mlp."
+        self.gate_up_proj = make_linear([weights.pop(mlp + "gate_proj.weight"),
+                                         weights.pop(mlp + "up_proj.weight")], arena=arena)
+        self.down_proj = make_linear([weights.pop(mlp + "down_proj.weight")], arena=arena)
+        self.linears = (self.gate_up_proj, self.down_proj)
+        self.native = native
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native))
+
+
+def feed_forward(cfg: ModelConfig, weights: dict[str, Any], prefix: str, index: int,
+                 native: bool, arena: BlockArena | None = None) -> SparseMoE | SwiGluMlp:
+    """Layer ``index``'s MLP: its experts where ``cfg.is_moe_layer(index)``, else a
+    :class:`SwiGluMlp`."""
+    if cfg.is_moe_layer(index):
+        return SparseMoE(cfg, weights, prefix, native, arena)
+    return SwiGluMlp(weights, prefix, native, arena)

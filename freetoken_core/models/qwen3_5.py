@@ -34,11 +34,10 @@ from freetoken_core.models.layers import (
     RotaryEmbedding,
     float32_weight_add_rms_norm,
     float32_weight_rms_norm,
-    silu_and_mul,
 )
 from freetoken_core.models.linear import BlockArena, make_linear
 from freetoken_core.models.llama import LlamaForCausalLM, Weights
-from freetoken_core.models.moe import SparseMoE
+from freetoken_core.models.moe import SparseMoE, feed_forward
 from freetoken_core.models.recurrent import allocate_states, check_step
 from freetoken_core.models.sharding import Shard
 
@@ -79,15 +78,10 @@ class Qwen3_5DecoderLayer:
             self.q_norm = norm_weight(w(attn + "q_norm.weight"))
             self.k_norm = norm_weight(w(attn + "k_norm.weight"))
             linears += [self.qkv_proj, self.o_proj]
-        self.moe: SparseMoE | None = None
-        if cfg.is_moe_layer(index):  # (Qwen3.5-MoE's, Qwen3-Next's: experts, a shared one)
-            self.moe = SparseMoE(cfg, weights, prefix, native, arena)
-            linears += self.moe.linears
-        else:
-            self.gate_up_proj = make_linear([w("mlp.gate_proj.weight"),
-                                             w("mlp.up_proj.weight")], arena=arena)
-            self.down_proj = make_linear([w("mlp.down_proj.weight")], arena=arena)
-            linears += [self.gate_up_proj, self.down_proj]
+        # (Qwen3.5-MoE's, Qwen3-Next's: experts, a shared one)
+        self.mlp = feed_forward(cfg, weights, prefix, index, native, arena)
+        self.moe = self.mlp if isinstance(self.mlp, SparseMoE) else None
+        linears += self.mlp.linears
         self.input_norm = norm_weight(w("input_layernorm.weight"))
         self.post_attn_norm = norm_weight(w("post_attention_layernorm.weight"))
         self.linears = tuple(linears)
@@ -117,9 +111,7 @@ class Qwen3_5DecoderLayer:
             x = self.attention(x, cos, sin, kv_cache, meta)
         x, residual = float32_weight_add_rms_norm(x, residual, self.post_attn_norm, self.eps,
                                                   self.native)
-        if self.moe is not None:
-            return self.moe(x), residual
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.native)), residual
+        return self.mlp(x), residual
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
