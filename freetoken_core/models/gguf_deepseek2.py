@@ -37,6 +37,7 @@ from typing import Any
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.gguf_glm4moe import NEXTN_TENSORS
+from freetoken_core.models.gguf_name_parts import MLP, MOE, SELECTION_BIAS, SHARED_EXPERTS
 from freetoken_core.models.gguf_reader import field, require
 
 _P = "deepseek2."
@@ -56,17 +57,7 @@ LAYER_TENSORS = {
     "attn_v_b.weight": "self_attn.v_b_proj.{e}.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "ffn_gate_inp.weight": "mlp.gate.weight",
-    "exp_probs_b.bias": "mlp.expert_bias",  # (FreeToken's name of e_score_correction_bias)
-    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
-    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
-    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
-    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    **MLP, **MOE, **SELECTION_BIAS, **SHARED_EXPERTS,
     **NEXTN_TENSORS,
 }
 _SIGMOID, _SOFTMAX = 2, 1  # (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*)

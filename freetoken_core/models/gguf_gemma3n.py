@@ -30,6 +30,7 @@ import numpy as np
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.gguf_gemma4 import per_layer
+from freetoken_core.models.gguf_name_parts import ATTENTION, GEMMA_NORMS, MLP
 from freetoken_core.models.gguf_reader import array_field, field, require
 
 # Tensors outside the blocks (``{e}``: a copy's slice of a 3-d tensor).
@@ -42,19 +43,7 @@ GLOBAL_TENSORS = {
 }
 # A block's tensors, by their names under ``blk.{i}.``.
 LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    **GEMMA_NORMS, **ATTENTION, **MLP,
     "inp_gate.weight": "per_layer_input_gate.weight",
     "proj.weight": "per_layer_projection.weight",
     "post_norm.weight": "post_per_layer_input_norm.weight",

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.gguf_name_parts import ATTENTION, GEMMA_NORMS, MLP, MOE
 from freetoken_core.models.gguf_reader import array_field, field, require
 
 # Tensors outside the blocks.
@@ -34,30 +35,14 @@ GLOBAL_TENSORS = {
 }
 # A block's tensors, by their names under ``blk.{i}.`` (``{e}``: an expert of a 3-d tensor).
 LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    **GEMMA_NORMS, **ATTENTION, **MLP, **MOE,
     "layer_output_scale.weight": "layer_scalar",
     "inp_gate.weight": "per_layer_input_gate.weight",
     "proj.weight": "per_layer_projection.weight",
     "post_norm.weight": "post_per_layer_input_norm.weight",
-    "ffn_gate_inp.weight": "mlp.gate.weight",
     "ffn_gate_inp.scale": "router.scale",
     "ffn_down_exps.scale": "router.per_expert_scale",
     "ffn_gate_up_exps.weight": "mlp.experts.{e}.gate_up_proj.weight",
-    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
-    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
-    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
     "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
     "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
     "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",

@@ -30,6 +30,13 @@ import re
 from typing import Any
 
 from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.gguf_name_parts import (
+    ATTENTION,
+    MLP,
+    MOE,
+    SELECTION_BIAS,
+    SHARED_EXPERTS,
+)
 from freetoken_core.models.gguf_reader import array_field, field, require
 
 _P = "glm4moe."
@@ -47,28 +54,9 @@ NEXTN_TENSORS = {
 # A block's tensors, by their names under ``blk.{i}.`` (``{e}``: an expert of a 3-d tensor).
 LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "ffn_gate_inp.weight": "mlp.gate.weight",
-    "exp_probs_b.bias": "mlp.expert_bias",  # (FreeToken's name of e_score_correction_bias)
-    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
-    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
-    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+    **ATTENTION, **MLP, **MOE, **SELECTION_BIAS, **SHARED_EXPERTS,
     "ffn_gate_up_exps.weight": "mlp.experts.{e}.gate_up_proj.weight",  # (--fuse-gate-up)
-    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
     **NEXTN_TENSORS,
 }
 

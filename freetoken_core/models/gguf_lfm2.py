@@ -30,6 +30,7 @@ from typing import Any
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.gguf_gemma4 import per_layer
+from freetoken_core.models.gguf_name_parts import ATTENTION, LLAMA_NORMS, MLP, MOE, SELECTION_BIAS
 from freetoken_core.models.gguf_reader import field, require
 
 ARCHITECTURES = {"lfm2": "Lfm2ForCausalLM", "lfm2moe": "Lfm2MoeForCausalLM"}
@@ -39,25 +40,11 @@ GLOBAL_TENSORS = {"token_embd_norm.weight": "model.norm.weight"}
 # A block's tensors, by their names under ``blk.{i}.`` (``{e}``: an expert of a 3-d tensor),
 # as FreeToken's LFM2 reads them (weight_names.py's renames of the checkpoint's).
 LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    **LLAMA_NORMS, **ATTENTION,
     "shortconv.conv.weight": "conv.conv.weight",
     "shortconv.in_proj.weight": "conv.in_proj.weight",
     "shortconv.out_proj.weight": "conv.out_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "ffn_gate_inp.weight": "mlp.gate.weight",
-    "exp_probs_b.bias": "mlp.expert_bias",
-    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
-    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
-    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+    **MLP, **MOE, **SELECTION_BIAS,
 }
 _SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 

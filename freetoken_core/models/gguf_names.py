@@ -1,9 +1,9 @@
 """GGUF tensor names as the Hugging Face names FreeToken's models read, per architecture
 family (``gguf_weights.read_gguf_weights`` maps every tensor of a file through
-:func:`hf_name`; the newer families' tables are their own modules': ``gguf_gemma4``,
-``gguf_gemma3n``, ``gguf_qwen35``, ``gguf_lfm2``, ``gguf_granite4``, ``gguf_glm4moe``, ``gguf_deepseek2``,
-``gguf_llama4``,
-``gguf_falcon_h1``)."""
+:func:`hf_name`), built from the parts most families share (``gguf_name_parts``); the newer
+families' tables are their own modules': ``gguf_gemma4``, ``gguf_gemma3n``, ``gguf_qwen35``,
+``gguf_lfm2``, ``gguf_granite4``, ``gguf_glm4moe``, ``gguf_deepseek2``, ``gguf_llama4``,
+``gguf_falcon_h1``, ``gguf_phi2``)."""
 
 from __future__ import annotations
 
@@ -21,38 +21,18 @@ from freetoken_core.models import (
     gguf_phi2,
     gguf_qwen35,
 )
+from freetoken_core.models.gguf_name_parts import (
+    ATTENTION,
+    GEMMA_NORMS,
+    GLOBAL,
+    LLAMA_NORMS,
+    MLP,
+    MOE,
+    SELECTION_BIAS,
+    SHARED_EXPERTS,
+)
 
 # GGUF tensor name -> Hugging Face name, per architecture family; ``{i}`` is the layer.
-_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output_norm.bias": "model.norm.bias",  # (StarCoder2's LayerNorm)
-    "output.weight": "lm_head.weight",
-}
-_ATTENTION = {
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-}
-_MLP = {
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-# Mixture-of-experts MLPs: the router, and each expert's slice of the 3-d expert tensors
-# ([experts, out, in] as Hugging Face orders them), ``{e}`` the expert.
-_MOE = {
-    "ffn_gate_inp.weight": "mlp.gate.weight",
-    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
-    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
-    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
-}
 # Qwen2-MoE's shared expert and its gate (1-d in the file: ``[hidden]``).
 _SHARED_EXPERT = {
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
@@ -66,10 +46,10 @@ _SHARED_EXPERT = {
 _GPT_OSS = {
     "attn_norm.weight": "input_layernorm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
-    **_ATTENTION,
+    **ATTENTION,
     "attn_output.bias": "self_attn.o_proj.bias",
     "attn_sinks.weight": "self_attn.sinks",
-    **_MOE,
+    **MOE,
     "ffn_gate_inp.bias": "mlp.gate.bias",
     "ffn_gate_exps.bias": "mlp.experts.{e}.gate_proj.bias",
     "ffn_up_exps.bias": "mlp.experts.{e}.up_proj.bias",
@@ -77,59 +57,48 @@ _GPT_OSS = {
     "ffn_gate_up_exps.weight": "mlp.experts.{e}.gate_up_proj.weight",
     "ffn_gate_up_exps.bias": "mlp.experts.{e}.gate_up_proj.bias",
 }
-_LLAMA_NORMS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-# Gemma's four norms a block (their weights stored as 1 + w: ``_vector`` takes the 1 off).
-_GEMMA_NORMS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-}
 # OLMo 2's and EXAONE 4's: norms after attention and MLP, none before.
 _POST_NORMED = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-    **_ATTENTION, **_MLP,
+    **ATTENTION, **MLP,
 }
 _LAYER_TENSORS: dict[str, dict[str, str]] = {
-    "llama": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},  # (Mixtral: llama with experts)
-    "smollm3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
-    "mistral3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
+    "llama": {**LLAMA_NORMS, **ATTENTION, **MLP, **MOE},  # (Mixtral: llama with experts)
+    "smollm3": {**LLAMA_NORMS, **ATTENTION, **MLP},
+    "mistral3": {**LLAMA_NORMS, **ATTENTION, **MLP},
     "olmo2": _POST_NORMED,  # (no input norms; q/k norms over all heads)
     "exaone4": _POST_NORMED,  # (OLMo 2's, with q/k norms per head)
-    "granite": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
-    "granitemoe": {**_LLAMA_NORMS, **_ATTENTION, **_MOE},
-    "exaone": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (q/k unpermuted: not PERMUTED_QK)
-    "arcee": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (no ffn_gate: ReLU² of ffn_up)
+    "granite": {**LLAMA_NORMS, **ATTENTION, **MLP},
+    "granitemoe": {**LLAMA_NORMS, **ATTENTION, **MOE},
+    "exaone": {**LLAMA_NORMS, **ATTENTION, **MLP},  # (q/k unpermuted: not PERMUTED_QK)
+    "arcee": {**LLAMA_NORMS, **ATTENTION, **MLP},  # (no ffn_gate: ReLU² of ffn_up)
     "apertus": {  # (per-head q/k norms, q/k unpermuted; no ffn_gate: xIELU of ffn_up)
-        **_LLAMA_NORMS, **_ATTENTION, "attn_output.bias": "self_attn.o_proj.bias",
+        **LLAMA_NORMS, **ATTENTION, "attn_output.bias": "self_attn.o_proj.bias",
         "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
     },
     "starcoder2": {  # (LayerNorms and linears with biases; no ffn_gate: GELU of ffn_up)
-        **_LLAMA_NORMS, "attn_norm.bias": "input_layernorm.bias",
-        "ffn_norm.bias": "post_attention_layernorm.bias", **_ATTENTION,
-        "attn_output.bias": "self_attn.o_proj.bias", **_MLP,
+        **LLAMA_NORMS, "attn_norm.bias": "input_layernorm.bias",
+        "ffn_norm.bias": "post_attention_layernorm.bias", **ATTENTION,
+        "attn_output.bias": "self_attn.o_proj.bias", **MLP,
         "ffn_up.bias": "mlp.up_proj.bias", "ffn_down.bias": "mlp.down_proj.bias",
     },
     "seed_oss": {  # (its converter names the MLP's input norm as a post-attention norm)
         "attn_norm.weight": "input_layernorm.weight",
         "post_attention_norm.weight": "post_attention_layernorm.weight",
-        **_ATTENTION, **_MLP,
+        **ATTENTION, **MLP,
     },
     # (Cohere's parallel blocks: one norm; Command R+'s q/k norms [heads, head_dim])
-    "command-r": {"attn_norm.weight": "input_layernorm.weight", **_ATTENTION, **_MLP},
-    "cohere2": {"attn_norm.weight": "input_layernorm.weight", **_ATTENTION, **_MLP},
-    "qwen2": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
-    "qwen3": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},
-    "qwen3moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},
-    "olmoe": {**_LLAMA_NORMS, **_ATTENTION, **_MOE},  # (q/k norms over all heads)
-    "hunyuan-dense": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (q/k normed after rope)
-    "qwen2moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE, **_SHARED_EXPERT},
+    "command-r": {"attn_norm.weight": "input_layernorm.weight", **ATTENTION, **MLP},
+    "cohere2": {"attn_norm.weight": "input_layernorm.weight", **ATTENTION, **MLP},
+    "qwen2": {**LLAMA_NORMS, **ATTENTION, **MLP},
+    "qwen3": {**LLAMA_NORMS, **ATTENTION, **MLP},
+    "qwen3moe": {**LLAMA_NORMS, **ATTENTION, **MLP, **MOE},
+    "olmoe": {**LLAMA_NORMS, **ATTENTION, **MOE},  # (q/k norms over all heads)
+    "hunyuan-dense": {**LLAMA_NORMS, **ATTENTION, **MLP},  # (q/k normed after rope)
+    "qwen2moe": {**LLAMA_NORMS, **ATTENTION, **MLP, **MOE, **_SHARED_EXPERT},
     "gpt-oss": _GPT_OSS,
-    "gemma3": {**_GEMMA_NORMS, **_ATTENTION, **_MLP},
+    "gemma3": {**GEMMA_NORMS, **ATTENTION, **MLP},
     "gemma4": gguf_gemma4.LAYER_TENSORS,
     "gemma3n": gguf_gemma3n.LAYER_TENSORS,
     **gguf_qwen35.LAYER_TENSORS_BY_ARCH,  # (qwen35, qwen35moe, qwen3next: hf_weights)
@@ -139,21 +108,19 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "glm4moe": gguf_glm4moe.LAYER_TENSORS,
     "deepseek2": gguf_deepseek2.LAYER_TENSORS,
     # (q/k norms over all heads, [heads x head_dim]; the router's selection bias)
-    "minimax-m2": {**_LLAMA_NORMS, **_ATTENTION, **_MOE, "exp_probs_b.bias": "mlp.expert_bias"},
+    "minimax-m2": {**LLAMA_NORMS, **ATTENTION, **MOE, **SELECTION_BIAS},
     # (Qwen3's attention, GLM-4.5's experts: its dense layers, shared experts, selection bias)
-    "dots1": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE, "exp_probs_b.bias": "mlp.expert_bias",
-              **{f"ffn_{p}_shexp.weight": f"mlp.shared_experts.{p}_proj.weight"
-                 for p in ("gate", "up", "down")}},
+    "dots1": {**LLAMA_NORMS, **ATTENTION, **MLP, **MOE, **SELECTION_BIAS, **SHARED_EXPERTS},
     "phi2": gguf_phi2.LAYER_TENSORS,  # (q/k/v apart or fused; biases; no ffn_gate)
     "llama4": gguf_llama4.LAYER_TENSORS,
-    "gemma2": {**_GEMMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
-               **_MLP},  # (no q/k norms)
+    "gemma2": {**GEMMA_NORMS, **{k: v for k, v in ATTENTION.items() if "_norm" not in k},
+               **MLP},  # (no q/k norms)
     "glm4": {
         "attn_norm.weight": "input_layernorm.weight",
         "post_attention_norm.weight": "post_self_attn_layernorm.weight",
         "ffn_norm.weight": "post_attention_layernorm.weight",
         "post_ffw_norm.weight": "post_mlp_layernorm.weight",
-        **_ATTENTION,
+        **ATTENTION,
         "ffn_up.weight": "mlp.gate_up_proj.weight",
         "ffn_down.weight": "mlp.down_proj.weight",
     },
@@ -161,12 +128,12 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     # graph leaves attn_output.bias out and does not load the MLP's: FreeToken computes the
     # model as transformers does, every bias the file has)
     "ernie4_5": {
-        **_LLAMA_NORMS, **{k: v for k, v in _ATTENTION.items() if "_norm" not in k},
-        "attn_output.bias": "self_attn.o_proj.bias", **_MLP,
+        **LLAMA_NORMS, **{k: v for k, v in ATTENTION.items() if "_norm" not in k},
+        "attn_output.bias": "self_attn.o_proj.bias", **MLP,
         **{f"ffn_{p}.bias": f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")},
     },
     "phi3": {
-        **_LLAMA_NORMS,
+        **LLAMA_NORMS,
         "attn_qkv.weight": "self_attn.qkv_proj.weight",
         "attn_output.weight": "self_attn.o_proj.weight",
         "ffn_up.weight": "mlp.gate_up_proj.weight",
@@ -189,8 +156,8 @@ MIXER_OUTPUTS = ("linear_attn.out_proj.weight", "conv.out_proj.weight",
 def hf_name(arch: str, gguf_name: str) -> str | None:
     """The Hugging Face name of tensor ``gguf_name`` of an ``arch`` file; ``None`` if the
     family has no such tensor."""
-    if gguf_name in _GLOBAL:
-        return _GLOBAL[gguf_name]
+    if gguf_name in GLOBAL:
+        return GLOBAL[gguf_name]
     if arch == "gemma4" and gguf_name in gguf_gemma4.GLOBAL_TENSORS:
         return gguf_gemma4.GLOBAL_TENSORS[gguf_name]
     if arch == "gemma3n" and gguf_name in gguf_gemma3n.GLOBAL_TENSORS:
