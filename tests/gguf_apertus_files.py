@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf_glm4moe_files import _add
 from gguf_models import _tokenizer_fields
+from gguf_writing import add_tensor, finish
 from test_arch_phi3 import random_model
 from transformers import ApertusConfig, GenerationConfig
 
@@ -142,12 +142,9 @@ def write_apertus_gguf(path: Path, model: Any, weight_type: int = GGMLQuantizati
         else:
             _, _, index, rest = name.split(".", 3)
             gguf_name = f"blk.{index}.{_GGUF_OF[rest]}"
-        held[name] = _add(writer, gguf_name, tensor.detach().float(), weight_type)
+        held[name] = add_tensor(writer, gguf_name, tensor.detach().float(), weight_type)
     if cfg.rope_parameters["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", np.asarray(llama3_factors(cfg), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     model.load_state_dict({**state, **held})
     return model

@@ -17,6 +17,7 @@ from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_m
 from gguf_granite4_files import add_keys
 from gguf_models import _tokenizer_fields
 from gguf_qwen35_files import _add as add_tensor
+from gguf_writing import finish
 from test_arch_phi3 import random_model
 from transformers import FalconH1Config, FalconH1ForCausalLM, GenerationConfig
 
@@ -121,10 +122,7 @@ def write_falcon_h1_gguf(path: Path, model: FalconH1ForCausalLM,
         original = torch.empty(values.numel())
         original[at.reshape(-1)] = written.reshape(-1)
         held[name] = original.reshape(values.shape)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     if cfg.tie_word_embeddings:
         held["lm_head.weight"] = held["model.embed_tokens.weight"]
     reference = FalconH1ForCausalLM(FalconH1Config(**{

@@ -18,8 +18,8 @@ from typing import Any
 import gguf
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf_gemma4_files import _add
 from gguf_models import _tokenizer_fields
+from gguf_writing import add_tensor, finish
 from transformers import Gemma3nForCausalLM, Gemma3nTextConfig, GenerationConfig
 
 from freetoken_core.models.resolve import default_gguf_path
@@ -121,25 +121,22 @@ def write_gemma3n_gguf(path: Path, model: Gemma3nForCausalLM,
     held: dict[str, torch.Tensor] = {}
     for kind in ("altup_projections", "altup_unembed_projections"):
         stack = [f"model.{kind}.{i}.weight" for i in range(cfg.altup_num_inputs - 1)]
-        written = _add(writer, gguf_name(f"model.{kind}"),
+        written = add_tensor(writer, gguf_name(f"model.{kind}"),
                        torch.stack([state.pop(n) for n in stack]), weight_type)
         held.update(zip(stack, written))
     for name, tensor in state.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        held[name] = _add(writer, gguf_name(name), tensor.detach().float(), weight_type)
+        held[name] = add_tensor(writer, gguf_name(name), tensor.detach().float(), weight_type)
     gen = torch.Generator().manual_seed(5)
     for i, kind in enumerate(cfg.kv_sharing_modes):  # (a checkpoint's unused k/v)
         if kind == "reuse":
             for suffix, rows in (("k", cfg.num_key_value_heads * cfg.head_dim),
                                  ("v", cfg.num_key_value_heads * cfg.head_dim)):
-                _add(writer, f"blk.{i}.attn_{suffix}.weight",
+                add_tensor(writer, f"blk.{i}.attn_{suffix}.weight",
                      torch.randn(rows, cfg.hidden_size, generator=gen), weight_type)
-            _add(writer, f"blk.{i}.attn_k_norm.weight", torch.ones(cfg.head_dim), weight_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            add_tensor(writer, f"blk.{i}.attn_k_norm.weight", torch.ones(cfg.head_dim), weight_type)
+    finish(writer)
     model.load_state_dict(held, strict=False)
     return model
 

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.quants import dequantize, quantize
 from gguf_models import _tokenizer_fields
+from gguf_writing import add_tensor, finish
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig, GenerationConfig
 
 from freetoken_core.models.gguf_gemma4 import GLOBAL_TENSORS, LAYER_TENSORS
@@ -137,11 +137,8 @@ def write_gemma4_gguf(path: Path, model: Gemma4ForCausalLM,
         gguf_name = _gguf_name(name)
         if gguf_name is None:  # (a shared layer's unused k/v: the converter writes them too)
             continue
-        held[name] = _add(writer, gguf_name, tensor.detach().float(), weight_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        held[name] = add_tensor(writer, gguf_name, tensor.detach().float(), weight_type)
+    finish(writer)
     model.load_state_dict(held, strict=False)
     return model
 
@@ -155,18 +152,3 @@ def _gguf_name(name: str) -> str | None:
         return glob[name]
     _, _, index, rest = name.split(".", 3)
     return f"blk.{index}.{_GGUF_OF[rest]}" if rest in _GGUF_OF else None
-
-
-def _add(writer: GGUFWriter, name: str, tensor: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Write ``tensor`` (2-d and 3-d quantized where its rows are whole blocks; the router
-    and 1-d tensors F32, as llama-quantize keeps them); return the values written."""
-    values = tensor.numpy()
-    block = GGMLQuantizationType(qtype)
-    if values.ndim == 1 or name.endswith("ffn_gate_inp.weight") or values.shape[-1] % 32:
-        writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
-        return tensor
-    raw = quantize(values.reshape(-1, values.shape[-1]), block)
-    writer.add_tensor(name, raw.reshape(*values.shape[:-1], -1),
-                      raw_shape=raw.reshape(*values.shape[:-1], -1).shape, raw_dtype=block)
-    return torch.from_numpy(np.asarray(dequantize(raw, block), dtype=np.float32).reshape(
-        values.shape))

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from gguf import (
     MODEL_ARCH,
@@ -20,8 +19,8 @@ from gguf import (
     GGUFWriter,
     get_tensor_name_map,
 )
-from gguf.quants import dequantize, quantize
 from gguf_models import _tokenizer_fields
+from gguf_writing import add_tensor, finish
 from test_arch_phi3 import random_model
 from transformers import GenerationConfig, Glm4MoeConfig, Glm4MoeForCausalLM
 
@@ -136,23 +135,20 @@ def write_glm4moe_gguf(path: Path, model: Glm4MoeForCausalLM,
         tensor = tensor.detach().float()
         if name.endswith("experts.gate_up_proj"):  # [experts, 2 x size, hidden]: gate first
             index, half = _layer(name), tensor.shape[1] // 2
-            gate = _add(writer, f"blk.{index}.ffn_gate_exps.weight", tensor[:, :half],
+            gate = add_tensor(writer, f"blk.{index}.ffn_gate_exps.weight", tensor[:, :half],
                         weight_type)
-            up = _add(writer, f"blk.{index}.ffn_up_exps.weight", tensor[:, half:],
+            up = add_tensor(writer, f"blk.{index}.ffn_up_exps.weight", tensor[:, half:],
                       weight_type)
             held[name] = torch.cat([gate, up], dim=1)
         elif name.endswith("experts.down_proj"):
-            held[name] = _add(writer, f"blk.{_layer(name)}.ffn_down_exps.weight", tensor,
+            held[name] = add_tensor(writer, f"blk.{_layer(name)}.ffn_down_exps.weight", tensor,
                               weight_type)
         elif arch == "dots1":  # (gguf-py's names of its converter: ffn_norm, ...)
             gguf_name = dots1_names.get_name(name, try_suffixes=(".weight", ".bias"))
-            held[name] = _add(writer, gguf_name or _gguf_name(name), tensor, weight_type)
+            held[name] = add_tensor(writer, gguf_name or _gguf_name(name), tensor, weight_type)
         else:
-            held[name] = _add(writer, _gguf_name(name), tensor, weight_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            held[name] = add_tensor(writer, _gguf_name(name), tensor, weight_type)
+    finish(writer)
     model.load_state_dict({k: v for k, v in held.items() if k in model.state_dict()})
     return model
 
@@ -169,18 +165,3 @@ def _gguf_name(name: str) -> str:
         return glob[name]
     _, _, index, rest = name.split(".", 3)
     return f"blk.{index}.{_GGUF_OF[rest]}"
-
-
-def _add(writer: GGUFWriter, name: str, tensor: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Write ``tensor`` (2-d and 3-d quantized where its rows are whole blocks; the router
-    and 1-d tensors F32, as llama-quantize keeps them); return the values written."""
-    values = tensor.numpy()
-    block = GGMLQuantizationType(qtype)
-    if values.ndim == 1 or name.endswith("ffn_gate_inp.weight") or values.shape[-1] % 32:
-        writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
-        return tensor
-    raw = quantize(np.ascontiguousarray(values).reshape(-1, values.shape[-1]), block)
-    raw = raw.reshape(*values.shape[:-1], -1)
-    writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=block)
-    return torch.from_numpy(np.asarray(dequantize(raw, block), dtype=np.float32).reshape(
-        values.shape))

@@ -18,6 +18,7 @@ import torch
 from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
 from gguf_models import _tokenizer_fields
 from gguf_qwen35_files import _add as add_tensor
+from gguf_writing import finish
 from test_arch_phi3 import random_model
 from transformers import GenerationConfig, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
@@ -141,10 +142,7 @@ def write_granite4_gguf(path: Path, model: GraniteMoeHybridForCausalLM,
                 written = torch.log(-written)
             original[at.reshape(-1)] = written.reshape(-1)
         held[name] = original.reshape(values.shape)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     model.load_state_dict(held)
     return model
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
-from gguf.quants import dequantize, quantize
 from gguf_models import _tokenizer_fields
+from gguf_writing import add_tensor, finish
 from test_arch_phi3 import random_model
 from transformers import (
     GenerationConfig,
@@ -132,26 +131,13 @@ def write_lfm2_gguf(path: Path, model: Any, weight_type: int = GGMLQuantizationT
             held[name] = _add(writer, gguf_name, data.squeeze(1), weight_type).unsqueeze(1)
         else:
             held[name] = _add(writer, gguf_name, data, weight_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     model.load_state_dict(held, strict=False)
     return model
 
 
 def _add(writer: GGUFWriter, name: str, tensor: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Write ``tensor`` (F32 where the converter forces it - 1-d, norms, the router, the
-    convolution - or its rows are not whole blocks; else quantized); return the values
-    written."""
-    values = tensor.numpy()
-    forced = name.endswith(("_norm.weight", "ffn_gate_inp.weight", "shortconv.conv.weight"))
-    if values.ndim == 1 or forced or values.shape[-1] % 32:
-        writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
-        return tensor
-    block = GGMLQuantizationType(qtype)
-    raw = quantize(values.reshape(-1, values.shape[-1]), block)
-    writer.add_tensor(name, raw.reshape(*values.shape[:-1], -1),
-                      raw_shape=raw.reshape(*values.shape[:-1], -1).shape, raw_dtype=block)
-    return torch.from_numpy(np.asarray(dequantize(raw, block), dtype=np.float32).reshape(
-        values.shape))
+    """``add_tensor``, with what LFM2's converter forces to F32 (norms, the router, the
+    convolution)."""
+    return add_tensor(writer, name, tensor, qtype,
+                      f32=("_norm.weight", "ffn_gate_inp.weight", "shortconv.conv.weight"))

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.quants import dequantize, quantize
 from gguf_models import _tokenizer_fields
+from gguf_writing import add_tensor, finish
 from test_arch_phi3 import random_model
 from test_gguf_rope_factors import llama3_factors
 from transformers import GenerationConfig, Llama4ForCausalLM, Llama4TextConfig
@@ -102,18 +102,15 @@ def write_llama4_gguf(path: Path, model: Llama4ForCausalLM,
         if name.endswith("experts.gate_up_proj"):  # [experts, hidden, 2 x size]: gate first
             index, half = _layer(name), tensor.shape[2] // 2
             rows = tensor.transpose(1, 2)
-            gate = _add(writer, f"blk.{index}.ffn_gate_exps.weight", rows[:, :half], weight_type)
-            up = _add(writer, f"blk.{index}.ffn_up_exps.weight", rows[:, half:], weight_type)
+            gate = add_tensor(writer, f"blk.{index}.ffn_gate_exps.weight", rows[:, :half], weight_type)
+            up = add_tensor(writer, f"blk.{index}.ffn_up_exps.weight", rows[:, half:], weight_type)
             held[name] = torch.cat([gate, up], dim=1).transpose(1, 2)
         elif name.endswith("experts.down_proj"):  # [experts, size, hidden]
-            held[name] = _add(writer, f"blk.{_layer(name)}.ffn_down_exps.weight",
+            held[name] = add_tensor(writer, f"blk.{_layer(name)}.ffn_down_exps.weight",
                               tensor.transpose(1, 2), weight_type).transpose(1, 2)
         else:
-            held[name] = _add(writer, _gguf_name(name), tensor, weight_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            held[name] = add_tensor(writer, _gguf_name(name), tensor, weight_type)
+    finish(writer)
     model.load_state_dict(held)
     return model
 
@@ -130,18 +127,3 @@ def _gguf_name(name: str) -> str:
         return glob[name]
     _, _, index, rest = name.split(".", 3)
     return f"blk.{index}.{_GGUF_OF[rest]}"
-
-
-def _add(writer: GGUFWriter, name: str, tensor: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Write ``tensor`` (2-d and 3-d quantized; the router and 1-d tensors F32, as
-    llama-quantize keeps them); return the values written."""
-    values = np.ascontiguousarray(tensor.numpy())
-    block = GGMLQuantizationType(qtype)
-    if values.ndim == 1 or name.endswith("ffn_gate_inp.weight"):
-        writer.add_tensor(name, values.astype(np.float32))
-        return tensor
-    raw = quantize(values.reshape(-1, values.shape[-1]), block)
-    raw = raw.reshape(*values.shape[:-1], -1)
-    writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=block)
-    return torch.from_numpy(np.asarray(dequantize(raw, block), dtype=np.float32).reshape(
-        values.shape))

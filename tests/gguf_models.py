@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf_writing import finish
 
 # ggml type id -> (weights per block, bytes per block, [(fp16 scale field offsets)], the
 # largest |quant value x sub-scale| a weight gets: d is chosen from it)
@@ -416,9 +417,6 @@ def write_gguf(path: Path, arch: str, *, hidden: int = 64, layers: int = 2, head
         vector("output_norm.bias", hidden, 0.0)
     if not tied:
         matrix("output.weight", vocab + extra_rows, hidden)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     shards = writer.format_shard_names(path)
     return shards[0]

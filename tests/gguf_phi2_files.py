@@ -13,11 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
-from gguf.quants import dequantize, quantize
 from gguf_models import _tokenizer_fields
+from gguf_writing import add_tensor, finish
 from test_arch_phi3 import random_model
 from transformers import GenerationConfig, PhiConfig, PhiForCausalLM
 
@@ -100,30 +99,14 @@ def write_phi2_gguf(path: Path, model: Any, weight_type: int = GGMLQuantizationT
         if fused and ".self_attn.q_proj." in name:
             i, kind = name.split(".")[2], name.rsplit(".", 1)[1]
             parts = [state[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
-            written = _add(writer, f"blk.{i}.attn_qkv.{kind}", torch.cat(parts), weight_type)
+            written = add_tensor(writer, f"blk.{i}.attn_qkv.{kind}", torch.cat(parts), weight_type)
             for p, values_of in zip(("q_proj", "k_proj", "v_proj"),
                                     written.split([len(t) for t in parts])):
                 held[name.replace("q_proj", p)] = values_of
             continue
         gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
-        held[name] = _add(writer, gguf_name, tensor, weight_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        held[name] = add_tensor(writer, gguf_name, tensor, weight_type)
+    finish(writer)
     model.load_state_dict(held, strict=False)
     return model
-
-
-def _add(writer: GGUFWriter, name: str, tensor: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Write ``tensor`` (F32 where 1-d, else quantized); return the values written."""
-    values = tensor.numpy()
-    if values.ndim == 1:
-        writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
-        return tensor
-    block = GGMLQuantizationType(qtype)
-    raw = quantize(values, block)
-    writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=block)
-    return torch.from_numpy(np.asarray(dequantize(raw, block), dtype=np.float32).reshape(
-        values.shape))

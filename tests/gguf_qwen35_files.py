@@ -17,6 +17,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
 from gguf.quants import dequantize, quantize
 from gguf_models import _tokenizer_fields
+from gguf_writing import finish
 from test_arch_phi3 import random_model
 from transformers import GenerationConfig, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -133,10 +134,7 @@ def write_qwen35_gguf(path: Path, model: Qwen3_5ForCausalLM,
         held[name] = original.reshape(values.shape)
     if mtp:
         _add_mtp_block(writer, cfg, layers, weight_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     if cfg.tie_word_embeddings:
         held["lm_head.weight"] = held["model.embed_tokens.weight"]
     model.load_state_dict(held)

@@ -18,6 +18,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_models import _tokenizer_fields
 from gguf_qwen35_files import _add, _reordered, _undone, add_keys, qwen35_keys
+from gguf_writing import finish
 from test_arch_phi3 import random_model
 from transformers import (
     GenerationConfig,
@@ -183,10 +184,7 @@ def write_moe_gguf(path: Path, arch: str, model: Any,
             shape = (cfg.hidden_size, 2 * cfg.hidden_size) if dims else (cfg.hidden_size,)
             _add(writer, f"blk.{layers}.{name}.weight", torch.randn(*shape, generator=gen),
                  weight_type if dims else 0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     if cfg.tie_word_embeddings:
         held["lm_head.weight"] = held["model.embed_tokens.weight"]
     model.load_state_dict(held)

@@ -14,6 +14,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from gguf_writing import finish
+
 # Mistral v0.1's template (Llama 2's without the system prompt).
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -148,8 +150,5 @@ def write_spm_tokenizer_gguf(model_path: Path, out: Path, arch: str = "llama",
     writer = GGUFWriter(str(out), arch)
     for key, value, kind in spm_gguf_fields(model_path, **options):
         writer.add_key_value(key, value, kind[0], sub_type=kind[1] if len(kind) > 1 else None)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return out

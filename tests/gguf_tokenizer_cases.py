@@ -30,6 +30,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from gguf_writing import finish
+
 FIXTURE = Path(__file__).parent / "fixtures" / "gguf_tokenizer_ids.json"
 GPL3 = Path(__file__).parent / "fixtures" / "GPL-3"
 
@@ -134,10 +136,7 @@ def write_tokenizer_gguf(fields: list[tuple[str, Any, Any]], out: Path,
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
     for key, value, kind in fields:
         writer.add_key_value(key, value, kind[0], sub_type=kind[1] if len(kind) > 1 else None)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return out
 
 

@@ -24,6 +24,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_falcon_h1_files import falcon_h1_keys, falcon_h1_model, write_falcon_h1_gguf
 from gguf_granite4_files import add_keys
+from gguf_writing import finish
 from test_arch_falcon_h1 import MULTIPLIERS
 from test_arch_gemma3 import chunked_logits, engine_path
 from test_arch_qwen35_gguf import served_file_matches
@@ -119,10 +120,7 @@ def metadata(tmp_path: Path, change: dict[str, Any], drop: str = "") -> dict[str
     path = tmp_path / "keys.gguf"
     writer = GGUFWriter(str(path), "falcon-h1")
     add_keys(writer, {f"falcon-h1.{k}": v for k, v in keys.items()})
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return build_config(open_header(path))
 
 

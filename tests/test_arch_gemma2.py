@@ -25,6 +25,7 @@ import pytest
 import torch
 from gguf_models import F16, F32, Q8_0, write_gguf
 from gguf_reference import hf_from_gguf
+from gguf_writing import finish
 from test_arch_gemma3 import (
     PATHS,
     PROMPTS,
@@ -279,10 +280,7 @@ def test_gguf_keys_as_llama_cpp_reads_them(tmp_path: Path) -> None:
                        ("feed_forward_length", 64), ("attention.head_count", 32),
                        ("attention.key_length", 128), ("context_length", 8192)):
         writer.add_uint32(f"gemma2.{key}", value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     config = build_config(GGUFReader(bare))
     assert config["query_pre_attn_scalar"] == 144 and config["sliding_window"] == 4096
     assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (50.0, 30.0)

@@ -24,6 +24,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_granite4_files import add_keys, granite4_keys, granite4_model, write_granite4_gguf
+from gguf_writing import finish
 from test_arch_gemma3 import chunked_logits, engine_path
 from test_arch_qwen35_gguf import served_file_matches
 from test_gguf_rope_factors import LONG
@@ -128,10 +129,7 @@ def metadata(tmp_path: Path, change: dict[str, Any], drop: str = "",
     path = tmp_path / "keys.gguf"
     writer = GGUFWriter(str(path), arch)
     add_keys(writer, {f"{arch}.{k}": v for k, v in keys.items()})
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return build_config(open_header(path))
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from gguf_models import write_gguf
+from gguf_writing import finish
 from test_arch_gemma3 import chunked_logits
 from test_arch_moe import PROMPTS, matching_logits
 from test_arch_phi3 import random_model, save_model
@@ -193,9 +194,6 @@ def test_an_mmproj_file_is_named_as_such(tmp_path: Path) -> None:
     path = tmp_path / "mmproj-model-f16.gguf"
     writer = GGUFWriter(str(path), "clip")
     writer.add_tensor("v.patch_embd.weight", torch.zeros(4, 4).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(ModelLoadError, match="multimodal projector.*mmproj.*main GGUF file"):
         served(path, PROMPTS, 1)

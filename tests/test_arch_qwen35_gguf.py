@@ -22,6 +22,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_qwen35_files import add_keys, qwen35_keys, qwen35_model, write_qwen35_gguf
+from gguf_writing import finish
 from test_arch_gemma3 import chunked_logits, engine_path
 from test_gguf_rope_factors import LONG, greedy, served
 
@@ -128,10 +129,7 @@ def metadata(tmp_path: Path, change: dict[str, Any], drop: str = "") -> dict[str
     path = tmp_path / "keys.gguf"
     writer = GGUFWriter(str(path), "qwen35")
     add_keys(writer, keys)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return build_config(open_header(path))
 
 

@@ -27,6 +27,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_qwen35_files import add_keys
 from gguf_qwen35moe_files import moe_keys, moe_model, write_moe_gguf
+from gguf_writing import finish
 from test_arch_gemma3 import chunked_logits, engine_path
 from test_arch_qwen35_gguf import served_file_matches
 from test_gguf_rope_factors import LONG
@@ -139,10 +140,7 @@ def metadata(tmp_path: Path, arch: str, change: dict[str, Any], drop: str = ""
     path = tmp_path / "keys.gguf"
     writer = GGUFWriter(str(path), arch)
     add_keys(writer, keys)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return build_config(open_header(path))
 
 

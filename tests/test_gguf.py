@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from gguf_writing import finish
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from freetoken_core.errors import ModelLoadError
@@ -285,10 +286,7 @@ def test_convert_rejects_other_architectures(tmp_path: Path) -> None:
 
     path = tmp_path / "tiny.gguf"
     writer = GGUFWriter(path, "gpt2")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(ModelLoadError, match="'gpt2' is not supported"):
         convert_gguf(path, tmp_path / "out", progress=False)
 
@@ -430,10 +428,7 @@ def test_header_reader_handles_every_value_type_and_the_alignment(tmp_path: Path
     blocks = quants.quantize(np.linspace(-1, 1, 64 * 2, dtype=np.float32).reshape(2, 64),
                              GGMLQuantizationType.Q4_1)
     writer.add_tensor("q41", blocks, raw_dtype=GGMLQuantizationType.Q4_1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     _assert_reads_like_gguf_reader(path)
 
 

@@ -42,6 +42,7 @@ from gguf_models import (
     write_gguf,
 )
 from gguf_reference import hf_from_gguf
+from gguf_writing import finish
 
 from freetoken_core import LLM, SamplingParams
 from freetoken_core.errors import ModelLoadError
@@ -225,9 +226,6 @@ def test_unknown_architecture_names_it_and_the_supported(tmp_path: Path) -> None
 
     path = tmp_path / "tiny.gguf"
     writer = GGUFWriter(str(path), "mamba")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(ModelLoadError, match="'mamba' is not supported.*gemma3.*phi3.*qwen3"):
         LLM(str(path), progress=False)
