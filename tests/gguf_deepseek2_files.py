@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter
-from gguf_glm4moe_files import _layer
 from gguf_models import _tokenizer_fields
-from gguf_writing import add_tensor, finish
+from gguf_writing import add_tensor, finish, gguf_name, layer_of
 from test_arch_phi3 import random_model
 from transformers import (
     DeepseekV2Config,
@@ -135,33 +134,23 @@ def write_deepseek2_gguf(path: Path, model: Any, mtp: dict[str, torch.Tensor] | 
     for name, tensor in {**model.state_dict(), **(mtp or {})}.items():
         tensor = tensor.detach().float()
         if name.endswith("experts.gate_up_proj"):  # [experts, 2 x size, hidden]: gate first
-            index, half = _layer(name), tensor.shape[1] // 2
+            index, half = layer_of(name), tensor.shape[1] // 2
             gate = add_tensor(writer, f"blk.{index}.ffn_gate_exps.weight", tensor[:, :half],
                         weight_type)
             up = add_tensor(writer, f"blk.{index}.ffn_up_exps.weight", tensor[:, half:], weight_type)
             held[name] = torch.cat([gate, up], dim=1)
         elif name.endswith("experts.down_proj"):
-            held[name] = add_tensor(writer, f"blk.{_layer(name)}.ffn_down_exps.weight", tensor,
+            held[name] = add_tensor(writer, f"blk.{layer_of(name)}.ffn_down_exps.weight", tensor,
                               weight_type)
         elif name.endswith("kv_b_proj.weight") and split_kv_b:
             k_b, v_b = tensor.view(heads, nope + v, kv_lora).split([nope, v], dim=1)
-            k_b = add_tensor(writer, f"blk.{_layer(name)}.attn_k_b.weight",
+            k_b = add_tensor(writer, f"blk.{layer_of(name)}.attn_k_b.weight",
                        k_b.transpose(1, 2).contiguous(), weight_type)
-            v_b = add_tensor(writer, f"blk.{_layer(name)}.attn_v_b.weight", v_b.contiguous(),
+            v_b = add_tensor(writer, f"blk.{layer_of(name)}.attn_v_b.weight", v_b.contiguous(),
                        weight_type)
             held[name] = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(tensor.shape)
         else:
-            held[name] = add_tensor(writer, _gguf_name(name), tensor, weight_type)
+            held[name] = add_tensor(writer, gguf_name(name, _GGUF_OF), tensor, weight_type)
     finish(writer)
     model.load_state_dict({k: v for k, v in held.items() if k in model.state_dict()})
     return model
-
-
-def _gguf_name(name: str) -> str:
-    """The converter's name of the checkpoint's tensor ``name``."""
-    glob = {"model.embed_tokens.weight": "token_embd.weight",
-            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-    if name in glob:
-        return glob[name]
-    _, _, index, rest = name.split(".", 3)
-    return f"blk.{index}.{_GGUF_OF[rest]}"

@@ -20,7 +20,7 @@ from gguf import (
     get_tensor_name_map,
 )
 from gguf_models import _tokenizer_fields
-from gguf_writing import add_tensor, finish
+from gguf_writing import add_tensor, finish, gguf_name, layer_of
 from test_arch_phi3 import random_model
 from transformers import GenerationConfig, Glm4MoeConfig, Glm4MoeForCausalLM
 
@@ -134,34 +134,21 @@ def write_glm4moe_gguf(path: Path, model: Glm4MoeForCausalLM,
     for name, tensor in state.items():
         tensor = tensor.detach().float()
         if name.endswith("experts.gate_up_proj"):  # [experts, 2 x size, hidden]: gate first
-            index, half = _layer(name), tensor.shape[1] // 2
+            index, half = layer_of(name), tensor.shape[1] // 2
             gate = add_tensor(writer, f"blk.{index}.ffn_gate_exps.weight", tensor[:, :half],
                         weight_type)
             up = add_tensor(writer, f"blk.{index}.ffn_up_exps.weight", tensor[:, half:],
                       weight_type)
             held[name] = torch.cat([gate, up], dim=1)
         elif name.endswith("experts.down_proj"):
-            held[name] = add_tensor(writer, f"blk.{_layer(name)}.ffn_down_exps.weight", tensor,
+            held[name] = add_tensor(writer, f"blk.{layer_of(name)}.ffn_down_exps.weight", tensor,
                               weight_type)
         elif arch == "dots1":  # (gguf-py's names of its converter: ffn_norm, ...)
-            gguf_name = dots1_names.get_name(name, try_suffixes=(".weight", ".bias"))
-            held[name] = add_tensor(writer, gguf_name or _gguf_name(name), tensor, weight_type)
+            known = dots1_names.get_name(name, try_suffixes=(".weight", ".bias"))
+            held[name] = add_tensor(writer, known or gguf_name(name, _GGUF_OF), tensor,
+                                    weight_type)
         else:
-            held[name] = add_tensor(writer, _gguf_name(name), tensor, weight_type)
+            held[name] = add_tensor(writer, gguf_name(name, _GGUF_OF), tensor, weight_type)
     finish(writer)
     model.load_state_dict({k: v for k, v in held.items() if k in model.state_dict()})
     return model
-
-
-def _layer(name: str) -> int:
-    return int(name.split(".")[2])
-
-
-def _gguf_name(name: str) -> str:
-    """The converter's name of the checkpoint's tensor ``name``."""
-    glob = {"model.embed_tokens.weight": "token_embd.weight",
-            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-    if name in glob:
-        return glob[name]
-    _, _, index, rest = name.split(".", 3)
-    return f"blk.{index}.{_GGUF_OF[rest]}"

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_models import _tokenizer_fields
-from gguf_writing import add_tensor, finish
+from gguf_writing import add_tensor, finish, gguf_name, layer_of
 from test_arch_phi3 import random_model
 from test_gguf_rope_factors import llama3_factors
 from transformers import GenerationConfig, Llama4ForCausalLM, Llama4TextConfig
@@ -100,30 +100,16 @@ def write_llama4_gguf(path: Path, model: Llama4ForCausalLM,
     for name, tensor in model.state_dict().items():
         tensor = tensor.detach().float()
         if name.endswith("experts.gate_up_proj"):  # [experts, hidden, 2 x size]: gate first
-            index, half = _layer(name), tensor.shape[2] // 2
+            index, half = layer_of(name), tensor.shape[2] // 2
             rows = tensor.transpose(1, 2)
             gate = add_tensor(writer, f"blk.{index}.ffn_gate_exps.weight", rows[:, :half], weight_type)
             up = add_tensor(writer, f"blk.{index}.ffn_up_exps.weight", rows[:, half:], weight_type)
             held[name] = torch.cat([gate, up], dim=1).transpose(1, 2)
         elif name.endswith("experts.down_proj"):  # [experts, size, hidden]
-            held[name] = add_tensor(writer, f"blk.{_layer(name)}.ffn_down_exps.weight",
+            held[name] = add_tensor(writer, f"blk.{layer_of(name)}.ffn_down_exps.weight",
                               tensor.transpose(1, 2), weight_type).transpose(1, 2)
         else:
-            held[name] = add_tensor(writer, _gguf_name(name), tensor, weight_type)
+            held[name] = add_tensor(writer, gguf_name(name, _GGUF_OF), tensor, weight_type)
     finish(writer)
     model.load_state_dict(held)
     return model
-
-
-def _layer(name: str) -> int:
-    return int(name.split(".")[2])
-
-
-def _gguf_name(name: str) -> str:
-    """The converter's name of the checkpoint's tensor ``name``."""
-    glob = {"model.embed_tokens.weight": "token_embd.weight",
-            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-    if name in glob:
-        return glob[name]
-    _, _, index, rest = name.split(".", 3)
-    return f"blk.{index}.{_GGUF_OF[rest]}"

@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter
-from gguf_glm4moe_files import _layer
 from gguf_models import _tokenizer_fields
-from gguf_writing import add_tensor, finish
+from gguf_writing import add_tensor, finish, layer_of
 from test_arch_phi3 import random_model
 from transformers import GenerationConfig, MiniMaxM2Config, MiniMaxM2ForCausalLM
 
@@ -85,16 +84,16 @@ def write_minimax_gguf(path: Path, model: MiniMaxM2ForCausalLM,
     for name, tensor in model.state_dict().items():
         tensor = tensor.detach().float()
         if name.endswith("experts.gate_up_proj"):  # [experts, 2 x size, hidden]: gate first
-            index, half = _layer(name), tensor.shape[1] // 2
+            index, half = layer_of(name), tensor.shape[1] // 2
             gate = add_tensor(writer, f"blk.{index}.ffn_gate_exps.weight", tensor[:, :half],
                         weight_type)
             up = add_tensor(writer, f"blk.{index}.ffn_up_exps.weight", tensor[:, half:], weight_type)
             held[name] = torch.cat([gate, up], dim=1)
         elif name.endswith("experts.down_proj"):
-            held[name] = add_tensor(writer, f"blk.{_layer(name)}.ffn_down_exps.weight", tensor,
+            held[name] = add_tensor(writer, f"blk.{layer_of(name)}.ffn_down_exps.weight", tensor,
                               weight_type)
         else:
-            gguf_name = glob.get(name) or f"blk.{_layer(name)}.{_NAMES[name.split('.', 3)[3]]}"
+            gguf_name = glob.get(name) or f"blk.{layer_of(name)}.{_NAMES[name.split('.', 3)[3]]}"
             held[name] = add_tensor(writer, gguf_name, tensor, weight_type)
     finish(writer)
     model.load_state_dict(held)

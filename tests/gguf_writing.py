@@ -38,3 +38,22 @@ def finish(writer: GGUFWriter) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+_MODEL_TENSORS = {"model.embed_tokens.weight": "token_embd.weight",
+                  "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+
+
+def gguf_name(name: str, layer_names: dict[str, str]) -> str:
+    """The converter's name of the checkpoint's tensor ``name``: the model's own tensors'
+    (embedding, final norm, head), else ``blk.{i}.`` and ``layer_names`` of the name's rest
+    after ``model.layers.{i}.``."""
+    if name in _MODEL_TENSORS:
+        return _MODEL_TENSORS[name]
+    _, _, index, rest = name.split(".", 3)
+    return f"blk.{index}.{layer_names[rest]}"
+
+
+def layer_of(name: str) -> int:
+    """The layer of the checkpoint's tensor ``model.layers.{i}. ...``."""
+    return int(name.split(".")[2])
