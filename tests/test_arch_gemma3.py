@@ -35,6 +35,7 @@ from freetoken_core.models.glm4 import Glm4ForCausalLM
 from freetoken_core.models.kv_layout import kv_cache_dims
 from freetoken_core.models.phi3 import Phi3ForCausalLM
 from freetoken_core.models.registry import SUPPORTED, model_class
+from freetoken_core.models.sharding import Shard
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -254,6 +255,15 @@ def test_registry_maps_every_architecture() -> None:
     assert all(classes[f] is llama.LlamaForCausalLM for f in (
         "llama", "mistral", "qwen2", "qwen3", "granite", "qwen3_moe", "mixtral", "gpt_oss"))
     assert set(SUPPORTED) == set(classes)
+    # The families with recurrent layers refuse tensor parallelism, naming themselves.
+    recurrent = {f for f, cls in classes.items() if getattr(cls, "recurrent", False)}
+    assert recurrent == {"qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe",
+                         "granitemoehybrid", "nemotron_h", "falcon_h1"}
+    for name, family in SUPPORTED_ARCHITECTURES.items():
+        if family in recurrent:
+            with pytest.raises(ModelLoadError, match=re.escape(
+                    f"tensor parallelism of {classes[family].family} is not supported")):
+                classes[family](config(name), {}, 8, shard=Shard(0, 2, None))
     unknown = dataclasses.replace(config("LlamaForCausalLM"), architecture="gpt2")
     with pytest.raises(ModelLoadError,
                        match=re.escape(f"'gpt2'; FreeToken runs {', '.join(sorted(SUPPORTED))}")):

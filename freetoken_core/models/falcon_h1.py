@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.config_falcon_h1 import HybridMultipliers
@@ -27,7 +26,7 @@ from freetoken_core.models.layers import add_rms_norm, apply_rope, rms_norm, sil
 from freetoken_core.models.linear import BlockArena
 from freetoken_core.models.llama import DecoderLayer, LlamaForCausalLM, Weights
 from freetoken_core.models.mamba2 import Mamba2
-from freetoken_core.models.recurrent import allocate_states, check_step
+from freetoken_core.models.recurrent import RecurrentModel, check_step
 from freetoken_core.models.sharding import Shard
 
 
@@ -108,25 +107,18 @@ def _times(x: torch.Tensor, multiplier: float) -> torch.Tensor:
     return x if multiplier == 1.0 else x * multiplier
 
 
-class FalconH1ForCausalLM(LlamaForCausalLM):
+class FalconH1ForCausalLM(RecurrentModel, LlamaForCausalLM):
     """Falcon-H1 (module docstring): ``compute_logits`` times ``lm_head_multiplier``
     (``logit_scale``); ``allocate_states`` makes the mixers' states (``recurrent``)."""
 
     layer_class = staticmethod(FalconH1Layer)  # type: ignore[assignment]
-    recurrent = True
+    family, mixers, mixer_name = "Falcon-H1", "Mamba-2 mixers", "mamba"
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
                  shard: Shard | None = None) -> None:
-        if shard is not None:
-            raise ModelLoadError("tensor parallelism of Falcon-H1 is not supported (its "
-                                 "Mamba-2 mixers); serve it on one rank (data parallelism "
-                                 "replicates it)")
+        self.refuse_shard(shard)
         super().__init__(cfg, weights, max_positions)
-        self.states: list[Any] = []
-
-    def allocate_states(self, slots: int) -> None:
-        self.states = allocate_states([layer.mamba for layer in self.layers], slots,
-                                      self.embedding.dtype, self.embedding.device)
+        self.states = []
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

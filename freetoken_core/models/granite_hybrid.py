@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.kv_layout import LayerViews
@@ -24,7 +23,7 @@ from freetoken_core.models.linear import BlockArena, make_linear
 from freetoken_core.models.llama import LlamaForCausalLM, Weights
 from freetoken_core.models.mamba2 import Mamba2
 from freetoken_core.models.moe import SparseMoE
-from freetoken_core.models.recurrent import allocate_states, check_step
+from freetoken_core.models.recurrent import RecurrentModel, check_step
 from freetoken_core.models.sharding import Shard
 
 
@@ -101,27 +100,20 @@ class GraniteHybridLayer:
                                            self.scale))
 
 
-class GraniteHybridForCausalLM(LlamaForCausalLM):
+class GraniteHybridForCausalLM(RecurrentModel, LlamaForCausalLM):
     """Granite 4 (module docstring): ``compute_logits`` as Llama's (Granite's logit scale);
     ``allocate_states`` makes the Mamba-2 layers' states (``recurrent``)."""
 
     layer_class = staticmethod(GraniteHybridLayer)  # type: ignore[assignment]
-    recurrent = True
+    family, mixers, mixer_name = "Granite 4", "Mamba-2 layers", "mixer"
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
                  shard: Shard | None = None) -> None:
-        if shard is not None:
-            raise ModelLoadError("tensor parallelism of Granite 4 is not supported (its "
-                                 "Mamba-2 layers); serve it on one rank (data parallelism "
-                                 "replicates it)")
+        self.refuse_shard(shard)
         super().__init__(cfg, weights, max_positions)
         self.rotates = not cfg.no_rope_layers  # (position_embedding_type rope)
-        self.states: list[Any] = []
+        self.states = []
         self.views = LayerViews(cfg)
-
-    def allocate_states(self, slots: int) -> None:
-        self.states = allocate_states([layer.mixer for layer in self.layers], slots,
-                                      self.embedding.dtype, self.embedding.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.kv_layout import LayerViews
@@ -26,7 +25,7 @@ from freetoken_core.models.layers import add_rms_norm, rms_norm
 from freetoken_core.models.linear import BlockArena
 from freetoken_core.models.llama import DecoderLayer, LlamaForCausalLM, Weights
 from freetoken_core.models.moe import SparseMoE, feed_forward
-from freetoken_core.models.recurrent import allocate_states, check_step
+from freetoken_core.models.recurrent import RecurrentModel, check_step
 from freetoken_core.models.sharding import Shard
 from freetoken_core.models.short_conv import ShortConv
 
@@ -68,26 +67,19 @@ def _layer(cfg: ModelConfig, weights: Weights, index: int, native: bool,
     return DecoderLayer(cfg, weights, index, native, arena)
 
 
-class Lfm2ForCausalLM(LlamaForCausalLM):
+class Lfm2ForCausalLM(RecurrentModel, LlamaForCausalLM):
     """LFM2 (module docstring): ``forward`` and ``compute_logits`` as Llama's;
     ``allocate_states`` makes the convolutions' states (``recurrent``)."""
 
     layer_class = staticmethod(_layer)  # type: ignore[assignment]
-    recurrent = True
+    family, mixers, mixer_name = "LFM2", "convolution layers", "mixer"
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
                  shard: Shard | None = None) -> None:
-        if shard is not None:
-            raise ModelLoadError("tensor parallelism of LFM2 is not supported (its "
-                                 "convolution layers); serve it on one rank (data parallelism "
-                                 "replicates it)")
+        self.refuse_shard(shard)
         super().__init__(cfg, weights, max_positions)
-        self.states: list[Any] = []
+        self.states = []
         self.views = LayerViews(cfg)
-
-    def allocate_states(self, slots: int) -> None:
-        self.states = allocate_states([getattr(layer, "mixer", None) for layer in self.layers],
-                                      slots, self.embedding.dtype, self.embedding.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.kv_layout import LayerViews
@@ -23,7 +22,7 @@ from freetoken_core.models.linear import BlockArena, make_linear
 from freetoken_core.models.llama import LlamaForCausalLM, Weights
 from freetoken_core.models.mamba2 import Mamba2
 from freetoken_core.models.moe import SparseMoE
-from freetoken_core.models.recurrent import allocate_states, check_step
+from freetoken_core.models.recurrent import RecurrentModel, check_step
 from freetoken_core.models.sharding import Shard
 
 
@@ -89,29 +88,22 @@ class NemotronHBlock:
         return self.down_proj(torch.square(torch.relu(self.up_proj(x)))), residual
 
 
-class NemotronHForCausalLM(LlamaForCausalLM):
+class NemotronHForCausalLM(RecurrentModel, LlamaForCausalLM):
     """Nemotron-H (module docstring): ``compute_logits`` as Llama's; ``allocate_states``
     makes the Mamba-2 blocks' states (``recurrent``)."""
 
     layer_class = staticmethod(NemotronHBlock)  # type: ignore[assignment]
-    recurrent = True
+    family, mixers, mixer_name = "Nemotron-H", "Mamba-2 blocks", "mamba"
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
                  shard: Shard | None = None) -> None:
-        if shard is not None:
-            raise ModelLoadError("tensor parallelism of Nemotron-H is not supported (its "
-                                 "Mamba-2 blocks); serve it on one rank (data parallelism "
-                                 "replicates it)")
+        self.refuse_shard(shard)
         for name in [k for k in weights if k.startswith("mtp.")]:
             del weights[name]  # (multi-token prediction: not used)
         super().__init__(cfg, weights, max_positions)
         self.norm = self.norm.float()
-        self.states: list[Any] = []
+        self.states = []
         self.views = LayerViews(cfg)
-
-    def allocate_states(self, slots: int) -> None:
-        self.states = allocate_states([layer.mamba for layer in self.layers], slots,
-                                      self.embedding.dtype, self.embedding.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

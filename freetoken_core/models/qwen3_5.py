@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.gated_deltanet import GatedDeltaNet, RecurrentStates
@@ -38,7 +37,7 @@ from freetoken_core.models.layers import (
 from freetoken_core.models.linear import BlockArena, make_linear
 from freetoken_core.models.llama import LlamaForCausalLM, Weights
 from freetoken_core.models.moe import SparseMoE, feed_forward
-from freetoken_core.models.recurrent import allocate_states, check_step
+from freetoken_core.models.recurrent import RecurrentModel, check_step
 from freetoken_core.models.sharding import Shard
 
 
@@ -125,19 +124,16 @@ class Qwen3_5DecoderLayer:
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, h * d)))
 
 
-class Qwen3_5ForCausalLM(LlamaForCausalLM):
+class Qwen3_5ForCausalLM(RecurrentModel, LlamaForCausalLM):
     """Qwen3.5's text model: ``forward`` gives hidden states, ``compute_logits`` float32
     logits; ``allocate_states`` makes the linear layers' states (``recurrent``: the engine
     gives each running sequence a slot); the block layouts are ``LlamaForCausalLM``'s."""
 
-    recurrent = True
+    family, mixers, mixer_name = "Qwen3.5", "linear-attention layers", "linear_attn"
 
     def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int,
                  shard: Shard | None = None) -> None:
-        if shard is not None:
-            raise ModelLoadError("tensor parallelism of Qwen3.5 is not supported (its "
-                                 "linear-attention layers); serve it on one rank (data "
-                                 "parallelism replicates it)")
+        self.refuse_shard(shard)
         for name in [k for k in weights if k.startswith("mtp.")]:
             del weights[name]  # (multi-token prediction: not used)
         self.config = cfg
@@ -155,17 +151,11 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         leftover = [k for k in weights if "rotary_emb" not in k]
         if leftover:
             raise ValueError(f"unused weights in checkpoint: {leftover[:5]}")
-        self.states: list[RecurrentStates | None] = []
+        self.states = []
         self.views = LayerViews(cfg)
         if arena is None:
             self.pack_blocks()
         self.set_all_layers_args()
-
-    def allocate_states(self, slots: int) -> None:
-        """Zeroed states for ``slots`` sequences in every linear-attention layer
-        (``recurrent.allocate_states``)."""
-        self.states = allocate_states([layer.linear_attn for layer in self.layers], slots,
-                                      self.embedding.dtype, self.embedding.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """What the models with recurrent layers share (Qwen3.5's Gated DeltaNet, ``gated_deltanet``;
-LFM2's short convolutions, ``short_conv``): a state per running sequence in each such layer,
-kept in the sequence's scheduler slot (``Sequence.slot``, one of ``max_num_seqs``), all of
-them allocated at start and zeroed where a sequence's first token is in the step
-(``attention.SequenceSpans.fresh``)."""
+LFM2's short convolutions, ``short_conv``; the Mamba-2 mixers of Granite 4, Nemotron-H and
+Falcon-H1, ``mamba2``): :class:`RecurrentModel`, and a state per running sequence in each
+such layer, kept in the sequence's scheduler slot (``Sequence.slot``, one of
+``max_num_seqs``), all of them allocated at start and zeroed where a sequence's first token
+is in the step (``attention.SequenceSpans.fresh``)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,40 @@ def allocate_states(mixers: list[Mixer | None], slots: int, dtype: torch.dtype,
             f"{available / 2**30:.1f} GiB of memory available; lower --max-num-seqs (about "
             f"{max(available // per_slot // 2, 1)} fit)")
     return [None if m is None else m.states(slots, dtype, device) for m in mixers]
+
+
+class RecurrentModel:
+    """What a model with recurrent layers adds to Llama's (a base before
+    ``LlamaForCausalLM``): ``recurrent`` (the engine's runner gives each running sequence a
+    slot and calls :meth:`allocate_states`), the states of the layers' mixers (each layer's
+    ``mixer_name`` attribute; absent or None on an attention layer), and the refusal of
+    tensor parallelism (:meth:`refuse_shard`: a rank would hold part of every state)."""
+
+    recurrent = True
+    family = "this model"
+    """The family's name in the refusal of tensor parallelism."""
+    mixers = "recurrent layers"
+    """What the family's recurrent layers are called there."""
+    mixer_name = "mixer"
+    """The layers' attribute that holds their recurrent mixer."""
+    layers: list[Any]
+    embedding: Any
+    states: list[Any]
+
+    @classmethod
+    def refuse_shard(cls, shard: Any) -> None:
+        """Refuse tensor parallelism (a ``shard`` given), naming the family."""
+        if shard is not None:
+            raise ModelLoadError(f"tensor parallelism of {cls.family} is not supported (its "
+                                 f"{cls.mixers}); serve it on one rank (data parallelism "
+                                 "replicates it)")
+
+    def allocate_states(self, slots: int) -> None:
+        """Zeroed states for ``slots`` sequences in every recurrent layer
+        (:func:`allocate_states`)."""
+        self.states = allocate_states(
+            [getattr(layer, self.mixer_name, None) for layer in self.layers], slots,
+            self.embedding.dtype, self.embedding.device)
 
 
 def conv_with_state(x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor,
