@@ -25,7 +25,7 @@ from typing import Any
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.config_defaults import with_defaults
-from freetoken_core.models.config_granite4 import time_step_limit
+from freetoken_core.models.config_granite4 import mamba_shape, time_step_limit
 
 ARCH = "FalconH1ForCausalLM"
 _DEFAULTS = {"vocab_size": 128_000, "hidden_size": 4096, "intermediate_size": 14_336,
@@ -69,22 +69,7 @@ def falcon_h1_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     inner = cfg.get("mamba_d_ssm", 1024)
     if inner is None:
         inner = cfg.get("mamba_expand", 2) * hidden
-    heads = cfg.get("mamba_n_heads", 128)
-    head_size = cfg.get("mamba_d_head", "auto")
-    if head_size == "auto" and isinstance(heads, int) and heads > 0 and isinstance(inner, int):
-        head_size = inner // heads
-    shape = (heads, head_size, cfg.get("mamba_n_groups", 1), cfg.get("mamba_d_state", 256),
-             cfg.get("mamba_d_conv", 4), cfg.get("mamba_chunk_size", 256))
-    names = ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
-             "mamba_d_conv", "mamba_chunk_size")
-    for name, value in zip(names, shape):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (
-                2 if name == "mamba_d_conv" else 1):
-            raise ModelLoadError(f"{ARCH} {name} must be a positive integer, not {value!r}")
-    if heads * head_size != inner or heads % shape[2]:
-        raise ModelLoadError(f"{ARCH} mamba_n_heads {heads} x mamba_d_head {head_size} must be "
-                             f"the mixer's size mamba_d_ssm ({inner}), and a multiple of "
-                             "mamba_n_groups")
+    shape = mamba_shape(ARCH, cfg, inner, "the mixer's size mamba_d_ssm")
     norm = ("none" if not cfg.get("mamba_rms_norm", False) else
             "before_gate" if cfg.get("mamba_norm_before_gate", True) else "after_gate")
     mlp = _numbers(cfg, "mlp_multipliers", 2)

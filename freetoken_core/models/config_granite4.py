@@ -44,22 +44,7 @@ def granite4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     if len(types) != layers or set(types) - set(_KINDS):
         raise ModelLoadError(f"{ARCH} layer_types {types!r}: expected {layers} of 'mamba' / "
                              "'attention'")
-    heads = cfg.get("mamba_n_heads", 128)
-    inner = cfg.get("mamba_expand", 2) * hidden
-    head_size = cfg.get("mamba_d_head", "auto")
-    if head_size == "auto" and isinstance(heads, int) and heads > 0:
-        head_size = inner // heads
-    shape = (heads, head_size, cfg.get("mamba_n_groups", 1), cfg.get("mamba_d_state", 256),
-             cfg.get("mamba_d_conv", 4), cfg.get("mamba_chunk_size", 256))
-    names = ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
-             "mamba_d_conv", "mamba_chunk_size")
-    for name, value in zip(names, shape):
-        if not isinstance(value, int) or value < (2 if name == "mamba_d_conv" else 1):
-            raise ModelLoadError(f"{ARCH} {name} must be a positive integer, not {value!r}")
-    if heads * head_size != inner or heads % shape[2]:
-        raise ModelLoadError(f"{ARCH} mamba_n_heads {heads} x mamba_d_head {head_size} must be "
-                             f"mamba_expand x hidden ({inner}), and a multiple of "
-                             f"mamba_n_groups")
+    shape = mamba_shape(ARCH, cfg, cfg.get("mamba_expand", 2) * hidden, "mamba_expand x hidden")
 
     experts = cfg.get("num_local_experts", 8) or 0
     fields: dict[str, Any] = {
@@ -77,6 +62,30 @@ def granite4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                       moe_intermediate_size=cfg["intermediate_size"],
                       expert_gating="softmax_weight")
     return fields
+
+
+def mamba_shape(arch: str, cfg: dict[str, Any], inner: Any, inner_name: str
+                ) -> tuple[int, int, int, int, int, int]:
+    """A Mamba-2 mixer's ``(heads, head size, groups, state size, conv kernel, chunk size)``
+    from the ``mamba_*`` keys (transformers' defaults; ``mamba_d_head`` ``auto``: ``inner``
+    over the heads), each a positive integer, the heads ``inner`` wide together (its name
+    in an error: ``inner_name``) and a multiple of the groups."""
+    heads = cfg.get("mamba_n_heads", 128)
+    head_size = cfg.get("mamba_d_head", "auto")
+    if head_size == "auto" and isinstance(heads, int) and heads > 0 and isinstance(inner, int):
+        head_size = inner // heads
+    shape = (heads, head_size, cfg.get("mamba_n_groups", 1), cfg.get("mamba_d_state", 256),
+             cfg.get("mamba_d_conv", 4), cfg.get("mamba_chunk_size", 256))
+    names = ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+             "mamba_d_conv", "mamba_chunk_size")
+    for name, value in zip(names, shape):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (
+                2 if name == "mamba_d_conv" else 1):
+            raise ModelLoadError(f"{arch} {name} must be a positive integer, not {value!r}")
+    if heads * head_size != inner or heads % shape[2]:
+        raise ModelLoadError(f"{arch} mamba_n_heads {heads} x mamba_d_head {head_size} must be "
+                             f"{inner_name} ({inner}), and a multiple of mamba_n_groups")
+    return shape
 
 
 def time_step_limit(arch: str, cfg: dict[str, Any]) -> tuple[float, float]:
