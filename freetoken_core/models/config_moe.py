@@ -174,19 +174,30 @@ def glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     size, shared = cfg.get("moe_intermediate_size", 1408), cfg.get("n_shared_experts", 1)
     groups, keep = cfg.get("n_group", 1), cfg.get("topk_group", 1)
     dense = cfg.get("first_k_dense_replace", 1)
+    return {"partial_rotary_factor": partial, **grouped_experts(
+        arch, cfg, layers, (experts, top_k, size, shared, groups, keep, dense),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))}
+
+
+def grouped_experts(arch: str, cfg: dict[str, Any], layers: int, counts: tuple[Any, ...],
+                    norm_topk_prob: bool) -> dict[str, Any]:
+    """DeepSeek-V3's routing as GLM-4.5 and dots1 configure it: ``counts`` (experts, a
+    token's, their width, shared experts, groups, groups kept, leading dense layers) each
+    checked, experts chosen by sigmoid scores plus the selection bias among the best groups,
+    rescaled where ``norm_topk_prob``."""
+    experts, top_k, size, shared, groups, keep, dense = counts
     expert_counts(arch, (("n_routed_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
-                          ("moe_intermediate_size", size, 1), ("n_shared_experts", shared, 0),
-                          ("n_group", groups, 1), ("topk_group", keep, 1),
-                          ("first_k_dense_replace", dense, 0)), top_k, experts)
+                         ("moe_intermediate_size", size, 1), ("n_shared_experts", shared, 0),
+                         ("n_group", groups, 1), ("topk_group", keep, 1),
+                         ("first_k_dense_replace", dense, 0)), top_k, experts)
     if experts % groups or keep > groups or top_k > keep * (experts // groups):
         raise ModelLoadError(f"{arch} n_group {groups} / topk_group {keep} do not divide "
                              f"{experts} experts into groups holding {top_k} of them")
-    return {"partial_rotary_factor": partial, "num_experts": experts, "num_experts_per_tok": top_k,
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
             "moe_intermediate_size": size, "shared_expert_intermediate_size": size * shared,
             "expert_gating": "sigmoid", "expert_selection_bias": True,
             "expert_groups": (groups, keep), "expert_norm_eps": 1e-20,
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
-            "routed_scaling_factor": routed_scale(cfg, arch),
+            "norm_topk_prob": norm_topk_prob, "routed_scaling_factor": routed_scale(cfg, arch),
             "moe_layers": tuple(int(i >= dense) for i in range(layers))}
 
 
@@ -249,13 +260,9 @@ def dots1_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     size, shared = cfg.get("moe_intermediate_size", 1408), cfg.get("n_shared_experts")
     groups, keep = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
     dense = cfg.get("first_k_dense_replace") or 0
-    expert_counts(arch, (("n_routed_experts", experts, 1), ("num_experts_per_tok", top_k, 1),
-                         ("moe_intermediate_size", size, 1), ("n_shared_experts", shared, 0),
-                         ("n_group", groups, 1), ("topk_group", keep, 1),
-                         ("first_k_dense_replace", dense, 0)), top_k, experts)
-    if experts % groups or keep > groups or top_k > keep * (experts // groups):
-        raise ModelLoadError(f"{arch} n_group {groups} / topk_group {keep} do not divide "
-                             f"{experts} experts into groups holding {top_k} of them")
+    experts_fields = grouped_experts(
+        arch, cfg, layers, (experts, top_k, size, shared, groups, keep, dense),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
     window = cfg.get("sliding_window", 4096)
     kinds = cfg.get("layer_types") or [
         "sliding_attention" if window is not None and i >= cfg.get("max_window_layers", 62)
@@ -266,12 +273,6 @@ def dots1_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     if "sliding_attention" in kinds and not (isinstance(window, int) and window > 0):
         raise ModelLoadError(f"{arch} has sliding_attention layers but sliding_window "
                              f"{window!r}")
-    return {"num_experts": experts, "num_experts_per_tok": top_k,
-            "moe_intermediate_size": size, "shared_expert_intermediate_size": size * shared,
-            "expert_gating": "sigmoid", "expert_selection_bias": True,
-            "expert_groups": (groups, keep), "expert_norm_eps": 1e-20,
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
-            "routed_scaling_factor": routed_scale(cfg, arch),
-            "moe_layers": tuple(int(i >= dense) for i in range(layers)),
+    return {**experts_fields,
             "layer_windows": tuple(window if kind == "sliding_attention" else None
                                    for kind in kinds) if "sliding_attention" in kinds else ()}
