@@ -115,7 +115,7 @@ def nemotron_h_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[st
         "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
         "layers_block_type": types, "num_hidden_layers": layers,
         "num_key_value_heads": kv_heads.pop() if kv_heads else config["num_attention_heads"],
-        "intermediate_size": sizes.pop() if sizes and not experts else 0,
+        "intermediate_size": next(iter(sizes)) if sizes and not experts else 0,
         "rms_norm_eps": float(eps if eps is not None else
                               require(reader, p + "attention.layer_norm_epsilon")),
         "mamba_num_heads": ssm.heads, "mamba_head_dim": ssm.head_dim, "n_groups": ssm.groups,
@@ -149,19 +149,7 @@ def _experts(reader: Any, p: str, experts: int, sizes: set[int]) -> dict[str, An
     if not 1 <= used <= experts:
         raise ModelLoadError(f"GGUF {p}expert_count {experts} / expert_used_count {used}: a "
                              "mixture of experts needs 1 <= used <= count")
-    per_block = array_field(reader, p + "expert_feed_forward_length")
-    size = int(field(reader, p + "expert_feed_forward_length", 0)) if per_block is None else (
-        {int(v) for v in per_block} - {0})
-    if isinstance(size, set):
-        if len(size) != 1:
-            raise ModelLoadError(f"GGUF {p}expert_feed_forward_length {list(per_block)}: "
-                                 "FreeToken runs experts of one size")
-        size = size.pop()
-    if not size:  # (llama.cpp's fallback: the block's length over the experts used)
-        if len(sizes) != 1:
-            raise ModelLoadError(f"GGUF {p} lacks expert_feed_forward_length and its expert "
-                                 f"blocks' feed_forward_length {sorted(sizes)} are not one")
-        size = next(iter(sizes)) // used
+    size = _expert_size(reader, p, used, sizes)
     groups = int(field(reader, p + "expert_group_count", 1)) or 1
     keep = int(field(reader, p + "expert_group_used_count", 1 if groups == 1 else 0))
     if experts % groups or not 1 <= keep <= groups:
@@ -176,6 +164,27 @@ def _experts(reader: Any, p: str, experts: int, sizes: set[int]) -> dict[str, An
             "n_group": groups, "topk_group": keep,
             "norm_topk_prob": bool(field(reader, p + "expert_weights_norm", False)),
             "routed_scaling_factor": scale or 1.0}
+
+
+def _expert_size(reader: Any, p: str, used: int, sizes: set[int]) -> int:
+    """``expert_feed_forward_length``: its number, or the one nonzero value of its array;
+    where it is missing, llama.cpp's fallback: the expert blocks' ``feed_forward_length``
+    (``sizes``) over the ``used`` experts."""
+    key = p + "expert_feed_forward_length"
+    per_block = array_field(reader, key)
+    if per_block is not None:
+        found = {int(v) for v in per_block} - {0}
+        if len(found) != 1:
+            raise ModelLoadError(f"GGUF {key} {[int(v) for v in per_block]}: FreeToken runs "
+                                 "experts of one size")
+        return found.pop()
+    size = int(field(reader, key, 0))
+    if size:
+        return size
+    if len(sizes) != 1:
+        raise ModelLoadError(f"GGUF lacks {key!r} and its expert blocks' "
+                             f"feed_forward_length {sorted(sizes)} are not one size")
+    return next(iter(sizes)) // used
 
 
 def hf_weights(weights: dict[str, Any], num_layers: int) -> dict[str, Any]:
