@@ -153,12 +153,13 @@ def test_granite4_gguf_metadata(tmp_path: Path) -> None:
     ({}, "ssm.group_count", "lacks 'granitehybrid.ssm.group_count'"),
     ({}, "ssm.time_step_rank", "lacks 'granitehybrid.ssm.time_step_rank'"),
     ({"ssm.inner_size": 100}, "", "ssm.inner_size 100 must split into the 8 Mamba heads"),
+    ({"ssm.inner_size": 96, "ssm.time_step_rank": 6}, "", "96 must be a multiple of the hidden"),
     ({"ssm.conv_kernel": 0}, "", "ssm.conv_kernel must be a positive integer"),
     ({"attention.head_count_kv": [0, 2, 0]}, "", "has 3 values for 4 blocks"),
     ({"attention.head_count_kv": [0, 2, 4, 0]}, "", "all have the same KV heads"),
     ({"expert_used_count": 5}, "", "expert_count 4 / expert_used_count 5"),
     ({"expert_weights_scale": 2.5}, "", "expert_weights_scale 2.5"),
-    ({"ssm.group_count": 3}, "", "mamba_n_groups"),
+    ({"ssm.group_count": 3}, "", r"3 groups \(granitehybrid.ssm.group_count\)"),
 ])
 def test_granite4_gguf_metadata_errors(tmp_path: Path, change: dict[str, Any], drop: str,
                                        match: str) -> None:

@@ -2,12 +2,12 @@
 them (``conversion/falcon_h1.py`` ``FalconH1Model`` over ``Mamba2Model``) and its
 ``src/models/falcon-h1.cpp`` reads them: the metadata as the Hugging Face config keys
 ``config_falcon_h1`` reads, and the tensor names (the Mamba-2 tensors' changes undone as for
-Granite 4's: ``gguf_granite4.hf_weights``).
+Granite 4's: ``gguf_mamba2.hf_mamba2_weights``).
 
-Metadata (``falcon-h1.``): ``ssm.time_step_rank`` the mixer's heads, ``ssm.inner_size`` their
-total size (``mamba_d_ssm``), ``ssm.group_count``, ``ssm.state_size``, ``ssm.conv_kernel``; the
-attention's ``attention.head_count`` / ``head_count_kv`` / ``key_length``, the MLP's
-``feed_forward_length``, ``rope.freq_base`` (the common keys). The chunk size and
+Metadata (``falcon-h1.``): the mixer's shape from ``ssm.*`` (``gguf_mamba2.ssm_shape``;
+``ssm.inner_size`` is ``mamba_d_ssm``); the attention's ``attention.head_count`` /
+``head_count_kv`` / ``key_length``, the MLP's ``feed_forward_length``, ``rope.freq_base``
+(the common keys). The chunk size and
 ``time_step_limit`` are not stored (transformers' defaults; the chunked scan is the
 recurrence).
 
@@ -32,9 +32,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from freetoken_core.errors import ModelLoadError
 from freetoken_core.models import gguf_granite4
-from freetoken_core.models.gguf_granite4 import positive
+from freetoken_core.models.gguf_mamba2 import hf_mamba2_weights, ssm_shape
 
 log = logging.getLogger(__name__)
 
@@ -58,28 +57,21 @@ _FOLDED = {"embedding_multiplier": 1.0, "lm_head_multiplier": 1.0,
 def falcon_h1_config(reader: Any, names: set[str]) -> dict[str, Any]:
     """The Hugging Face config keys (``FalconH1Config``'s) of a ``falcon-h1`` file whose
     tensors are ``names`` (module docstring), beyond the common ones."""
-    heads = positive(reader, P + "ssm.time_step_rank")
-    inner = positive(reader, P + "ssm.inner_size")
-    groups = positive(reader, P + "ssm.group_count")
-    if inner % heads or heads % groups:
-        raise ModelLoadError(f"GGUF {P}ssm.inner_size {inner} must split into the {heads} "
-                             f"Mamba heads ({P}ssm.time_step_rank), a multiple of the "
-                             f"{groups} groups ({P}ssm.group_count)")
-    return {"model_type": "falcon_h1", "mamba_n_heads": heads, "mamba_d_head": inner // heads,
-            "mamba_d_ssm": inner, "mamba_n_groups": groups,
-            "mamba_d_state": positive(reader, P + "ssm.state_size"),
-            "mamba_d_conv": positive(reader, P + "ssm.conv_kernel"),
+    ssm = ssm_shape(reader, P)
+    return {"model_type": "falcon_h1", "mamba_n_heads": ssm.heads,
+            "mamba_d_head": ssm.head_dim, "mamba_d_ssm": ssm.inner, "mamba_n_groups": ssm.groups,
+            "mamba_d_state": ssm.state, "mamba_d_conv": ssm.conv,
             "mamba_rms_norm": "blk.0.ssm_norm.weight" in names,
             "mamba_norm_before_gate": False, **_FOLDED}
 
 
 def hf_weights(weights: dict[str, Any], tied: bool) -> dict[str, Any]:
     """``weights`` (the file's, under the names of :data:`LAYER_TENSORS`) with the mixers'
-    tensors as transformers' checkpoint holds them (``gguf_granite4.hf_weights``); a
+    tensors as transformers' checkpoint holds them (``gguf_mamba2.hf_mamba2_weights``); a
     ``tied`` file (no ``output.weight``) warned about (module docstring)."""
     if tied:
         log.warning("this falcon-h1 GGUF has no output.weight (a tied checkpoint's): llama.cpp's "
                     "converter multiplied embedding_multiplier into token_embd and dropped "
                     "lm_head_multiplier, so the logits are llama.cpp's, not transformers' (the "
                     "same greedy tokens, another scale for sampling)")
-    return gguf_granite4.hf_weights(weights)
+    return hf_mamba2_weights(weights, "mamba")

@@ -2,7 +2,8 @@
 ``GraniteHybridModel`` over ``Mamba2Model`` and ``GraniteMoeModel``) and its
 ``src/models/granite-hybrid.cpp`` reads them: the metadata as the Hugging Face config keys
 ``config_granite4`` reads, the tensor names, and the converter's changes to the tensors undone
-(:func:`hf_weights`), so ``granite_hybrid.py`` gets transformers' tensors.
+(the Mamba-2 mixers' by ``gguf_mamba2.hf_mamba2_weights``), so ``granite_hybrid.py`` gets
+transformers' tensors.
 
 The hybrids (granite-4.0-h-micro, -h-tiny, -h-small) are ``general.architecture``
 ``granitehybrid``; a Granite 4 without Mamba-2 layers (granite-4.0-micro) is written as a
@@ -10,23 +11,20 @@ The hybrids (granite-4.0-h-micro, -h-tiny, -h-small) are ``general.architecture`
 ``attention.head_count_kv`` an array of one value a layer (:func:`kv_head_count`).
 
 Metadata (``granitehybrid.``): ``attention.head_count_kv`` a number a layer, 0 for a Mamba-2
-layer (llama.cpp: recurrent where it is 0); ``ssm.time_step_rank`` the Mamba heads,
-``ssm.inner_size`` their total size (2 x hidden: ``mamba_expand``), ``ssm.group_count``,
-``ssm.state_size``, ``ssm.conv_kernel``; ``rope.scaling.finetuned`` whether the attention
+layer (llama.cpp: recurrent where it is 0); the Mamba-2 shape from ``ssm.*``
+(``gguf_mamba2.ssm_shape``; ``ssm.inner_size`` is 2 x hidden: ``mamba_expand``);
+``rope.scaling.finetuned`` whether the attention
 layers rotate (llama.cpp's switch, default true; the converter writes false for every
 hybrid, whatever its ``position_embedding_type``, and then a context length of 2^20); Granite's
 multipliers ``embedding_scale``, ``residual_scale``, ``attention.scale``, ``logit_scale`` (a
 missing or zero one is none); ``expert_count`` / ``expert_used_count`` (experts of
 ``feed_forward_length``; softmax over the top k, renormalized: transformers' softmax of the top
 k logits) and ``expert_shared_feed_forward_length`` the shared MLP's size (else
-``feed_forward_length``: the dense hybrids'). The Mamba-2 chunk size is not stored; the
-chunked scan is the recurrence, so the default's result is the file's.
+``feed_forward_length``: the dense hybrids').
 
 Tensors, as the converter changes them:
-- ``A_log`` is stored as ``ssm_a = -exp(A_log)`` ``[heads, 1]`` (``log(-ssm_a)`` here), ``D``
-  as ``ssm_d`` ``[heads, 1]``, ``dt_bias`` as ``ssm_dt.bias``, ``conv1d.weight``
-  ``[channels, 1, kernel]`` squeezed to ``[channels, kernel]``, the gated norm's weight
-  reshaped to ``[groups, inner / groups]`` (flattened here);
+- the Mamba-2 mixers' small tensors (``gguf_mamba2.hf_mamba2_weights``: ``-exp(A_log)``, the
+  reshapes);
 - the attention's q/k rows permuted for llama.cpp's rotary pairs (``LlamaModel.permute``,
   undone by ``gguf_weights`` as for llama files, rotating or not);
 - the experts' fused ``input_linear`` split into ``ffn_gate_exps`` / ``ffn_up_exps``, the shared
@@ -38,10 +36,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from freetoken_core.errors import ModelLoadError
-from freetoken_core.models.gguf_reader import array_field, field, require
+from freetoken_core.models.gguf_mamba2 import ssm_shape
+from freetoken_core.models.gguf_reader import array_field, field
 
 P = "granitehybrid."
 # A block's tensors, by their names under ``blk.{i}.`` (``{e}``: an expert of a 3-d tensor).
@@ -73,6 +70,7 @@ LAYER_TENSORS = {
     "ffn_down.weight": "shared_mlp.output_linear.weight",
 }
 
+
 def kv_head_count(reader: Any, arch: str, heads: int) -> int:
     """``{arch}.attention.head_count_kv``: a number, or (llama.cpp's per-layer form, which
     Granite 4's converter writes) one a layer, all the same but the 0s of a ``granitehybrid``
@@ -88,15 +86,6 @@ def kv_head_count(reader: Any, arch: str, heads: int) -> int:
     return counts.pop() if counts else heads
 
 
-def positive(reader: Any, key: str) -> int:
-    """The file's ``key``, required, a positive integer."""
-    value = require(reader, key)
-    if not isinstance(value, (int, np.integer)) or int(value) < 1:
-        raise ModelLoadError(f"GGUF {key} must be a positive integer, not {value!r}; "
-                             "re-export the model with llama.cpp")
-    return int(value)
-
-
 def granite4_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     """The Hugging Face config keys (``GraniteMoeHybridConfig``'s) of a ``granitehybrid``
     file (module docstring), over the common ones in ``config``."""
@@ -107,12 +96,10 @@ def granite4_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     if len(per_layer) != layers:
         raise ModelLoadError(f"GGUF {P}attention.head_count_kv has {len(per_layer)} values "
                              f"for {layers} blocks")
-    heads = positive(reader, P + "ssm.time_step_rank")
-    inner = positive(reader, P + "ssm.inner_size")
-    if inner % heads or inner % hidden:
-        raise ModelLoadError(f"GGUF {P}ssm.inner_size {inner} must split into the "
-                             f"{heads} Mamba heads ({P}ssm.time_step_rank) and be a multiple "
-                             f"of the hidden size {hidden}")
+    ssm = ssm_shape(reader, P)
+    if ssm.inner % hidden:
+        raise ModelLoadError(f"GGUF {P}ssm.inner_size {ssm.inner} must be a multiple of the "
+                             f"hidden size {hidden} ({P}embedding_length)")
 
     def scale(key: str, default: float) -> float:
         value = float(field(reader, P + key, 0.0))
@@ -121,11 +108,9 @@ def granite4_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model_type": "granitemoehybrid",
         "layer_types": ["mamba" if int(kv) == 0 else "attention" for kv in per_layer],
-        "mamba_n_heads": heads, "mamba_d_head": inner // heads,
-        "mamba_expand": inner // hidden,
-        "mamba_n_groups": positive(reader, P + "ssm.group_count"),
-        "mamba_d_state": positive(reader, P + "ssm.state_size"),
-        "mamba_d_conv": positive(reader, P + "ssm.conv_kernel"),
+        "mamba_n_heads": ssm.heads, "mamba_d_head": ssm.head_dim,
+        "mamba_expand": ssm.inner // hidden, "mamba_n_groups": ssm.groups,
+        "mamba_d_state": ssm.state, "mamba_d_conv": ssm.conv,
         "position_embedding_type": ("rope" if field(reader, P + "rope.scaling.finetuned", True)
                                     else "nope"),
         "embedding_multiplier": scale("embedding_scale", 1.0),
@@ -147,30 +132,4 @@ def granite4_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
             raise ModelLoadError(f"GGUF {P}expert_weights_scale {weights_scale}: FreeToken "
                                  "runs Granite 4 files whose expert weights are unscaled")
         out.update(num_local_experts=experts, num_experts_per_tok=used)
-    return out
-
-
-def hf_weights(weights: dict[str, Any]) -> dict[str, Any]:
-    """``weights`` (a ``granitehybrid`` file's, under the Hugging Face names of
-    :data:`LAYER_TENSORS`; or a ``falcon-h1`` file's, whose converter changes its mixers'
-    tensors alike: ``gguf_falcon_h1``) as transformers' checkpoint holds the Mamba-2 layers' small
-    tensors (module docstring): float32 tensors of transformers' shapes, ``A_log`` from
-    ``ssm_a``."""
-    import torch
-
-    out: dict[str, Any] = {}
-    for name, w in weights.items():
-        tail = name.rsplit(".mamba.", 1)[-1] if ".mamba." in name else ""
-        if tail in ("A_log", "D", "norm.weight", "conv1d.weight"):
-            if not isinstance(w, torch.Tensor):
-                w = w.dequantize()
-            if tail != "conv1d.weight":
-                w = w.reshape(-1)
-            if tail == "A_log":
-                if not bool(torch.all(w < 0)):
-                    raise ModelLoadError(f"GGUF tensor {name} (ssm_a) holds values of 0 or "
-                                         "above; llama.cpp stores -exp(A_log) there - "
-                                         "re-export the model")
-                w = torch.log(-w)
-        out[name] = w
     return out

@@ -35,6 +35,8 @@ from freetoken_core.models.gguf_granite4 import granite4_config, kv_head_count
 from freetoken_core.models.gguf_lfm2 import ARCHITECTURES as LFM2_ARCHITECTURES
 from freetoken_core.models.gguf_lfm2 import lfm2_config
 from freetoken_core.models.gguf_llama4 import llama4_config
+from freetoken_core.models.gguf_nemotron_h import ARCHITECTURES as NEMOTRON_H
+from freetoken_core.models.gguf_nemotron_h import nemotron_h_config
 from freetoken_core.models.gguf_phi2 import phi2_config
 from freetoken_core.models.gguf_qwen35 import QWEN35_ARCHS, QWEN35_MOE, qwen35_config
 from freetoken_core.models.gguf_reader import field, require, token_count
@@ -60,6 +62,7 @@ ARCHITECTURES = {
     "granitemoe": "GraniteMoeForCausalLM",
     "granitehybrid": "GraniteMoeHybridForCausalLM",  # (Granite 4's hybrids: gguf_granite4)
     "falcon-h1": "FalconH1ForCausalLM",  # (gguf_falcon_h1)
+    **dict.fromkeys(NEMOTRON_H, "NemotronHForCausalLM"),  # (and nemotron_h_moe: gguf_nemotron_h)
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
@@ -229,10 +232,11 @@ def build_config(reader: Any) -> dict[str, Any]:
                                    embedding_rows(reader) or token_count(reader), names),
                 **special_token_ids(reader)}
     # (head_count_kv, feed_forward_length: a number a layer too)
-    layered = arch in ("gemma4", "gemma3n") or arch in LFM2_ARCHITECTURES
+    layered = arch in ("gemma4", "gemma3n") or arch in LFM2_ARCHITECTURES or arch in NEMOTRON_H
     kv_heads = heads if layered else kv_head_count(reader, arch, heads)  # (or one a layer)
     head_dim = int(field(reader, p + "attention.key_length", hidden // heads))
-    rope_dim = int(field(reader, p + "rope.dimension_count", head_dim))
+    rope_dim = (head_dim if arch in NEMOTRON_H  # (no positions: the converter's key is moot)
+                else int(field(reader, p + "rope.dimension_count", head_dim)))
     # Partial rotary (Phi-4-mini: the first 3/4 of each head; GLM-4, GLM-4.5: half; Qwen3.5:
     # a quarter, checked in qwen35_config): llama.cpp's rotation of the first rope_dim
     # dimensions is transformers' partial_rotary_factor.
@@ -284,6 +288,8 @@ def build_config(reader: Any) -> dict[str, Any]:
         config["rotary_dim"] = rope_dim
     if arch == "falcon-h1":
         config.update(falcon_h1_config(reader, names))
+    if arch in NEMOTRON_H:
+        config.update(nemotron_h_config(reader, arch, config))
     if arch == "phi3" and rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
     if arch == "phi2":  # (LayerNorms, biases, GELU, partial rotary)

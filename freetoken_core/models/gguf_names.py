@@ -3,7 +3,8 @@ family (``gguf_weights.read_gguf_weights`` maps every tensor of a file through
 :func:`hf_name`), built from the parts most families share (``gguf_name_parts``); the newer
 families' tables are their own modules': ``gguf_gemma4``, ``gguf_gemma3n``, ``gguf_qwen35``,
 ``gguf_lfm2``, ``gguf_granite4``, ``gguf_glm4moe``, ``gguf_deepseek2``, ``gguf_llama4``,
-``gguf_falcon_h1``, ``gguf_phi2``)."""
+``gguf_falcon_h1``, ``gguf_phi2``,
+``gguf_nemotron_h``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from freetoken_core.models import (
     gguf_granite4,
     gguf_lfm2,
     gguf_llama4,
+    gguf_nemotron_h,
     gguf_phi2,
     gguf_qwen35,
 )
@@ -105,6 +107,7 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     **dict.fromkeys(gguf_lfm2.ARCHITECTURES, gguf_lfm2.LAYER_TENSORS),
     "granitehybrid": gguf_granite4.LAYER_TENSORS,  # (and its hf_weights)
     "falcon-h1": gguf_falcon_h1.LAYER_TENSORS,  # (and its hf_weights)
+    **dict.fromkeys(gguf_nemotron_h.ARCHITECTURES, gguf_nemotron_h.LAYER_TENSORS),
     "glm4moe": gguf_glm4moe.LAYER_TENSORS,
     "deepseek2": gguf_deepseek2.LAYER_TENSORS,
     # (q/k norms over all heads, [heads x head_dim]; the router's selection bias)
@@ -143,13 +146,15 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
 # The architectures whose converter (LlamaModel's) stores q/k rows permuted for llama.cpp's
 # interleaved rotary pairs.
 PERMUTED_QK = frozenset({"llama", "smollm3", "granite", "granitemoe", "mistral3", "arcee",
-                         "granitehybrid"})
+                         "granitehybrid", *gguf_nemotron_h.ARCHITECTURES})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # The out projections of the token mixers other than attention (a layer must have one of
 # them or attention's o_proj): Qwen3.5's linear attention, LFM2's convolution, Granite 4's
-# Mamba-2.
+# Mamba-2; Nemotron-H's one mixer a block (Mamba-2, attention, MLP or experts).
 MIXER_OUTPUTS = ("linear_attn.out_proj.weight", "conv.out_proj.weight",
-                  "mamba.out_proj.weight")
+                 "mamba.out_proj.weight",
+                 *(f"mixer.{m}.weight" for m in ("out_proj", "o_proj", "down_proj",
+                                                  "shared_experts.down_proj")))
 
 
 

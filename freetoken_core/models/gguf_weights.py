@@ -21,7 +21,8 @@ import numpy as np
 
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.hugepages import PAGE, madvise_dontneed
-from freetoken_core.models import gguf_apertus, gguf_falcon_h1, gguf_granite4, gguf_qwen35
+from freetoken_core.models import gguf_apertus, gguf_falcon_h1, gguf_nemotron_h, gguf_qwen35
+from freetoken_core.models.gguf_mamba2 import hf_mamba2_weights
 from freetoken_core.models.gguf_metadata import ROPE_FACTOR_TENSORS
 from freetoken_core.models.gguf_names import MIXER_OUTPUTS, PERMUTED_QK, hf_name
 
@@ -181,7 +182,8 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
     norm weight; it is taken off again, as transformers' loader does, so the model computes
     ``1 + w``."""
     check_tensors(reader, path)
-    heads = {"self_attn.q_proj.weight": num_heads, "self_attn.k_proj.weight": num_kv_heads}
+    heads = {f"{attn}.{p}_proj.weight": n for attn in ("self_attn", "mixer")  # (Nemotron-H's)
+             for p, n in (("q", num_heads), ("k", num_kv_heads))}
     weights: dict[str, GGUFWeight | torch.Tensor] = {}
     for t in reader.tensors:
         if t.name in ROPE_FACTOR_TENSORS.get(arch, ()):
@@ -224,7 +226,9 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
     if arch in gguf_qwen35.EVERY_LAYER:
         weights = gguf_qwen35.hf_weights(reader, weights, num_layers)
     if arch == "granitehybrid":
-        weights = gguf_granite4.hf_weights(weights)
+        weights = hf_mamba2_weights(weights, "mamba")
+    if arch in gguf_nemotron_h.ARCHITECTURES:
+        weights = gguf_nemotron_h.hf_weights(weights, num_layers)
     if arch == "apertus":  # (xIELU's scalars, from the metadata)
         weights = gguf_apertus.hf_weights(reader, weights, num_layers)
     if arch == "falcon-h1":
