@@ -3,7 +3,7 @@ family (``gguf_weights.read_gguf_weights`` maps every tensor of a file through
 :func:`hf_name`; the newer families' tables are their own modules': ``gguf_gemma4``,
 ``gguf_gemma3n``, ``gguf_qwen35``, ``gguf_lfm2``, ``gguf_granite4``, ``gguf_glm4moe``, ``gguf_deepseek2``,
 ``gguf_llama4``,
-``gguf_falcon_h1``)."""
+``gguf_falcon_h1``, ``gguf_ernie_hunyuan``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import re
 
 from freetoken_core.models import (
     gguf_deepseek2,
+    gguf_ernie_hunyuan,
     gguf_falcon_h1,
     gguf_gemma3n,
     gguf_gemma4,
@@ -127,6 +128,8 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "qwen3moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE},
     "olmoe": {**_LLAMA_NORMS, **_ATTENTION, **_MOE},  # (q/k norms over all heads)
     "hunyuan-dense": {**_LLAMA_NORMS, **_ATTENTION, **_MLP},  # (q/k normed after rope)
+    "hunyuan-moe": gguf_ernie_hunyuan.HUNYUAN_MOE_TENSORS,
+    "ernie4_5-moe": gguf_ernie_hunyuan.ERNIE4_5_MOE_TENSORS,
     "qwen2moe": {**_LLAMA_NORMS, **_ATTENTION, **_MLP, **_MOE, **_SHARED_EXPERT},
     "gpt-oss": _GPT_OSS,
     "gemma3": {**_GEMMA_NORMS, **_ATTENTION, **_MLP},
