@@ -139,7 +139,14 @@ ERRORS: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("family", "overrides", "written", "match"), ERRORS)
+ERROR_IDS = ["ernie-no-step", "ernie-no-expert-size", "ernie-used-9-of-8", "ernie-step-0",
+             "ernie-shared-width-48", "ernie-no-shared-width", "ernie-lead-0",
+             "ernie-no-selection-bias", "ernie-biases", "hunyuan-expert-size-64",
+             "hunyuan-no-expert-size", "hunyuan-no-experts", "hunyuan-no-shared-up",
+             "hunyuan-biases", "hunyuan-linear-rope"]
+
+
+@pytest.mark.parametrize(("family", "overrides", "written", "match"), ERRORS, ids=ERROR_IDS)
 def test_gguf_metadata_errors_name_the_key(tmp_path: Path, family: str,
                                            overrides: dict[str, Any], written: dict[str, Any],
                                            match: str) -> None:
