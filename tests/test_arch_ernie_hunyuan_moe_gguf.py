@@ -135,7 +135,9 @@ ERRORS: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
      r"lacks 'blk\.0\.ffn_up_shexp\.weight'"),
     ("hunyuan", {"attention_bias": True}, {}, r"'blk\.0\.attn_k\.bias': hunyuan-moe files"),
     ("hunyuan", {}, {"keys": {"rope.scaling.type": "linear", "rope.scaling.factor": 2.0}},
-     "rope type 'linear' is not supported"),
+     r"hunyuan-moe\.rope\.scaling\.type 'linear' \(factor 2\) is not supported"),
+    ("ernie", {}, {"keys": {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}},
+     r"ernie4_5-moe\.rope\.scaling\.type 'yarn' \(factor 4\)"),
 ]
 
 
@@ -143,7 +145,7 @@ ERROR_IDS = ["ernie-no-step", "ernie-no-expert-size", "ernie-used-9-of-8", "erni
              "ernie-shared-width-48", "ernie-no-shared-width", "ernie-lead-0",
              "ernie-no-selection-bias", "ernie-biases", "hunyuan-expert-size-64",
              "hunyuan-no-expert-size", "hunyuan-no-experts", "hunyuan-no-shared-up",
-             "hunyuan-biases", "hunyuan-linear-rope"]
+             "hunyuan-biases", "hunyuan-linear-rope", "ernie-yarn-rope"]
 
 
 @pytest.mark.parametrize(("family", "overrides", "written", "match"), ERRORS, ids=ERROR_IDS)

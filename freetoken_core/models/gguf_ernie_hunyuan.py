@@ -39,6 +39,9 @@ heads, as in ``hunyuan-dense`` files; the checkpoints' NTK-alpha rope (type ``dy
 ``alpha``) is written as the base ``rope.freq_base`` (``rope_theta * alpha ** (d / (d -
 2))``, scaling type none): the default rope of that base. No biases (Hunyuan-A13B has none;
 llama.cpp's graph drops ``attn_output.bias``).
+
+Both: a scaled rope (``rope.scaling.type`` linear, YaRN ...) is refused, as from directories
+(the checkpoints scale none).
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ def ernie4_5_moe_config(reader: Any, config: dict[str, Any], names: set[str]
             "would compute a shared expert of that width, transformers one of the count's; "
             "re-export the model")
     _refuse_biases(p, names, allowed="exp_probs_b.bias")
+    _refuse_rope_scaling(reader, p)
     for i in range(layers):
         moe = i in sparse
         wanted = (*_ROUTED, "exp_probs_b.bias", *(_SHARED if shared else ())) if moe else _DENSE
@@ -133,6 +137,7 @@ def hunyuan_moe_config(reader: Any, config: dict[str, Any], names: set[str]
             "transformers' Hunyuan MoE computes both of intermediate_size; FreeToken runs "
             "files where they are equal")
     _refuse_biases(p, names)
+    _refuse_rope_scaling(reader, p)
     for i in range(layers):
         _require_tensors(p, names, i, (*_ROUTED, *_SHARED, "attn_q_norm.weight",
                                        "attn_k_norm.weight"), "a layer", "")
@@ -172,6 +177,18 @@ def _refuse_biases(p: str, names: set[str], allowed: str = "") -> None:
         raise ModelLoadError(f"GGUF tensor {biases[0]!r}: {p.rstrip('.')} files with biases "
                              "on their linears are not supported (llama.cpp's graph drops "
                              "attn_output.bias; the released models have none)")
+
+
+def _refuse_rope_scaling(reader: Any, p: str) -> None:
+    """A scaled rope (``rope.scaling.type`` other than none, of a factor other than 1) is
+    refused naming the key: the checkpoints scale none (Hunyuan's NTK-alpha is the base
+    itself), and FreeToken computes these families' rope unscaled, as from directories."""
+    kind = field(reader, p + "rope.scaling.type")
+    factor = float(field(reader, p + "rope.scaling.factor", 1.0))
+    if kind not in (None, "none") and factor != 1.0:
+        raise ModelLoadError(f"GGUF {p}rope.scaling.type {kind!r} (factor {factor:g}) is not "
+                             f"supported for {p.rstrip('.')}: FreeToken computes its rope "
+                             "unscaled, as its checkpoints have it")
 
 
 def _require_tensors(p: str, names: set[str], layer: int, wanted: tuple[str, ...], kind: str,
