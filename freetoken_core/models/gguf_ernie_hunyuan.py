@@ -28,7 +28,8 @@ rescaled to sum to 1, and read no ``expert_gating_func``, ``expert_weights_scale
   experts]`` as the checkpoints hold it), which chooses the experts and does not weight them;
   required (every checkpoint has one; llama.cpp chooses without one where it is missing);
 - no biases: llama.cpp's graph drops ``attn_output.bias`` and loads no MLP's, transformers'
-  ``use_bias`` adds every linear's and the head's (the released models have none).
+  ``use_bias`` adds the attention's, the dense and shared MLPs' and the head's (the released
+  models have none).
 
 ``hunyuan-moe.``: ``expert_count``, ``expert_used_count`` (``num_experts``, ``moe_topk``),
 experts of ``expert_feed_forward_length`` in every layer beside a shared SwiGLU MLP of
