@@ -19,6 +19,7 @@ from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_m
 from gguf_granite4_files import add_keys
 from gguf_models import _tokenizer_fields
 from gguf_qwen35_files import _add as add_tensor
+from gguf_writing import finish
 from test_arch_phi3 import random_model
 from transformers import GenerationConfig, NemotronHConfig, NemotronHForCausalLM
 
@@ -123,10 +124,7 @@ def write_nemotron_h_gguf(path: Path, model: NemotronHForCausalLM,
         held[name] = original.reshape(values.shape)
     if mtp:
         _add_mtp_block(writer, cfg, weight_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     model.load_state_dict(held)
     return model
 

@@ -28,6 +28,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_granite4_files import add_keys
 from gguf_nemotron_h_files import nemotron_h_keys, nemotron_h_model, write_nemotron_h_gguf
+from gguf_writing import finish
 from test_arch_gemma3 import chunked_logits, engine_path
 from test_arch_qwen35_gguf import served_file_matches
 from test_gguf_rope_factors import LONG
@@ -143,10 +144,7 @@ def metadata(tmp_path: Path, change: dict[str, Any], drop: str = "", moe: bool =
     add_keys(writer, {f"{arch}.{k}": v for k, v in keys.items()})
     if mtp:
         writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return build_config(open_header(path))
 
 

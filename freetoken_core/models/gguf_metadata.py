@@ -12,6 +12,7 @@ import numpy as np
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.gguf_apertus import apertus_config
 from freetoken_core.models.gguf_deepseek2 import deepseek2_config
+from freetoken_core.models.gguf_ernie_hunyuan import ernie4_5_moe_config, hunyuan_moe_config
 from freetoken_core.models.gguf_falcon_h1 import falcon_h1_config
 from freetoken_core.models.gguf_families import (
     cohere_config,
@@ -80,7 +81,9 @@ ARCHITECTURES = {
     "starcoder2": "Starcoder2ForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "hunyuan-dense": "HunYuanDenseV1ForCausalLM",
+    "hunyuan-moe": "HunYuanMoEV1ForCausalLM",  # (gguf_ernie_hunyuan)
     "ernie4_5": "Ernie4_5ForCausalLM",
+    "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",  # (gguf_ernie_hunyuan)
     "command-r": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
     "apertus": "ApertusForCausalLM",  # (xIELU's scalars in metadata: gguf_apertus)
@@ -304,6 +307,10 @@ def build_config(reader: Any) -> dict[str, Any]:
         config.update(exaone4_config(reader, config))
     if arch == "ernie4_5":  # (transformers' use_bias: biases where the file has them)
         config["use_bias"] = config["attention_bias"]
+    if arch == "ernie4_5-moe":  # (experts, their layers, no biases: gguf_ernie_hunyuan)
+        config.update(ernie4_5_moe_config(reader, config, names))
+    if arch == "hunyuan-moe":
+        config.update(hunyuan_moe_config(reader, config, names))
     if arch == "apertus":
         config.update(apertus_config(reader, config))
     if arch == "arcee":  # (llama.cpp's LLM_FFN_RELU_SQR on ffn_up alone)

@@ -4,7 +4,7 @@ family (``gguf_weights.read_gguf_weights`` maps every tensor of a file through
 families' tables are their own modules': ``gguf_gemma4``, ``gguf_gemma3n``, ``gguf_qwen35``,
 ``gguf_lfm2``, ``gguf_granite4``, ``gguf_glm4moe``, ``gguf_deepseek2``, ``gguf_llama4``,
 ``gguf_falcon_h1``, ``gguf_phi2``,
-``gguf_nemotron_h``)."""
+``gguf_nemotron_h``, ``gguf_ernie_hunyuan``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import re
 
 from freetoken_core.models import (
     gguf_deepseek2,
+    gguf_ernie_hunyuan,
     gguf_falcon_h1,
     gguf_gemma3n,
     gguf_gemma4,
@@ -98,6 +99,8 @@ _LAYER_TENSORS: dict[str, dict[str, str]] = {
     "qwen3moe": {**LLAMA_NORMS, **ATTENTION, **MLP, **MOE},
     "olmoe": {**LLAMA_NORMS, **ATTENTION, **MOE},  # (q/k norms over all heads)
     "hunyuan-dense": {**LLAMA_NORMS, **ATTENTION, **MLP},  # (q/k normed after rope)
+    "hunyuan-moe": gguf_ernie_hunyuan.HUNYUAN_MOE_TENSORS,
+    "ernie4_5-moe": gguf_ernie_hunyuan.ERNIE4_5_MOE_TENSORS,
     "qwen2moe": {**LLAMA_NORMS, **ATTENTION, **MLP, **MOE, **_SHARED_EXPERT},
     "gpt-oss": _GPT_OSS,
     "gemma3": {**GEMMA_NORMS, **ATTENTION, **MLP},

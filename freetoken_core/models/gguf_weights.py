@@ -199,7 +199,8 @@ def read_gguf_weights(path: Path, reader: Any, arch: str, num_layers: int, num_h
         if len(shape) == 1:
             weights[name] = _vector(t, qtype, arch)
             continue
-        if len(shape) == 2 and name.endswith("_norm.weight"):  # (a norm per head: Cohere's)
+        # (a norm per head: Cohere's; ERNIE 4.5's selection bias, [1, experts])
+        if len(shape) == 2 and name.endswith(("_norm.weight", "mlp.expert_bias")):
             weights[name] = GGUFWeight(t.name, qtype, (shape[0], shape[1]), np.asarray(
                 t.data).view(np.uint8).reshape(shape[0], -1)).dequantize().clone()
             continue
