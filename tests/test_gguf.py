@@ -371,6 +371,24 @@ def test_resolve_default_converts_once(
     assert resolve_model(gguf_path) == first  # the same file named explicitly
     assert len(calls) == 1
 
+    # Converting code that differs (another FreeToken's, a changed metadata reader) writes
+    # its own conversion: the key hashes the sources of models/gguf*.py.
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    for module in Path(resolve.__file__).parent.glob("gguf*.py"):
+        shutil.copy(module, sources / module.name)
+    monkeypatch.setattr(resolve, "__file__", str(sources / "resolve.py"))
+    try:
+        resolve.converter_version.cache_clear()
+        assert resolve_model(None) == first and len(calls) == 1  # the same sources
+        with open(sources / "gguf_metadata.py", "a", encoding="utf-8") as f:
+            f.write("\n# another version\n")
+        resolve.converter_version.cache_clear()
+        changed = resolve_model(None, progress=False)
+        assert changed != first and changed.parent == first.parent and len(calls) == 2
+    finally:
+        resolve.converter_version.cache_clear()  # (recomputed from the real sources)
+
 
 def _assert_reads_like_gguf_reader(path: Path) -> None:
     """HeaderReader's fields and tensors are GGUFReader's, but for the array elements."""

