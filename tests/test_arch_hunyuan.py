@@ -66,9 +66,10 @@ def test_hunyuan_dense_gguf_matches_transformers(tmp_path: Path) -> None:
     assert_norm_order_matters(llm, prompts[-1], hf)
 
 
-def test_dynamic_ntk_without_alpha_is_refused() -> None:
-    with pytest.raises(ModelLoadError, match="rope type 'dynamic'"):
-        ModelConfig.from_dict({"architectures": ["HunYuanDenseV1ForCausalLM"],
+@pytest.mark.parametrize("arch", ["HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM"])
+def test_dynamic_ntk_without_alpha_is_refused(arch: str) -> None:
+    with pytest.raises(ModelLoadError, match=f"^{arch} with rope type 'dynamic'"):
+        ModelConfig.from_dict({"architectures": [arch],
                                "hidden_size": 64, "num_attention_heads": 4,
                                "rope_scaling": {"type": "dynamic", "factor": 2.0}})
 

@@ -146,7 +146,7 @@ def hunyuan_dense_config(cfg: dict[str, Any]) -> dict[str, Any]:
     the default rope of base ``rope_theta * alpha ** (head_dim / (head_dim - 2))``, as
     llama.cpp's converter writes it; dynamic NTK without ``alpha`` (the base moving with the
     context) is refused."""
-    arch = "HunYuanDenseV1ForCausalLM"
+    arch = (cfg.get("architectures") or ["HunYuanDenseV1ForCausalLM"])[0]
     out = with_defaults(cfg, _HUNYUAN_DEFAULTS)
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
     params = dict(params) if isinstance(params, dict) else {}
