@@ -167,20 +167,22 @@ def write_tokenizer_gguf(fields: list[tuple[str, Any, Any]], out: Path,
     return out
 
 
-def bpe_tokenizer_gguf(pre: str, directory: Path) -> Path:
-    """The default model's vocabulary labelled ``pre``, with the tokens of
-    :data:`EXTRA_MERGES` and :data:`WHOLE_TOKENS` and the user-defined :data:`USER_TOKENS`
-    appended, without ``add_bos_token``, as a tokenizer-only GGUF in ``directory``."""
+def bpe_tokenizer_gguf(pre: str | None, directory: Path, model: str = "gpt2",
+                       extra: tuple[tuple[str, Any, Any], ...] = ()) -> Path:
+    """The default model's vocabulary labelled ``pre`` (None: no ``tokenizer.ggml.pre``),
+    with the tokens of :data:`EXTRA_MERGES` and :data:`WHOLE_TOKENS` and the user-defined
+    :data:`USER_TOKENS` appended, without ``add_bos_token``, as a tokenizer-only GGUF in
+    ``directory`` (``model``: its ``tokenizer.ggml.model``; ``extra``: more fields)."""
     from gguf import GGUFValueType as T
 
     from freetoken_core.models.resolve import default_gguf_path
 
     fields = []
     for key, value, kind in _fields_of(default_gguf_path()):
-        if key == "tokenizer.ggml.add_bos_token":
+        if key in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.pre"):
             continue
-        if key == "tokenizer.ggml.pre":
-            value = pre
+        if key == "tokenizer.ggml.model":
+            value = model
         elif key == "tokenizer.ggml.tokens":
             value = (value + [m.replace(" ", "") for m in EXTRA_MERGES] + list(USER_TOKENS)
                      + list(WHOLE_TOKENS))
@@ -190,9 +192,9 @@ def bpe_tokenizer_gguf(pre: str, directory: Path) -> Path:
         elif key == "tokenizer.ggml.merges":
             value = value + list(EXTRA_MERGES)
         fields.append((key, value, kind))
-    if not any(key == "tokenizer.ggml.pre" for key, _, _ in fields):
+    if pre is not None:
         fields.append(("tokenizer.ggml.pre", pre, (T.STRING,)))
-    return write_tokenizer_gguf(fields, directory / f"bpe-{pre}.gguf")
+    return write_tokenizer_gguf(fields + list(extra), directory / f"bpe-{pre}-{model}.gguf")
 
 
 def spm_tokenizer_gguf(prefix: bool, directory: Path, phi3: bool = False) -> tuple[Path, str]:

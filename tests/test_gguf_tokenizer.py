@@ -25,6 +25,7 @@ from gguf_pretokenizer_probes import PROBES
 from gguf_tokenizer_cases import (
     FIXTURE,
     GPL3,
+    bpe_tokenizer_gguf,
     case_texts,
     ids_digest,
     special_texts,
@@ -190,21 +191,6 @@ def test_streaming_never_emits_a_split_character(
     assert tokenizer.decode(ids[:1]) + "".join(deltas) == tokenizer.decode(ids) == text
 
 
-def relabelled(path: Path, tmp_path: Path, key: str, value: str | None) -> Path:
-    """The tokenizer-only GGUF ``path`` with ``key`` set to ``value`` (None: left out)."""
-    import sys
-
-    from gguf import GGUFValueType
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from gguf_models import _tokenizer_fields
-
-    fields = [f for f in _tokenizer_fields(path) if f[0] != key]
-    if value is not None:
-        fields.append((key, value, (GGUFValueType.STRING,)))
-    return write_tokenizer_gguf(fields, tmp_path / "relabelled.gguf")
-
-
 @pytest.mark.parametrize(("key", "value", "message"), [
     ("tokenizer.ggml.pre", "no-such-pre",
      (r"unknown GGUF pre-tokenizer type tokenizer\.ggml\.pre = 'no-such-pre' \(llama\.cpp "
@@ -213,12 +199,12 @@ def relabelled(path: Path, tmp_path: Path, key: str, value: str | None) -> Path:
      r"tokenizer\.ggml\.pre = 'whitespace' is not supported: .*embedding"),
     ("tokenizer.ggml.model", "t5", r"tokenizer\.ggml\.model = 't5' is not supported"),
 ])
-def test_unknown_or_refused_types_are_load_errors(
-        key: str, value: str, message: str, tmp_path: Path,
-        vocab_files: dict[str, tuple[Path, str]]) -> None:
+def test_unknown_or_refused_types_are_load_errors(key: str, value: str, message: str,
+                                                  tmp_path: Path) -> None:
     """llama.cpp refuses a file of an unknown pre type; so does FreeToken, naming the key and
     the value, and it refuses the types it does not build, where llama.cpp would tokenize."""
-    path = relabelled(vocab_files["bpe-default"][0], tmp_path, key, value)
+    path = (bpe_tokenizer_gguf(value, tmp_path) if key == "tokenizer.ggml.pre"
+            else bpe_tokenizer_gguf("default", tmp_path, model=value))
     with pytest.raises(ModelLoadError, match=message) as error:
         read_vocab(path, open_header(path))
     assert str(path) in str(error.value)
@@ -232,10 +218,9 @@ def test_a_vocabulary_of_an_unknown_pre_type_builds_no_tokenizer(
 
 
 def test_missing_pre_type_warns_and_splits_as_default(
-        tmp_path: Path, vocab_files: dict[str, tuple[Path, str]],
-        caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """As llama.cpp: a file without ``tokenizer.ggml.pre`` gets ``default``, with a warning."""
-    path = relabelled(vocab_files["bpe-default"][0], tmp_path, "tokenizer.ggml.pre", None)
+    path = bpe_tokenizer_gguf(None, tmp_path)
     with caplog.at_level(logging.WARNING, logger="freetoken_core.models.gguf_tokenizer"):
         tokenizer = build_tokenizer(read_vocab(path, open_header(path)))
     assert "no tokenizer.ggml.pre" in caplog.text
@@ -248,13 +233,13 @@ def test_every_name_tokenizes_as_llama_cpp(built: dict[str, tuple[GGUFVocab, Any
     """Each ``tokenizer.ggml.pre`` name llama.cpp knows, over the vocabulary of its type's
     case, gives llama.cpp's ids of every text (their digest: the fixture's ``names``)."""
     bases = {False: built["bpe-default"][0], True: built["spmbpe-sarvam-moe-lines"][0]}
-    tokenizers: dict[int, Any] = {}
+    # a case's tokenizer is its spec's over the same vocabulary (spmbpe: the lines variant)
+    tokenizers = {id(vocab.pre_tokenizer): tokenizer for case, (vocab, tokenizer) in built.items()
+                  if case.startswith("bpe-") or case.endswith("-lines") and "spmbpe" in case}
     wrong = []
     for pre, expected in fixture()["names"].items():
         vocab = dataclasses.replace(bases[PRE_TOKENIZERS[pre].escape_whitespaces], pre=pre)
         spec = vocab.pre_tokenizer
-        if id(spec) not in tokenizers:
-            tokenizers[id(spec)] = build_tokenizer(vocab)
         texts = case_texts("spmbpe" if spec.escape_whitespaces else "bpe",
                            special_texts(vocab))
         ids = [tokenizers[id(spec)].encode(t, add_special_tokens=True).ids
@@ -298,6 +283,7 @@ def test_fused_regex_cuts_as_llama_cpp_regexes(pre: str) -> None:
     ("spm-True", {"tokenizer.ggml.add_bos_token": None, "tokenizer.ggml.add_eos_token": None},
      True, False),  # SentencePiece's default in llama.cpp: BOS
     ("bpe-llama3", {"tokenizer.ggml.add_bos_token": None}, True, False),  # llama3's default
+    ("bpe-chameleon", {"tokenizer.ggml.add_bos_token": None}, True, False),
     ("bpe-qwen2", {"tokenizer.ggml.add_bos_token": None}, False, False),
     ("bpe-smollm", {"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": True},
      True, True),
@@ -314,9 +300,12 @@ def test_bos_and_eos_follow_the_add_keys(case: str, keys: dict[str, bool | None]
     sys.path.insert(0, str(Path(__file__).parent))
     from gguf_models import _tokenizer_fields
 
-    fields = [f for f in _tokenizer_fields(vocab_files[case][0]) if f[0] not in keys]
-    fields += [(k, v, (GGUFValueType.BOOL,)) for k, v in keys.items() if v is not None]
-    path = write_tokenizer_gguf(fields, tmp_path / "keys.gguf")
+    extra = tuple((k, v, (GGUFValueType.BOOL,)) for k, v in keys.items() if v is not None)
+    if case.startswith("bpe-"):  # written without add_bos_token (no other add_* key)
+        path = bpe_tokenizer_gguf(case[4:], tmp_path, extra=extra)
+    else:
+        fields = [f for f in _tokenizer_fields(vocab_files[case][0]) if f[0] not in keys]
+        path = write_tokenizer_gguf(fields + list(extra), tmp_path / "keys.gguf")
     vocab = read_vocab(path, open_header(path))
     tokenizer = build_tokenizer(vocab)
     plain = tokenizer.encode("Hello", add_special_tokens=False).ids
