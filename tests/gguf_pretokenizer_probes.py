@@ -42,6 +42,8 @@ PROBES: dict[str, list[tuple[str, list[str]]]] = {
     "deepseek-llm": [
         ("a。\u3000。b\u3000漢字\u3000かな",
          ["a", "。", "\u3000", "。", "b", "\u3000", "漢字", "\u3000", "かな"]),
+        ("a!\u3000!b\u3000。 x",
+         ["a", "!", "\u3000!", "b", "\u3000", "。", " x"]),
         ("ª ƻʔ Ωmega ǅ 12x",
          ["ª ƻʔ", " Ω", "mega", " ǅ", " ", "12", "x"]),
         ("ह\u093fन\u094dद\u0940 عربي  \n\n  x ",
@@ -50,12 +52,16 @@ PROBES: dict[str, list[tuple[str, list[str]]]] = {
     "deepseek-coder": [
         ("a。\u3000漢字\u3000かな!? x",
          ["a", "。", "\u3000", "漢字", "\u3000", "かな", "!?", " x"]),
+        ("ภาษา\u3000ไทย\u2003한국 x",
+         ["ภาษา", "\u3000", "ไทย", "\u2003", "한국", " x"]),
         ("hi12 ab,  \n\n x",
          ["hi", "1", "2", " ab", ",", "  ", "\n", "\n", " x"]),
     ],
     "youtu": [
         ("JavaScript 한국어ㄱ ㄅㄆ",
          ["JavaScript", " ", "한국어ㄱ", " ", "ㄅㄆ"]),
+        ("x한국어y漢字zㄅa！b",
+         ["x", "한국어", "y", "漢字", "z", "ㄅ", "a", "！", "b"]),
         ("漢字かな！，…“引”  x12",
          ["漢字かな", "！，…“", "引", "”", " ", " x", "1", "2"]),
         ("it'S a\u0301b  /\n",
@@ -84,6 +90,8 @@ PROBES: dict[str, list[tuple[str, list[str]]]] = {
     "chameleon": [
         ("<sentinel:12><sentinel:x> IMGIMGABZ",
          ["<", "sentinel", ":", "1", "2", ">", "<", "sentinel", ":", "x", ">", " ", "IMGIMGABZ"]),
+        ("xIMGIMGABCDZy aIMGIMGABCDEZb",
+         ["x", "IMGIMGABCDZ", "y", " aIMGIMGABCDEZb"]),
         ("IMGIMGAAAAAZ\t\tx    y  z",
          ["IMGIMGAAAAAZ", "\t", "\t", "x", "    ", "y", "  ", "z"]),
         ("12!? it's a-b",
