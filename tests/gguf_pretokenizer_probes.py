@@ -136,6 +136,8 @@ PROBES: dict[str, list[tuple[str, list[str]]]] = {
     "bailingmoe": [
         ("it's\n\n\n x",
          ["it", "'s", "\n\n\n", " x"]),
+        ("it'sx WE'LLy 'd",
+         ["it", "'s", "x", " WE", "'LL", "y", " '", "d"]),
         ("WE'LL  a1\r\n",
          ["WE", "'LL", " ", " a", "1", "\r\n"]),
     ],
