@@ -51,6 +51,7 @@ _TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_U
 _GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
           rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# youtu's and tiny_aya's case classes (as tokenizer.json writes them; see _collapsed)
 _CASED = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
           + _CONTRACTIONS + r"?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
           r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _CONTRACTIONS + "?")
@@ -139,6 +140,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "jais-2": PreTokenizer((_LLAMA3.replace(r"\s+(?!\S)|\s+", "|".join(
         [rf"\s{{{n}}}(?!\S)" for n in (512, 256, 128, 64, 32, 16, 8, 4)]
         + [r"\s{1,2}(?!\S)", r"\s{1}"])),)),
+    # 、-。: llama.cpp's 　-。 less the ideographic space, which it never sees there
     "deepseek-llm": PreTokenizer((r"[\r\n]", _DEEPSEEK_LLM_LETTERS,
                                   r"\s?[!-/:-~！-／：-～‘-‟、-。]+", r"\s+$", _DEEPSEEK_CJK,
                                   r"\p{N}+")),
