@@ -2,14 +2,18 @@
 
 The oracle is tests/fixtures/gguf_tokenizer_ids.json: llama.cpp's ids (``llama-tokenize``,
 add_special and parse_special, as llama-server tokenizes a prompt) for the texts of
-tests/gguf_tokenizer_cases.py over the default model's vocabulary re-labelled with each
-``tokenizer.ggml.pre`` type, over two SentencePiece models and over three Gemma 4
-(``gemma4``) BPE vocabularies trained in the test. Decoding
+tests/gguf_tokenizer_cases.py over the default model's vocabulary re-labelled with one
+``tokenizer.ggml.pre`` name of each pre-tokenizer FreeToken builds, over two SentencePiece
+models, over three Gemma 4 (``gemma4``) BPE vocabularies trained in the test and over those
+as ``gpt2`` vocabularies of the SentencePiece-style pre types; and a digest of llama.cpp's
+ids for every name llama.cpp knows. The cuts of the pre types the ids cannot tell apart
+are held to llama.cpp's pieces of short texts (tests/gguf_pretokenizer_probes.py). Decoding
 is checked against llama.cpp's pieces (``llama_vocab::token_to_piece``) computed here, and
 streaming against the incremental detokenizer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from functools import cache
@@ -17,16 +21,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gguf_pretokenizer_probes import PROBES
 from gguf_tokenizer_cases import (
     FIXTURE,
     GPL3,
+    bpe_tokenizer_gguf,
     case_texts,
+    ids_digest,
     special_texts,
     vocabularies,
     write_tokenizer_gguf,
 )
 
-from freetoken_core.models.gguf_pretokenizers import PRE_TOKENIZERS
+from freetoken_core.errors import ModelLoadError
+from freetoken_core.models.gguf_pretokenizers import PRE_TOKENIZERS, PreTokenizer
 from freetoken_core.models.gguf_reader import open_header
 from freetoken_core.models.gguf_tokenizer import (
     BYTE,
@@ -72,13 +80,20 @@ def first_difference(tokenizer: Any, ours: list[int], theirs: list[int]) -> str:
 CASES = sorted(fixture()["cases"])
 
 
-def test_fixture_covers_every_listed_pre_type_and_both_spm_prefixes() -> None:
-    for pre in ("default", "llama-bpe", "llama3", "qwen2", "deepseek-r1-qwen", "smollm",
-                "gpt-4o", "tekken"):
-        assert f"bpe-{pre}" in CASES
+def case_pre(case: str) -> str | None:
+    """The pre type of a ``bpe-<pre>`` or ``spmbpe-<pre>-<variant>`` case, else None."""
+    if case.startswith("bpe-"):
+        return case[4:]
+    return case[7:case.rindex("-")] if case.startswith("spmbpe-") else None
+
+
+def test_fixture_covers_every_pre_tokenizer_and_both_spm_prefixes() -> None:
+    covered = {id(PRE_TOKENIZERS[pre]) for pre in map(case_pre, CASES) if pre is not None}
+    assert covered == {id(spec) for spec in PRE_TOKENIZERS.values()}
+    assert set(fixture()["names"]) == set(PRE_TOKENIZERS)
     assert {"spm-True", "spm-False", "spm-phi3"} <= set(CASES)
     assert {"gemma4-lines", "gemma4-merged", "gemma4-bytes"} <= set(CASES)
-    assert all(len(c["ids"]) == len(c["texts"]) >= 12 for c in fixture()["cases"].values())
+    assert all(len(c["ids"]) == len(c["texts"]) >= 13 for c in fixture()["cases"].values())
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -97,13 +112,18 @@ def test_ids_equal_llama_cpp(case: str, built: dict[str, tuple[GGUFVocab, Any]],
 
 
 def test_the_pre_types_tokenize_differently() -> None:
-    """The fixture holds no copy-paste: the types differ where their regexes do."""
+    """The fixture holds no copy-paste: the types differ where their regexes do. Over this
+    vocabulary qwen35 (marks in letter runs) and bailingmoe (its spelling of qwen2's regex)
+    cut where qwen2 does or into pieces that merge alike, which the probes tell apart."""
     ids = {case: json.dumps(c["ids"]) for case, c in fixture()["cases"].items()}
     assert ids["bpe-llama-bpe"] == ids["bpe-llama3"]
-    assert ids["bpe-qwen2"] == ids["bpe-deepseek-r1-qwen"]
-    distinct = {ids[f"bpe-{p}"] for p in ("default", "llama3", "qwen2", "smollm", "gpt-4o",
-                                          "tekken", "gpt-2")}
-    assert len(distinct) == 7
+    assert ids["bpe-qwen2"] == ids["bpe-deepseek-r1-qwen"] == ids["bpe-qwen35"]
+    assert ids["bpe-qwen2"] == ids["bpe-bailingmoe"]
+    assert ids["spmbpe-gemma4-lines"] == ids["gemma4-lines"]
+    alike = {"bpe-llama-bpe", "bpe-deepseek-r1-qwen", "bpe-qwen35", "bpe-bailingmoe",
+             "bpe-starcoder", "spmbpe-gemma4-lines"}  # starcoder: smollm's type
+    distinct = {ids[case] for case in CASES if case not in alike}
+    assert len(distinct) == len(CASES) - len(alike)
 
 
 def byte_level_bytes() -> dict[str, int]:
@@ -127,7 +147,7 @@ def llama_cpp_pieces(vocab: GGUFVocab, ids: list[int]) -> str:
             out += text.encode()
         elif kind == BYTE:
             out += bytes([int(text[3:5], 16)])
-        elif vocab.is_spm or vocab.model == "gemma4":
+        elif vocab.is_spm or vocab.pre_tokenizer.escape_whitespaces:
             out += text.replace("▁", " ").encode()
         else:
             out += bytes(to_byte[c] for c in text)
@@ -141,7 +161,7 @@ def test_decode_is_llama_cpp_pieces_and_inverts_encode(
     strip = vocab.is_spm and vocab.add_space_prefix is not False
     for key, text in fixture()["cases"][case]["texts"].items():
         ids = fixture()["cases"][case]["ids"][key]
-        body = ids[1:] if ids[:1] == [vocab.special_ids.get("bos")] else ids
+        body = ids[1:] if vocab.adds()[0] else ids  # less the BOS the file adds
         pieces = llama_cpp_pieces(vocab, body)
         if strip and pieces.startswith(" "):
             pieces = pieces[1:]  # the space prefix the encoder added, as llama_detokenize
@@ -171,41 +191,89 @@ def test_streaming_never_emits_a_split_character(
     assert tokenizer.decode(ids[:1]) + "".join(deltas) == tokenizer.decode(ids) == text
 
 
-def test_unknown_pre_type_warns_and_splits_as_default(
-        tmp_path: Path, vocab_files: dict[str, tuple[Path, str]],
-        caplog: pytest.LogCaptureFixture) -> None:
-    import sys
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("tokenizer.ggml.pre", "no-such-pre",
+     (r"unknown GGUF pre-tokenizer type tokenizer\.ggml\.pre = 'no-such-pre' \(llama\.cpp "
+      r"refuses it too.*names llama\.cpp knows.*'gpt2'.*qwen35")),
+    ("tokenizer.ggml.pre", "whitespace",
+     r"tokenizer\.ggml\.pre = 'whitespace' is not supported: .*embedding"),
+    ("tokenizer.ggml.model", "t5", r"tokenizer\.ggml\.model = 't5' is not supported"),
+])
+def test_unknown_or_refused_types_are_load_errors(key: str, value: str, message: str,
+                                                  tmp_path: Path) -> None:
+    """llama.cpp refuses a file of an unknown pre type; so does FreeToken, naming the key and
+    the value, and it refuses the types it does not build, where llama.cpp would tokenize."""
+    path = (bpe_tokenizer_gguf(value, tmp_path) if key == "tokenizer.ggml.pre"
+            else bpe_tokenizer_gguf("default", tmp_path, model=value))
+    with pytest.raises(ModelLoadError, match=message) as error:
+        read_vocab(path, open_header(path))
+    assert str(path) in str(error.value)
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from gguf_models import _tokenizer_fields
 
-    fields = [(k, "no-such-pre" if k == "tokenizer.ggml.pre" else v, kind)
-              for k, v, kind in _tokenizer_fields(vocab_files["bpe-default"][0])]
-    path = write_tokenizer_gguf(fields, tmp_path / "unknown-pre.gguf")
+def test_a_vocabulary_of_an_unknown_pre_type_builds_no_tokenizer(
+        built: dict[str, tuple[GGUFVocab, Any]]) -> None:
+    vocab = dataclasses.replace(built["bpe-default"][0], pre="no-such-pre")
+    with pytest.raises(ModelLoadError, match="tokenizer.ggml.pre = 'no-such-pre'"):
+        build_tokenizer(vocab)
+
+
+def test_missing_pre_type_warns_and_splits_as_default(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """As llama.cpp: a file without ``tokenizer.ggml.pre`` gets ``default``, with a warning."""
+    path = bpe_tokenizer_gguf(None, tmp_path)
     with caplog.at_level(logging.WARNING, logger="freetoken_core.models.gguf_tokenizer"):
         tokenizer = build_tokenizer(read_vocab(path, open_header(path)))
-    assert "'no-such-pre'" in caplog.text
+    assert "no tokenizer.ggml.pre" in caplog.text
     expected = fixture()["cases"]["bpe-default"]
     for key, text in expected["texts"].items():
         assert tokenizer.encode(text).ids == expected["ids"][key], key
 
 
+def test_every_name_tokenizes_as_llama_cpp(built: dict[str, tuple[GGUFVocab, Any]]) -> None:
+    """Each ``tokenizer.ggml.pre`` name llama.cpp knows, over the vocabulary of its type's
+    case, gives llama.cpp's ids of every text (their digest: the fixture's ``names``)."""
+    bases = {False: built["bpe-default"][0], True: built["spmbpe-sarvam-moe-lines"][0]}
+    # a case's tokenizer is its spec's over the same vocabulary (spmbpe: the lines variant)
+    tokenizers = {id(vocab.pre_tokenizer): tokenizer for case, (vocab, tokenizer) in built.items()
+                  if case.startswith("bpe-") or case.endswith("-lines") and "spmbpe" in case}
+    wrong = []
+    for pre, expected in fixture()["names"].items():
+        vocab = dataclasses.replace(bases[PRE_TOKENIZERS[pre].escape_whitespaces], pre=pre)
+        spec = vocab.pre_tokenizer
+        texts = case_texts("spmbpe" if spec.escape_whitespaces else "bpe",
+                           special_texts(vocab))
+        ids = [tokenizers[id(spec)].encode(t, add_special_tokens=True).ids
+               for t in texts.values()]
+        if ids_digest(ids) != expected:
+            wrong.append(pre)
+    assert not wrong, f"ids differ from llama.cpp's for {wrong}"
+
+
+def pieces_of(spec: PreTokenizer, text: str) -> list[str]:
+    """The pieces ``spec``'s steps cut ``text`` into."""
+    from tokenizers import Regex, pre_tokenizers
+
+    split = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), "isolated")
+                                     for r in spec.steps])
+    return [piece for piece, _ in split.pre_tokenize_str(text)]
+
+
+@pytest.mark.parametrize("pre", sorted(PROBES))
+def test_cuts_are_llama_cpps(pre: str) -> None:
+    """The pieces of short texts are llama.cpp's (recorded from ``llama-tokenize``)."""
+    for text, pieces in PROBES[pre]:
+        assert pieces_of(PRE_TOKENIZERS[pre], text) == pieces, text
+
+
 @pytest.mark.parametrize("pre", sorted({p.fused: n for n, p in PRE_TOKENIZERS.items() if p.fused}.values()))
 def test_fused_regex_cuts_as_llama_cpp_regexes(pre: str) -> None:
     """A type's one fused regex cuts text exactly as llama.cpp's list run one by one."""
-    from tokenizers import Regex, pre_tokenizers
-
     spec = PRE_TOKENIZERS[pre]
-
-    def pieces(regexes: tuple[str, ...], text: str) -> list[str]:
-        split = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), "isolated")
-                                         for r in regexes])
-        return [piece for piece, _ in split.pre_tokenize_str(text)]
-
     samples = [t for c in fixture()["cases"].values() for t in c["texts"].values()]
     samples += [GPL3.read_text(encoding="utf-8"), "a  1 \t 2\n\n  0. x1y 2 z  \n3", " 1", "1 "]
     for text in samples:
-        assert pieces(spec.steps, text) == pieces(spec.regexes, text), text[:40]
+        assert pieces_of(spec, text) == pieces_of(dataclasses.replace(spec, fused=None),
+                                                  text), text[:40]
     assert spec.steps != spec.regexes
 
 
@@ -215,6 +283,7 @@ def test_fused_regex_cuts_as_llama_cpp_regexes(pre: str) -> None:
     ("spm-True", {"tokenizer.ggml.add_bos_token": None, "tokenizer.ggml.add_eos_token": None},
      True, False),  # SentencePiece's default in llama.cpp: BOS
     ("bpe-llama3", {"tokenizer.ggml.add_bos_token": None}, True, False),  # llama3's default
+    ("bpe-chameleon", {"tokenizer.ggml.add_bos_token": None}, True, False),
     ("bpe-qwen2", {"tokenizer.ggml.add_bos_token": None}, False, False),
     ("bpe-smollm", {"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": True},
      True, True),
@@ -231,9 +300,12 @@ def test_bos_and_eos_follow_the_add_keys(case: str, keys: dict[str, bool | None]
     sys.path.insert(0, str(Path(__file__).parent))
     from gguf_models import _tokenizer_fields
 
-    fields = [f for f in _tokenizer_fields(vocab_files[case][0]) if f[0] not in keys]
-    fields += [(k, v, (GGUFValueType.BOOL,)) for k, v in keys.items() if v is not None]
-    path = write_tokenizer_gguf(fields, tmp_path / "keys.gguf")
+    extra = tuple((k, v, (GGUFValueType.BOOL,)) for k, v in keys.items() if v is not None)
+    if case.startswith("bpe-"):  # written without add_bos_token (no other add_* key)
+        path = bpe_tokenizer_gguf(case[4:], tmp_path, extra=extra)
+    else:
+        fields = [f for f in _tokenizer_fields(vocab_files[case][0]) if f[0] not in keys]
+        path = write_tokenizer_gguf(fields + list(extra), tmp_path / "keys.gguf")
     vocab = read_vocab(path, open_header(path))
     tokenizer = build_tokenizer(vocab)
     plain = tokenizer.encode("Hello", add_special_tokens=False).ids

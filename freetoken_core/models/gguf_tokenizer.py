@@ -8,9 +8,10 @@ saved as ``tokenizer.json`` beside a ``tokenizer_config.json`` that transformers
 generic fast tokenizer loads. How each part of llama.cpp maps onto it:
 
 * **Vocabulary** ``tokenizer.ggml.model = gpt2``: byte-level BPE with the file's merges, the
-  text cut by the regexes of its pre type (:mod:`gguf_pretokenizers`; an unknown or missing
-  type warns and uses ``default``, as llama.cpp does for a missing one: it refuses a file
-  of an unknown one) and byte-encoded.
+  text cut by the regexes of its pre type (:mod:`gguf_pretokenizers`, every name llama.cpp
+  knows; a missing type warns and uses ``default``, as llama.cpp does, and an unknown one
+  is refused, as there) and byte-encoded; the SentencePiece-style pre types (``gemma4``,
+  ``sarvam-moe`` ...) are built as ``gemma4`` vocabularies are.
   ``llama``: SentencePiece, a BPE whose merge order is the merged piece's score (llama.cpp
   merges the best-scoring bigram first), byte fallback, spaces written ``▁`` and, when
   ``tokenizer.ggml.add_space_prefix`` (default true) says so, a ``▁`` prefixed to every run
@@ -52,7 +53,12 @@ from pathlib import Path
 from typing import Any
 
 from freetoken_core.errors import ModelLoadError
-from freetoken_core.models.gguf_pretokenizers import DEFAULT, PRE_TOKENIZERS, PreTokenizer
+from freetoken_core.models.gguf_pretokenizers import (
+    DEFAULT,
+    PRE_TOKENIZERS,
+    PreTokenizer,
+    unsupported_pre,
+)
 
 __all__ = ["EOG_TEXTS", "GGUFVocab", "build_tokenizer", "llama_cpp_types", "read_vocab",
            "tokenizer_config"]
@@ -101,17 +107,21 @@ class GGUFVocab:
 
     @cached_property
     def pre_tokenizer(self) -> PreTokenizer:
-        """The pre type's :class:`PreTokenizer`; a missing or unknown type is logged (once)
-        as a warning that names it, and gets llama.cpp's ``default``."""
+        """The pre type's :class:`PreTokenizer` (a ``gemma4`` vocabulary's is ``gemma4``,
+        whatever the file says, a SentencePiece one's ``default``); a missing type is logged
+        (once) as a warning and gets llama.cpp's ``default``; a type FreeToken does not build
+        raises :class:`ModelLoadError` naming it."""
+        if self.model == "gemma4":
+            return PRE_TOKENIZERS["gemma4"]
+        if self.is_spm:
+            return DEFAULT
         if self.pre is None:
             log.warning("this GGUF has no tokenizer.ggml.pre; splitting its text with "
                         "llama.cpp's 'default' pre-tokenizer")
             return DEFAULT
-        if self.pre not in PRE_TOKENIZERS:
-            log.warning("unknown GGUF pre-tokenizer type tokenizer.ggml.pre = %r; splitting "
-                        "its text with llama.cpp's 'default' pre-tokenizer, so token ids may "
-                        "differ from the model's own tokenizer", self.pre)
-            return DEFAULT
+        reason = unsupported_pre(self.pre)
+        if reason is not None:
+            raise ModelLoadError(reason)
         return PRE_TOKENIZERS[self.pre]
 
     @property
@@ -128,7 +138,7 @@ class GGUFVocab:
         (SentencePiece: BOS; BPE: BOS for the pre types that set it), and never a token
         the file does not name."""
         add_bos = self.add_bos
-        if self.model == "gemma4":
+        if self.pre_tokenizer.gemma4:
             add_bos = True  # llama.cpp overrides a false add_bos_token for Gemma 4
         elif add_bos is None:
             add_bos = self.is_spm or self.pre_tokenizer.add_bos
@@ -139,8 +149,9 @@ class GGUFVocab:
 def read_vocab(gguf_path: Path, reader: Any) -> GGUFVocab:
     """The vocabulary of ``gguf_path``, whose scalar metadata ``reader`` holds (from
     ``open_header``). Raises :class:`ModelLoadError` for a file without tokens or with a
-    tokenizer model other than ``gpt2``, ``llama`` and ``gemma4``, or a ``gemma4`` one
-    without merges (llama.cpp refuses both)."""
+    tokenizer model other than ``gpt2``, ``llama`` and ``gemma4``, a ``gemma4`` one without
+    merges (llama.cpp refuses both) or a ``gpt2`` one whose ``tokenizer.ggml.pre`` is not
+    built (:func:`unsupported_pre`: llama.cpp refuses an unknown one)."""
     from freetoken_core.models.gguf_reader import field, read_arrays
 
     arrays = read_arrays(gguf_path, _ARRAYS)
@@ -150,8 +161,14 @@ def read_vocab(gguf_path: Path, reader: Any) -> GGUFVocab:
         raise ModelLoadError(f"{gguf_path} has no tokenizer (no tokenizer.ggml.tokens)")
     if model not in _MODELS:
         raise ModelLoadError(
-            f"GGUF tokenizer model {model!r} of {gguf_path} is not supported (supported: "
-            "'gpt2' byte-level BPE, 'llama' SentencePiece and 'gemma4' Gemma 4 BPE)")
+            f"{gguf_path}: GGUF tokenizer model tokenizer.ggml.model = {model!r} is not "
+            "supported (supported: 'gpt2' byte-level BPE, 'llama' SentencePiece and 'gemma4' "
+            "Gemma 4 BPE; not llama.cpp's 'bert', 't5', 'rwkv', 'plamo2', 'hybriddna', "
+            "'whitespace' ...)")
+    pre = field(reader, "tokenizer.ggml.pre")
+    reason = None if model != "gpt2" or pre is None else unsupported_pre(pre)
+    if reason is not None:
+        raise ModelLoadError(f"{gguf_path}: {reason}")
     if model == "gemma4" and not arrays.get("tokenizer.ggml.merges"):
         raise ModelLoadError(f"{gguf_path} has a 'gemma4' tokenizer without merges "
                              "(no tokenizer.ggml.merges)")
@@ -163,7 +180,7 @@ def read_vocab(gguf_path: Path, reader: Any) -> GGUFVocab:
         if token_id is not None and 0 <= int(token_id) < len(tokens):
             special_ids[kind] = int(token_id)
     return GGUFVocab(
-        model=model, pre=field(reader, "tokenizer.ggml.pre"), tokens=list(tokens),
+        model=model, pre=pre, tokens=list(tokens),
         types=types if len(types) == len(tokens) else [NORMAL] * len(tokens),
         scores=scores if len(scores) == len(tokens) else [],
         merges=list(arrays.get("tokenizer.ggml.merges", [])), special_ids=special_ids,
@@ -182,7 +199,7 @@ def build_tokenizer(vocab: GGUFVocab) -> Any:
     ``vocab`` (see the module docstring)."""
     from tokenizers import Tokenizer
 
-    if vocab.model == "gemma4":
+    if vocab.model == "gemma4" or vocab.pre_tokenizer.escape_whitespaces:
         from freetoken_core.models.gguf_tokenizer_gemma4 import build_gemma4_tokenizer
 
         tokenizer = build_gemma4_tokenizer(vocab)

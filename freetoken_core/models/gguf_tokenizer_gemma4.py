@@ -28,6 +28,11 @@ file does merge newlines, a run that is no token is merged as its merges say, as
 with the added merges too: where the file's merges do not build every newline token (not
 Gemma 4's layout), such a run can merge further than in llama.cpp (tokens of 1 to 4
 newlines, merges of 1+1 and 2+1 only: runs of 6 and more differ).
+
+A ``gpt2`` vocabulary whose ``tokenizer.ggml.pre`` llama.cpp maps to its Gemma 4 type
+(``gemma4``, ``granite-embed-multi-311m``) is built the same way; ``sarvam-moe``'s type is
+the same but for the newline rule and BOS: its newline runs are merged as any word (no
+merges added, no second ``Split``) and ``add_bos_token`` is the file's.
 """
 
 from __future__ import annotations
@@ -44,8 +49,9 @@ _SPLIT = r"[^\n]+|[\n]+"
 
 def build_gemma4_tokenizer(vocab: Any) -> Any:
     """The ``tokenizers.Tokenizer`` model, normalizer, pre-tokenizer and decoder that
-    tokenize a ``gemma4`` ``GGUFVocab`` as llama.cpp does (see the module docstring);
-    special tokens and BOS / EOS are the caller's."""
+    tokenize a ``gemma4`` ``GGUFVocab``, or a ``gpt2`` one of a SentencePiece-style pre type,
+    as llama.cpp does (see the module docstring); special tokens and BOS / EOS are the
+    caller's."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     from freetoken_core.models.gguf_tokenizer import bpe_merges
@@ -53,7 +59,8 @@ def build_gemma4_tokenizer(vocab: Any) -> Any:
     ids = {text: i for i, text in enumerate(vocab.tokens)}  # a repeated text: its last id
     merges = bpe_merges(vocab.merges, ids)
     seen = set(merges)
-    lengths = sorted(len(t) for t in ids if t and not t.strip("\n"))
+    gemma4 = vocab.pre_tokenizer.gemma4
+    lengths = sorted(len(t) for t in ids if t and not t.strip("\n")) if gemma4 else []
     newline_merges = any(not (a + b).strip("\n") for a, b in merges)
     for total in lengths:
         for left in range(1, total):
@@ -70,7 +77,7 @@ def build_gemma4_tokenizer(vocab: Any) -> Any:
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                            decoders.Fuse()])
-    if vocab.add_bos is False:
+    if gemma4 and vocab.add_bos is False:
         log.warning("this Gemma 4 GGUF says tokenizer.ggml.add_bos_token = false; adding BOS "
                     "anyway, as llama.cpp overrides it to true for Gemma 4")
     return tokenizer
