@@ -210,6 +210,28 @@ def test_unknown_or_refused_types_are_load_errors(key: str, value: str, message:
     assert str(path) in str(error.value)
 
 
+@pytest.mark.parametrize("pre", ["smollm", "kimi-k2"])
+def test_a_gpt2_vocabulary_without_merges_is_refused_but_kimi_k2s(pre: str,
+                                                                  tmp_path: Path) -> None:
+    """llama.cpp refuses a ``gpt2`` file without ``tokenizer.ggml.merges`` unless its pre
+    type is ``kimi-k2``; so does FreeToken, naming the key."""
+    from gguf import GGUFValueType as T
+    from gguf_tokenizer_cases import _fields_of
+
+    from freetoken_core.models.resolve import default_gguf_path
+
+    fields = [f for f in _fields_of(default_gguf_path())
+              if f[0] not in ("tokenizer.ggml.merges", "tokenizer.ggml.pre")]
+    path = write_tokenizer_gguf(fields + [("tokenizer.ggml.pre", pre, (T.STRING,))],
+                                tmp_path / f"{pre}.gguf")
+    if pre == "kimi-k2":
+        assert read_vocab(path, open_header(path)).merges == []
+    else:
+        with pytest.raises(ModelLoadError, match=r"'gpt2' tokenizer without merges \(no "
+                           r"tokenizer\.ggml\.merges"):
+            read_vocab(path, open_header(path))
+
+
 def test_a_vocabulary_of_an_unknown_pre_type_builds_no_tokenizer(
         built: dict[str, tuple[GGUFVocab, Any]]) -> None:
     vocab = dataclasses.replace(built["bpe-default"][0], pre="no-such-pre")

@@ -150,8 +150,9 @@ def read_vocab(gguf_path: Path, reader: Any) -> GGUFVocab:
     """The vocabulary of ``gguf_path``, whose scalar metadata ``reader`` holds (from
     ``open_header``). Raises :class:`ModelLoadError` for a file without tokens or with a
     tokenizer model other than ``gpt2``, ``llama`` and ``gemma4``, a ``gemma4`` one without
-    merges (llama.cpp refuses both) or a ``gpt2`` one whose ``tokenizer.ggml.pre`` is not
-    built (:func:`unsupported_pre`: llama.cpp refuses an unknown one)."""
+    merges, a ``gpt2`` one without merges but for Kimi-K2's (llama.cpp refuses all three) or
+    a ``gpt2`` one whose ``tokenizer.ggml.pre`` is not built (:func:`unsupported_pre`:
+    llama.cpp refuses an unknown one)."""
     from freetoken_core.models.gguf_reader import field, read_arrays
 
     arrays = read_arrays(gguf_path, _ARRAYS)
@@ -172,6 +173,11 @@ def read_vocab(gguf_path: Path, reader: Any) -> GGUFVocab:
     if model == "gemma4" and not arrays.get("tokenizer.ggml.merges"):
         raise ModelLoadError(f"{gguf_path} has a 'gemma4' tokenizer without merges "
                              "(no tokenizer.ggml.merges)")
+    if model == "gpt2" and "tokenizer.ggml.merges" not in arrays and pre != "kimi-k2":
+        # (llama.cpp's rule: only Kimi-K2's files may leave the merges out)
+        raise ModelLoadError(f"{gguf_path} has a 'gpt2' tokenizer without merges (no "
+                             "tokenizer.ggml.merges; only tokenizer.ggml.pre 'kimi-k2' "
+                             "may have none)")
     types = [int(t) for t in arrays.get("tokenizer.ggml.token_type", [])]
     scores = [float(s) for s in arrays.get("tokenizer.ggml.scores", [])]
     special_ids = {}
