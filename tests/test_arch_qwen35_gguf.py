@@ -73,6 +73,16 @@ def served_file_matches(file: Path, hf: Any, native: bool, texts: list[str] = PR
     return model, prompts
 
 
+def assert_chunks_match(model: Any, hf: Any, ids: list[int], second: list[int]) -> None:
+    """``model``'s logits of ``ids`` equal ``hf``'s, the prompt fed whole and in the chunk
+    lengths ``second``."""
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    for chunks in ([len(ids)], second):
+        torch.testing.assert_close(chunked_logits(model, ids, chunks), want, atol=1e-3,
+                                   rtol=1e-4)
+
+
 @pytest.mark.parametrize("shape,path", [("9b-like", "native"), ("9b-like", "torch"),
                                         ("small-heads", "native"), ("equal-heads", "native")])
 def test_qwen35_gguf_matches_transformers(tmp_path: Path, shape: str, path: str,
@@ -82,11 +92,7 @@ def test_qwen35_gguf_matches_transformers(tmp_path: Path, shape: str, path: str,
     model, prompts = served_file_matches(file, hf, native)
     ids = prompts[-1]
     assert len(ids) > 64  # (past a block of the chunked delta rule)
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0]
-    for chunks in ([len(ids)], [1, 40, len(ids) - 41]):
-        torch.testing.assert_close(chunked_logits(model, ids, chunks), want, atol=1e-3,
-                                   rtol=1e-4)
+    assert_chunks_match(model, hf, ids, [1, 40, len(ids) - 41])
     cfg = model.config
     kinds = ("linear_attention",) * 3 + ("attention",)
     assert cfg.layer_kinds == (kinds + ("linear_attention",))[:cfg.num_layers]
