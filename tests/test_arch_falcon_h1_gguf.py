@@ -25,8 +25,8 @@ from gguf_falcon_h1_files import falcon_h1_keys, falcon_h1_model, write_falcon_h
 from gguf_granite4_files import add_keys
 from gguf_writing import finish
 from test_arch_falcon_h1 import MULTIPLIERS
-from test_arch_gemma3 import engine_path
-from test_arch_qwen35_gguf import assert_chunks_match, served_file_matches
+from test_arch_gemma3 import assert_chunks_match, engine_path
+from test_arch_qwen35_gguf import served_file_matches
 from test_gguf_rope_factors import LONG
 
 from freetoken_core.errors import ModelLoadError

@@ -14,6 +14,7 @@ import json
 import math
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +159,16 @@ def chunked_logits(model: Any, ids: list[int], chunks: list[int], block_size: in
     if recurrent:
         model.states = engine_states
     return torch.cat(out)
+
+
+def assert_chunks_match(model: Any, hf: Any, ids: list[int], second: list[int]) -> None:
+    """``model``'s logits of ``ids`` equal ``hf``'s, the prompt fed whole and in the chunk
+    lengths ``second``."""
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    for chunks in ([len(ids)], second):
+        torch.testing.assert_close(chunked_logits(model, ids, chunks), want, atol=1e-3,
+                                   rtol=1e-4)
 
 
 def hf_greedy(hf: Any, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
@@ -328,17 +339,17 @@ def test_batched_greedy_matches_transformers(model_dir: Path, hf_model: Any, pat
 # ---------------------------------------------------------------------------------------------
 
 
-def _reference_attention(q: torch.Tensor, cache: torch.Tensor, tables: list[list[int]],
-                         lens: list[int], query_lens: list[int], block_size: int,
-                         window: int | None, scale: float) -> torch.Tensor:
-    """Each query token against its keys, one at a time, as the definition says."""
+def reference_attention(q: torch.Tensor, cache: torch.Tensor, tables: list[list[int]],
+                        lens: list[int], query_lens: list[int], block_size: int,
+                        first_key: Callable[[int], int], scale: float) -> torch.Tensor:
+    """Each query token against its keys, one at a time, as the definition says: those from
+    ``first_key(its position)`` to its own."""
     rows, t = [], 0
     heads, kv_heads = q.shape[1], cache.shape[2]
     for table, length, num in zip(tables, lens, query_lens):
         for pos in range(length - num, length):
-            lo = 0 if window is None else max(0, pos + 1 - window)
             slots = [table[k // block_size] * block_size + k % block_size
-                     for k in range(lo, pos + 1)]
+                     for k in range(first_key(pos), pos + 1)]
             keys = cache[slots, 0].repeat_interleave(heads // kv_heads, 1)
             values = cache[slots, 1].repeat_interleave(heads // kv_heads, 1)
             probs = (torch.einsum("hd,lhd->hl", q[t], keys) * scale).softmax(-1)
@@ -347,24 +358,33 @@ def _reference_attention(q: torch.Tensor, cache: torch.Tensor, tables: list[list
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("window", [1, 3, 6, 17, 64, None])
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_windowed_attention_matches_the_definition(window: int | None,
-                                                   block_size: int) -> None:
+def paged_case(block_size: int, seed: int) -> tuple[Any, ...]:
+    """Six sequences (decodes and prompt chunks) over shuffled blocks: ``(tables, lens,
+    query_lens, cache, q, kv, written)``, ``written`` the cache holding ``kv``."""
     rng = random.Random(block_size)
     lens, query_lens = [1, 7, 30, 130, 45, 200], [1, 1, 1, 1, 13, 70]
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
-    gen = torch.Generator().manual_seed(window or 0)
+    gen = torch.Generator().manual_seed(seed)
     cache = torch.randn(num_blocks * block_size, 2, 3, 32, generator=gen)
     q = torch.randn(sum(query_lens), 6, 32, generator=gen)
     kv = torch.randn(sum(query_lens), 2, 3, 32, generator=gen)
     written = cache.clone()
     written.index_copy_(0, AttentionMetadata.build(tables, lens, query_lens, block_size,
                                                    torch.device("cpu")).slot_mapping, kv)
-    ref = _reference_attention(q, written, tables, lens, query_lens, block_size, window, 0.3)
+    return tables, lens, query_lens, cache, q, kv, written
+
+
+@pytest.mark.parametrize("window", [1, 3, 6, 17, 64, None])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_windowed_attention_matches_the_definition(window: int | None,
+                                                   block_size: int) -> None:
+    tables, lens, query_lens, cache, q, kv, written = paged_case(block_size, window or 0)
+    ref = reference_attention(q, written, tables, lens, query_lens, block_size,
+                              lambda pos: 0 if window is None else max(0, pos + 1 - window),
+                              0.3)
     paths = [True, False] if cpu_kernels_available() else [False]
     for native in paths:
         meta = AttentionMetadata.build(tables, lens, query_lens, block_size,

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from gguf_lfm2_files import lfm2_model, write_lfm2_gguf
-from test_arch_gemma3 import chunked_logits, engine_path
+from test_arch_gemma3 import assert_chunks_match, engine_path
 from test_arch_phi3 import save_tiny_model
 from test_arch_qwen3_5 import assert_matches, generate, prompts_of, served
 from test_gguf_rope_factors import greedy
@@ -125,11 +125,7 @@ def test_lfm2_gguf_matches_transformers(tmp_path: Path, arch: str, path: str,
     got = generate(llm, prompts)
     assert got == greedy(hf, prompts, 12) and len(set(got[1])) > 3
     ids = prompts[1]
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0]
-    for chunks in ([len(ids)], [1, 1, 70, len(ids) - 72]):
-        torch.testing.assert_close(chunked_logits(model, ids, chunks), want, atol=1e-3,
-                                   rtol=1e-4)
+    assert_chunks_match(model, hf, ids, [1, 1, 70, len(ids) - 72])
 
 
 @pytest.mark.parametrize("arch", ["lfm2", "lfm2moe"])

@@ -12,7 +12,6 @@ against its definition."""
 
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf_llama4_files import llama4_model, write_llama4_gguf
-from test_arch_gemma3 import chunked_logits, engine_path
+from test_arch_gemma3 import (
+    assert_chunks_match,
+    engine_path,
+    paged_case,
+    reference_attention,
+)
 from test_arch_phi3 import save_model
 from test_arch_qwen3_5 import assert_matches, generate, prompts_of, served
 from test_gguf_rope_factors import greedy
@@ -148,41 +152,12 @@ def test_llama4_config_errors_name_the_key(bad: dict[str, Any], match: str) -> N
 # ---------------------------------------------------------------------------------------------
 
 
-def _reference_attention(q: torch.Tensor, cache: torch.Tensor, tables: list[list[int]],
-                         lens: list[int], query_lens: list[int], block_size: int, chunk: int,
-                         scale: float) -> torch.Tensor:
-    """Each query token against the keys of its chunk up to its own, one at a time."""
-    rows, t = [], 0
-    heads, kv_heads = q.shape[1], cache.shape[2]
-    for table, length, num in zip(tables, lens, query_lens):
-        for pos in range(length - num, length):
-            slots = [table[k // block_size] * block_size + k % block_size
-                     for k in range(pos // chunk * chunk, pos + 1)]
-            keys = cache[slots, 0].repeat_interleave(heads // kv_heads, 1)
-            values = cache[slots, 1].repeat_interleave(heads // kv_heads, 1)
-            probs = (torch.einsum("hd,lhd->hl", q[t], keys) * scale).softmax(-1)
-            rows.append(torch.einsum("hl,lhd->hd", probs, values).reshape(-1))
-            t += 1
-    return torch.stack(rows)
-
-
 @pytest.mark.parametrize("chunk", [1, 5, 16, 22, 64, 500])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_chunked_attention_matches_the_definition(chunk: int, block_size: int) -> None:
-    rng = random.Random(block_size)
-    lens, query_lens = [1, 7, 30, 130, 45, 200], [1, 1, 1, 1, 13, 70]
-    num_blocks = sum(-(-n // block_size) for n in lens) + 3
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
-    gen = torch.Generator().manual_seed(chunk)
-    cache = torch.randn(num_blocks * block_size, 2, 3, 32, generator=gen)
-    q = torch.randn(sum(query_lens), 6, 32, generator=gen)
-    kv = torch.randn(sum(query_lens), 2, 3, 32, generator=gen)
-    written = cache.clone()
-    written.index_copy_(0, AttentionMetadata.build(tables, lens, query_lens, block_size,
-                                                   torch.device("cpu")).slot_mapping, kv)
-    ref = _reference_attention(q, written, tables, lens, query_lens, block_size, chunk, 0.3)
+    tables, lens, query_lens, cache, q, kv, written = paged_case(block_size, chunk)
+    ref = reference_attention(q, written, tables, lens, query_lens, block_size,
+                              lambda pos: pos // chunk * chunk, 0.3)
     paths = [True, False] if cpu_kernels_available() else [False]
     for native in paths:
         meta = AttentionMetadata.build(tables, lens, query_lens, block_size,
@@ -246,10 +221,7 @@ def test_llama4_gguf_matches_transformers(tmp_path: Path, shape: str, path: str,
     prompts = prompts_of(llm, 5)
     assert generate(llm, prompts) == greedy(hf, prompts, 12)
     ids = prompts[1]
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(chunked_logits(model, ids, [70, len(ids) - 70]), want,
-                               atol=1e-3, rtol=1e-4)
+    assert_chunks_match(model, hf, ids, [70, len(ids) - 70])
 
 
 def test_llama4_gguf_config_is_transformers_config(tmp_path: Path) -> None:

@@ -29,8 +29,8 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_granite4_files import add_keys
 from gguf_nemotron_h_files import nemotron_h_keys, nemotron_h_model, write_nemotron_h_gguf
 from gguf_writing import finish
-from test_arch_gemma3 import engine_path
-from test_arch_qwen35_gguf import assert_chunks_match, served_file_matches
+from test_arch_gemma3 import assert_chunks_match, engine_path
+from test_arch_qwen35_gguf import served_file_matches
 from test_gguf_rope_factors import LONG
 
 from freetoken_core.errors import ModelLoadError

@@ -24,7 +24,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf_phi2_files import phi_model, random_phi, write_phi2_gguf
-from test_arch_gemma3 import chunked_logits, engine_path
+from test_arch_gemma3 import assert_chunks_match, engine_path
 from test_arch_phi3 import save_model
 from test_arch_qwen3_5 import assert_matches, generate, prompts_of, served
 from test_gguf_rope_factors import greedy
@@ -164,11 +164,7 @@ def test_phi2_gguf_matches_transformers(tmp_path: Path, qtype: int, fused: bool,
     assert got == greedy(hf, prompts, 12)
     assert len({token for out in got for token in out}) > 10
     ids = prompts[1]
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0]
-    for chunks in ([len(ids)], [1, 1, 70, len(ids) - 72]):
-        torch.testing.assert_close(chunked_logits(model, ids, chunks), want, atol=1e-3,
-                                   rtol=1e-4)
+    assert_chunks_match(model, hf, ids, [1, 1, 70, len(ids) - 72])
 
 
 def test_phi2_gguf_config_is_transformers_config(tmp_path: Path) -> None:

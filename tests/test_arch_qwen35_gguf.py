@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_qwen35_files import add_keys, qwen35_keys, qwen35_model, write_qwen35_gguf
 from gguf_writing import finish
-from test_arch_gemma3 import chunked_logits, engine_path
+from test_arch_gemma3 import assert_chunks_match, engine_path
 from test_gguf_rope_factors import LONG, greedy, served
 
 from freetoken_core.errors import ModelLoadError
@@ -71,16 +70,6 @@ def served_file_matches(file: Path, hf: Any, native: bool, texts: list[str] = PR
     model = llm.engine.core.runner.model
     assert model.native is native and model.uses_gguf_blocks
     return model, prompts
-
-
-def assert_chunks_match(model: Any, hf: Any, ids: list[int], second: list[int]) -> None:
-    """``model``'s logits of ``ids`` equal ``hf``'s, the prompt fed whole and in the chunk
-    lengths ``second``."""
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0]
-    for chunks in ([len(ids)], second):
-        torch.testing.assert_close(chunked_logits(model, ids, chunks), want, atol=1e-3,
-                                   rtol=1e-4)
 
 
 @pytest.mark.parametrize("shape,path", [("9b-like", "native"), ("9b-like", "torch"),
