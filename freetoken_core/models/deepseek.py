@@ -145,8 +145,9 @@ class MlaAttention:
         rotated = apply_rope(torch.cat([q[:, :, nope:], k_rot.view(n, 1, rope)], dim=1),
                              cos, sin, native)
         if self.k_b is None:
-            q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), self.w_uk.to(q.dtype)
-                                 ).transpose(0, 1)
+            if self.w_uk.dtype != q.dtype:  # (once: the model's compute dtype)
+                self.w_uk, self.w_uv_t = self.w_uk.to(q.dtype), self.w_uv_t.to(q.dtype)
+            q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), self.w_uk).transpose(0, 1)
         else:
             q_latent = torch.stack([lin(q[:, i, :nope].contiguous())
                                     for i, lin in enumerate(self.k_b)], dim=1)
@@ -158,7 +159,7 @@ class MlaAttention:
         if self.v_b is not None:
             return self.o_proj(torch.cat([lin(mixed[:, i].contiguous())
                                           for i, lin in enumerate(self.v_b)], dim=-1))
-        values = torch.bmm(mixed.transpose(0, 1), self.w_uv_t.to(mixed.dtype))  # [heads, T, v]
+        values = torch.bmm(mixed.transpose(0, 1), self.w_uv_t)  # [heads, T, v]
         return self.o_proj(values.transpose(0, 1).reshape(n, h * v))
 
 
