@@ -13,13 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from gguf import GGMLQuantizationType
 from gguf_deepseek2_files import deepseek_model, write_deepseek2_gguf
 from gguf_glm4moe_files import mtp_layer
-from test_arch_gemma3 import engine_path
+from test_arch_gemma3 import chunked_logits, engine_path
 from test_arch_glm4_moe import gguf_served
 from test_arch_qwen3_5 import assert_matches
+from test_gguf_rope_factors import LONG
 
+from freetoken_core import LLM
 from freetoken_core.errors import ModelLoadError
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.gguf_metadata import build_config
@@ -48,6 +51,27 @@ def test_deepseek_v3_gguf_matches_transformers(tmp_path: Path, path: str, weight
     assert attn.k_b is not None and len(attn.k_b) == len(attn.v_b) == 4  # (a linear a head)
     assert [layer.moe is None for layer in model.layers] == [True, False, False]
     assert_matches(llm, hf, 5, [[70]])
+
+
+def test_the_heads_in_one_native_call_compute_what_a_call_a_head_computes(
+        tmp_path: Path) -> None:
+    """A split ``kv_b``'s per-head linears run in one ``gguf_linear_heads`` call: every
+    logit of a prompt fed whole and then token by token (one row and many) the same to the
+    bit as one linear call a head, in the exact and the q8 arithmetic."""
+    hf = deepseek_model(VOCAB, seed=3)
+    file = tmp_path / "deepseek2.gguf"
+    write_deepseek2_gguf(file, hf, weight_type=GGMLQuantizationType.Q8_0)
+    for activations in ("auto", "q8"):
+        llm = LLM(str(file), kv_cache_tokens=1024, dtype="float32", progress=False,
+                  plugins="none", activations=activations)
+        model = llm.engine.core.runner.model
+        ids = llm.tokenizer.encode(LONG, add_special_tokens=False)
+        heads = [h for layer in model.layers for h in (layer.attn.k_b, layer.attn.v_b)]
+        assert all(h is not None and h.one_call for h in heads)
+        one_call = chunked_logits(model, ids, [len(ids) - 3, 1, 1, 1])
+        for h in heads:
+            h.one_call = False
+        assert torch.equal(chunked_logits(model, ids, [len(ids) - 3, 1, 1, 1]), one_call)
 
 
 @pytest.mark.parametrize("split_kv_b", [True, False])

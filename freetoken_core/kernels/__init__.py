@@ -43,7 +43,8 @@ import torch
 log = logging.getLogger("freetoken.kernels")
 
 _SOURCES = ("paged_attention.cpp", "layers.cpp", "gguf_linear.cpp", "int_linear.cpp",
-            "q8_linear.cpp", "llama_layer.cpp", "sampler.cpp", "gguf_dequant.cpp", "moe.cpp")
+            "q8_linear.cpp", "llama_layer.cpp", "sampler.cpp", "gguf_dequant.cpp", "moe.cpp",
+            "gguf_heads.cpp")
 _ENV = "FREETOKEN_NATIVE_KERNELS"
 _MARCH_ENV = "FREETOKEN_KERNEL_MARCH"
 _NAME = "freetoken_cpu"

@@ -38,7 +38,7 @@ from freetoken_core.models.attention import AttentionMetadata, paged_attention
 from freetoken_core.models.config import ModelConfig
 from freetoken_core.models.glm4_moe import drop_extra_layers
 from freetoken_core.models.layers import add_rms_norm, apply_rope, rms_norm
-from freetoken_core.models.linear import BlockArena, Linear, make_linear
+from freetoken_core.models.linear import BlockArena, HeadLinears, make_linear
 from freetoken_core.models.llama import LlamaForCausalLM, Weights
 from freetoken_core.models.moe import SparseMoE, feed_forward
 from freetoken_core.models.phi3 import reorder_rows
@@ -93,8 +93,8 @@ class MlaAttention:
         self.q_a_norm = pop("q_a_layernorm.weight") if q_lora else None
         self.q_b_proj = make_linear([pop("q_b_proj.weight")], arena=arena) if q_lora else None
         self.kv_a_norm = pop("kv_a_layernorm.weight")
-        self.k_b: list[Linear] | None = None  # (per head: GGUF blocks, k_b_proj / v_b_proj)
-        self.v_b: list[Linear] | None = None
+        self.k_b: HeadLinears | None = None  # (per head: GGUF blocks, k_b_proj / v_b_proj)
+        self.v_b: HeadLinears | None = None
         kv_b = weights.pop(attn + "kv_b_proj.weight", None)
         if kv_b is None:  # (a GGUF file's: kv_b split per head, W_UK transposed)
             k_b = [pop(f"k_b_proj.{i}.weight") for i in range(h)]
@@ -107,8 +107,8 @@ class MlaAttention:
             if all(isinstance(p, torch.Tensor) for p in (*k_b, *v_b)):
                 kv_b = torch.cat([torch.cat([k.t(), w]) for k, w in zip(k_b, v_b)])
             else:
-                self.k_b = [make_linear([w], arena=arena) for w in k_b]
-                self.v_b = [make_linear([w], arena=arena) for w in v_b]
+                self.k_b = HeadLinears([make_linear([w], arena=arena) for w in k_b])
+                self.v_b = HeadLinears([make_linear([w], arena=arena) for w in v_b])
         if kv_b is not None:
             if not isinstance(kv_b, torch.Tensor):  # (older GGUF files' unsplit kv_b)
                 kv_b = kv_b.dequantize()
@@ -128,7 +128,8 @@ class MlaAttention:
     @property
     def linears(self) -> tuple[Any, ...]:
         return tuple(lin for lin in (self.a_proj, self.q_b_proj, self.o_proj,
-                                     *(self.k_b or ()), *(self.v_b or ())) if lin is not None)
+                                     *(self.k_b.linears if self.k_b else ()),
+                                     *(self.v_b.linears if self.v_b else ())) if lin is not None)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata, native: bool
@@ -149,16 +150,14 @@ class MlaAttention:
                 self.w_uk, self.w_uv_t = self.w_uk.to(q.dtype), self.w_uv_t.to(q.dtype)
             q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), self.w_uk).transpose(0, 1)
         else:
-            q_latent = torch.stack([lin(q[:, i, :nope].contiguous())
-                                    for i, lin in enumerate(self.k_b)], dim=1)
+            q_latent = self.k_b(q[:, :, :nope])
         query = torch.cat([q_latent, rotated[:, :h]], dim=-1)
         key = torch.cat([latent, rotated[:, h]], dim=-1).view(n, 1, 1, kv_lora + rope)
         out = paged_attention(query.contiguous(), key.expand(n, 2, 1, kv_lora + rope),
                               kv_cache, meta, self.scale)
         mixed = out.view(n, h, kv_lora + rope)[:, :, :kv_lora]
         if self.v_b is not None:
-            return self.o_proj(torch.cat([lin(mixed[:, i].contiguous())
-                                          for i, lin in enumerate(self.v_b)], dim=-1))
+            return self.o_proj(self.v_b(mixed).view(n, h * v))
         values = torch.bmm(mixed.transpose(0, 1), self.w_uv_t)  # [heads, T, v]
         return self.o_proj(values.transpose(0, 1).reshape(n, h * v))
 

@@ -237,3 +237,35 @@ class Linear:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class HeadLinears:
+    """One linear per head over each head's slice of the input: ``x`` [T, heads, K] to [T,
+    heads, N], head ``i`` through ``linears[i]``. Where every head's weight is GGUF blocks,
+    the heads run in one native call (``gguf_linear_heads``: each on its linear's kernel, the
+    same floats as the calls one by one, without a Python call and an operator dispatch a
+    head: DeepSeek-V3's GGUF files have two such linears of 128 heads a layer); else one
+    call a head. The blocks are read from the linears at each call, as loading may lay
+    them out again (``relayout``)."""
+
+    def __init__(self, linears: Sequence[Linear]) -> None:
+        self.linears = tuple(linears)
+        self.out_features = self.linears[0].out_features
+        self.one_call = True
+        """False: one call a head even where the blocks allow one call (the tests'
+        reference)."""
+
+    def __len__(self) -> int:
+        return len(self.linears)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_call and all(lin.blocks is not None and lin.bias is None
+                                 and lin.post is None for lin in self.linears):
+            out = torch.empty(x.shape[0], len(self.linears), self.out_features, dtype=x.dtype,
+                              device=x.device)
+            torch.ops.freetoken.gguf_linear_heads(
+                x.contiguous(), [lin.blocks[1] for lin in self.linears],
+                [lin.blocks[0] for lin in self.linears], out)
+            return out
+        return torch.stack([lin(x[:, i].contiguous()) for i, lin in enumerate(self.linears)],
+                           dim=1)
