@@ -56,8 +56,10 @@ def test_deepseek_v3_gguf_matches_transformers(tmp_path: Path, path: str, weight
 def test_the_heads_in_one_native_call_compute_what_a_call_a_head_computes(
         tmp_path: Path) -> None:
     """A split ``kv_b``'s per-head linears run in one ``gguf_linear_heads`` call: every
-    logit of a prompt fed whole and then token by token (one row and many) the same to the
-    bit as one linear call a head, in the exact and the q8 arithmetic."""
+    logit of a prompt fed in chunks of 70 rows (a head at a time, its features shared among
+    the threads), of the rest but three (the heads side by side on two threads) and then
+    token by token (one row), on one thread and on two, the same to the bit as one linear
+    call a head, in the exact and the q8 arithmetic."""
     hf = deepseek_model(VOCAB, seed=3)
     file = tmp_path / "deepseek2.gguf"
     write_deepseek2_gguf(file, hf, weight_type=GGMLQuantizationType.Q8_0)
@@ -65,13 +67,19 @@ def test_the_heads_in_one_native_call_compute_what_a_call_a_head_computes(
         llm = LLM(str(file), kv_cache_tokens=1024, dtype="float32", progress=False,
                   plugins="none", activations=activations)
         model = llm.engine.core.runner.model
-        ids = llm.tokenizer.encode(LONG, add_special_tokens=False)
+        ids = llm.tokenizer.encode(" ".join([LONG] * 3), add_special_tokens=False)
+        chunks = [70, len(ids) - 73, 1, 1, 1]
+        assert 1 < chunks[1] < 64  # (gguf_heads.cpp's kSharedRows)
         heads = [h for layer in model.layers for h in (layer.attn.k_b, layer.attn.v_b)]
         assert all(h is not None and h.one_call for h in heads)
-        one_call = chunked_logits(model, ids, [len(ids) - 3, 1, 1, 1])
         for h in heads:
             h.one_call = False
-        assert torch.equal(chunked_logits(model, ids, [len(ids) - 3, 1, 1, 1]), one_call)
+        a_call_a_head = chunked_logits(model, ids, chunks)
+        for h in heads:
+            h.one_call = True
+        for threads in (1, 2):
+            torch.set_num_threads(threads)  # (one_torch_thread sets it back)
+            assert torch.equal(chunked_logits(model, ids, chunks), a_call_a_head), threads
 
 
 @pytest.mark.parametrize("split_kv_b", [True, False])
